@@ -1,0 +1,41 @@
+"""Errors raised by autopipe's public entry points.
+
+Every error is a ``ValueError`` subclass whose message is one line naming the rule that was
+broken, the values observed, and what to run instead. Nothing deep inside torch should reach a
+user of the CLI or the Python API without being translated into one of these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutopipeError",
+    "TraceError",
+    "ProfileError",
+    "PartitionError",
+    "PlanError",
+    "BuildError",
+]
+
+
+class AutopipeError(ValueError):
+    """Base class of every error autopipe raises on bad input."""
+
+
+class TraceError(AutopipeError):
+    """The model could not be turned into a LayerGraph."""
+
+
+class ProfileError(AutopipeError):
+    """A profile could not be measured, loaded, or does not match the model."""
+
+
+class PartitionError(AutopipeError):
+    """No partition satisfies the request (stages, memory, devices)."""
+
+
+class PlanError(AutopipeError):
+    """A plan is malformed or does not match the graph or profile it is used with."""
+
+
+class BuildError(AutopipeError):
+    """A plan could not be turned into stage modules or a runnable pipeline."""

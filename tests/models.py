@@ -1,0 +1,98 @@
+"""Small models shared by the tests (bundled examples live in autopipe.examples)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Chain(nn.Module):
+    """A plain chain of Linear+ReLU layers of given widths."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 16, 16, 4)) -> None:
+        super().__init__()
+        mods: list[nn.Module] = []
+        for w_in, w_out in zip(widths[:-1], widths[1:]):
+            mods += [nn.Linear(w_in, w_out), nn.ReLU()]
+        self.net = nn.Sequential(*mods[:-1])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class Skip(nn.Module):
+    """A skip connection that crosses any cut placed between a and c."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.c = nn.Linear(dim, dim)
+        self.d = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        y = self.c(torch.relu(self.b(h)))
+        return self.d(y + h)
+
+
+class MultiIO(nn.Module):
+    """Two inputs, a non-tensor value crossing layers and a dict output."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.x_proj = nn.Linear(dim, dim)
+        self.y_proj = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        n = x.size(1)
+        h = self.x_proj(x) + self.y_proj(y)
+        h = h.reshape(-1, n)
+        return {"logits": self.out(h), "hidden": h}
+
+
+class Dropouty(nn.Module):
+    """Dropout between layers, to test that recomputation replays the same masks."""
+
+    def __init__(self, dim: int = 16, p: float = 0.5) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(p)
+        self.l2 = nn.Linear(dim, dim)
+        self.l3 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l3(F.relu(self.l2(self.drop(F.relu(self.l1(x))))))
+
+
+class BNNet(nn.Module):
+    """BatchNorm between convolutions, for the deferred-BatchNorm tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.bn1(self.c1(x)))
+        x = F.relu(self.bn2(self.c2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class Untraceable(nn.Module):
+    """Data-dependent Python control flow: neither fx nor export can trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l(x)
+        if h.sum().item() > 0:  # data-dependent branch
+            return h * 2
+        return h
