@@ -7,9 +7,17 @@
 
 Dependencies run one way: graph -> profiler -> partition -> plan -> build; the runtime lives in
 the separate ``executor`` package, which imports torch only.
+
+[Note: lazy package] Public names are resolved on first use (PEP 562 ``__getattr__``), so that
+``import autopipe.partition`` (and the profile, cost, plan and simulate modules) works on a
+machine without torch: only the names that need torch import it. To add a public name, add it to
+``_LAZY`` (name -> module), to ``__all__`` and to the ``TYPE_CHECKING`` block.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from autopipe.errors import (
     AutopipeError,
@@ -19,7 +27,14 @@ from autopipe.errors import (
     ProfileError,
     TraceError,
 )
-from autopipe.examples import EXAMPLES, get_example
+
+if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
+    from autopipe.cost import DeviceSpec
+    from autopipe.examples import EXAMPLES, get_example
+    from autopipe.partition import partition
+    from autopipe.plan import Plan
+    from autopipe.profile import Profile
+    from autopipe.simulate import simulate
 
 __all__ = [
     "AutopipeError",
@@ -30,6 +45,35 @@ __all__ = [
     "TraceError",
     "EXAMPLES",
     "get_example",
+    "Profile",
+    "partition",
+    "Plan",
+    "simulate",
+    "DeviceSpec",
 ]
 
+# public name -> module that defines it (imported on first attribute access)
+_LAZY: dict[str, str] = {
+    "EXAMPLES": "autopipe.examples",
+    "get_example": "autopipe.examples",
+    "Profile": "autopipe.profile",
+    "partition": "autopipe.partition",
+    "Plan": "autopipe.plan",
+    "simulate": "autopipe.simulate",
+    "DeviceSpec": "autopipe.cost",
+}
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups bypass __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
