@@ -1,0 +1,25 @@
+"""Errors raised by the executor; all are ``ValueError`` subclasses with one-line messages.
+
+The executor imports torch only, so it cannot share ``autopipe.errors``; the planner may
+catch :class:`ExecutorError` to report runtime configuration problems in its own words.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ExecutorError", "MicroBatchError", "PlacementError", "StageError"]
+
+
+class ExecutorError(ValueError):
+    """Base class: a pipeline that cannot be built or run as configured."""
+
+
+class MicroBatchError(ExecutorError):
+    """Inputs cannot be split into micro-batches, or outputs cannot be gathered."""
+
+
+class PlacementError(ExecutorError):
+    """Stages, devices or parameters cannot be placed as requested."""
+
+
+class StageError(ExecutorError):
+    """A stage returned something the linear-chain calling convention cannot carry."""
