@@ -31,6 +31,7 @@ from autopipe.errors import (
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.cost import DeviceSpec
     from autopipe.examples import EXAMPLES, get_example
+    from autopipe.graph import LayerGraph, trace
     from autopipe.partition import partition
     from autopipe.plan import Plan
     from autopipe.profile import Profile
@@ -45,6 +46,8 @@ __all__ = [
     "TraceError",
     "EXAMPLES",
     "get_example",
+    "trace",
+    "LayerGraph",
     "Profile",
     "partition",
     "Plan",
@@ -56,6 +59,8 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "EXAMPLES": "autopipe.examples",
     "get_example": "autopipe.examples",
+    "trace": "autopipe.graph",
+    "LayerGraph": "autopipe.graph",
     "Profile": "autopipe.profile",
     "partition": "autopipe.partition",
     "Plan": "autopipe.plan",
