@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autopipe.errors import TraceError
 
@@ -115,13 +115,23 @@ def _trace_fx(
 def _trace_export(
     model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> tuple[fx.GraphModule | None, str]:
+    # [Note: dynamic batch] Pipelines run micro-batches, so the batch dimension must not be
+    # baked into the graph: ask export for a dynamic dim 0 on every tensor input (AUTO lets
+    # export keep it static where the model forces that), and retry fully static if refused.
+    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) else None for a in args)
     sink = io.StringIO()
-    try:  # export prints the partial graph on failure: keep that out of the user's terminal
-        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            ep = torch.export.export(model, args, kwargs=dict(kwargs), strict=False)
-    except Exception as err:
-        return None, f"torch.export failed ({_first_line(err)})"
-    return ep.module(), ""
+    first_err: Exception | None = None
+    for dynamic in (batch, None):
+        try:  # export prints the partial graph on failure: keep that out of the user's terminal
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                ep = torch.export.export(
+                    model, args, kwargs=dict(kwargs), strict=False, dynamic_shapes=dynamic
+                )
+            return ep.module(), ""
+        except Exception as err:
+            first_err = first_err or err
+    assert first_err is not None
+    return None, f"torch.export failed ({_first_line(first_err)})"
 
 
 def _leaf_key_export(
@@ -138,7 +148,7 @@ def _leaf_key_export(
     return None
 
 
-def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> None:
     """Store every node's output as a fake tensor in node.meta['val'] (no real activations)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -192,12 +202,14 @@ def capture(
     source = "fx"
     if gm is not None:
         try:
-            _fake_propagate(gm, example_inputs, concrete)
+            _fake_propagate(gm, example_inputs)
         except Exception as err:  # traced, but the graph does not run on these inputs
             gm, fx_err = None, f"torch.fx graph did not run on the example inputs ({_first_line(err)})"
     if gm is None:
         gm, ex_err = _trace_export(model, example_inputs, concrete)
         source = "export"
+        if gm is not None:  # concrete shapes for the example batch (export's are symbolic)
+            _fake_propagate(gm, tuple(tree_leaves((example_inputs, concrete))))
         if gm is None:
             raise TraceError(
                 f"cannot trace {type(model).__name__}: {fx_err}; {ex_err}. "

@@ -45,9 +45,10 @@ class LayerGraph:
     nx: nx.DiGraph
     layers: list[str]
     node_layer: dict[str, str]  # fx node name -> layer name (placeholders and output excluded)
-    input_names: list[str]
+    input_names: list[str]  # every placeholder: the positional inputs, then constant kwargs
     input_bytes: int
     source: str
+    num_args: int = 1  # how many of input_names are the model's positional inputs
     kwargs: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
 
@@ -161,5 +162,6 @@ def trace(
         input_names=input_names,
         input_bytes=input_bytes,
         source=cap.source,
+        num_args=len(inputs),
         kwargs=cap.kwargs,
     )

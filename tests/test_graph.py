@@ -170,6 +170,9 @@ def test_huggingface_gpt2_from_config() -> None:
     assert {"transformer.h.0", "transformer.h.1", "lm_head"} <= set(coarse.layers)
     assert len(coarse) < len(g) <= 60
     assert coarse.fingerprint != g.fingerprint
+    # the batch dimension stays dynamic, so micro-batches of any size run through the graph
+    torch.testing.assert_close(g.gm(ids[:1], use_cache=False).logits, model(ids[:1]).logits)
+    assert g.num_args == 1 and g.input_names == ["input_ids", "use_cache"]
 
 
 def test_untraceable_model_names_construct_and_fix() -> None:
