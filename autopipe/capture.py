@@ -119,6 +119,7 @@ def _trace_export(
     # baked into the graph: ask export for a dynamic dim 0 on every tensor input (AUTO lets
     # export keep it static where the model forces that), and retry fully static if refused.
     batch = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) else None for a in args)
+    batch += tuple(None for _ in kwargs)  # constant kwargs: static
     sink = io.StringIO()
     first_err: Exception | None = None
     for dynamic in (batch, None):
