@@ -157,7 +157,8 @@ def test_huggingface_gpt2_from_config() -> None:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0)
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 64, (2, 16))
     with warnings.catch_warnings():
