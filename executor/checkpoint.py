@@ -1,0 +1,276 @@
+"""Activation recomputation for pipeline stages, and the autograd plumbing that orders it.
+
+[Note: recompute before the gradient arrives] ``torch.utils.checkpoint`` recomputes a segment
+lazily, when its gradient arrives. In a pipeline the recomputation of micro-batch ``i`` on a
+stage does not depend on that gradient, so it should be free to run earlier (while the
+gradient is still being copied from the next device). Following torchgpipe, a checkpointed
+segment is therefore two autograd nodes: :class:`Checkpoint` runs the stage without keeping
+activations and, in backward, back-propagates through the recomputed graph; :class:`Recompute`
+sits on a side lane (a zero-size "phony" tensor forked from the output and joined back) whose
+backward rebuilds the graph, so autograd runs it before :class:`Checkpoint`'s backward.
+Only the stage's inputs are saved for backward. The RNG states (CPU, and the stage's CUDA
+device) are saved in forward and restored in recomputation, so dropout masks replay exactly.
+
+:func:`fork`, :func:`join` and :func:`depend` add such ordering-only edges to the autograd
+graph; :mod:`executor.gpipe` uses :func:`depend` to make micro-batch ``i - 1`` of a stage
+back-propagate after micro-batch ``i`` (the fill-drain order, reversed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from executor.errors import ExecutorError
+from executor.microbatch import Batch
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "checkpoint_stop",
+    "is_checkpointing",
+    "is_recomputing",
+    "Checkpointing",
+    "get_phony",
+    "fork",
+    "join",
+    "depend",
+]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+StageFn = Callable[[Batch], Batch]
+SpanFactory = Callable[[], AbstractContextManager[Any]]
+
+
+def checkpoint_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
+    """Micro-batches ``0 .. stop-1`` are checkpointed; ``enabled=False`` (eval, no_grad) -> 0."""
+    if mode not in CHECKPOINT_MODES:
+        raise ExecutorError(
+            f"checkpoint={mode!r} is not a checkpoint mode; use one of {', '.join(CHECKPOINT_MODES)}"
+        )
+    if not enabled:
+        return 0
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+class _Flags(threading.local):
+    checkpointing = False
+    recomputing = False
+
+
+_flags = _Flags()
+
+
+def is_checkpointing() -> bool:
+    """True while a stage runs its checkpointed (activation-free) forward in this thread."""
+    return _flags.checkpointing
+
+
+def is_recomputing() -> bool:
+    """True while a stage is being recomputed in this thread: skip side effects (BN stats)."""
+    return _flags.recomputing
+
+
+@contextmanager
+def _flag(name: str) -> Iterator[None]:
+    old = getattr(_flags, name)
+    setattr(_flags, name, True)
+    try:
+        yield
+    finally:
+        setattr(_flags, name, old)
+
+
+# --- phony lanes -------------------------------------------------------------------------
+
+_phonies: dict[tuple[torch.device, bool], Tensor] = {}
+
+
+def get_phony(device: torch.device, *, requires_grad: bool) -> Tensor:
+    """A cached zero-size tensor; detach it before returning it from an autograd function."""
+    key = (device, requires_grad)
+    if key not in _phonies:
+        _phonies[key] = torch.empty(0, device=device, requires_grad=requires_grad)
+    return _phonies[key]
+
+
+class _Fork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x.detach(), get_phony(x.device, requires_grad=False).detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _phony_grad: Tensor | None) -> Tensor:
+        return grad
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, phony: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def fork(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Branch a phony lane off ``x``: ``x``'s backward waits for the lane's backward too."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        out, phony = _Fork.apply(x)
+        return out, phony
+    return x, get_phony(x.device, requires_grad=False)
+
+
+def join(x: Tensor, phony: Tensor) -> Tensor:
+    """Merge a phony lane into ``x``: the lane's backward runs once ``x``'s gradient exists."""
+    if torch.is_grad_enabled() and (x.requires_grad or phony.requires_grad):
+        out: Tensor = _Join.apply(x, phony)
+        return out
+    return x
+
+
+def _first_grad_index(tensors: list[Tensor]) -> int | None:
+    return next((k for k, t in enumerate(tensors) if t.requires_grad), None)
+
+
+def depend(before: Batch, after: Batch) -> tuple[Batch, Batch]:
+    """Order backward so that ``before`` back-propagates after ``after`` has.
+
+    Only batches already in the autograd graph are tied; joining into a tensor that does not
+    require grad would make autograd compute a gradient nobody asked for.
+    """
+    tb, ta = before.tensors(), after.tensors()
+    kb, ka = _first_grad_index(tb), _first_grad_index(ta)
+    if kb is None or ka is None or not torch.is_grad_enabled():
+        return before, after
+    tb[kb], phony = fork(tb[kb])
+    ta[ka] = join(ta[ka], phony)
+    return before.with_tensors(tb), after.with_tensors(ta)
+
+
+# --- checkpoint / recompute --------------------------------------------------------------
+
+RNGState = tuple[Tensor, Tensor | None]
+
+
+def _save_rng(device: torch.device) -> RNGState:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def _restored_rng(device: torch.device, state: RNGState) -> Iterator[None]:
+    cpu, cuda = state
+    with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
+class _Shared:
+    """State one checkpointed (stage, micro-batch) shares between its two autograd nodes."""
+
+    def __init__(
+        self, function: StageFn, batch: Batch, device: torch.device, span: SpanFactory
+    ) -> None:
+        self.function = function
+        self.batch = batch  # input structure; its tensors are replaced on each call
+        self.device = device
+        self.span = span
+        self.rng: RNGState | None = None
+        self.output: Batch | None = None  # output structure from the first run
+        self.recomputed: tuple[list[Tensor], list[Tensor]] | None = None  # (outputs, input leaves)
+
+
+def _mark_integers(ctx: Any, tensors: tuple[Tensor, ...]) -> None:
+    ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, shared: _Shared, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.shared = shared
+        shared.rng = _save_rng(shared.device)
+        with torch.no_grad(), _flag("checkpointing"):
+            shared.output = shared.function(shared.batch.with_tensors(inputs))
+        outputs = tuple(shared.output.tensors())
+        _mark_integers(ctx, outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        shared: _Shared = ctx.shared
+        if shared.recomputed is None:
+            raise RuntimeError("checkpointed stage back-propagated before its recomputation ran")
+        outputs, leaves = shared.recomputed
+        shared.recomputed = None
+        pairs = [
+            (y, g) for y, g in zip(outputs, grads, strict=True) if y.requires_grad and g is not None
+        ]
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[x.grad if x.requires_grad else None for x in leaves])
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, shared: _Shared, *inputs: Tensor) -> Tensor:
+        ctx.shared = shared
+        ctx.save_for_backward(*inputs)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *_: Tensor | None) -> tuple[None, ...]:
+        shared: _Shared = ctx.shared
+        saved = ctx.saved_tensors
+        leaves = [x.detach().requires_grad_(x.requires_grad) for x in saved]
+        assert shared.rng is not None
+        with shared.span(), _restored_rng(shared.device, shared.rng):
+            with torch.enable_grad(), _flag("recomputing"):
+                out = shared.function(shared.batch.with_tensors(leaves))
+        shared.recomputed = (out.tensors(), leaves)
+        return (None, None, *[None for _ in saved])
+
+
+class Checkpointing:
+    """Run one (stage, micro-batch) without keeping activations; recompute them in backward.
+
+    ``function`` maps the input :class:`Batch` to the output :class:`Batch` and must behave
+    the same on both calls (RNG is replayed). ``span`` times the recomputation (tracing).
+    """
+
+    def __init__(
+        self,
+        function: StageFn,
+        batch: Batch,
+        device: torch.device,
+        span: SpanFactory = nullcontext,
+    ) -> None:
+        self._shared = _Shared(function, batch, device, span)
+
+    def checkpoint(self) -> Batch:
+        """The forward pass: outputs that require grad, with no activations saved."""
+        shared = self._shared
+        phony = get_phony(shared.device, requires_grad=True)  # keeps the node in the graph
+        outputs = _Checkpoint.apply(phony, shared, *shared.batch.tensors())
+        assert shared.output is not None
+        return shared.output.with_tensors(outputs)
+
+    def recompute(self, batch: Batch) -> Batch:
+        """Hang the recomputation on a side lane of ``batch`` (this node's output)."""
+        shared = self._shared
+        tensors = batch.tensors()
+        k = _first_grad_index(tensors)
+        if k is None or not torch.is_grad_enabled():
+            return batch  # nothing will back-propagate through this node
+        tensors[k], phony = fork(tensors[k])
+        phony = _Recompute.apply(phony, shared, *shared.batch.tensors())
+        tensors[k] = join(tensors[k], phony)
+        return batch.with_tensors(tensors)

@@ -1,0 +1,353 @@
+"""GPipe in one process: stages on devices, micro-batches in fill-drain order.
+
+``GPipe(stages, devices, chunks)`` runs ``stages`` as a linear chain (DESIGN.md "Stages are a
+linear chain"): stage 0 is called as ``stage0(*inputs)`` on each micro-batch, stage ``j + 1``
+with ``*out`` if stage ``j`` returned a tuple, else with ``out``; non-tensor values pass
+through. The last stage's outputs are concatenated along dim 0.
+
+Forward follows :func:`executor.schedule.clock_cycles`: at each clock the pipeline first
+*fences* (orders micro-batch ``i - 1`` behind ``i`` for backward, copies inputs across devices
+on copy streams) and then *computes* (one task per (micro-batch, stage) on that device's
+worker). Backward is plain autograd over the graph this built, which the fences make run in
+reverse fill-drain order. (Structure after torchgpipe's ``pipeline.py``; own code.)
+
+[Note: state_dict keys] Stages are usually torch.fx GraphModules split from one model, whose
+submodule paths equal the model's qualified names. GPipe's ``state_dict`` is therefore the union
+of its stages' ``state_dict``s without a ``stages.N.`` prefix (a tied parameter appears once),
+and ``load_state_dict`` accepts the original model's ``state_dict``. Stages whose local names
+differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one string per
+stage prepended to its local keys (``"net."``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from executor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from executor.checkpoint import Checkpointing, checkpoint_stop, depend
+from executor.errors import ExecutorError, PlacementError
+from executor.microbatch import Batch, gather, scatter
+from executor.schedule import clock_cycles
+from executor.stream import (
+    AbstractStream,
+    copy,
+    current_stream,
+    new_stream,
+    use_device,
+    use_stream,
+    wait,
+)
+from executor.trace import Recorder, TraceEvent
+from executor.worker import WorkerPool, normalize_device
+
+__all__ = ["GPipe"]
+
+_STAGES = "stages."
+
+
+def _check_devices(devices: Sequence[torch.device | str | int], n: int) -> list[torch.device]:
+    if len(devices) != n:
+        raise PlacementError(
+            f"got {len(devices)} devices for {n} stages: each stage needs exactly one device; "
+            f"pass len(devices) == {n} (repeat a device to put stages together)"
+        )
+    for d in devices:
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise PlacementError(
+                f"device {str(dev)!r} requested but CUDA is not available; use 'cpu' devices"
+            )
+    return [normalize_device(d) for d in devices]
+
+
+def _place(stages: Sequence[nn.Module], devices: list[torch.device]) -> None:
+    """Move each stage to its device; refuse tensors shared by stages on different devices."""
+    home: dict[int, tuple[int, str]] = {}
+    for j, stage in enumerate(stages):
+        named = [*stage.named_parameters(), *stage.named_buffers()]
+        for name, tensor in named:
+            first = home.setdefault(id(tensor), (j, name))
+            if devices[first[0]] != devices[j]:
+                raise PlacementError(
+                    f"tensor {name!r} of stage {j} ({devices[j]}) is shared with {first[1]!r} of "
+                    f"stage {first[0]} ({devices[first[0]]}): a tie across devices is not "
+                    "supported yet; put both stages on one device or colocate the tie group"
+                )
+    for stage, device in zip(stages, devices, strict=True):
+        stage.to(device)  # keeps Parameter objects (and so ties and user references)
+
+
+class GPipe(nn.Module):
+    """Pipeline-parallel ``nn.Module`` over hand-made or planner-made stages.
+
+    Args:
+        stages: the chain of stage modules (see the module docstring for the convention).
+        devices: one device per stage; stages on the same device share a worker.
+        chunks: micro-batches per mini-batch (exactly ``chunks``; see executor.microbatch).
+        checkpoint: ``"always"``, ``"except_last"`` (every micro-batch but the last is
+            recomputed in backward) or ``"never"``. No recomputation in eval or under no_grad.
+        deferred_batch_norm: convert BatchNorm layers so running statistics advance once per
+            mini-batch, as in the unpipelined model.
+        key_prefixes: per stage, a prefix mapping its local ``state_dict`` keys to the
+            original model's (see [Note: state_dict keys]); ``None``: keys are already original.
+        trace: record a :class:`TraceEvent` timeline of every iteration (``last_trace``).
+        threads: run stages on worker threads (True), inline in the caller (False), or
+            ``None``: threads only when the stages span two or more devices (see
+            [Note: inline worker] in executor.worker).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        devices: Sequence[torch.device | str | int],
+        chunks: int,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        *,
+        key_prefixes: Sequence[str] | None = None,
+        trace: bool = False,
+        threads: bool | None = None,
+    ) -> None:
+        super().__init__()
+        stages = list(stages)
+        if not stages:
+            raise ExecutorError("stages is empty: a pipeline needs at least one stage module")
+        if chunks < 1:
+            raise ExecutorError(
+                f"chunks={chunks} < 1: need at least one micro-batch; use chunks >= 1"
+            )
+        checkpoint_stop(checkpoint, chunks)  # validates the mode
+        if key_prefixes is not None and len(key_prefixes) != len(stages):
+            raise ExecutorError(
+                f"got {len(key_prefixes)} key_prefixes for {len(stages)} stages: "
+                'pass one prefix per stage ("" for none)'
+            )
+        self.devices = _check_devices(devices, len(stages))
+        self.chunks = chunks
+        self.threads = threads
+        self.checkpoint = checkpoint
+        self.key_prefixes = list(key_prefixes) if key_prefixes is not None else [""] * len(stages)
+        self._deferred: list[DeferredBatchNorm] = []
+        if deferred_batch_norm:
+            for j, stage in enumerate(stages):
+                stages[j], layers = convert_deferred_batch_norm(stage)
+                self._deferred += layers
+        _place(stages, self.devices)
+        self.stages = nn.ModuleList(stages)
+        self._copy_streams: dict[tuple[torch.device, int], AbstractStream] = {}
+        self._always_trace = trace
+        self._recorder: Recorder | None = None
+        self._tracing = False
+        self.register_state_dict_post_hook(_unprefix_state_dict)
+        self.register_load_state_dict_pre_hook(_prefix_state_dict)
+        self.register_load_state_dict_post_hook(_unprefix_incompatible_keys)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    # --- tracing -------------------------------------------------------------------------
+
+    @contextmanager
+    def trace(self) -> Iterator[list[TraceEvent]]:
+        """Trace the iteration run inside the context; the list is filled on exit."""
+        events: list[TraceEvent] = []
+        old, self._tracing, self._recorder = self._tracing, True, None
+        try:
+            yield events
+        finally:
+            self._tracing = old
+            events += self.last_trace or []
+
+    @property
+    def last_trace(self) -> list[TraceEvent] | None:
+        """The timeline of the last traced iteration (read it after backward)."""
+        return None if self._recorder is None else self._recorder.events()
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any) -> Any:
+        batches = scatter(inputs, self.chunks)
+        first = self.devices[0]
+        batches = [b.with_tensors([t.to(first) for t in b.tensors()]) for b in batches]
+        recorder = Recorder() if (self._tracing or self._always_trace) else None
+        if recorder is not None:
+            self._recorder = recorder
+        enabled = self.training and torch.is_grad_enabled()
+        stop = checkpoint_stop(self.checkpoint, self.chunks, enabled=enabled)
+        try:
+            with WorkerPool(self.devices, self.threads) as pool:
+                for cycle in clock_cycles(len(batches), len(self.stages)):
+                    self._fence(cycle, batches, recorder)
+                    self._compute(cycle, batches, pool, stop, recorder)
+        except BaseException:
+            for bn in self._deferred:
+                bn.reset_tracking()
+            raise
+        if self.training:
+            for bn in self._deferred:
+                bn.commit()
+        return gather([b.output() for b in batches])
+
+    def _copy_stream(self, j: int, i: int) -> AbstractStream:
+        """Micro-batch ``i``'s copy stream on stage ``j``'s device (one per pair, lazily)."""
+        key = (self.devices[j], i)
+        if key not in self._copy_streams:
+            self._copy_streams[key] = new_stream(self.devices[j])
+        return self._copy_streams[key]
+
+    def _crosses(self, j: int) -> bool:
+        """Whether stage ``j``'s input comes from another device."""
+        return j > 0 and self.devices[j - 1] != self.devices[j]
+
+    def _fence(
+        self, cycle: list[tuple[int, int]], batches: list[Batch], recorder: Recorder | None
+    ) -> None:
+        for i, j in cycle:
+            if i > 0:  # micro-batch i-1 back-propagates through stage j after micro-batch i
+                batches[i - 1], batches[i] = depend(batches[i - 1], batches[i])
+            if self._crosses(j):
+                span = (
+                    recorder.span(j, i, "transfer", self.devices[j]) if recorder else nullcontext()
+                )
+                with span:
+                    batches[i] = copy(
+                        batches[i], self._copy_stream(j - 1, i), self._copy_stream(j, i)
+                    )
+
+    def _compute(
+        self,
+        cycle: list[tuple[int, int]],
+        batches: list[Batch],
+        pool: WorkerPool,
+        stop: int,
+        recorder: Recorder | None,
+    ) -> None:
+        last = len(self.stages) - 1
+        streams = [current_stream(d) for d in self.devices]
+        futures: list[tuple[int, int, Future[tuple[Batch, Checkpointing | None]]]] = []
+        for i, j in cycle:
+            batch = batches[i]
+            if self._crosses(j):  # compute only after the copy has landed
+                batch = wait(batch, self._copy_stream(j, i), streams[j])
+            task = _StageTask(
+                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stop, recorder
+            )
+            futures.append((i, j, pool.submit(j, task)))
+        error: BaseException | None = None
+        for i, j, future in futures:
+            try:
+                out, chk = future.result()
+            except BaseException as exc:  # keep draining; raise the first failure
+                error = error or exc
+                continue
+            with use_device(self.devices[j]), use_stream(streams[j]):
+                if j != last and self._crosses(j + 1):  # the copy starts after compute
+                    out = wait(out, streams[j], self._copy_stream(j, i))
+                if chk is not None:
+                    out = chk.recompute(out)
+            batches[i] = out
+        if error is not None:
+            raise error
+
+
+class _StageTask:
+    """Forward of one (stage, micro-batch) on its worker: checkpointed or not, maybe traced."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        j: int,
+        i: int,
+        device: torch.device,
+        stream: AbstractStream,
+        batch: Batch,
+        checkpointed: bool,
+        recorder: Recorder | None,
+    ) -> None:
+        self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
+        self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder
+
+    def _call(self, batch: Batch) -> Batch:
+        return batch.call(self.stage)
+
+    def __call__(self) -> tuple[Batch, Checkpointing | None]:
+        j, i, device, rec = self.j, self.i, self.device, self.recorder
+        batch = self.batch
+        with use_device(device), use_stream(self.stream):
+            has_end = False
+            if rec is not None:
+                tensors, has_end = rec.mark_backward_end(j, i, device, batch.tensors())
+                batch = batch.with_tensors(tensors)
+            with rec.span(j, i, "forward", device) if rec else nullcontext():
+                chk: Checkpointing | None = None
+                if self.checkpointed:
+                    span = (lambda: rec.span(j, i, "recompute", device)) if rec else nullcontext
+                    chk = Checkpointing(self._call, batch, device, span)
+                    out = chk.checkpoint()
+                else:
+                    out = self._call(batch)
+            if rec is not None:
+                out = out.with_tensors(
+                    rec.mark_backward_start(j, i, device, out.tensors(), has_end)
+                )
+        return out, chk
+
+
+# --- state_dict in the original model's keys (see [Note: state_dict keys]) -----------------
+
+
+def _split_key(module: GPipe, key: str, prefix: str) -> tuple[int, str] | None:
+    """``prefix + "stages.3.net.0.weight"`` -> (3, original key) for keys of this pipeline."""
+    if not key.startswith(prefix + _STAGES):
+        return None
+    index, _, local = key[len(prefix) + len(_STAGES) :].partition(".")
+    if not index.isdigit() or int(index) >= len(module.stages):
+        return None
+    return int(index), module.key_prefixes[int(index)] + local
+
+
+def _unprefix_state_dict(module: nn.Module, state_dict: Any, prefix: str, _meta: Any) -> None:
+    assert isinstance(module, GPipe)
+    for key in list(state_dict):
+        split = _split_key(module, key, prefix)
+        if split is not None:
+            value = state_dict.pop(key)
+            state_dict.setdefault(prefix + split[1], value)  # a tie appears once
+
+
+def _original_keys(module: GPipe) -> dict[str, list[str]]:
+    """Original key -> the ``stages.N.local`` keys holding it (several for a tie)."""
+    owners: dict[str, list[str]] = {}
+    for j, stage in enumerate(module.stages):
+        for local in stage.state_dict(keep_vars=True):
+            owners.setdefault(module.key_prefixes[j] + local, []).append(f"{_STAGES}{j}.{local}")
+    return owners
+
+
+def _prefix_state_dict(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+    assert isinstance(module, GPipe)
+    owners = _original_keys(module)
+    for key in list(state_dict):
+        if not key.startswith(prefix) or key.startswith(prefix + _STAGES):
+            continue
+        targets = owners.get(key[len(prefix) :])
+        if targets:
+            value = state_dict.pop(key)
+            for target in targets:
+                state_dict[prefix + target] = value
+
+
+def _unprefix_incompatible_keys(module: nn.Module, incompatible: Any) -> None:
+    assert isinstance(module, GPipe)
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        renamed = []
+        for key in keys:
+            split = _split_key(module, key, "")
+            renamed.append(key if split is None else split[1])
+        keys[:] = list(dict.fromkeys(renamed))
