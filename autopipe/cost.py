@@ -240,6 +240,8 @@ class StageCost:
     activation_bytes: int
     input_bytes: int
     output_bytes: int
+    saved_bytes: int  # one micro-batch's activations kept for backward
+
 
     @property
     def time_ms(self) -> float:
@@ -291,5 +293,6 @@ def stage_costs(
             activation_bytes=int(act),
             input_bytes=cut_in,
             output_bytes=cut_out,
+            saved_bytes=saved,
         ))
     return result
