@@ -1,0 +1,161 @@
+"""Plan + traced model -> one nn.Module per pipeline stage.
+
+[Note: stages are a linear chain] Stage i takes the tuple of values live at cut i and returns the
+tuple live at cut i + 1 (the last stage returns the model's output). A value made in stage 1 and
+used in stage 3 is returned by stage 1, taken and returned unchanged by stage 2, and taken by
+stage 3. That single convention lets executor.GPipe and torch.distributed.pipelining run any DAG,
+and it is what autopipe.cost charges as pass-through bytes at every cut a value crosses.
+
+[Note: stage parameters are the model's] Stage modules are fx GraphModules built over the traced
+GraphModule, which references the user's own submodules and parameters; GraphModule copies
+attribute *references* under their original qualified names. So stage.state_dict() keys are the
+original model's keys, optimizer state built on model.parameters() stays valid, and a parameter
+tied between two stages is one Parameter object used by both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import fx, nn
+from torch.utils._pytree import tree_unflatten
+
+from autopipe.errors import BuildError
+from autopipe.graph import LayerGraph
+
+if TYPE_CHECKING:
+    from autopipe.plan import Plan
+
+__all__ = ["build", "split_stages", "stage_boundaries"]
+
+
+def _check_stages(graph: LayerGraph, stages: Sequence[Sequence[str]]) -> dict[str, int]:
+    if not stages:
+        raise BuildError("a plan needs at least one stage; got an empty stage list")
+    layer_stage: dict[str, int] = {}
+    for i, layers in enumerate(stages):
+        if not layers:
+            raise BuildError(f"stage {i} is empty; every stage needs at least one layer")
+        for layer in layers:
+            if layer in layer_stage:
+                raise BuildError(f"layer {layer!r} is in stages {layer_stage[layer]} and {i}")
+            layer_stage[layer] = i
+    unknown = [name for name in layer_stage if name not in graph.nx]
+    missing = [name for name in graph.layers if name not in layer_stage]
+    if unknown or missing:
+        raise BuildError(
+            f"the stages do not match the traced model: unknown layers {unknown[:3]}, "
+            f"missing layers {missing[:3]}; re-run `autopipe partition` on this model's profile"
+        )
+    for u, v in graph.nx.edges:
+        if layer_stage[u] > layer_stage[v]:
+            raise BuildError(
+                f"layer {v!r} (stage {layer_stage[v]}) uses {u!r} from a later stage "
+                f"{layer_stage[u]}; stages must follow the layer order"
+            )
+    return layer_stage
+
+
+def stage_boundaries(
+    graph: LayerGraph, stages: Sequence[Sequence[str]]
+) -> tuple[dict[str, int], list[list[str]]]:
+    """Node -> stage, and the fx value names live at each cut (cut 0 = the model's inputs)."""
+    layer_stage = _check_stages(graph, stages)
+    k = len(stages)
+    node_stage = {n: layer_stage[layer] for n, layer in graph.node_layer.items()}
+    args = graph.input_names[: graph.num_args]
+    live: list[list[str]] = [list(args)] + [[] for _ in range(k - 1)]
+    for node in graph.gm.graph.nodes:
+        if node.op in ("output", "get_attr") or (
+            node.op == "placeholder" and node.name not in args
+        ):
+            continue
+        made = -1 if node.op == "placeholder" else node_stage[node.name]
+        last = max(
+            (k if u.op == "output" else node_stage[u.name] for u in node.users), default=made
+        )
+        for cut in range(max(made + 1, 1), min(last, k - 1) + 1):
+            live[cut].append(node.name)
+    return node_stage, live
+
+
+def _is_guard(node: fx.Node) -> bool:
+    return node.op == "call_module" and str(node.target) == "_guards_fn"
+
+
+def split_stages(graph: LayerGraph, stages: Sequence[Sequence[str]]) -> list[fx.GraphModule]:
+    """Cut ``graph.gm`` into ``len(stages)`` GraphModules following the linear-chain rule."""
+    node_stage, live = stage_boundaries(graph, stages)
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    constants = {
+        name: by_name[name].meta.get("val") for name in graph.input_names[graph.num_args :]
+    }
+    out_node = next(n for n in graph.gm.graph.nodes if n.op == "output")
+    codegen = getattr(graph.gm.graph, "_codegen", None)
+    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    k = len(stages)
+    modules: list[fx.GraphModule] = []
+    for i in range(k):
+        g = fx.Graph()
+        env: dict[fx.Node, Any] = {}
+        for name in live[i]:
+            env[by_name[name]] = g.placeholder(name)
+        attrs: dict[str, fx.Node] = {}
+
+        def lookup(n: fx.Node, g: fx.Graph = g, env: dict[fx.Node, Any] = env,
+                   attrs: dict[str, fx.Node] = attrs) -> Any:
+            if n.op == "get_attr":  # parameters are fetched where used, never passed along
+                if n.name not in attrs:
+                    attrs[n.name] = g.get_attr(str(n.target))
+                return attrs[n.name]
+            if n.name in constants:
+                return constants[n.name]
+            return env[n]
+
+        for node in graph.gm.graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr") or _is_guard(node):
+                continue
+            if node_stage[node.name] == i:
+                env[node] = g.node_copy(node, lookup)
+        if i < k - 1:
+            g.output(tuple(env[by_name[name]] for name in live[i + 1]))
+        else:
+            g.output(fx.map_arg(out_node.args[0], lookup))
+        g.lint()
+        module = fx.GraphModule(graph.gm, g, class_name=f"Stage{i}")
+        if i == k - 1 and out_spec is not None:
+            module.register_forward_hook(_Unflatten(out_spec))
+        modules.append(module)
+    return modules
+
+
+class _Unflatten:
+    """Forward hook: torch.export graphs return a flat list; rebuild the model's output type
+    (e.g. a HuggingFace ModelOutput) from the graph's pytree spec."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        return tree_unflatten(list(output), self.spec)
+
+
+def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModule]:
+    """Split ``model`` (traced as ``graph``) into the plan's stages.
+
+    Raises:
+        PlanError: the plan was made for another model or batch shape (fingerprint).
+        BuildError: the plan's stages do not fit the graph.
+    """
+    plan.check(graph.layers, graph.fingerprint)
+    owned = {id(p) for p in model.parameters()}
+    stages = split_stages(graph, plan.stages)
+    foreign = [n for s in stages for n, p in s.named_parameters() if id(p) not in owned]
+    if foreign:
+        raise BuildError(
+            f"stage parameters {foreign[:3]} are not the model's own; trace this model "
+            "(autopipe.trace(model, ...)) and build with that graph"
+        )
+    return stages
+
