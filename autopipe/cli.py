@@ -13,6 +13,7 @@ as ``autopipe: error: ...`` and the exit status is 2; no traceback reaches the u
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -58,6 +59,62 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- subcommands -------------------------------------------------------------------------------
 # Add each subcommand below as a ``@_register``-decorated function that adds a subparser with
 # ``set_defaults(func=handler)``; the handler parses nothing itself and calls one library function.
+
+
+@_register
+def _partition_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("partition", help="balance a profile's layers into pipeline stages")
+    p.add_argument("profile", help="profiles/NAME.csv (with NAME.json beside it)")
+    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages K")
+    p.add_argument("--method", default="auto", help="auto | dp | ilp | uniform | params | blockpartition")
+    p.add_argument("--memory", default=None, help="per-device memory limit, e.g. 16GiB")
+    p.add_argument("--chunks", type=int, default=8, help="micro-batches per batch (M)")
+    p.add_argument("--checkpoint", default="except_last", help="always | except_last | never")
+    p.add_argument("--optimizer", default="adam", help="none | sgd | momentum | adam | adamw")
+    p.add_argument("--ties", default="share", help="share | colocate (tied parameters)")
+    p.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s between stages (0 = free)")
+    p.add_argument("--time-limit", type=float, default=60, help="ILP time limit in seconds")
+    p.add_argument("--out", required=True, help="plans/NAME.json")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=_partition)
+
+
+def _partition(args: argparse.Namespace) -> int:
+    from autopipe.errors import PlanError
+    from autopipe.partition import partition
+    from autopipe.profile import Profile
+
+    if os.path.exists(args.out) and not args.force:  # fail before solving, not after
+        raise PlanError(f"{args.out} already exists: refusing to overwrite a saved plan; pass --force")
+    plan = partition(Profile.load(args.profile), stages=args.stages, method=args.method,
+                     chunks=args.chunks, checkpoint=args.checkpoint, memory_limit=args.memory,
+                     optimizer=args.optimizer, time_limit=args.time_limit, ties=args.ties,
+                     bandwidth=args.bandwidth or None)
+    plan.save(args.out, overwrite=args.force)
+    print(plan.table())
+    print()
+    print(plan.explain())
+    print(f"wrote {args.out}")
+    return 0
+
+
+@_register
+def _simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("simulate", help="predict a plan's pipeline timeline")
+    p.add_argument("plan", help="plans/NAME.json")
+    p.add_argument("--profile", default=None, help="profiles/NAME.csv to recompute stage costs from")
+    p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b")
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from autopipe.plan import Plan
+    from autopipe.profile import Profile
+    from autopipe.simulate import simulate
+
+    profile = None if args.profile is None else Profile.load(args.profile)
+    print(simulate(Plan.load(args.plan), profile, schedule=args.schedule).summary())
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
