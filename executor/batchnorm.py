@@ -3,14 +3,16 @@
 A pipelined BatchNorm normalises each micro-batch with that micro-batch's statistics (that is
 inherent to micro-batching), but it must not also update its running statistics once per
 micro-batch: M updates with momentum 0.1 are not one update with the mini-batch's mean and
-variance. :class:`DeferredBatchNorm` (torchgpipe's idea) accumulates per-channel sums and sums
-of squares over the micro-batches of an iteration and :meth:`~DeferredBatchNorm.commit` applies
+variance. :class:`DeferredBatchNorm` (torchgpipe's idea) accumulates per-channel statistics
+over the micro-batches of an iteration and :meth:`~DeferredBatchNorm.commit` applies
 one update with the mini-batch statistics: the same ``running_mean`` / ``running_var`` (the
 unbiased variance, as ``nn.BatchNorm*`` uses) / ``num_batches_tracked`` the plain model gets.
 
 :class:`executor.gpipe.GPipe` commits after its last micro-batch ran forward, so uneven
 micro-batches need no chunk count here. Recomputation (``is_recomputing()``) is not tracked.
-The accumulators are non-persistent buffers: ``state_dict`` keys are those of ``nn.BatchNorm``.
+The accumulators (count, mean and sum of squared deviations, merged per micro-batch with Chan
+et al.'s parallel formula rather than torchgpipe's sum of squares, which loses precision) are
+non-persistent buffers: ``state_dict`` keys are those of ``nn.BatchNorm``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 class DeferredBatchNorm(_BatchNorm):
     """Normalises per micro-batch; updates running statistics per mini-batch on :meth:`commit`."""
 
-    sum: Tensor
-    sum_squares: Tensor
+    acc_mean: Tensor
+    acc_m2: Tensor
     running_mean: Tensor
     running_var: Tensor
     num_batches_tracked: Tensor
@@ -42,8 +44,8 @@ class DeferredBatchNorm(_BatchNorm):
         affine: bool = True,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
-        self.register_buffer("sum", torch.zeros(num_features), persistent=False)
-        self.register_buffer("sum_squares", torch.zeros(num_features), persistent=False)
+        self.register_buffer("acc_mean", torch.zeros(num_features), persistent=False)
+        self.register_buffer("acc_m2", torch.zeros(num_features), persistent=False)
         self.count = 0
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -52,11 +54,16 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _track(self, input: Tensor) -> None:
         dims = [0, *range(2, input.dim())]
+        n = input.numel() // input.size(1)
         with torch.no_grad():
-            x = input.detach().to(self.sum.dtype)
-            self.sum += x.sum(dims)
-            self.sum_squares += (x * x).sum(dims)
-        self.count += input.numel() // input.size(1)
+            x = input.detach().to(self.acc_mean.dtype)
+            mean = x.mean(dims)
+            m2 = (x - mean.view(1, -1, *[1] * (x.dim() - 2))).pow(2).sum(dims)
+            total = self.count + n
+            delta = mean - self.acc_mean
+            self.acc_mean += delta * (n / total)
+            self.acc_m2 += m2 + delta.pow(2) * (self.count * n / total)
+        self.count = total
 
     def commit(self) -> None:
         """Apply one running-statistics update from everything tracked since the last commit."""
@@ -68,18 +75,15 @@ class DeferredBatchNorm(_BatchNorm):
                 factor = 1.0 / float(self.num_batches_tracked.item())
             else:
                 factor = self.momentum
-            mean = self.sum / self.count
-            var = self.sum_squares / self.count - mean * mean
-            if self.count > 1:
-                var = var * (self.count / (self.count - 1))  # unbiased, like nn.BatchNorm
-            self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+            var = self.acc_m2 / max(self.count - 1, 1)  # unbiased, like nn.BatchNorm
+            self.running_mean.mul_(1 - factor).add_(self.acc_mean, alpha=factor)
             self.running_var.mul_(1 - factor).add_(var, alpha=factor)
         self.reset_tracking()
 
     def reset_tracking(self) -> None:
         """Forget what was tracked since the last commit (e.g. after a failed iteration)."""
-        self.sum.zero_()
-        self.sum_squares.zero_()
+        self.acc_mean.zero_()
+        self.acc_m2.zero_()
         self.count = 0
 
     def forward(self, input: Tensor) -> Tensor:
@@ -104,8 +108,8 @@ class DeferredBatchNorm(_BatchNorm):
         """A deferred copy sharing ``bn``'s parameters and running-statistics buffers."""
         new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine)
         device = bn.running_mean.device if bn.running_mean is not None else None
-        new.sum = new.sum.to(device)
-        new.sum_squares = new.sum_squares.to(device)
+        new.acc_mean = new.acc_mean.to(device)
+        new.acc_m2 = new.acc_m2.to(device)
         if bn.affine:
             new.weight = bn.weight
             new.bias = bn.bias

@@ -67,6 +67,7 @@ class Recorder:
         self._base: dict[torch.device, tuple[float, torch.cuda.Event]] = {}
         self._spans: dict[Key, list[Stamp | None]] = {}
         self._devices: dict[Key, torch.device] = {}
+        self._soft: set[Key] = set()  # ends that only bound the span (see module docstring)
 
     def _stamp(self, device: torch.device) -> Stamp:
         if device.type != "cuda":
@@ -86,9 +87,12 @@ class Recorder:
             self._spans[(stage, microbatch, phase)] = [stamp, None]
             self._devices[(stage, microbatch, phase)] = device
 
-    def end(self, stage: int, microbatch: int, phase: str) -> None:
+    def end(self, stage: int, microbatch: int, phase: str, *, soft: bool = False) -> None:
+        """Close a span; a ``soft`` end is clipped to the stage's next start of that phase."""
         key = (stage, microbatch, phase)
         with self._lock:
+            if soft:
+                self._soft.add(key)
             span = self._spans.get(key)
             device = self._devices.get(key)
         if span is None or device is None or span[1] is not None:
@@ -122,11 +126,11 @@ class Recorder:
         for key, start in starts.items():
             stage, mb, phase = key
             end = ends.get(key)
-            if end is None:  # close at the next start of the same stage and phase
+            if end is None or key in self._soft:  # bound by the stage's next start of phase
                 later = [
                     s for (j, _, p), s in starts.items() if j == stage and p == phase and s > start
                 ]
-                end = min(later, default=last)
+                end = min([*later, last if end is None else end])
             out.append(TraceEvent(stage, mb, phase, start, max(end, start)))
         return sorted(out, key=lambda e: (e.start_ms, e.stage, e.microbatch))
 
@@ -167,7 +171,7 @@ class Recorder:
             self.begin(stage, microbatch, "backward", device)
             if not has_end:
                 engine: Any = torch.autograd.Variable._execution_engine
-                engine.queue_callback(lambda: self.end(stage, microbatch, "backward"))
+                engine.queue_callback(lambda: self.end(stage, microbatch, "backward", soft=True))
 
         marked = _Mark.apply(open_, None, *[tensors[k] for k in idx])
         out = list(tensors)
