@@ -5,4 +5,26 @@ Imports torch only (never ``autopipe``), so it can be used with hand-made stages
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from executor.batchnorm import DeferredBatchNorm
+from executor.checkpoint import is_checkpointing, is_recomputing
+from executor.errors import ExecutorError, MicroBatchError, PlacementError
+from executor.gpipe import GPipe
+from executor.microbatch import gather, scatter
+from executor.schedule import clock_cycles
+from executor.trace import TraceEvent, save_chrome_trace, to_chrome_trace
+
+__all__: list[str] = [
+    "GPipe",
+    "TraceEvent",
+    "save_chrome_trace",
+    "to_chrome_trace",
+    "DeferredBatchNorm",
+    "clock_cycles",
+    "scatter",
+    "gather",
+    "is_checkpointing",
+    "is_recomputing",
+    "ExecutorError",
+    "MicroBatchError",
+    "PlacementError",
+]

@@ -6,7 +6,7 @@ catch :class:`ExecutorError` to report runtime configuration problems in its own
 
 from __future__ import annotations
 
-__all__ = ["ExecutorError", "MicroBatchError", "PlacementError", "StageError"]
+__all__ = ["ExecutorError", "MicroBatchError", "PlacementError"]
 
 
 class ExecutorError(ValueError):
@@ -19,7 +19,3 @@ class MicroBatchError(ExecutorError):
 
 class PlacementError(ExecutorError):
     """Stages, devices or parameters cannot be placed as requested."""
-
-
-class StageError(ExecutorError):
-    """A stage returned something the linear-chain calling convention cannot carry."""
