@@ -103,3 +103,25 @@ def test_bad_input(kwargs, match) -> None:  # type: ignore[no-untyped-def]
 def test_rejects_non_profile() -> None:
     with pytest.raises(PartitionError, match="needs an autopipe.Profile"):
         partition([1, 2, 3], stages=2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [
+        ("partition_quality", ["--random-n", "8", "--seeds", "1", "--gpt-blocks", "8", "--dag-blocks", "1",
+                               "--time-limit", "10"]),
+        ("partition_speed", ["--dp-n", "20", "--dp-k", "2", "--ilp-blocks", "1", "--ilp-k", "2",
+                             "--time-limit", "10"]),
+    ],
+)
+def test_benchmarks_run_tiny(name: str, argv: list[str]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.main(argv)
+    assert table.startswith("| ") and table.count("\n") >= 2
