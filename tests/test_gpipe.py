@@ -440,3 +440,26 @@ def test_cuda_two_devices_copy_streams() -> None:
     want = ref(x)
     want.pow(2).mean().backward()
     torch.testing.assert_close(out.cpu(), want.cpu())
+
+
+def test_benchmark_against_torchgpipe_smoke() -> None:
+    pytest.importorskip("torchgpipe")
+    from benchmarks.executor_vs_torchgpipe import main
+
+    (row,) = main(
+        [
+            "--models",
+            "mlp",
+            "--batch",
+            "8",
+            "--chunks",
+            "2",
+            "--checkpoints",
+            "except_last",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ]
+    )
+    assert row.executor_ms > 0 and row.torchgpipe_ms > 0 and row.ratio > 0
