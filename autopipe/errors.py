@@ -14,6 +14,7 @@ __all__ = [
     "PartitionError",
     "PlanError",
     "BuildError",
+    "PlotError",
 ]
 
 
@@ -39,3 +40,7 @@ class PlanError(AutopipeError):
 
 class BuildError(AutopipeError):
     """A plan could not be turned into stage modules or a runnable pipeline."""
+
+
+class PlotError(AutopipeError):
+    """Figures cannot be drawn from the given plan, profile or events, or not saved where asked."""
