@@ -31,6 +31,8 @@ from autopipe.errors import (
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.cost import DeviceSpec
     from autopipe.examples import EXAMPLES, get_example
+    from autopipe.api import pipeline
+    from autopipe.build import build
     from autopipe.graph import LayerGraph, trace
     from autopipe.partition import partition
     from autopipe.plan import Plan
@@ -48,6 +50,8 @@ __all__ = [
     "get_example",
     "trace",
     "LayerGraph",
+    "build",
+    "pipeline",
     "Profile",
     "partition",
     "Plan",
@@ -61,6 +65,8 @@ _LAZY: dict[str, str] = {
     "get_example": "autopipe.examples",
     "trace": "autopipe.graph",
     "LayerGraph": "autopipe.graph",
+    "build": "autopipe.build",
+    "pipeline": "autopipe.api",
     "Profile": "autopipe.profile",
     "partition": "autopipe.partition",
     "Plan": "autopipe.plan",

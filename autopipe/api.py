@@ -1,0 +1,117 @@
+"""pipeline(model, example_inputs, devices=...) -> a ready-to-train executor.GPipe.
+
+    pipe = autopipe.pipeline(model, (x,), devices=["cuda:0", "cuda:1"], chunks=8)
+    opt = torch.optim.AdamW(pipe.parameters())
+    loss = loss_fn(pipe(x), y); loss.backward(); opt.step()
+
+[Note: graphs are keyed to the micro-batch] A pipeline runs micro-batches, so the profile, the
+plan's fingerprint and the traced graph all describe ONE micro-batch: the first ceil(B / chunks)
+rows of the example inputs (executor.microbatch splits a batch the same way). A plan made with
+``autopipe profile --batch-size 32 --chunks 4`` therefore matches ``pipeline(model, (x32,),
+chunks=4)``, and is refused, with a message saying why, for ``chunks=8``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopipe.build import build
+from autopipe.errors import BuildError
+from autopipe.graph import LayerGraph, trace
+from autopipe.plan import Plan
+from autopipe.profile import Profile
+from executor import GPipe
+
+__all__ = ["pipeline", "microbatch_inputs"]
+
+
+def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any, ...]:
+    """The first micro-batch of ``example_inputs``: ceil(B / chunks) rows of every tensor."""
+    if chunks < 1:
+        raise BuildError(f"chunks={chunks} < 1: a pipeline needs at least one micro-batch")
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise BuildError("example_inputs need at least one tensor with a batch dimension (dim 0)")
+    batch = tensors[0].shape[0]
+    if batch < chunks:
+        raise BuildError(
+            f"batch size {batch} < chunks={chunks}: micro-batches would be empty; "
+            f"use chunks <= {batch} or a larger batch"
+        )
+    rows = math.ceil(batch / chunks)
+    return tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in example_inputs)
+
+
+def pipeline(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | torch.Tensor,
+    *,
+    devices: Sequence[str | torch.device],
+    chunks: int = 8,
+    checkpoint: str = "except_last",
+    plan: Plan | None = None,
+    profile: Profile | None = None,
+    method: str = "auto",
+    memory_limit: int | str | None = None,
+    optimizer: str = "adam",
+    deferred_batch_norm: bool = False,
+    graph: LayerGraph | None = None,
+    **trace_kwargs: Any,
+) -> GPipe:
+    """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
+
+    Args:
+        model: the model to pipeline; its own parameters are used by the stages (no copies
+            where the devices allow), so references the user holds stay valid.
+        example_inputs: one mini-batch of positional inputs (as passed to ``model(...)``).
+        devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"] * 4``.
+        chunks: micro-batches per mini-batch.
+        checkpoint: recomputation mode: ``"always"``, ``"except_last"`` or ``"never"``.
+        plan: a saved Plan (``autopipe.Plan.load``) to use instead of partitioning.
+        profile: a saved Profile to partition instead of measuring one.
+        method, memory_limit, optimizer: passed to :func:`autopipe.partition`.
+        trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
+
+    Raises:
+        BuildError, PlanError, ProfileError, PartitionError, TraceError: one-line messages.
+    """
+    from autopipe.partition import partition
+    from autopipe.profiler import profile as measure
+
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    devices = list(devices)
+    if not devices:
+        raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
+    micro = microbatch_inputs(inputs, chunks)
+    if graph is None:
+        graph = trace(model, micro, **trace_kwargs)
+    if plan is None:
+        if profile is None:
+            profile = measure(model, micro, device=str(devices[0]), graph=graph)
+        else:
+            profile.check_fingerprint(graph.fingerprint)
+        plan = partition(
+            profile,
+            devices=[str(d) for d in devices],
+            method=method,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            memory_limit=memory_limit,
+            optimizer=optimizer,
+        )
+    elif len(plan.stages) != len(devices):
+        raise BuildError(
+            f"the plan has {len(plan.stages)} stages but {len(devices)} devices were given; "
+            f"pass {len(plan.stages)} devices or re-run `autopipe partition --stages {len(devices)}`"
+        )
+    stages = build(model, plan, graph)
+    pipe = GPipe(stages, devices, chunks=chunks, checkpoint=checkpoint,
+                 deferred_batch_norm=deferred_batch_norm)
+    pipe.plan = plan  # type: ignore[assignment]
+    pipe.graph = graph  # type: ignore[assignment]
+    return pipe
