@@ -29,10 +29,10 @@ from autopipe.errors import (
 )
 
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
-    from autopipe.cost import DeviceSpec
-    from autopipe.examples import EXAMPLES, get_example
     from autopipe.api import pipeline
     from autopipe.build import build
+    from autopipe.cost import DeviceSpec
+    from autopipe.examples import EXAMPLES, get_example
     from autopipe.graph import LayerGraph, trace
     from autopipe.partition import partition
     from autopipe.plan import Plan

@@ -30,7 +30,7 @@ class UnevenMLP(nn.Module):
     def __init__(self, widths: tuple[int, ...] = (64, 512, 512, 64, 1024, 128, 64, 32, 10)) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:])):
+        for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:], strict=False)):
             layers.append(nn.Linear(w_in, w_out))
             if i < len(widths) - 2:
                 layers.append(nn.ReLU())

@@ -13,7 +13,7 @@ class Chain(nn.Module):
     def __init__(self, widths: tuple[int, ...] = (8, 16, 16, 16, 4)) -> None:
         super().__init__()
         mods: list[nn.Module] = []
-        for w_in, w_out in zip(widths[:-1], widths[1:]):
+        for w_in, w_out in zip(widths[:-1], widths[1:], strict=False):
             mods += [nn.Linear(w_in, w_out), nn.ReLU()]
         self.net = nn.Sequential(*mods[:-1])
 

@@ -63,7 +63,7 @@ def check_transparent(
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=f"gradient of {name}")
     return pipe
 
 
@@ -117,10 +117,10 @@ def test_adamw_steps_keep_parameters_equal_and_uneven_microbatch() -> None:
             o.zero_grad()
             ex.loss_fn(m(*ex.inputs), ex.target).backward()
             o.step()
-    for (name, p), q in zip(ex.model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+    for (name, p), q in zip(ex.model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"parameter {name}")
     # the user's own model object was trained (parameters are shared, not copied)
-    assert all(p is q for p, q in zip(pipe.parameters(), ex.model.parameters()))
+    assert all(p is q for p, q in zip(pipe.parameters(), ex.model.parameters(), strict=True))
 
 
 def test_eval_mode_and_no_grad() -> None:
@@ -144,7 +144,7 @@ def test_dropout_recomputation_replays_masks() -> None:
         torch.manual_seed(1)
         pipe(ids).logsumexp(-1).mean().backward()
         grads[mode] = [p.grad.clone() for p in model.parameters()]
-    for a, b in zip(grads["always"], grads["never"]):
+    for a, b in zip(grads["always"], grads["never"], strict=True):
         torch.testing.assert_close(a, b)
 
 
