@@ -144,6 +144,7 @@ class GPipe(nn.Module):
         self._always_trace = trace
         self._recorder: Recorder | None = None
         self._tracing = False
+        self._load_prefix = ""
         self.register_state_dict_post_hook(_unprefix_state_dict)
         self.register_load_state_dict_pre_hook(_prefix_state_dict)
         self.register_load_state_dict_post_hook(_unprefix_incompatible_keys)
@@ -213,7 +214,9 @@ class GPipe(nn.Module):
                 batches[i - 1], batches[i] = depend(batches[i - 1], batches[i])
             if self._crosses(j):
                 span = (
-                    recorder.span(j, i, "transfer", self.devices[j]) if recorder else nullcontext()
+                    recorder.span(j, i, "transfer", self.devices[j], self._copy_stream(j, i))
+                    if recorder
+                    else nullcontext()
                 )
                 with span:
                     batches[i] = copy(
@@ -332,6 +335,7 @@ def _original_keys(module: GPipe) -> dict[str, list[str]]:
 
 def _prefix_state_dict(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
     assert isinstance(module, GPipe)
+    module._load_prefix = prefix  # for _unprefix_incompatible_keys, which gets no prefix
     owners = _original_keys(module)
     for key in list(state_dict):
         if not key.startswith(prefix) or key.startswith(prefix + _STAGES):
@@ -348,6 +352,6 @@ def _unprefix_incompatible_keys(module: nn.Module, incompatible: Any) -> None:
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         renamed = []
         for key in keys:
-            split = _split_key(module, key, "")
-            renamed.append(key if split is None else split[1])
+            split = _split_key(module, key, module._load_prefix)
+            renamed.append(key if split is None else module._load_prefix + split[1])
         keys[:] = list(dict.fromkeys(renamed))

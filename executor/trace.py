@@ -67,9 +67,11 @@ class Recorder:
         self._base: dict[torch.device, tuple[float, torch.cuda.Event]] = {}
         self._spans: dict[Key, list[Stamp | None]] = {}
         self._devices: dict[Key, torch.device] = {}
+        self._streams: dict[Key, Any] = {}
         self._soft: set[Key] = set()  # ends that only bound the span (see module docstring)
 
-    def _stamp(self, device: torch.device) -> Stamp:
+    def _stamp(self, device: torch.device, stream: Any = None) -> Stamp:
+        """Now: host time on CPU, else an event on ``stream`` (default: the current one)."""
         if device.type != "cuda":
             return time.perf_counter()
         with self._lock:
@@ -78,12 +80,17 @@ class Recorder:
                 base.record(torch.cuda.current_stream(device))
                 self._base[device] = (time.perf_counter(), base)
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
+        event.record(
+            stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device)
+        )
         return event
 
-    def begin(self, stage: int, microbatch: int, phase: str, device: torch.device) -> None:
-        stamp = self._stamp(device)
+    def begin(
+        self, stage: int, microbatch: int, phase: str, device: torch.device, stream: Any = None
+    ) -> None:
+        stamp = self._stamp(device, stream)
         with self._lock:
+            self._streams[(stage, microbatch, phase)] = stream
             self._spans[(stage, microbatch, phase)] = [stamp, None]
             self._devices[(stage, microbatch, phase)] = device
 
@@ -95,13 +102,17 @@ class Recorder:
                 self._soft.add(key)
             span = self._spans.get(key)
             device = self._devices.get(key)
+            stream = self._streams.get(key)
         if span is None or device is None or span[1] is not None:
             return
-        span[1] = self._stamp(device)
+        span[1] = self._stamp(device, stream)
 
     @contextmanager
-    def span(self, stage: int, microbatch: int, phase: str, device: torch.device) -> Iterator[None]:
-        self.begin(stage, microbatch, phase, device)
+    def span(
+        self, stage: int, microbatch: int, phase: str, device: torch.device, stream: Any = None
+    ) -> Iterator[None]:
+        """Time the block; on CUDA the events go on ``stream`` (default: the current one)."""
+        self.begin(stage, microbatch, phase, device, stream)
         try:
             yield
         finally:

@@ -463,3 +463,14 @@ def test_benchmark_against_torchgpipe_smoke() -> None:
         ]
     )
     assert row.executor_ms > 0 and row.torchgpipe_ms > 0 and row.ratio > 0
+
+
+def test_state_dict_round_trip_when_nested_in_a_parent_module() -> None:
+    parent = nn.Module()
+    parent.pipe = GPipe(skip_stages(Skip(), 2), ["cpu"] * 2, chunks=2)
+    want = {"pipe." + k for k in Skip().state_dict()}
+    assert set(parent.state_dict()) == want
+    state = {"pipe." + k: v for k, v in Skip().state_dict().items()}
+    del state["pipe.d.bias"]
+    result = parent.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["pipe.d.bias"] and result.unexpected_keys == []
