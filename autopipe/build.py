@@ -149,13 +149,44 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
         BuildError: the plan's stages do not fit the graph.
     """
     plan.check(graph.layers, graph.fingerprint)
-    owned = {id(p) for p in model.parameters()}
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
     stages = split_stages(graph, plan.stages)
-    foreign = [n for s in stages for n, p in s.named_parameters() if id(p) not in owned]
+    foreign = [n for s in stages for n, p in s.named_parameters() if id(p) not in names]
     if foreign:
         raise BuildError(
             f"stage parameters {foreign[:3]} are not the model's own; trace this model "
             "(autopipe.trace(model, ...)) and build with that graph"
         )
+    for stage in stages:
+        _add_aliases(stage, names)
     return stages
+
+
+def _add_aliases(stage: nn.Module, names: dict[int, list[str]]) -> None:
+    """Register every other name of a tied tensor the stage holds (e.g. a HF model's
+    ``lm_head.weight`` next to ``transformer.wte.weight``), so the stage's state_dict has the
+    plain model's keys: torch.export keeps only one name per tied tensor."""
+    held = [*stage.named_parameters(remove_duplicate=False),
+            *stage.named_buffers(remove_duplicate=False)]
+    present = {name for name, _ in held}
+    for _, tensor in held:
+        for alias in names.get(id(tensor), []):
+            if alias in present:
+                continue
+            parent: nn.Module = stage
+            *path, leaf = alias.split(".")
+            for part in path:
+                child = getattr(parent, part, None)
+                if not isinstance(child, nn.Module):
+                    child = nn.Module()
+                    parent.add_module(part, child)
+                parent = child
+            if isinstance(tensor, nn.Parameter):
+                parent.register_parameter(leaf, tensor)
+            else:
+                parent.register_buffer(leaf, tensor)
+            present.add(alias)
 
