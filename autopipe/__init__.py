@@ -24,6 +24,7 @@ from autopipe.errors import (
     BuildError,
     PartitionError,
     PlanError,
+    PlotError,
     ProfileError,
     TraceError,
 )
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.graph import LayerGraph, trace
     from autopipe.partition import partition
     from autopipe.plan import Plan
+    from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
     from autopipe.profile import Profile
     from autopipe.simulate import simulate
 
@@ -44,6 +46,7 @@ __all__ = [
     "BuildError",
     "PartitionError",
     "PlanError",
+    "PlotError",
     "ProfileError",
     "TraceError",
     "EXAMPLES",
@@ -57,6 +60,10 @@ __all__ = [
     "Plan",
     "simulate",
     "DeviceSpec",
+    "plot_balance",
+    "plot_profile",
+    "plot_timeline",
+    "compare_plans",
 ]
 
 # public name -> module that defines it (imported on first attribute access)
@@ -72,6 +79,10 @@ _LAZY: dict[str, str] = {
     "Plan": "autopipe.plan",
     "simulate": "autopipe.simulate",
     "DeviceSpec": "autopipe.cost",
+    "plot_balance": "autopipe.plot",
+    "plot_profile": "autopipe.plot",
+    "plot_timeline": "autopipe.plot",
+    "compare_plans": "autopipe.plot",
 }
 
 __version__ = "0.1.0"

@@ -117,5 +117,31 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+@_register
+def _plot_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("plot", help="draw a plan's balance, layers or timeline to an image file")
+    p.add_argument("plan", help="plans/NAME.json")
+    p.add_argument("--profile", default=None, help="profiles/NAME.csv: check the plan against it "
+                   "and recompute stage costs from it (needed by --layers)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--timeline", action="store_const", const="timeline", dest="figure",
+                      help="the simulated pipeline timeline instead of the balance bars")
+    what.add_argument("--layers", action="store_const", const="layers", dest="figure",
+                      help="per-layer time and memory with the plan's cuts (needs --profile)")
+    p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b (with --timeline)")
+    p.add_argument("--out", required=True, help="image file: .png, .svg or .pdf")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=_plot, figure="balance")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from autopipe.plot import plot_plan_file
+
+    out = plot_plan_file(args.plan, args.out, profile=args.profile, figure=args.figure,
+                         schedule=args.schedule, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
