@@ -27,7 +27,19 @@ from autopipe.plan import Plan
 from autopipe.profile import Profile
 from executor import GPipe
 
-__all__ = ["pipeline", "microbatch_inputs"]
+__all__ = ["Pipeline", "pipeline", "microbatch_inputs"]
+
+
+class Pipeline(GPipe):
+    """An executor.GPipe that also remembers the plan and graph it was built from."""
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
+                 chunks: int, checkpoint: str, deferred_batch_norm: bool, *, plan: Plan,
+                 graph: LayerGraph) -> None:
+        super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
+                         deferred_batch_norm=deferred_batch_norm)
+        self.plan = plan
+        self.graph = graph
 
 
 def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any, ...]:
@@ -62,7 +74,7 @@ def pipeline(
     deferred_batch_norm: bool = False,
     graph: LayerGraph | None = None,
     **trace_kwargs: Any,
-) -> GPipe:
+) -> Pipeline:
     """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
 
     Args:
@@ -110,8 +122,5 @@ def pipeline(
             f"pass {len(plan.stages)} devices or re-run `autopipe partition --stages {len(devices)}`"
         )
     stages = build(model, plan, graph)
-    pipe = GPipe(stages, devices, chunks=chunks, checkpoint=checkpoint,
-                 deferred_batch_norm=deferred_batch_norm)
-    pipe.plan = plan  # type: ignore[assignment]
-    pipe.graph = graph  # type: ignore[assignment]
-    return pipe
+    return Pipeline(stages, devices, chunks, checkpoint, deferred_batch_norm, plan=plan,
+                    graph=graph)

@@ -143,5 +143,34 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+@_register
+def _train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "train", help="profile, partition and train a bundled example as a GPipe pipeline"
+    )
+    p.add_argument("example", help="bundled example: mlp | cnn | gpt | unet")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages K (default 2)")
+    p.add_argument("--chunks", type=int, default=4, help="micro-batches per batch M (default 4)")
+    p.add_argument("--batch-size", type=int, default=32, help="mini-batch size (default 32)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--checkpoint", default="except_last", help="always | except_last | never")
+    p.add_argument("--devices", nargs="+", default=None, help="one per stage (default: cpu)")
+    p.add_argument("--method", default="auto", help="partition method (default auto)")
+    p.add_argument("--plan", default=None, help="use this saved plan instead of partitioning")
+    p.add_argument("--profile", default=None, help="use this saved profile instead of measuring")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from autopipe.train import train_example
+
+    train_example(args.example, stages=args.stages, chunks=args.chunks,
+                  batch_size=args.batch_size, steps=args.steps, checkpoint=args.checkpoint,
+                  devices=args.devices, method=args.method, plan=args.plan,
+                  profile=args.profile, lr=args.lr)
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
