@@ -17,6 +17,8 @@ machine without torch: only the names that need torch import it. To add a public
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from autopipe.errors import (
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.plan import Plan
     from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
     from autopipe.profile import Profile
+    from autopipe.profiler import profile
     from autopipe.simulate import simulate
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
     "build",
     "pipeline",
     "Profile",
+    "profile",
     "partition",
     "Plan",
     "simulate",
@@ -75,6 +79,7 @@ _LAZY: dict[str, str] = {
     "build": "autopipe.build",
     "pipeline": "autopipe.api",
     "Profile": "autopipe.profile",
+    "profile": "autopipe.profiler",
     "partition": "autopipe.partition",
     "Plan": "autopipe.plan",
     "simulate": "autopipe.simulate",
@@ -99,3 +104,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """[Note: functions named like submodules] ``autopipe.profile`` is the profiler FUNCTION
+    but also a submodule (autopipe/profile.py, the Profile value), and ``autopipe.partition``
+    is both a function and a package. Importing a submodule makes Python set it as an attribute
+    of its package, which would shadow the public function after any ``from autopipe.profile
+    import Profile``. This class ignores exactly that assignment for names in ``_LAZY``: the
+    submodule stays importable (``from autopipe.profile import Profile``) and the public name
+    stays the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
