@@ -62,6 +62,42 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 @_register
+def _profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("profile", help="measure a model's layers into profiles/NAME.csv")
+    p.add_argument("model", metavar="MODEL",
+                   help="bundled example (mlp, cnn, gpt, unet) or package.module:factory")
+    p.add_argument("--batch-size", type=int, default=None, help="mini-batch size B (default 32)")
+    p.add_argument("--chunks", type=int, default=1, help="micro-batches per batch M; one "
+                   "micro-batch of ceil(B/M) rows is profiled (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--out", default=None, help="profiles/NAME.csv (default: from MODEL)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per layer (default 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2)")
+    p.add_argument("--max-depth", type=int, default=None, help="keep submodules at this depth whole")
+    p.add_argument("--leaf", action="append", default=None, metavar="NAME",
+                   help="submodule name or class to keep whole as one layer (repeatable)")
+    p.add_argument("--input-shape", default=None, help="one sample's shape, e.g. 3,32,32, "
+                   "when the factory returns a model without inputs")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while measuring")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from autopipe.profile_report import profile_to_file, summary_table
+
+    prof, path = profile_to_file(
+        args.model, out=args.out, force=args.force, batch_size=args.batch_size,
+        chunks=args.chunks, device=args.device, repeats=args.repeats, warmup=args.warmup,
+        max_depth=args.max_depth, leaf=args.leaf, input_shape=args.input_shape,
+        threads=args.threads,
+    )
+    print(summary_table(prof))
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+    return 0
+
+
+@_register
 def _partition_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("partition", help="balance a profile's layers into pipeline stages")
     p.add_argument("profile", help="profiles/NAME.csv (with NAME.json beside it)")
