@@ -96,3 +96,19 @@ class Untraceable(nn.Module):
         if h.sum().item() > 0:  # data-dependent branch
             return h * 2
         return h
+
+
+def tiny_gpt2() -> nn.Module:
+    """HuggingFace GPT-2 built from a tiny config (no weights downloaded), dropout off.
+
+    Skips the calling test when transformers is not installed.
+    """
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)

@@ -20,6 +20,7 @@ from autopipe.graph import LayerGraph, trace
 from autopipe.partition import partition
 from autopipe.profile import Profile
 from executor import GPipe
+from tests.models import tiny_gpt2
 
 MODES = ("always", "except_last", "never")
 
@@ -88,16 +89,11 @@ def test_nn_transformer_matches(checkpoint: str) -> None:
 
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_huggingface_gpt2_matches(checkpoint: str) -> None:
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
     ids = torch.randint(0, 64, (4, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k in (1, 2, 3, 4):
-            model = transformers.GPT2LMHeadModel(cfg)
+            model = tiny_gpt2()
             pipe = check_transparent(model, (ids,), lambda out: out.logits.logsumexp(-1).mean(),
                                      k, checkpoint)
             # export keeps one name per tied tensor; build restores the plain model's keys

@@ -15,7 +15,7 @@ from autopipe.examples import get_example
 from autopipe.graph import LayerGraph, trace
 from autopipe.plan import Plan
 from autopipe.profile import Profile
-from tests.models import MultiIO, Skip
+from tests.models import MultiIO, Skip, tiny_gpt2
 
 
 def run_chain(stages: Sequence[nn.Module], inputs: tuple[Any, ...]) -> Any:
@@ -108,12 +108,7 @@ def test_dict_output_and_two_inputs() -> None:
 
 
 def test_huggingface_gpt2_stages_return_model_output() -> None:
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = tiny_gpt2()
     ids = torch.randint(0, 64, (4, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

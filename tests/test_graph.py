@@ -11,7 +11,7 @@ from autopipe import TraceError
 from autopipe.examples import TinyGPT, UnevenMLP, get_example
 from autopipe.graph import LayerGraph, trace
 from autopipe.layers import is_cheap
-from tests.models import Chain, MultiIO, Skip, Untraceable
+from tests.models import Chain, MultiIO, Skip, Untraceable, tiny_gpt2
 
 
 def model_param_bytes(model: nn.Module) -> int:
@@ -154,12 +154,7 @@ def test_torch_transformer_models() -> None:
 
 
 def test_huggingface_gpt2_from_config() -> None:
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
