@@ -60,7 +60,7 @@ def micro_batch(example_inputs: Any, chunks: int) -> tuple[tuple[Any, ...], int,
     """Slice a batch to one micro-batch: returns (inputs, batch size, micro-batch size).
 
     Every tensor input with a batch dimension is cut to its first ``ceil(batch / chunks)``
-    rows along dim 0, the size of the largest micro-batch a pipeline of ``chunks`` will run.
+    rows along dim 0 (copies), the size of the largest micro-batch ``chunks`` will make.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -83,8 +83,8 @@ def micro_batch(example_inputs: Any, chunks: int) -> tuple[tuple[Any, ...], int,
         )
     micro = math.ceil(batch / chunks)
 
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        return t[:micro] if t.dim() > 0 else t
+    def cut(t: torch.Tensor) -> torch.Tensor:  # copied: in-place layers must not write the batch
+        return (t[:micro] if t.dim() > 0 else t).clone()
 
     return tuple(tree_map_only(torch.Tensor, cut, inputs)), batch, micro
 
@@ -370,5 +370,5 @@ def time_model(
     with preserved(model, dev):
         args, timer = _to(inputs, dev), timer or timer_for(dev)
         return _time_runs(
-            timer, lambda: functools.partial(model, *args, **(kwargs or {})), repeats, warmup
+            timer, lambda: functools.partial(model, *_fresh(args), **(kwargs or {})), repeats, warmup
         )
