@@ -61,7 +61,7 @@ def summary_table(prof: Profile, width: int = 36) -> str:
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"3,32,32"`` -> ``(3, 32, 32)``: one sample's shape, without the batch dimension."""
     try:
-        shape = tuple(int(x) for x in text.replace("x", ",").split(",") if x.strip())
+        shape = tuple(int(x) for x in text.split(","))
     except ValueError:
         shape = ()
     if not shape or any(d < 1 for d in shape):

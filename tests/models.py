@@ -112,3 +112,25 @@ def tiny_gpt2() -> nn.Module:
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(cfg)
+
+
+# --- factories for `autopipe profile package.module:factory` (tests/test_cli_profile.py) --------
+NOT_CALLABLE = 3
+
+
+def make_chain(batch_size: int = 8) -> tuple[nn.Module, Tensor]:
+    """A factory taking the batch size: returns (model, inputs)."""
+    return Chain(), torch.randn(batch_size, 8)
+
+
+def make_fixed_batch() -> tuple[nn.Module, tuple[Tensor]]:
+    """A factory ignoring the batch size: always 4 rows."""
+    return Chain(), (torch.randn(4, 8),)
+
+
+def make_wrong() -> int:
+    return 3
+
+
+def make_raises() -> nn.Module:
+    raise RuntimeError("boom\nsecond line")
