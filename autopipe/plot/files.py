@@ -94,6 +94,6 @@ def _check_out(out: str | os.PathLike[str], force: bool) -> Path:
     if path.is_dir():
         raise PlotError(f"{path} is a directory; give a file name such as {path / 'balance.png'}")
     if path.exists() and not force:
-        raise PlotError(f"{path} already exists: refusing to overwrite it; pass --force "
-                        f"(force=True) or choose another name")
+        raise PlotError(f"{path} already exists: refusing to overwrite it; pass --force / force=True "
+                        f"or choose another name")
     return path
