@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.api import pipeline
     from autopipe.build import build
     from autopipe.cost import DeviceSpec
+    from autopipe.distributed import distributed_pipeline, merge_state_dicts
     from autopipe.examples import EXAMPLES, get_example
     from autopipe.graph import LayerGraph, trace
     from autopipe.partition import partition
@@ -58,6 +59,8 @@ __all__ = [
     "LayerGraph",
     "build",
     "pipeline",
+    "distributed_pipeline",
+    "merge_state_dicts",
     "Profile",
     "profile",
     "partition",
@@ -78,6 +81,8 @@ _LAZY: dict[str, str] = {
     "LayerGraph": "autopipe.graph",
     "build": "autopipe.build",
     "pipeline": "autopipe.api",
+    "distributed_pipeline": "autopipe.distributed",
+    "merge_state_dicts": "autopipe.distributed",
     "Profile": "autopipe.profile",
     "profile": "autopipe.profiler",
     "partition": "autopipe.partition",

@@ -5,6 +5,8 @@ Imports torch only (never ``autopipe``), so it can be used with hand-made stages
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from executor.batchnorm import DeferredBatchNorm
 from executor.checkpoint import is_checkpointing, is_recomputing
 from executor.errors import ExecutorError, MicroBatchError, PlacementError
@@ -27,4 +29,21 @@ __all__: list[str] = [
     "ExecutorError",
     "MicroBatchError",
     "PlacementError",
+    "DistributedPipeline",
+    "DistributedError",
+    "PipelineFailure",
 ]
+
+if TYPE_CHECKING:
+    from executor.distributed import DistributedError, DistributedPipeline, PipelineFailure
+
+# executor.distributed imports torch.distributed.pipelining (about a second): load it on first use
+_LAZY = {"DistributedPipeline", "DistributedError", "PipelineFailure"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'executor' has no attribute {name!r}")
+    import executor.distributed
+
+    return getattr(executor.distributed, name)
