@@ -34,7 +34,9 @@ from autopipe.timing import CpuTimer
 
 __all__ = ["main", "SETTINGS"]
 
-# example -> (batch size, chunks): micro-batches big enough that layers do real work
+# example -> (batch size, chunks): micro-batches big enough that layers do real work. The
+# committed profiles/NAME.csv use the same settings:
+#   autopipe profile NAME --batch-size B --chunks 4 --threads 1 --repeats 20 --warmup 3 --out profiles/NAME.csv
 SETTINGS: dict[str, tuple[int, int]] = {"mlp": (256, 4), "cnn": (64, 4), "gpt": (32, 4), "unet": (32, 4)}
 
 
@@ -69,7 +71,7 @@ def _measure(name: str, rounds: int, repeats: int, warmup: int) -> dict[str, flo
 
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", nargs="+", default=sorted(SETTINGS), choices=sorted(EXAMPLES))
+    parser.add_argument("--examples", nargs="+", default=list(SETTINGS), choices=sorted(EXAMPLES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
