@@ -208,5 +208,29 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+@_register
+def _run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="train a bundled example as a multi-process pipeline (torchrun)")
+    p.add_argument("model", help="bundled example: mlp | cnn | gpt | unet")
+    p.add_argument("--plan", default=None, help="plans/NAME.json (default: rank 0 partitions)")
+    p.add_argument("--nproc", type=int, default=2, help="processes = pipeline ranks (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--batch-size", type=int, default=32, help="mini-batch size (default 32)")
+    p.add_argument("--chunks", type=int, default=None, help="micro-batches (default: the plan's, else 8)")
+    p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved1f1b")
+    p.add_argument("--checkpoint", default=None, help="always | except_last | never (default: the plan's)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--timeout", type=float, default=60, help="seconds before a silent rank is an error")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from autopipe.launch import RunConfig, run
+
+    return run(RunConfig(args.model, nproc=args.nproc, plan=args.plan, steps=args.steps,
+                         batch_size=args.batch_size, chunks=args.chunks, schedule=args.schedule,
+                         checkpoint=args.checkpoint, lr=args.lr, timeout=args.timeout))
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
