@@ -2,7 +2,8 @@
 
     python -m autopipe.plot --readme-images            # -> docs/img/balance.png, timeline.png
 
-balance.png is :func:`plot_balance` of autopipe's plan for ``profiles/gpt.csv``; timeline.png
+balance.png is :func:`plot_balance` of autopipe's plan for ``profiles/cnn.csv`` (a ResNet-style
+CNN with skips); timeline.png
 puts the simulated GPipe iteration of the equal-layer-count split above autopipe's, on one
 time axis, so the bubbles an unbalanced split costs are visible. Both are predictions from the
 committed profile (no measurement), so the images change only when the profile or the code does.
@@ -28,7 +29,7 @@ __all__ = ["readme_images", "main"]
 def readme_images(
     out_dir: str | os.PathLike[str] = "docs/img",
     *,
-    profile: str | os.PathLike[str] = "profiles/gpt.csv",
+    profile: str | os.PathLike[str] = "profiles/cnn.csv",
     stages: int = 4,
     chunks: int = 4,
     force: bool = True,
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="regenerate the README figures")
     parser.add_argument("--readme-images", action="store_true", required=True,
                         help="write docs/img/balance.png and docs/img/timeline.png")
-    parser.add_argument("--profile", default="profiles/gpt.csv")
+    parser.add_argument("--profile", default="profiles/cnn.csv")
     parser.add_argument("--out-dir", default="docs/img")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=4)
