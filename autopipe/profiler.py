@@ -248,6 +248,38 @@ def _device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
+def _home(gm: fx.GraphModule) -> torch.device | None:
+    tensor = next(iter([*gm.parameters(), *gm.buffers()]), None)
+    return None if tensor is None else tensor.device
+
+
+def _measure(
+    model: nn.Module,
+    g: LayerGraph,
+    args: tuple[Any, ...],
+    timer: Timer,
+    dev: torch.device,
+    repeats: int,
+    warmup: int,
+    progress: bool,
+) -> tuple[list[dict[str, Any]], tuple[float, float]]:
+    """Every layer's row, and the harness overhead subtracted from each time."""
+    values = record_values(g.gm, graph_args(g, args))
+    meter = memory_meter_for(dev)
+    state = _state_pointers(model, g)
+    fwd_extra, bwd_extra = _harness_overhead(timer, dev)
+    rows: list[dict[str, Any]] = []
+    bar = tqdm(layer_calls(g), desc="profiling", unit="layer", file=sys.stderr,
+               disable=not progress, leave=False)
+    for call in bar:
+        saved, peak = _probe(call, values, meter, state)
+        fwd_ms, bwd_ms = _time_layer(call, values, timer, repeats, warmup)
+        fwd_ms = max(0.0, fwd_ms - fwd_extra)
+        bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
+        rows.append(_row(g, call.name, fwd_ms, bwd_ms, saved, peak))
+    return rows, (fwd_extra, bwd_extra)
+
+
 def profile(
     model: nn.Module,
     example_inputs: Any,
@@ -293,22 +325,17 @@ def profile(
     if graph is not None:
         _check_graph(graph, inputs, micro, chunks)
     with preserved(model, dev):
-        g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
-        g.gm.to(dev)
-        values = record_values(g.gm, graph_args(g, _to(inputs, dev)))
-        timer, meter = timer or timer_for(dev), memory_meter_for(dev)
-        state = _state_pointers(model, g)
-        fwd_extra, bwd_extra = _harness_overhead(timer, dev)
-        rows: list[dict[str, Any]] = []
-        bar = tqdm(layer_calls(g), desc="profiling", unit="layer", file=sys.stderr,
-                   disable=not progress, leave=False)
-        for call in bar:
-            saved, peak = _probe(call, values, meter, state)
-            fwd_ms, bwd_ms = _time_layer(call, values, timer, repeats, warmup)
-            fwd_ms = max(0.0, fwd_ms - fwd_extra)
-            bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
-            rows.append(_row(g, call.name, fwd_ms, bwd_ms, saved, peak))
-        del values
+        args = _to(inputs, dev)
+        g = graph if graph is not None else trace(model, args, **trace_kwargs)
+        home = _home(g.gm)  # a caller's graph goes back where it was
+        try:
+            g.gm.to(dev)
+            rows, (fwd_extra, bwd_extra) = _measure(
+                model, g, args, timer or timer_for(dev), dev, repeats, warmup, progress
+            )
+        finally:
+            if home is not None and graph is not None:
+                g.gm.to(home)
     meta = {
         "model": name or type(model).__name__,
         "device": _device_name(dev),

@@ -105,6 +105,7 @@ def test_given_graph_must_be_traced_on_the_micro_batch() -> None:
     g = trace(model, (x[:2],))
     prof = profile(model, (x,), chunks=4, graph=g, **FAST)
     assert prof.fingerprint == g.fingerprint and prof.layers == g.layers
+    torch.testing.assert_close(g.gm(x[:2]), model(x[:2]))  # the caller's graph still runs
     with pytest.raises(ProfileError, match=r"traced with input shapes \[\[2, 8\]\].*\[\[8, 8\]\]"):
         profile(model, (x,), chunks=1, graph=g, **FAST)
 
