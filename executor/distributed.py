@@ -285,6 +285,13 @@ class _Stage(PipelineStage):
 
 
 # --- the pipeline -----------------------------------------------------------------------------
+_COMMUNICATION_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
+
+
+def _is_communication_error(err: BaseException) -> bool:
+    """Gloo and NCCL report a dead or silent peer as RuntimeError (DistError in newer torch)."""
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or any(m in text for m in _COMMUNICATION_MARKERS)
 class DistributedPipeline:
     """This rank's stages of a pipeline run by a torch.distributed.pipelining schedule.
 
@@ -405,7 +412,9 @@ class DistributedPipeline:
                                     target=target if self.is_last else None,
                                     losses=losses if self.is_last else None, return_outputs=False)
                 self._finish_grads()
-            except (RuntimeError, dist.DistBackendError) as err:
+            except RuntimeError as err:
+                if not _is_communication_error(err):
+                    raise  # this rank's own bug (a shape error, out of memory): not a peer's fault
                 raise PipelineFailure(self._failure(str(err).strip().splitlines()[0])) from err
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
