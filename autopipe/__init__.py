@@ -112,13 +112,14 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """[Note: functions named like submodules] ``autopipe.profile`` is the profiler FUNCTION
-    but also a submodule (autopipe/profile.py, the Profile value), and ``autopipe.partition``
-    is both a function and a package. Importing a submodule makes Python set it as an attribute
-    of its package, which would shadow the public function after any ``from autopipe.profile
-    import Profile``. This class ignores exactly that assignment for names in ``_LAZY``: the
-    submodule stays importable (``from autopipe.profile import Profile``) and the public name
-    stays the function."""
+    """[Note: functions named like submodules] The public functions ``autopipe.profile``,
+    ``autopipe.partition``, ``autopipe.simulate`` and ``autopipe.build`` share their names with
+    the submodules that define the pipeline's stages (profile.py holds the Profile value,
+    partition/ the solvers, simulate.py and build.py the functions themselves), as DESIGN.md lays
+    them out. Importing a submodule makes Python set it as an attribute of its package, which
+    would shadow the public function after any ``from autopipe.profile import Profile``. This
+    class ignores exactly that assignment for names in ``_LAZY``: submodules stay importable with
+    ``from autopipe.X import Y`` and the public name stays the function."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _LAZY and isinstance(value, types.ModuleType):

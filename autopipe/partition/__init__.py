@@ -5,17 +5,13 @@
     baselines.py  equal layer counts, DeepSpeed's parameter balance, torchgpipe's blockpartition
     synthetic.py  deterministic chain / transformer-DAG profiles for tests and benchmarks
 
-[Note: callable package] ``autopipe.partition`` is both this package and the function users
-call (``autopipe.partition(profile, stages=4)``). Importing a submodule rebinds the package
-attribute to the module, so the module itself is made callable and forwards to
-:func:`partition`.
+``autopipe.partition`` is the function, not this package: see [Note: functions named like
+submodules] in autopipe/__init__.py.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,10 +124,3 @@ def _param_counts(costs: LayerCosts) -> list[int]:
         counts[members[0]] += nbytes  # DeepSpeed counts a tied weight once, at its first use
     return [int(c) for c in np.asarray(counts)]
 
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, profile: Profile, **kwargs: Any) -> Plan:
-        return partition(profile, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
