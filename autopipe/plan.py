@@ -120,7 +120,7 @@ class Plan:
         costs = LayerCosts.from_profile(profile)
         breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
         sim = simulate_stages(breakdown, chunks=chunks, checkpoint=checkpoint,
-                              ms_per_byte=options.ms_per_byte)
+                              ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs])
         rec_n = recomputed_microbatches(checkpoint, chunks)
         work = costs.fwd * (1.0 + rec_n / chunks) + costs.bwd
         speeds = [d.speed for d in specs]

@@ -89,6 +89,13 @@ def _order(schedule: str, s: int, k: int, m: int) -> list[tuple[str, int]]:
     return ops + [("B", i) for i in range(m - warm, m)]
 
 
+def _clock(op: tuple[str, int], s: int) -> tuple[int, int]:
+    """Fill-drain priority of an operation: forwards by clock cycle (micro-batch + stage), then
+    stage; backwards in the reverse order, which is the order autograd runs them."""
+    kind, i = op
+    return (i + s, s) if kind == "F" else (-(i + s), -s)
+
+
 def simulate_stages(
     stages: Sequence[StageCost],
     *,
@@ -96,11 +103,20 @@ def simulate_stages(
     checkpoint: str,
     ms_per_byte: float,
     schedule: str = "gpipe",
+    devices: Sequence[str] | None = None,
 ) -> SimulationResult:
-    """Simulate one training iteration of stages with the given per-micro-batch costs."""
+    """Simulate one training iteration of stages with the given per-micro-batch costs.
+
+    ``devices`` names each stage's device; stages with the same name share it and never run at
+    the same time (see [Note: shared devices]). Default: every stage on its own device.
+    """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule={schedule!r} is not simulated; choose one of {list(SCHEDULES)}")
     k, m = len(stages), chunks
+    names = list(devices) if devices is not None else [f"stage{s}" for s in range(k)]
+    if len(names) != k:
+        raise PlanError(f"{len(names)} devices for {k} stages: give one device per stage")
+    resource = [names.index(name) for name in names]  # stages on one device share a clock
     rec_n = recomputed_microbatches(checkpoint, m)
     fwd_ready: dict[tuple[int, int], float] = {(0, i): 0.0 for i in range(m)}
     bwd_ready: dict[tuple[int, int], float] = {}
@@ -112,40 +128,48 @@ def simulate_stages(
     def run(s: int, i: int, phase: str, start: float, dur: float) -> float:
         if dur > 0 or phase != "transfer":
             timeline.append(TimelineEvent(s, i, phase, start, start + dur))
-        free[s] = start + dur
+        free[resource[s]] = start + dur
         return start + dur
 
-    progress = True
-    while progress:
-        progress = False
-        for s, st in enumerate(stages):
-            while pos[s] < len(orders[s]):
-                op, i = orders[s][pos[s]]
-                ckpt = i < rec_n
-                if op == "F":
-                    if (s, i) not in fwd_ready:
-                        break
-                    start = max(free[s], fwd_ready[s, i])
-                    end = run(s, i, "forward", start, st.fwd_ms)
-                    held[s].append((end, st.input_bytes if ckpt else st.saved_bytes))
-                    if s == k - 1:
-                        bwd_ready[s, i] = end
-                    else:
-                        fwd_ready[s + 1, i] = run(s, i, "transfer", end, st.output_bytes * ms_per_byte)
-                else:
-                    if (s, i) not in bwd_ready:
-                        break
-                    start = max(free[s], bwd_ready[s, i])
-                    if ckpt:
-                        held[s].append((start, st.saved_bytes))
-                        start = run(s, i, "recompute", start, st.fwd_ms)
-                    end = run(s, i, "backward", start, st.bwd_ms)
-                    held[s].append((end, -(st.input_bytes + st.saved_bytes) if ckpt
-                                    else -st.saved_bytes))
-                    if s > 0:
-                        bwd_ready[s - 1, i] = run(s, i, "transfer", end, st.input_bytes * ms_per_byte)
-                pos[s] += 1
-                progress = True
+    def ready(s: int) -> float | None:
+        op, i = orders[s][pos[s]]
+        when = (fwd_ready if op == "F" else bwd_ready).get((s, i))
+        return None if when is None else max(free[resource[s]], when)
+
+    # [Note: shared devices] List scheduling: repeatedly run the ready operation that can start
+    # first (ties in fill-drain clock order, reversed for backward as autograd runs it; see
+    # _clock). With one device
+    # per stage this gives the same times as running each stage's order independently; stages
+    # on one device (executor.GPipe with devices=["cpu", "cpu"]) take turns, as they do there.
+    while True:
+        candidates = [
+            (start, _clock(orders[s][pos[s]], s), s)
+            for s in range(k)
+            if pos[s] < len(orders[s]) and (start := ready(s)) is not None
+        ]
+        if not candidates:
+            break
+        start, _, s = min(candidates)
+        st = stages[s]
+        op, i = orders[s][pos[s]]
+        ckpt = i < rec_n
+        if op == "F":
+            end = run(s, i, "forward", start, st.fwd_ms)
+            held[s].append((end, st.input_bytes if ckpt else st.saved_bytes))
+            if s == k - 1:
+                bwd_ready[s, i] = end
+            else:
+                fwd_ready[s + 1, i] = run(s, i, "transfer", end, st.output_bytes * ms_per_byte)
+        else:
+            if ckpt:
+                held[s].append((start, st.saved_bytes))
+                start = run(s, i, "recompute", start, st.fwd_ms)
+            end = run(s, i, "backward", start, st.bwd_ms)
+            held[s].append((end, -(st.input_bytes + st.saved_bytes) if ckpt
+                            else -st.saved_bytes))
+            if s > 0:
+                bwd_ready[s - 1, i] = run(s, i, "transfer", end, st.input_bytes * ms_per_byte)
+        pos[s] += 1
     if any(p < len(o) for p, o in zip(pos, orders, strict=True)):  # pragma: no cover - a bug
         raise RuntimeError("schedule deadlocked")
     total = max((e.end_ms for e in timeline), default=0.0)
@@ -178,4 +202,5 @@ def simulate(plan: Plan, profile: Profile | None = None, schedule: str = "gpipe"
                              plan.devices, options)
     ms_per_byte = 0.0 if not plan.bandwidth else 1000.0 / plan.bandwidth
     return simulate_stages(stages, chunks=plan.chunks, checkpoint=plan.checkpoint,
-                           ms_per_byte=ms_per_byte, schedule=schedule)
+                           ms_per_byte=ms_per_byte, schedule=schedule,
+                           devices=[d.name for d in plan.devices])

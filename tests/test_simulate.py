@@ -99,3 +99,24 @@ def test_simulate_plan_with_and_without_profile() -> None:
         simulate(plan, schedule="zigzag")
     with pytest.raises(PlanError, match="not in the graph"):
         simulate(plan, random_chain(8, 1).__class__.from_frame(prof.df.assign(layer=[f"x{i}" for i in range(8)])))
+
+
+def test_stages_on_one_device_take_turns() -> None:
+    # two stages on one CPU (executor.GPipe with devices=["cpu", "cpu"]): nothing overlaps, so
+    # the iteration is all the work in sequence, in fill-drain clock order
+    r = simulate_stages([_stage(), _stage()], chunks=2, checkpoint="never", ms_per_byte=0.0,
+                        devices=["cpu", "cpu"])
+    order = [(e.stage, e.phase[0], e.microbatch, e.start_ms, e.end_ms) for e in r.timeline]
+    assert order == [
+        (0, "f", 0, 0.0, 1.0), (0, "f", 1, 1.0, 2.0), (1, "f", 0, 2.0, 3.0),
+        (1, "f", 1, 3.0, 4.0), (1, "b", 1, 4.0, 6.0), (1, "b", 0, 6.0, 8.0),
+        (0, "b", 1, 8.0, 10.0), (0, "b", 0, 10.0, 12.0),
+    ]
+    assert r.iteration_time == 12.0  # 2 stages x 2 micro-batches x (1 + 2) ms
+    # the same stages on two devices overlap: (M + K - 1) x (f + b)
+    apart = simulate_stages([_stage(), _stage()], chunks=2, checkpoint="never", ms_per_byte=0.0,
+                            devices=["cuda:0", "cuda:1"])
+    assert apart.iteration_time == 9.0
+    with pytest.raises(PlanError, match="1 devices for 2 stages"):
+        simulate_stages([_stage(), _stage()], chunks=2, checkpoint="never", ms_per_byte=0.0,
+                        devices=["cpu"])
