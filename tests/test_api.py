@@ -186,3 +186,12 @@ def test_errors() -> None:
     with pytest.raises(ProfileError, match="fingerprint"):
         pipeline(other.model, other.inputs, devices=["cpu"] * 2, chunks=2,
                  profile=cost_profile(graph))
+
+
+def test_prediction_benchmark_smoke() -> None:
+    from benchmarks.executor_vs_prediction import main
+
+    (row,) = main(["--models", "mlp", "--batch", "8", "--chunks", "2", "--checkpoints", "never",
+                   "--repeats", "2"])
+    assert row.predicted_ms > 0 and row.measured_ms > 0 and row.loop_ms > 0
+    assert 0.05 < row.ratio < 20  # a sanity range, not a timing threshold
