@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from autopipe.atomic import atomic_write_text
 from autopipe.cost import (
     CostOptions,
     DeviceSpec,
@@ -28,7 +29,7 @@ from autopipe.cost import (
     stage_costs,
 )
 from autopipe.errors import PlanError
-from autopipe.profile import Profile, atomic_write_text
+from autopipe.profile import Profile
 from autopipe.simulate import simulate_stages
 
 __all__ = ["Plan", "SolverInfo", "PLAN_FORMAT"]

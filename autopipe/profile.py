@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,25 +53,12 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from autopipe.atomic import atomic_write_text
 from autopipe.errors import ProfileError
 
-__all__ = ["Profile", "atomic_write_text"]
+__all__ = ["Profile"]
 
 _RERUN = "re-run `autopipe profile ...`"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and ``os.replace``: all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:

@@ -8,11 +8,11 @@ figure is written to a temporary file first, so a failure leaves no half-written
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from autopipe.atomic import atomic_write
 from autopipe.errors import PlotError
 from autopipe.plan import Plan
 from autopipe.plot.balance import plot_balance
@@ -32,15 +32,7 @@ def save_figure(fig: Figure, out: str | os.PathLike[str], *, force: bool = False
     Refuses to replace an existing file unless ``force``; creates missing parent folders.
     """
     path = _check_out(out, force)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower()))
     return path
 
 
