@@ -67,6 +67,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from executor.checkpoint import checkpoint_stop
 from executor.errors import ExecutorError
+from executor.prefetch import PREFETCH_AVAILABLE, PrefetchGPipe
 
 __all__ = [
     "SCHEDULES",
@@ -80,7 +81,7 @@ __all__ = [
 ]
 
 SCHEDULES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
+    "gpipe": PrefetchGPipe if PREFETCH_AVAILABLE else ScheduleGPipe,  # [Note: receive ahead]
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
 }
