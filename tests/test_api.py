@@ -195,3 +195,30 @@ def test_prediction_benchmark_smoke() -> None:
                    "--repeats", "2"])
     assert row.predicted_ms > 0 and row.measured_ms > 0 and row.loop_ms > 0
     assert 0.05 < row.ratio < 20  # a sanity range, not a timing threshold
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf"])
+def test_tied_embedding_and_head_on_different_devices(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One CPU stands in for two GPUs: the runtime is told the stages' devices differ, so the
+    # tied head fetches the embedding's weight ([Note: ties across devices] in executor.gpipe).
+    monkeypatch.setattr("executor.gpipe._same_device", lambda a, b: False)
+    if name == "gpt":
+        ex = get_example("gpt", batch_size=4)
+        model, inputs = ex.model, ex.inputs
+
+        def loss_of(out: Any) -> Tensor:
+            return ex.loss_fn(out, ex.target)
+    else:
+        model, inputs = tiny_gpt2(), (torch.randint(0, 64, (4, 8)),)
+
+        def loss_of(out: Any) -> Tensor:
+            return out.logits.logsumexp(-1).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = check_transparent(model, inputs, loss_of, 2, "except_last")
+    assert set(pipe.state_dict()) == set(model.state_dict())
+    tied = [p for p in pipe.parameters() if p.shape[0] in (256, 64) and p.dim() == 2]
+    assert len({id(p) for p in tied}) == len(tied)  # the tied weight is listed once
