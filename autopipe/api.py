@@ -14,20 +14,21 @@ chunks=4)``, and is refused, with a message saying why, for ``chunks=8``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from autopipe.build import build
+from autopipe.cost import format_bytes
 from autopipe.errors import BuildError
 from autopipe.graph import LayerGraph, trace
 from autopipe.plan import Plan
 from autopipe.profile import Profile
 from executor import GPipe
 
-__all__ = ["Pipeline", "pipeline", "microbatch_inputs"]
+__all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory"]
 
 
 class Pipeline(GPipe):
@@ -57,6 +58,39 @@ def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any
         )
     rows = math.ceil(batch / chunks)
     return tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in example_inputs)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes on a CUDA device; None where the device does not report it (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def check_device_memory(
+    plan: Plan,
+    devices: Sequence[str | torch.device],
+    free: Callable[[torch.device], int | None] = free_memory,
+) -> None:
+    """Refuse a plan whose predicted stage memory does not fit on its devices.
+
+    Stages sharing a device add up. Devices that do not report free memory are not checked.
+    """
+    need: dict[torch.device, int] = {}
+    stages: dict[torch.device, list[int]] = {}
+    for s, device in enumerate(devices):
+        dev = torch.device(device)
+        need[dev] = need.get(dev, 0) + int(plan.stage_memory[s])
+        stages.setdefault(dev, []).append(s)
+    for dev, nbytes in need.items():
+        available = free(dev)
+        if available is not None and nbytes > available:
+            raise BuildError(
+                f"stage(s) {stages[dev]} need {format_bytes(nbytes)} (predicted peak) but {dev} "
+                f"has {format_bytes(available)} free; use more stages, checkpoint='always', or "
+                f"partition with memory_limit={format_bytes(available)!r}"
+            )
 
 
 def pipeline(
@@ -121,6 +155,7 @@ def pipeline(
             f"the plan has {len(plan.stages)} stages but {len(devices)} devices were given; "
             f"pass {len(plan.stages)} devices or re-run `autopipe partition --stages {len(devices)}`"
         )
+    check_device_memory(plan, devices)
     stages = build(model, plan, graph)
     return Pipeline(stages, devices, chunks, checkpoint, deferred_batch_norm, plan=plan,
                     graph=graph)

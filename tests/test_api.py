@@ -222,3 +222,21 @@ def test_tied_embedding_and_head_on_different_devices(
     assert set(pipe.state_dict()) == set(model.state_dict())
     tied = [p for p in pipe.parameters() if p.shape[0] in (256, 64) and p.dim() == 2]
     assert len({id(p) for p in tied}) == len(tied)  # the tied weight is listed once
+
+
+def test_stage_that_does_not_fit_its_device_is_refused() -> None:
+    from autopipe.api import check_device_memory
+
+    ex = get_example("mlp", batch_size=4)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2)
+    gib = 2**30
+    free = {"cuda:0": 8 * gib, "cuda:1": 1000}
+    check_device_memory(plan, ["cpu", "cpu"])  # the CPU reports no free memory: not checked
+    check_device_memory(plan, ["cuda:0", "cuda:0"], lambda d: free.get(str(d)))
+    with pytest.raises(BuildError, match=r"stage\(s\) \[1\] need .* but cuda:1 has 1000 B free; "
+                                         r"use more stages.*memory_limit='1000 B'"):
+        check_device_memory(plan, ["cuda:0", "cuda:1"], lambda d: free.get(str(d)))
+    both = sum(plan.stage_memory)
+    with pytest.raises(BuildError, match=r"stage\(s\) \[0, 1\]"):  # stages on one device add up
+        check_device_memory(plan, ["cuda:1", "cuda:1"], lambda d: both - 1)
