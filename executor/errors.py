@@ -6,7 +6,7 @@ catch :class:`ExecutorError` to report runtime configuration problems in its own
 
 from __future__ import annotations
 
-__all__ = ["ExecutorError", "MicroBatchError", "PlacementError"]
+__all__ = ["ExecutorError", "MicroBatchError", "PlacementError", "DistributedError"]
 
 
 class ExecutorError(ValueError):
@@ -19,3 +19,7 @@ class MicroBatchError(ExecutorError):
 
 class PlacementError(ExecutorError):
     """Stages, devices or parameters cannot be placed as requested."""
+
+
+class DistributedError(ExecutorError):
+    """A distributed pipeline that cannot be built or run as configured."""

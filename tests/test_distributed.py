@@ -289,7 +289,7 @@ def test_wires_round_trip_python_values() -> None:
     values = (torch.ones(2, 3), 5, 0.25, True, torch.Size([2, 3]), None, "tanh")
     wires = [Wire.of(v) for v in values]
     assert [w.kind for w in wires] == ["tensor", "scalar", "scalar", "scalar", "ints", "const", "const"]
-    from executor.distributed import _decode, _encode
+    from executor.wire import _decode, _encode
 
     sent = _encode(values, wires, torch.device("cpu"))
     assert len(sent) == 5 and all(isinstance(t, Tensor) for t in sent)
