@@ -22,7 +22,7 @@ from torch import nn
 
 from autopipe.build import build
 from autopipe.cost import format_bytes
-from autopipe.errors import BuildError
+from autopipe.errors import BuildError, ProfileError
 from autopipe.graph import LayerGraph, trace
 from autopipe.plan import Plan
 from autopipe.profile import Profile
@@ -141,6 +141,14 @@ def pipeline(
             profile = measure(model, micro, device=str(devices[0]), graph=graph)
         else:
             profile.check_fingerprint(graph.fingerprint)
+            measured_on = profile.meta.get("device_type")
+            target = torch.device(devices[0]).type
+            if measured_on and measured_on != target:
+                raise ProfileError(
+                    f"the profile was measured on {measured_on} ({profile.meta.get('device')}) "
+                    f"but the pipeline runs on {target}: its timings would misplace the cuts; "
+                    f"re-run `autopipe profile ... --device {devices[0]}`"
+                )
         plan = partition(
             profile,
             devices=[str(d) for d in devices],

@@ -182,6 +182,10 @@ def test_errors() -> None:
     # a plan made for another model (or another micro-batch shape) is refused
     with pytest.raises(PlanError, match="fingerprint"):
         pipeline(ex.model, ex.inputs, devices=["cpu"] * 2, chunks=1, plan=plan)
+    gpu_profile = cost_profile(graph)
+    gpu_profile.meta.update(device="NVIDIA H200", device_type="cuda")
+    with pytest.raises(ProfileError, match="measured on cuda .* runs on cpu"):
+        pipeline(ex.model, ex.inputs, devices=["cpu"] * 2, chunks=2, profile=gpu_profile)
     other = get_example("cnn", batch_size=4)
     with pytest.raises(ProfileError, match="fingerprint"):
         pipeline(other.model, other.inputs, devices=["cpu"] * 2, chunks=2,
