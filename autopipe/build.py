@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_unflatten
 
 from autopipe.errors import BuildError
 from autopipe.graph import LayerGraph
+from autopipe.plan import assign_stages
 
 if TYPE_CHECKING:
     from autopipe.plan import Plan
@@ -31,30 +32,8 @@ __all__ = ["build", "split_stages", "stage_boundaries"]
 
 
 def _check_stages(graph: LayerGraph, stages: Sequence[Sequence[str]]) -> dict[str, int]:
-    if not stages:
-        raise BuildError("a plan needs at least one stage; got an empty stage list")
-    layer_stage: dict[str, int] = {}
-    for i, layers in enumerate(stages):
-        if not layers:
-            raise BuildError(f"stage {i} is empty; every stage needs at least one layer")
-        for layer in layers:
-            if layer in layer_stage:
-                raise BuildError(f"layer {layer!r} is in stages {layer_stage[layer]} and {i}")
-            layer_stage[layer] = i
-    unknown = [name for name in layer_stage if name not in graph.nx]
-    missing = [name for name in graph.layers if name not in layer_stage]
-    if unknown or missing:
-        raise BuildError(
-            f"the stages do not match the traced model: unknown layers {unknown[:3]}, "
-            f"missing layers {missing[:3]}; re-run `autopipe partition` on this model's profile"
-        )
-    for u, v in graph.nx.edges:
-        if layer_stage[u] > layer_stage[v]:
-            raise BuildError(
-                f"layer {v!r} (stage {layer_stage[v]}) uses {u!r} from a later stage "
-                f"{layer_stage[u]}; stages must follow the layer order"
-            )
-    return layer_stage
+    edges = [(u, v, 0) for u, v in graph.nx.edges]
+    return assign_stages(stages, graph.layers, edges, "the traced model", error=BuildError)
 
 
 def stage_boundaries(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -28,11 +28,11 @@ from autopipe.cost import (
     resolve_devices,
     stage_costs,
 )
-from autopipe.errors import PlanError
+from autopipe.errors import AutopipeError, PlanError
 from autopipe.profile import Profile
 from autopipe.simulate import simulate_stages
 
-__all__ = ["Plan", "SolverInfo", "PLAN_FORMAT"]
+__all__ = ["Plan", "SolverInfo", "PLAN_FORMAT", "assign_stages"]
 
 PLAN_FORMAT = "autopipe-plan/1"
 
@@ -103,21 +103,7 @@ class Plan:
         options = CostOptions(chunks, checkpoint, optimizer, bandwidth, ties)
         specs = resolve_devices(len(stages), devices, memory_limit)
         layers = profile.layers
-        where: dict[str, int] = {}
-        for s, names in enumerate(stages):
-            if not names:
-                raise PlanError(f"stage {s} of {len(stages)} is empty; every stage needs a layer")
-            for name in names:
-                if name in where:
-                    raise PlanError(f"layer {name!r} is in stage {where[name]} and stage {s}; list it once")
-                where[name] = s
-        _check_layers(set(where), layers, "the profile")
-        for src, dst, _ in profile.edges:
-            if where[src] > where[dst]:
-                raise PlanError(
-                    f"edge {src!r} (stage {where[src]}) -> {dst!r} (stage {where[dst]}) runs backwards: "
-                    f"stages must follow the graph's order; move {dst!r} to stage >= {where[src]}"
-                )
+        where = assign_stages(stages, layers, profile.edges, "the profile")
         costs = LayerCosts.from_profile(profile)
         breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
         sim = simulate_stages(breakdown, chunks=chunks, checkpoint=checkpoint,
@@ -284,12 +270,43 @@ def _check_types(plan: Plan) -> None:
     CostOptions(plan.chunks, plan.checkpoint, plan.optimizer, plan.bandwidth, plan.ties)
 
 
-def _check_layers(have: set[str], layers: list[str], what: str) -> None:
+def _check_layers(
+    have: set[str], layers: Sequence[str], what: str, error: type[AutopipeError] = PlanError
+) -> None:
     unknown = sorted(have - set(layers))
     missing = [n for n in layers if n not in have]
     if unknown:
-        raise PlanError(f"plan names {len(unknown)} layer(s) not in {what}, e.g. {unknown[:3]}; "
-                        f"the plan is for another model: re-run autopipe partition")
+        raise error(f"plan names {len(unknown)} layer(s) not in {what}, e.g. {unknown[:3]}; "
+                    f"the plan is for another model: re-run autopipe partition")
     if missing:
-        raise PlanError(f"plan leaves {len(missing)} layer(s) of {what} unassigned, e.g. {missing[:3]}; "
-                        f"the plan is for another model: re-run autopipe partition")
+        raise error(f"plan leaves {len(missing)} layer(s) of {what} unassigned, e.g. {missing[:3]}; "
+                    f"the plan is for another model: re-run autopipe partition")
+
+
+def assign_stages(
+    stages: Sequence[Sequence[str]],
+    layers: Sequence[str],
+    edges: Iterable[tuple[str, str, Any]],
+    what: str,
+    error: type[AutopipeError] = PlanError,
+) -> dict[str, int]:
+    """Layer -> stage index, after checking that ``stages`` lists every layer exactly once, in
+    non-empty stages, with no edge running from a later stage back to an earlier one."""
+    if not stages:
+        raise error("a plan needs at least one stage; got an empty stage list")
+    where: dict[str, int] = {}
+    for s, names in enumerate(stages):
+        if not names:
+            raise error(f"stage {s} of {len(stages)} is empty; every stage needs a layer")
+        for name in names:
+            if name in where:
+                raise error(f"layer {name!r} is in stage {where[name]} and stage {s}; list it once")
+            where[name] = s
+    _check_layers(set(where), layers, what, error)
+    for src, dst, _ in edges:
+        if where[src] > where[dst]:
+            raise error(
+                f"edge {src!r} (stage {where[src]}) -> {dst!r} (stage {where[dst]}) runs backwards: "
+                f"stages must follow the graph's order; move {dst!r} to stage >= {where[src]}"
+            )
+    return where
