@@ -207,7 +207,7 @@ def test_tied_embedding_and_head_on_different_devices(
 ) -> None:
     # One CPU stands in for two GPUs: the runtime is told the stages' devices differ, so the
     # tied head fetches the embedding's weight ([Note: ties across devices] in executor.gpipe).
-    monkeypatch.setattr("executor.gpipe._same_device", lambda a, b: False)
+    monkeypatch.setattr("executor.placement._same_device", lambda a, b: False)
     if name == "gpt":
         ex = get_example("gpt", batch_size=4)
         model, inputs = ex.model, ex.inputs
