@@ -104,7 +104,8 @@ def _partition_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--stages", type=int, required=True, help="number of pipeline stages K")
     p.add_argument("--method", default="auto", help="auto | dp | ilp | uniform | params | blockpartition")
     p.add_argument("--memory", default=None, help="per-device memory limit, e.g. 16GiB")
-    p.add_argument("--chunks", type=int, default=8, help="micro-batches per batch (M)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="micro-batches per batch M (default: the profile's, else 8)")
     p.add_argument("--checkpoint", default="except_last", help="always | except_last | never")
     p.add_argument("--optimizer", default="adam", help="none | sgd | momentum | adam | adamw")
     p.add_argument("--ties", default="share", help="share | colocate (tied parameters)")

@@ -125,3 +125,11 @@ def test_benchmarks_run_tiny(name: str, argv: list[str]) -> None:
     spec.loader.exec_module(module)
     table = module.main(argv)
     assert table.startswith("| ") and table.count("\n") >= 2
+
+
+def test_chunks_default_to_the_profiled_micro_batch() -> None:
+    prof = chain_profile([1.0, 2.0, 3.0, 4.0])
+    assert partition(prof, stages=2).chunks == 8  # nothing recorded: the documented default
+    prof.meta["chunks"] = 4  # measured as 1 of 4 micro-batches: the plan fits that pipeline
+    assert partition(prof, stages=2).chunks == 4
+    assert partition(prof, stages=2, chunks=2).chunks == 2

@@ -53,7 +53,7 @@ def partition(
     stages: int | None = None,
     devices: Sequence[DeviceSpec | str] | None = None,
     method: str = "auto",
-    chunks: int = 8,
+    chunks: int | None = None,
     checkpoint: str = "except_last",
     memory_limit: int | str | None = None,
     optimizer: str = "adam",
@@ -72,13 +72,18 @@ def partition(
     split if the ILP does not beat it in time), or a baseline: ``uniform``, ``params``,
     ``blockpartition`` (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage
     using it, ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
-    neighbouring stages (None or 0: free). Raises PartitionError when no split fits.
+    neighbouring stages (None or 0: free). ``chunks`` defaults to the number of micro-batches
+    the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
+    profiled micro-batch's, so that is the pipeline it fits. Raises PartitionError when no split
+    fits.
     """
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
                              f"load one with autopipe.Profile.load(path)")
     if method not in METHODS:
         raise PartitionError(f"method={method!r} is unknown; choose one of {list(METHODS)}")
+    if chunks is None:
+        chunks = int(profile.meta.get("chunks") or 8)
     options = CostOptions(chunks, checkpoint, optimizer, bandwidth, ties)
     specs = resolve_devices(stages, devices, memory_limit)
     costs = LayerCosts.from_profile(profile)
