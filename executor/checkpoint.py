@@ -197,6 +197,9 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, phony: Tensor, shared: _Shared, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.shared = shared
+        # an output the loss never uses must give its parameters no gradient (None), not zeros:
+        # AdamW would otherwise decay them, and the unpipelined model would not
+        ctx.set_materialize_grads(False)
         shared.rng = _save_rng(shared.device)
         with torch.no_grad(), _flag("checkpointing"):
             shared.output = shared.function(shared.batch.with_tensors(inputs))

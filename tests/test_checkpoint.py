@@ -126,3 +126,25 @@ def test_fork_join_are_identities_without_grad() -> None:
     assert y is x and phony.numel() == 0 and not phony.requires_grad
     assert join(x, phony) is x
     assert get_phony(torch.device("cpu"), requires_grad=True).requires_grad
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.used(x), self.unused(x)
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_output_the_loss_ignores_gets_no_gradient(mode: str) -> None:
+    from executor import GPipe
+
+    model = _TwoHeads()
+    pipe = GPipe([model], ["cpu"], chunks=2, checkpoint=mode)
+    used, _unused = pipe(torch.randn(4, 4))
+    used.sum().backward()
+    assert model.used.weight.grad is not None
+    assert model.unused.weight.grad is None  # None, as without the pipeline; not zeros
