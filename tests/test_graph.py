@@ -140,8 +140,8 @@ def test_traces_meta_model_without_real_memory() -> None:
 
 def test_torch_transformer_models() -> None:
     t = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1,
-                       dim_feedforward=64)
-    g = trace(t, (torch.randn(10, 2, 32), torch.randn(7, 2, 32)))
+                       dim_feedforward=64, batch_first=True)
+    g = trace(t, (torch.randn(2, 10, 32), torch.randn(2, 7, 32)))
     assert 30 <= len(g) <= 80
     check_invariants(g, t)
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 3,
