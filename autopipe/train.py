@@ -23,7 +23,7 @@ from autopipe.graph import trace
 from autopipe.plan import Plan
 from autopipe.profile import Profile
 
-__all__ = ["TrainReport", "train_example"]
+__all__ = ["TrainReport", "median_ms", "train_example"]
 
 
 @dataclass
@@ -54,7 +54,10 @@ class TrainReport:
         )
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` calls, after ``warmup`` untimed."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -114,7 +117,7 @@ def train_example(
     def plain_step() -> None:
         plain.loss_fn(plain.model(*plain.inputs), plain.target).backward()
 
-    report.baseline_ms = _median_ms(plain_step, max(3, steps))
+    report.baseline_ms = median_ms(plain_step, max(3, steps))
     if log:
         log(report.summary())
     return report

@@ -13,15 +13,14 @@ of medians and ratios (measured / predicted; target within 10%).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 import autopipe
 from autopipe.examples import get_example
+from autopipe.train import median_ms
 
 __all__ = ["Row", "main"]
 
@@ -39,17 +38,6 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.predicted_ms
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def measure(name: str, batch: int, chunks: int, checkpoint: str, stages: int,
@@ -74,7 +62,7 @@ def measure(name: str, batch: int, chunks: int, checkpoint: str, stages: int,
             ex.loss_fn(out, target).backward()  # type: ignore[arg-type]
 
     return Row(name, batch, chunks, checkpoint, plan.iteration_time,
-               _median_ms(step, repeats), _median_ms(loop, repeats))
+               median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2))
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
