@@ -24,6 +24,7 @@ import torch
 from torch import fx, nn
 
 from autopipe.capture import Capture, LeafSpec, capture
+from autopipe.cost import format_bytes
 from autopipe.layers import group_layers, layer_attributes
 
 __all__ = ["LayerGraph", "trace"]
@@ -103,17 +104,9 @@ class LayerGraph:
             a = self.nx.nodes[n]
             rows.append(
                 f"{n[:40]:<40} {a['kind']:<7} {str(a['module_type'])[:22]:<22} "
-                f"{_fmt_bytes(a['param_bytes']):>10} {_fmt_bytes(a['output_bytes']):>10}"
+                f"{format_bytes(a['param_bytes']):>10} {format_bytes(a['output_bytes']):>10}"
             )
         return "\n".join(rows)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def _fingerprint(g: LayerGraph) -> str:

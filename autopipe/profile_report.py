@@ -14,20 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopipe.cost import format_bytes
 from autopipe.errors import ProfileError
 from autopipe.modelspec import load_model
 from autopipe.profile import Profile
 from autopipe.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
 
 __all__ = ["profile_to_file", "summary_table", "parse_shape"]
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def summary_table(prof: Profile, width: int = 36) -> str:
@@ -39,14 +32,14 @@ def summary_table(prof: Profile, width: int = 36) -> str:
     for r in df.to_dict("records"):
         lines.append(
             f"{str(r['layer'])[:width]:<{width}} {str(r['module_type'])[:18]:<18} "
-            f"{r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} {_fmt_bytes(r['param_bytes']):>10} "
-            f"{_fmt_bytes(r['output_bytes']):>10} {_fmt_bytes(r['saved_bytes']):>10}"
+            f"{r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} {format_bytes(r['param_bytes']):>10} "
+            f"{format_bytes(r['output_bytes']):>10} {format_bytes(r['saved_bytes']):>10}"
         )
     lines.append("-" * len(head))
     lines.append(
         f"{f'total ({len(df)} layers)':<{width}} {'':<18} {df['fwd_ms'].sum():>8.3f} "
-        f"{df['bwd_ms'].sum():>8.3f} {_fmt_bytes(float(df['param_bytes'].sum())):>10} "
-        f"{'':>10} {_fmt_bytes(float(df['saved_bytes'].sum())):>10}"
+        f"{df['bwd_ms'].sum():>8.3f} {format_bytes(float(df['param_bytes'].sum())):>10} "
+        f"{'':>10} {format_bytes(float(df['saved_bytes'].sum())):>10}"
     )
     m = prof.meta
     lines.append(
