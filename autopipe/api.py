@@ -13,7 +13,6 @@ chunks=4)``, and is refused, with a message saying why, for ``chunks=8``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +25,8 @@ from autopipe.errors import BuildError, ProfileError
 from autopipe.graph import LayerGraph, trace
 from autopipe.plan import Plan
 from autopipe.profile import Profile
+from autopipe.profiler import micro_batch
+from autopipe.profiler import profile as measure
 from executor import GPipe
 
 __all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory"]
@@ -45,19 +46,7 @@ class Pipeline(GPipe):
 
 def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any, ...]:
     """The first micro-batch of ``example_inputs``: ceil(B / chunks) rows of every tensor."""
-    if chunks < 1:
-        raise BuildError(f"chunks={chunks} < 1: a pipeline needs at least one micro-batch")
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        raise BuildError("example_inputs need at least one tensor with a batch dimension (dim 0)")
-    batch = tensors[0].shape[0]
-    if batch < chunks:
-        raise BuildError(
-            f"batch size {batch} < chunks={chunks}: micro-batches would be empty; "
-            f"use chunks <= {batch} or a larger batch"
-        )
-    rows = math.ceil(batch / chunks)
-    return tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in example_inputs)
+    return micro_batch(example_inputs, chunks, error=BuildError)[0]
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -127,7 +116,6 @@ def pipeline(
         BuildError, PlanError, ProfileError, PartitionError, TraceError: one-line messages.
     """
     from autopipe.partition import partition
-    from autopipe.profiler import profile as measure
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     devices = list(devices)

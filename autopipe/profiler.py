@@ -40,7 +40,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 from tqdm import tqdm
 
-from autopipe.errors import ProfileError
+from autopipe.errors import AutopipeError, ProfileError
 from autopipe.graph import LayerGraph, trace
 from autopipe.preserve import preserved
 from autopipe.profile import Profile
@@ -56,29 +56,34 @@ _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
 
 
 # --- inputs and devices ------------------------------------------------------------------------
-def micro_batch(example_inputs: Any, chunks: int) -> tuple[tuple[Any, ...], int, int]:
+def micro_batch(
+    example_inputs: Any, chunks: int, error: type[AutopipeError] = ProfileError
+) -> tuple[tuple[Any, ...], int, int]:
     """Slice a batch to one micro-batch: returns (inputs, batch size, micro-batch size).
 
     Every tensor input with a batch dimension is cut to its first ``ceil(batch / chunks)``
-    rows along dim 0 (copies), the size of the largest micro-batch ``chunks`` will make.
+    rows along dim 0 (copies), the size of the largest micro-batch ``chunks`` will make. This is
+    THE micro-batch rule: the profile, the plan's fingerprint and the pipeline's graph all use it
+    ([Note: graphs are keyed to the micro-batch] in autopipe/api.py). ``error`` is the class
+    raised on bad input, so each caller reports in its own terms.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ProfileError(f"chunks must be an int >= 1, got {chunks!r}; pass chunks=1 or more")
+        raise error(f"chunks must be an int >= 1, got {chunks!r}; pass chunks=1 or more")
     sizes = {int(t.shape[0]) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
     if not sizes:
-        raise ProfileError(
+        raise error(
             "example inputs hold no tensor with a batch dimension (dim 0); pass at least one "
             "batched tensor"
         )
     if len(sizes) > 1:
-        raise ProfileError(
+        raise error(
             f"example input tensors disagree on the batch size (dim 0 sizes {sorted(sizes)}); "
             "every batched input must have the same dim 0"
         )
     batch = sizes.pop()
     if batch < chunks:
-        raise ProfileError(
+        raise error(
             f"chunks={chunks} > batch size {batch}: micro-batches would be empty; use chunks <= {batch}"
         )
     micro = math.ceil(batch / chunks)

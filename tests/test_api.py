@@ -179,7 +179,7 @@ def test_errors() -> None:
     plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2)
     with pytest.raises(BuildError, match="2 stages but 3 devices"):
         pipeline(ex.model, ex.inputs, devices=["cpu"] * 3, chunks=2, plan=plan)
-    with pytest.raises(BuildError, match="batch size 4 < chunks=8"):
+    with pytest.raises(BuildError, match="chunks=8 > batch size 4: micro-batches would be empty"):
         pipeline(ex.model, ex.inputs, devices=["cpu"] * 2, chunks=8, plan=plan)
     with pytest.raises(BuildError, match="devices is empty"):
         pipeline(ex.model, ex.inputs, devices=[], chunks=2, plan=plan)

@@ -27,7 +27,7 @@ def test_cli_train_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: obje
     assert main(["train", "mlp", "--stages", "2", "--devices", "cpu"]) == 2
     assert "1 devices for 2 stages" in capsys.readouterr().err
     assert main(["train", "mlp", "--batch-size", "2", "--chunks", "4"]) == 2
-    assert "batch size 2 < chunks=4" in capsys.readouterr().err
+    assert "chunks=4 > batch size 2: micro-batches would be empty" in capsys.readouterr().err
 
 
 def test_bad_arguments() -> None:
