@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from autopipe.errors import TraceError
+from autopipe.errors import TraceError, first_line
 
 __all__ = ["Capture", "capture", "LeafSpec"]
 
@@ -93,12 +93,6 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    line = text[0] if text else type(err).__name__
-    return f"{type(err).__name__}: {line[:200]}"
-
-
 def _trace_fx(
     model: nn.Module, rule: _LeafRule, kwargs: Mapping[str, Any]
 ) -> tuple[fx.GraphModule | None, str]:
@@ -107,7 +101,7 @@ def _trace_fx(
         graph = tracer.trace(model, concrete_args=dict(kwargs) if kwargs else None)
     except Exception as err:  # torch.fx raises many types; all mean "could not trace"
         where = tracer.failed_in or "<root>"
-        return None, f"torch.fx failed in module '{where}' ({_first_line(err)})"
+        return None, f"torch.fx failed in module '{where}' ({first_line(err)})"
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     return gm, ""
 
@@ -132,7 +126,7 @@ def _trace_export(
         except Exception as err:
             first_err = first_err or err
     assert first_err is not None
-    return None, f"torch.export failed ({_first_line(first_err)})"
+    return None, f"torch.export failed ({first_line(first_err)})"
 
 
 def _leaf_key_export(
@@ -205,7 +199,7 @@ def capture(
         try:
             _fake_propagate(gm, example_inputs)
         except Exception as err:  # traced, but the graph does not run on these inputs
-            gm, fx_err = None, f"torch.fx graph did not run on the example inputs ({_first_line(err)})"
+            gm, fx_err = None, f"torch.fx graph did not run on the example inputs ({first_line(err)})"
     if gm is None:
         gm, ex_err = _trace_export(model, example_inputs, concrete)
         source = "export"

@@ -44,3 +44,10 @@ class BuildError(AutopipeError):
 
 class PlotError(AutopipeError):
     """Figures cannot be drawn from the given plan, profile or events, or not saved where asked."""
+
+
+def first_line(err: BaseException) -> str:
+    """``"ErrorType: first line of its message"`` (at most 200 characters of it): what a one-line
+    message quotes from an exception raised deep inside torch or a user's code."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")

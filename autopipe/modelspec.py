@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopipe.errors import ProfileError
+from autopipe.errors import ProfileError, first_line
 
 __all__ = ["LoadedModel", "load_model"]
 
@@ -32,11 +32,6 @@ class LoadedModel:
     name: str  # short name: the example name or the factory's name
     model: nn.Module
     inputs: tuple[Any, ...]
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _factory(spec: str) -> Any:
@@ -54,7 +49,7 @@ def _factory(spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ProfileError(
-            f"cannot import module {module_name!r} of model {spec!r} ({_first_line(err)}); "
+            f"cannot import module {module_name!r} of model {spec!r} ({first_line(err)}); "
             "check the name and that it is on PYTHONPATH"
         ) from None
     obj: Any = module
@@ -97,7 +92,7 @@ def load_model(
     try:
         made = factory(batch_size=batch_size or 32) if takes_batch else factory()
     except Exception as err:  # the user's code: report it in one line
-        raise ProfileError(f"factory {spec!r} raised {_first_line(err)}; fix the factory") from None
+        raise ProfileError(f"factory {spec!r} raised {first_line(err)}; fix the factory") from None
     name = spec.partition(":")[2].split(".")[-1]
     model, inputs = _unpack(spec, made)
     if inputs is None:
