@@ -129,22 +129,18 @@ def group_layers(cap: Capture) -> tuple[list[tuple[str, list[str]]], dict[str, s
         else:
             new_segment("graph", None)
     node_layer = {n.name: s.name for s in segments for n in s.nodes}
+    position = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
     for node in cap.gm.graph.nodes:
         if node.op != "get_attr":
             continue
         users = [u for u in node.users if u.name in node_layer]
-        first = min(users, key=_order(cap.gm)) if users else None
+        first = min(users, key=position.__getitem__) if users else None
         node_layer[node.name] = node_layer[first.name] if first else segments[0].name
     members: dict[str, list[str]] = {s.name: [] for s in segments}
     for node in cap.gm.graph.nodes:
         if node.name in node_layer:
             members[node_layer[node.name]].append(node.name)
     return list(members.items()), node_layer
-
-
-def _order(gm: fx.GraphModule) -> Any:
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return lambda n: index[n]
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
