@@ -5,20 +5,27 @@
     plan = autopipe.partition(prof, stages=4)      # Profile -> Plan (balanced stages)
     pipe = autopipe.pipeline(model, (x,), devices=["cuda:0", "cuda:1"], plan=plan)
 
-Dependencies run one way: graph -> profiler -> partition -> plan -> build; the runtime lives in
-the separate ``executor`` package, which imports torch only.
+The packages, in the order data flows through them (docs/DESIGN.md has the map and the rules):
+
+    core/       torch-free values and the one cost model: Profile, Plan, simulator, units, files
+    solvers/    torch-free: partition() with the exact DP, the ILP and the baselines
+    frontend/   torch: trace a model, group layers, profile them, cut stage modules
+    assemble*   pipeline() and distributed_pipeline(): frontend + solvers + executor
+    plot/       matplotlib figures of plans, profiles and timelines
+    app/        the command line and what it runs (no library logic)
+
+The runtime is the separate ``executor`` package, which never imports ``autopipe``.
 
 [Note: lazy package] Public names are resolved on first use (PEP 562 ``__getattr__``), so that
-``import autopipe.partition`` (and the profile, cost, plan and simulate modules) works on a
-machine without torch: only the names that need torch import it. To add a public name, add it to
-``_LAZY`` (name -> module), to ``__all__`` and to the ``TYPE_CHECKING`` block.
+``import autopipe`` and the planner (``autopipe.partition`` on a saved profile) work on a machine
+without torch: only the names that need torch import it. No public name is also the name of a
+submodule, so importing any submodule never shadows a public function. To add a public name, add
+it to ``_LAZY`` (name -> module), to ``__all__`` and to the ``TYPE_CHECKING`` block.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from autopipe.errors import (
@@ -32,18 +39,18 @@ from autopipe.errors import (
 )
 
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
-    from autopipe.api import pipeline
-    from autopipe.build import build
-    from autopipe.cost import DeviceSpec
-    from autopipe.distributed import distributed_pipeline, merge_state_dicts
+    from autopipe.assemble import pipeline
+    from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+    from autopipe.core.cost import DeviceSpec
+    from autopipe.core.plan import Plan
+    from autopipe.core.profile_table import Profile
+    from autopipe.core.simulator import simulate
     from autopipe.examples import EXAMPLES, get_example
-    from autopipe.graph import LayerGraph, trace
-    from autopipe.partition import partition
-    from autopipe.plan import Plan
+    from autopipe.frontend.graph import LayerGraph, trace
+    from autopipe.frontend.profiler import profile
+    from autopipe.frontend.stages import build
     from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
-    from autopipe.profile import Profile
-    from autopipe.profiler import profile
-    from autopipe.simulate import simulate
+    from autopipe.solvers.partitioner import partition
 
 __all__ = [
     "AutopipeError",
@@ -77,18 +84,18 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "EXAMPLES": "autopipe.examples",
     "get_example": "autopipe.examples",
-    "trace": "autopipe.graph",
-    "LayerGraph": "autopipe.graph",
-    "build": "autopipe.build",
-    "pipeline": "autopipe.api",
-    "distributed_pipeline": "autopipe.distributed",
-    "merge_state_dicts": "autopipe.distributed",
-    "Profile": "autopipe.profile",
-    "profile": "autopipe.profiler",
-    "partition": "autopipe.partition",
-    "Plan": "autopipe.plan",
-    "simulate": "autopipe.simulate",
-    "DeviceSpec": "autopipe.cost",
+    "trace": "autopipe.frontend.graph",
+    "LayerGraph": "autopipe.frontend.graph",
+    "build": "autopipe.frontend.stages",
+    "pipeline": "autopipe.assemble",
+    "distributed_pipeline": "autopipe.assemble_ranks",
+    "merge_state_dicts": "autopipe.assemble_ranks",
+    "Profile": "autopipe.core.profile_table",
+    "profile": "autopipe.frontend.profiler",
+    "partition": "autopipe.solvers.partitioner",
+    "Plan": "autopipe.core.plan",
+    "simulate": "autopipe.core.simulator",
+    "DeviceSpec": "autopipe.core.cost",
     "plot_balance": "autopipe.plot",
     "plot_profile": "autopipe.plot",
     "plot_timeline": "autopipe.plot",
@@ -109,22 +116,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """[Note: functions named like submodules] The public functions ``autopipe.profile``,
-    ``autopipe.partition``, ``autopipe.simulate`` and ``autopipe.build`` share their names with
-    the submodules that define the pipeline's stages (profile.py holds the Profile value,
-    partition/ the solvers, simulate.py and build.py the functions themselves), as DESIGN.md lays
-    them out. Importing a submodule makes Python set it as an attribute of its package, which
-    would shadow the public function after any ``from autopipe.profile import Profile``. This
-    class ignores exactly that assignment for names in ``_LAZY``: submodules stay importable with
-    ``from autopipe.X import Y`` and the public name stays the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -65,8 +65,8 @@ def _single_process(batch: int, chunks: int, steps: int, warmup: int) -> float:
 
 
 def _autopipe_rank(rank: int, plan: dict[str, Any], batch: int, chunks: int, steps: int, warmup: int) -> float:
-    from autopipe.distributed import distributed_pipeline
-    from autopipe.plan import Plan
+    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.core.plan import Plan
 
     ex = _example(batch)
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=Plan.from_dict(plan),
@@ -124,8 +124,8 @@ def _two_ranks(*args: Any) -> list[float]:
 
 
 def _plans(batch: int, chunks: int) -> tuple[Any, Any]:
-    from autopipe.partition import partition
-    from autopipe.profiler import profile
+    from autopipe.frontend.profiler import profile
+    from autopipe.solvers.partitioner import partition
 
     ex = _example(batch)
     prof = profile(ex.model, ex.inputs, chunks=chunks, repeats=5)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 import autopipe
+from autopipe.app.train import median_ms
 from autopipe.examples import get_example
-from autopipe.train import median_ms
 
 __all__ = ["Row", "main"]
 

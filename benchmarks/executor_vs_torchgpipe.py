@@ -38,6 +38,7 @@ class Row:
     executor_ms: float
     threaded_ms: float  # executor forced onto a worker thread, as torchgpipe always is
     torchgpipe_ms: float
+    max_grad_diff: float  # executor vs torchgpipe after the last step: the same work was timed
 
     @property
     def ratio(self) -> float:
@@ -106,6 +107,11 @@ def measure(
             ms = _step(pipe, x, target, loss_fn)
             if k >= warmup:
                 times[key].append(ms)
+    diff = max(
+        float((a.grad - b.grad).abs().max())
+        for a, b in zip(ours.parameters(), peer.parameters(), strict=True)
+        if a.grad is not None and b.grad is not None
+    )
     return Row(
         name,
         batch,
@@ -114,6 +120,7 @@ def measure(
         statistics.median(times["ours"]),
         statistics.median(times["threaded"]),
         statistics.median(times["peer"]),
+        diff,
     )
 
 

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from autopipe.core.profile_table import Profile
 from autopipe.errors import AutopipeError
-from autopipe.partition import partition
-from autopipe.partition.synthetic import chain_profile, transformer_dag
-from autopipe.profile import Profile
+from autopipe.solvers.partitioner import partition
+from autopipe.solvers.synthetic import chain_profile, transformer_dag
 
 __all__ = ["main", "cases"]
 

@@ -13,10 +13,10 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from autopipe.cost import CostOptions, DeviceSpec, LayerCosts
-from autopipe.partition.dp import solve_dp
-from autopipe.partition.ilp import solve_ilp
-from autopipe.partition.synthetic import random_chain, transformer_dag
+from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts
+from autopipe.solvers.dp import solve_dp
+from autopipe.solvers.ilp import solve_ilp
+from autopipe.solvers.synthetic import random_chain, transformer_dag
 
 __all__ = ["main"]
 

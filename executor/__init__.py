@@ -1,23 +1,34 @@
 """executor: the GPipe runtime. Knows stages, devices and micro-batches; never the planner.
 
 Imports torch only (never ``autopipe``), so it can be used with hand-made stages.
+
+[Note: lazy executor] Public names are resolved on first use (PEP 562 ``__getattr__``), so that
+``import executor.spec`` (the torch-free rules the planner shares with the runtime) does not
+import torch, and ``import executor`` does not pay for torch.distributed.pipelining until a
+distributed name is used. To add a public name, add it to ``_LAZY``, ``__all__`` and the
+``TYPE_CHECKING`` block.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from executor.batchnorm import DeferredBatchNorm
-from executor.checkpoint import is_checkpointing, is_recomputing
-from executor.errors import ExecutorError, MicroBatchError, PlacementError
-from executor.gpipe import GPipe
-from executor.microbatch import gather, scatter
-from executor.schedule import clock_cycles
-from executor.trace import TraceEvent, save_chrome_trace, to_chrome_trace
+from executor.spec import TimelineEvent
+
+if TYPE_CHECKING:
+    from executor.batchnorm import DeferredBatchNorm
+    from executor.checkpoint import is_checkpointing, is_recomputing
+    from executor.distributed import DistributedPipeline, PipelineFailure
+    from executor.errors import DistributedError, ExecutorError, MicroBatchError, PlacementError
+    from executor.gpipe import GPipe
+    from executor.microbatch import gather, scatter
+    from executor.schedule import clock_cycles
+    from executor.timeline import save_chrome_trace, to_chrome_trace
 
 __all__: list[str] = [
     "GPipe",
-    "TraceEvent",
+    "TimelineEvent",
     "save_chrome_trace",
     "to_chrome_trace",
     "DeferredBatchNorm",
@@ -34,16 +45,34 @@ __all__: list[str] = [
     "PipelineFailure",
 ]
 
-if TYPE_CHECKING:
-    from executor.distributed import DistributedError, DistributedPipeline, PipelineFailure
-
-# executor.distributed imports torch.distributed.pipelining (about a second): load it on first use
-_LAZY = {"DistributedPipeline", "DistributedError", "PipelineFailure"}
+# public name -> module that defines it (imported on first attribute access)
+_LAZY: dict[str, str] = {
+    "GPipe": "executor.gpipe",
+    "save_chrome_trace": "executor.timeline",
+    "to_chrome_trace": "executor.timeline",
+    "DeferredBatchNorm": "executor.batchnorm",
+    "clock_cycles": "executor.schedule",
+    "scatter": "executor.microbatch",
+    "gather": "executor.microbatch",
+    "is_checkpointing": "executor.checkpoint",
+    "is_recomputing": "executor.checkpoint",
+    "ExecutorError": "executor.errors",
+    "MicroBatchError": "executor.errors",
+    "PlacementError": "executor.errors",
+    "DistributedError": "executor.errors",
+    "DistributedPipeline": "executor.distributed",
+    "PipelineFailure": "executor.distributed",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    module = _LAZY.get(name)
+    if module is None:
         raise AttributeError(f"module 'executor' has no attribute {name!r}")
-    import executor.distributed
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups bypass __getattr__
+    return value
 
-    return getattr(executor.distributed, name)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

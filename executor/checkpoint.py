@@ -28,9 +28,9 @@ from torch import Tensor
 
 from executor.errors import ExecutorError
 from executor.microbatch import Batch
+from executor.spec import recomputed_microbatches
 
 __all__ = [
-    "CHECKPOINT_MODES",
     "checkpoint_stop",
     "is_checkpointing",
     "is_recomputing",
@@ -41,21 +41,17 @@ __all__ = [
     "depend",
 ]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
 StageFn = Callable[[Batch], Batch]
 SpanFactory = Callable[[], AbstractContextManager[Any]]
 
 
 def checkpoint_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
     """Micro-batches ``0 .. stop-1`` are checkpointed; ``enabled=False`` (eval, no_grad) -> 0."""
-    if mode not in CHECKPOINT_MODES:
-        raise ExecutorError(
-            f"checkpoint={mode!r} is not a checkpoint mode; use one of {', '.join(CHECKPOINT_MODES)}"
-        )
-    if not enabled:
-        return 0
-    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+    try:
+        recomputed = recomputed_microbatches(mode, chunks)
+    except ValueError as err:
+        raise ExecutorError(str(err)) from None
+    return recomputed if enabled else 0
 
 
 class _Flags(threading.local):

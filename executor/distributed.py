@@ -51,13 +51,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from executor._torch_compat import is_communication_error, prefetch_support, warn_no_prefetch
 from executor.checkpoint import checkpoint_stop
 from executor.errors import DistributedError
-from executor.prefetch import PREFETCH_AVAILABLE, PrefetchGPipe
+from executor.prefetch import PrefetchGPipe
+from executor.spec import SCHEDULES
 from executor.wire import Wire, WireStage, infer_wires, wire_metas
 
 __all__ = [
-    "SCHEDULES",
+    "schedule_class",
     "DistributedError",
     "PipelineFailure",
     "Wire",
@@ -67,11 +69,24 @@ __all__ = [
     "WATCHDOG_EXIT_CODE",
 ]
 
-SCHEDULES: dict[str, type] = {
-    "gpipe": PrefetchGPipe if PREFETCH_AVAILABLE else ScheduleGPipe,  # [Note: receive ahead]
+_SCHEDULE_CLASSES: dict[str, type] = {
+    "gpipe": PrefetchGPipe,  # [Note: receive ahead]
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
 }
+assert tuple(_SCHEDULE_CLASSES) == SCHEDULES, "executor.spec.SCHEDULES lists the runtime's schedules"
+
+
+def schedule_class(schedule: str) -> type:
+    """The torch schedule class that runs ``schedule`` (one of executor.spec.SCHEDULES)."""
+    if schedule not in _SCHEDULE_CLASSES:
+        raise DistributedError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
+    if schedule == "gpipe":
+        problem = prefetch_support()
+        if problem is not None:
+            warn_no_prefetch(problem)
+            return ScheduleGPipe
+    return _SCHEDULE_CLASSES[schedule]
 WATCHDOG_EXIT_CODE = 3
 _GRACE_S = 5.0
 
@@ -97,13 +112,6 @@ class _Stage(PipelineStage):
 
 
 # --- the pipeline -----------------------------------------------------------------------------
-_COMMUNICATION_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
-
-
-def _is_communication_error(err: BaseException) -> bool:
-    """Gloo and NCCL report a dead or silent peer as RuntimeError (DistError in newer torch)."""
-    text = str(err).lower()
-    return isinstance(err, dist.DistError) or any(m in text for m in _COMMUNICATION_MARKERS)
 class DistributedPipeline:
     """This rank's stages of a pipeline run by a torch.distributed.pipelining schedule.
 
@@ -114,7 +122,7 @@ class DistributedPipeline:
         loss_fn: ``loss_fn(output, target)`` on each micro-batch's output (last stage).
         chunks: micro-batches per mini-batch; the batch size must be a multiple of it.
         checkpoint: ``always``, ``except_last`` or ``never`` (see executor.checkpoint).
-        schedule: a key of :data:`SCHEDULES`.
+        schedule: one of executor.spec.SCHEDULES.
         wires: the wires of every cut, from :func:`infer_wires` (the same on every rank).
         ties: one ``(ranks, parameter or None)`` per parameter held by several ranks, in the
             same order on every rank: the ranks holding a copy, and this rank's copy.
@@ -141,8 +149,7 @@ class DistributedPipeline:
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized; call "
                                    "torch.distributed.init_process_group(...) on every rank first")
-        if schedule not in SCHEDULES:
-            raise DistributedError(f"schedule={schedule!r} is unknown; use one of {sorted(SCHEDULES)}")
+        kind = schedule_class(schedule)
         if chunks < 1:
             raise DistributedError(f"chunks={chunks} < 1: a pipeline needs at least one micro-batch")
         if len(stages) != len(indices) or not stages:
@@ -175,7 +182,6 @@ class DistributedPipeline:
         ]
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
-        kind = SCHEDULES[schedule]
         if schedule == "interleaved1f1b":
             self._schedule = kind(self.pipeline_stages, chunks, loss_fn=self._loss, scale_grads=False)
         else:
@@ -225,7 +231,7 @@ class DistributedPipeline:
                                     losses=losses if self.is_last else None, return_outputs=False)
                 self._finish_grads()
             except RuntimeError as err:
-                if not _is_communication_error(err):
+                if not is_communication_error(err):
                     raise  # this rank's own bug (a shape error, out of memory): not a peer's fault
                 raise PipelineFailure(self._failure(str(err).strip().splitlines()[0])) from err
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None

@@ -37,6 +37,7 @@ from executor.errors import ExecutorError
 from executor.microbatch import Batch, gather, scatter
 from executor.placement import check_devices, place
 from executor.schedule import clock_cycles
+from executor.spec import TimelineEvent
 from executor.stream import (
     AbstractStream,
     copy,
@@ -46,7 +47,7 @@ from executor.stream import (
     use_stream,
     wait,
 )
-from executor.trace import Recorder, TraceEvent
+from executor.timeline import TimelineRecorder
 from executor.worker import WorkerPool
 
 __all__ = ["GPipe"]
@@ -67,7 +68,8 @@ class GPipe(nn.Module):
             mini-batch, as in the unpipelined model.
         key_prefixes: per stage, a prefix mapping its local ``state_dict`` keys to the
             original model's (see [Note: state_dict keys]); ``None``: keys are already original.
-        trace: record a :class:`TraceEvent` timeline of every iteration (``last_trace``).
+        record_timeline: record the timeline (executor.spec.TimelineEvent spans) of every
+            iteration (read it from ``last_timeline``).
         threads: run stages on worker threads (True), inline in the caller (False), or
             ``None``: threads only when the stages span two or more devices (see
             [Note: inline worker] in executor.worker).
@@ -82,7 +84,7 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
         *,
         key_prefixes: Sequence[str] | None = None,
-        trace: bool = False,
+        record_timeline: bool = False,
         threads: bool | None = None,
     ) -> None:
         super().__init__()
@@ -112,9 +114,9 @@ class GPipe(nn.Module):
         self._remotes = place(stages, self.devices)
         self.stages = nn.ModuleList(stages)
         self._copy_streams: dict[tuple[torch.device, int], AbstractStream] = {}
-        self._always_trace = trace
-        self._recorder: Recorder | None = None
-        self._tracing = False
+        self._always_record = record_timeline
+        self._recorder: TimelineRecorder | None = None
+        self._recording = False
         self._load_prefix = ""
         self.register_state_dict_post_hook(_unprefix_state_dict)
         self.register_load_state_dict_pre_hook(_prefix_state_dict)
@@ -123,22 +125,22 @@ class GPipe(nn.Module):
     def __len__(self) -> int:
         return len(self.stages)
 
-    # --- tracing -------------------------------------------------------------------------
+    # --- timeline --------------------------------------------------------------------------
 
     @contextmanager
-    def trace(self) -> Iterator[list[TraceEvent]]:
-        """Trace the iteration run inside the context; the list is filled on exit."""
-        events: list[TraceEvent] = []
-        old, self._tracing, self._recorder = self._tracing, True, None
+    def record_timeline(self) -> Iterator[list[TimelineEvent]]:
+        """Record the timeline of the iteration run inside the context; the list is filled on exit."""
+        events: list[TimelineEvent] = []
+        old, self._recording, self._recorder = self._recording, True, None
         try:
             yield events
         finally:
-            self._tracing = old
-            events += self.last_trace or []
+            self._recording = old
+            events += self.last_timeline or []
 
     @property
-    def last_trace(self) -> list[TraceEvent] | None:
-        """The timeline of the last traced iteration (read it after backward)."""
+    def last_timeline(self) -> list[TimelineEvent] | None:
+        """The timeline of the last recorded iteration (read it after backward)."""
         return None if self._recorder is None else self._recorder.events()
 
     # --- forward -------------------------------------------------------------------------
@@ -149,7 +151,7 @@ class GPipe(nn.Module):
         batches = scatter(inputs, self.chunks)
         first = self.devices[0]
         batches = [b.with_tensors([t.to(first) for t in b.tensors()]) for b in batches]
-        recorder = Recorder() if (self._tracing or self._always_trace) else None
+        recorder = TimelineRecorder() if (self._recording or self._always_record) else None
         if recorder is not None:
             self._recorder = recorder
         enabled = self.training and torch.is_grad_enabled()
@@ -180,7 +182,7 @@ class GPipe(nn.Module):
         return j > 0 and self.devices[j - 1] != self.devices[j]
 
     def _fence(
-        self, cycle: list[tuple[int, int]], batches: list[Batch], recorder: Recorder | None
+        self, cycle: list[tuple[int, int]], batches: list[Batch], recorder: TimelineRecorder | None
     ) -> None:
         for i, j in cycle:
             if i > 0:  # micro-batch i-1 back-propagates through stage j after micro-batch i
@@ -202,7 +204,7 @@ class GPipe(nn.Module):
         batches: list[Batch],
         pool: WorkerPool,
         stop: int,
-        recorder: Recorder | None,
+        recorder: TimelineRecorder | None,
     ) -> None:
         last = len(self.stages) - 1
         streams = [current_stream(d) for d in self.devices]
@@ -244,7 +246,7 @@ class _StageTask:
         stream: AbstractStream,
         batch: Batch,
         checkpointed: bool,
-        recorder: Recorder | None,
+        recorder: TimelineRecorder | None,
     ) -> None:
         self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
         self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder

@@ -1,11 +1,8 @@
 """Scatter a mini-batch into micro-batches and gather the micro-batches' outputs.
 
-[Note: micro-batch sizes] A batch of B samples is cut with ``torch.tensor_split`` into exactly
-``chunks`` micro-batches whose sizes differ by at most one (B=10, chunks=4 -> 3, 3, 2, 2).
-``torch.chunk`` (torchgpipe's choice) instead cuts chunks of ceil(B/M) and may return fewer
-than M of them (B=10, M=4 -> 3, 3, 3, 1; B=5, M=4 -> 2, 2, 1): the schedule, the planner's
-cost model and deferred BatchNorm would then see a different M than was asked for. Exactly
-M is what the Plan promises, so the executor always runs M micro-batches; B < M is an error.
+A batch of B samples is cut into exactly ``chunks`` micro-batches of the sizes
+executor.spec.microbatch_sizes gives ([Note: micro-batch sizes]): they differ by at most one,
+the larger first. Exactly M is what the Plan promises; B < M is an error.
 
 Inputs may be tensors or (nested) tuples, lists and dicts of them; every tensor leaf with at
 least one dimension is split along dim 0 and must share the batch size. Non-tensor leaves and
@@ -18,10 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
+from executor._torch_compat import tree_flatten, tree_leaves, tree_unflatten
 from executor.errors import MicroBatchError
+from executor.spec import microbatch_sizes
 
 __all__ = ["Batch", "scatter", "gather", "batch_size"]
 
@@ -57,14 +55,14 @@ class Batch:
 
     def tensors(self) -> list[Tensor]:
         """Every tensor leaf, in a stable (pytree) order."""
-        return [x for x in pytree.tree_leaves(self.values) if isinstance(x, Tensor)]
+        return [x for x in tree_leaves(self.values) if isinstance(x, Tensor)]
 
     def with_tensors(self, tensors: Sequence[Tensor]) -> Batch:
         """A batch of the same structure whose tensor leaves are replaced, in order."""
-        leaves, spec = pytree.tree_flatten(self.values)
+        leaves, spec = tree_flatten(self.values)
         it = iter(tensors)
         new = [next(it) if isinstance(x, Tensor) else x for x in leaves]
-        return Batch(pytree.tree_unflatten(new, spec), self.atomic)
+        return Batch(tree_unflatten(new, spec), self.atomic)
 
     def __repr__(self) -> str:
         return f"Batch(values={self.values!r}, atomic={self.atomic})"
@@ -76,7 +74,7 @@ def _is_batched(x: Any) -> bool:
 
 def batch_size(inputs: tuple[Any, ...]) -> int:
     """The shared dim-0 size of every batched tensor leaf of ``inputs``."""
-    sizes: list[int] = [x.size(0) for x in pytree.tree_leaves(inputs) if _is_batched(x)]
+    sizes: list[int] = [x.size(0) for x in tree_leaves(inputs) if _is_batched(x)]
     if not sizes:
         raise MicroBatchError(
             "no input tensor has a batch dimension: nothing to split into micro-batches; "
@@ -92,20 +90,18 @@ def batch_size(inputs: tuple[Any, ...]) -> int:
 
 def scatter(inputs: tuple[Any, ...], chunks: int) -> list[Batch]:
     """Split positional ``inputs`` into exactly ``chunks`` micro-batches along dim 0."""
-    if chunks < 1:
+    if isinstance(chunks, int) and chunks < 1:
         raise MicroBatchError(f"chunks={chunks} < 1: need at least one micro-batch; use chunks >= 1")
-    size = batch_size(inputs)
-    if chunks > size:
-        raise MicroBatchError(
-            f"chunks={chunks} > batch size {size}: micro-batches would be empty; "
-            f"use chunks <= {size}"
-        )
-    leaves, spec = pytree.tree_flatten(inputs)
-    parts = [torch.tensor_split(x, chunks) if _is_batched(x) else None for x in leaves]
+    try:
+        sizes = microbatch_sizes(batch_size(inputs), chunks)
+    except ValueError as err:
+        raise MicroBatchError(str(err)) from None
+    leaves, spec = tree_flatten(inputs)
+    parts = [torch.split(x, sizes) if _is_batched(x) else None for x in leaves]
     batches = []
     for i in range(chunks):
         mb = [x if p is None else p[i] for x, p in zip(leaves, parts, strict=True)]
-        batches.append(Batch(pytree.tree_unflatten(mb, spec)))
+        batches.append(Batch(tree_unflatten(mb, spec)))
     return batches
 
 
@@ -116,7 +112,7 @@ def gather(outputs: Sequence[Any]) -> Any:
     """
     if not outputs:
         raise MicroBatchError("no micro-batch outputs to gather; run at least one micro-batch")
-    flat = [pytree.tree_flatten(out) for out in outputs]
+    flat = [tree_flatten(out) for out in outputs]
     spec = flat[0][1]
     for i, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
@@ -135,4 +131,4 @@ def gather(outputs: Sequence[Any]) -> Any:
                 "return per-sample values (shape (batch, ...)) and reduce after the pipeline"
             )
         gathered.append(torch.cat([leaves[k] for leaves, _ in flat]))
-    return pytree.tree_unflatten(gathered, spec)
+    return tree_unflatten(gathered, spec)

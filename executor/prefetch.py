@@ -5,12 +5,13 @@ reaches micro-batch i, so a rank that finishes a forward then sits idle while th
 activation crosses the wire, and on CPU (gloo) that transfer competes with the compute it should
 have overlapped. Each micro-batch has its own receive buffer in a PipelineStage, so nothing stops
 us posting all of a phase's receives up front: the data lands while the rank computes, and the
-wait before each micro-batch is usually already over. On this repo's 2-rank CPU benchmark that
-took the pipeline from 1.00x to 1.47x of one process (ideal 1.78x). The schedule, the loss
-handling and the gradient scaling are otherwise exactly ``ScheduleGPipe``'s.
+wait before each micro-batch is usually already over (README: "Two processes vs one" has the
+measured effect). The schedule, the loss handling and the gradient scaling are otherwise
+exactly ``ScheduleGPipe``'s.
 
-The helpers used here are private to torch.distributed.pipelining; where they are missing (a
-torch outside the tested range) ``PREFETCH_AVAILABLE`` is False and callers use ScheduleGPipe.
+The override and the helpers it calls are private to torch.distributed.pipelining: they come
+from executor._torch_compat, which checks their signatures ([Note: private torch API]); where
+they differ, executor.distributed runs the public ScheduleGPipe instead.
 """
 
 from __future__ import annotations
@@ -19,14 +20,9 @@ from typing import Any
 
 from torch.distributed.pipelining import ScheduleGPipe
 
-try:
-    from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
+from executor._torch_compat import sorted_batch_p2p, wait_batch_p2p
 
-    PREFETCH_AVAILABLE = True
-except ImportError:  # pragma: no cover - other torch versions
-    PREFETCH_AVAILABLE = False
-
-__all__ = ["PREFETCH_AVAILABLE", "PrefetchGPipe"]
+__all__ = ["PrefetchGPipe"]
 
 
 class PrefetchGPipe(ScheduleGPipe):
@@ -47,29 +43,29 @@ class PrefetchGPipe(ScheduleGPipe):
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         stage, n = self._stage, self._n_microbatches
 
-        recvs = [_sorted_batch_p2p(stage.get_fwd_recv_ops(i), desc="fwd_recv") for i in range(n)]
+        recvs = [sorted_batch_p2p(stage.get_fwd_recv_ops(i), desc="fwd_recv") for i in range(n)]
         sends: list[Any] = []
         for i in range(n):
             for work in recvs[i].values():
-                _wait_batch_p2p(work)
+                wait_batch_p2p(work)
             output = stage.forward_one_chunk(
                 i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs
             )
-            sends.extend(_sorted_batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send").values())
+            sends.extend(sorted_batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send").values())
             self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
         for work in sends:
-            _wait_batch_p2p(work)
+            wait_batch_p2p(work)
 
-        recvs = [_sorted_batch_p2p(stage.get_bwd_recv_ops(i), desc="bwd_recv") for i in range(n)]
+        recvs = [sorted_batch_p2p(stage.get_bwd_recv_ops(i), desc="bwd_recv") for i in range(n)]
         sends = []
         for i in range(n):
             for work in recvs[i].values():
-                _wait_batch_p2p(work)
+                wait_batch_p2p(work)
             loss = self._maybe_get_loss(stage, i)
             stage.backward_one_chunk(i, loss=loss, last_backward=i == n - 1)
-            sends.extend(_sorted_batch_p2p(stage.get_bwd_send_ops(i), desc="bwd_send").values())
+            sends.extend(sorted_batch_p2p(stage.get_bwd_send_ops(i), desc="bwd_send").values())
         for work in sends:
-            _wait_batch_p2p(work)
+            wait_batch_p2p(work)
 
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(n if self.scale_grads else 1)

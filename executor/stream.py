@@ -30,7 +30,6 @@ __all__ = [
     "wait",
     "new_stream",
     "current_stream",
-    "default_stream",
     "get_device",
     "use_device",
     "use_stream",
@@ -73,12 +72,6 @@ def current_stream(device: torch.device) -> AbstractStream:
     if device.type != "cuda":
         return CPU_STREAM
     return torch.cuda.current_stream(device)
-
-
-def default_stream(device: torch.device) -> AbstractStream:
-    if device.type != "cuda":
-        return CPU_STREAM
-    return torch.cuda.default_stream(device)
 
 
 def get_device(stream: AbstractStream) -> torch.device:

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from executor._torch_compat import TreeSpec, tree_flatten, tree_unflatten
 from executor.errors import DistributedError
 
 __all__ = ["Wire", "WireStage", "infer_wires", "wire_metas"]

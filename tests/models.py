@@ -114,7 +114,7 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-# --- factories for `autopipe profile package.module:factory` (tests/test_cli_profile.py) --------
+# --- factories for `autopipe profile package.module:factory` (tests/app/test_cli_profile.py) --------
 NOT_CALLABLE = 3
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from autopipe.plot.balance import compare_plans, plot_balance
 from autopipe.plot.files import FIGURES, plot_plan_file, save_figure
-from autopipe.plot.layers import plot_profile
+from autopipe.plot.per_layer import plot_profile
 from autopipe.plot.timeline import bubble_fraction, plot_timeline
 
 __all__ = [

@@ -2,7 +2,7 @@
 (``compare_plans``).
 
 Times are ms per micro-batch as in :class:`autopipe.Plan` (forward + backward + recompute +
-transfer, see [Note: stage time] in autopipe.cost); the pipeline's pace is set by the tallest
+transfer, see [Note: stage time] in autopipe.core.cost); the pipeline's pace is set by the tallest
 bar, and the dashed line is the lower bound no split can beat (max of total work / K and the
 largest layer). Memory is a stage's predicted peak (see [Note: stage memory]).
 """
@@ -15,18 +15,18 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from autopipe.core.plan import Plan
 from autopipe.errors import PlotError
-from autopipe.plan import Plan
 from autopipe.plot.style import (
     BOUND_COLOR,
     LIMIT_COLOR,
     PHASE_COLORS,
-    PHASES,
     byte_unit,
     check_plan,
     new_figure,
     stage_label,
 )
+from executor.spec import PHASES
 
 __all__ = ["plot_balance", "compare_plans"]
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from autopipe.atomic import atomic_write
+from autopipe.core.files import atomic_write
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
 from autopipe.errors import PlotError
-from autopipe.plan import Plan
 from autopipe.plot.balance import plot_balance
-from autopipe.plot.layers import plot_profile
+from autopipe.plot.per_layer import plot_profile
 from autopipe.plot.timeline import plot_timeline
-from autopipe.profile import Profile
 
 __all__ = ["FIGURES", "save_figure", "plot_plan_file"]
 
@@ -70,7 +70,7 @@ def plot_plan_file(
             raise PlotError("the layers figure draws a profile: pass --profile profiles/NAME.csv")
         fig = plot_profile(prof, loaded)
     else:
-        from autopipe.simulate import simulate
+        from autopipe.core.simulator import simulate
 
         result = simulate(loaded, prof, schedule=schedule)
         fig = plot_timeline(result.timeline, labels=[f"predicted ({schedule})"])

@@ -16,12 +16,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from autopipe.partition import partition
+from autopipe.core.profile_table import Profile
+from autopipe.core.simulator import simulate
 from autopipe.plot.balance import plot_balance
 from autopipe.plot.files import save_figure
 from autopipe.plot.timeline import plot_timeline
-from autopipe.profile import Profile
-from autopipe.simulate import simulate
+from autopipe.solvers.partitioner import partition
 
 __all__ = ["readme_images", "main"]
 

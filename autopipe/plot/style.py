@@ -12,12 +12,11 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
 from autopipe.errors import PlotError
-from autopipe.plan import Plan
-from autopipe.profile import Profile
 
 __all__ = [
-    "PHASES",
     "PHASE_COLORS",
     "byte_unit",
     "new_figure",
@@ -26,7 +25,6 @@ __all__ = [
     "stage_label",
 ]
 
-PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "transfer")
 PHASE_COLORS: dict[str, str] = {
     "forward": "#4C72B0",
     "backward": "#DD8452",

@@ -1,8 +1,8 @@
 """Gantt charts of pipeline iterations: ``plot_timeline(predicted, measured)``.
 
 Events are duck-typed: anything with ``stage``, ``microbatch``, ``phase``, ``start_ms`` and
-``end_ms`` (see [Note: TraceEvent fields] in executor.trace) is drawn, so the simulator's
-``TimelineEvent``s and the executor's measured ``TraceEvent``s go through the same code. A
+``end_ms`` (see [Note: timeline events] in executor/spec.py) is drawn, so the simulator's
+predicted and the executor's measured ``TimelineEvent``s go through the same code. A
 ``SimulationResult`` may be passed for its ``.timeline``.
 
 One row per stage, one box per (micro-batch, phase) labelled with the micro-batch number;
@@ -23,7 +23,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from autopipe.errors import PlotError
-from autopipe.plot.style import LIMIT_COLOR, PHASE_COLORS, PHASES, new_figure
+from autopipe.plot.style import LIMIT_COLOR, PHASE_COLORS, new_figure
+from executor.spec import PHASES
 
 __all__ = ["plot_timeline", "bubble_fraction"]
 
@@ -139,13 +140,13 @@ def _spans(events: Any, what: str) -> list[_Span]:
         events = events.timeline
     if not isinstance(events, Iterable) or isinstance(events, str | bytes):
         raise PlotError(f"{what} must be a list of timeline events, got {type(events).__name__}; "
-                        f"pass autopipe.simulate(plan).timeline or a pipe.trace() event list")
+                        f"pass autopipe.simulate(plan).timeline or a pipe.record_timeline() event list")
     out: list[_Span] = []
     for i, e in enumerate(events):
         missing = [f for f in _FIELDS if not hasattr(e, f)]
         if missing:
             raise PlotError(f"{what}[{i}] ({type(e).__name__}) lacks field(s) {missing}; timeline "
-                            f"events need {list(_FIELDS)} (TimelineEvent or TraceEvent)")
+                            f"events need {list(_FIELDS)} (executor.spec.TimelineEvent)")
         span = _Span(int(e.stage), int(e.microbatch), str(e.phase), float(e.start_ms), float(e.end_ms))
         if span.phase not in PHASES:
             raise PlotError(f"{what}[{i}] has phase {span.phase!r}; phases are {list(PHASES)}")
@@ -157,18 +158,16 @@ def _spans(events: Any, what: str) -> list[_Span]:
         out.append(span)
     if not out:
         raise PlotError(f"{what} is empty: nothing to draw; trace an iteration "
-                        f"(`with pipe.trace() as events: ...`) or pass simulate(plan).timeline")
+                        f"(`with pipe.record_timeline() as events: ...`) or pass simulate(plan).timeline")
     return out
 
 
 def _default_label(events: Any, index: int) -> str:
     items = getattr(events, "timeline", events)
     first = next(iter(items), None)
-    module = type(first).__module__
-    if module.startswith("autopipe"):
-        return "predicted"
-    if module.startswith("executor"):
-        return "measured"
+    measured = getattr(first, "measured", None)
+    if measured is not None:
+        return "measured" if measured else "predicted"
     return "timeline" if index == 0 else "second timeline"
 
 

@@ -1,0 +1,215 @@
+"""What each ``autopipe`` command takes: one frozen dataclass per command, every default here.
+
+[Note: one place for defaults] The command line (cli.py) builds its flags from these fields,
+``autopipe run`` hands its RunConfig to every rank as JSON (rank_main.py), and the library calls
+read the config's fields. A default, a choice or a help text is therefore written once, and a
+flag cannot drift from the rank-side parser or the library call it feeds. Choices are Literal
+types (listed in each flag's help, checked by the library call in one line); ``help`` says
+what a flag means and, where it has one, its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autopipe.errors import BuildError
+
+__all__ = [
+    "ProfileConfig",
+    "PartitionConfig",
+    "SimulateConfig",
+    "PlotConfig",
+    "TrainConfig",
+    "RunConfig",
+    "add_arguments",
+    "from_namespace",
+]
+
+Checkpoint = Literal["always", "except_last", "never"]
+Method = Literal["auto", "dp", "ilp", "uniform", "params", "blockpartition"]
+Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
+Ties = Literal["share", "colocate"]
+SimulatedSchedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
+Figure = Literal["balance", "timeline", "layers"]
+
+_EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """A flag ``--name`` (from the field name) with ``default`` and ``help``."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _pos(help: str, **meta: Any) -> Any:
+    """A positional argument."""
+    return field(metadata={"help": help, "positional": True, **meta})
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    model: str = _pos(_EXAMPLE_MODEL, metavar="MODEL")
+    batch_size: int | None = _opt(None, "mini-batch size B (default 32)")
+    chunks: int = _opt(1, "micro-batches per batch M; one micro-batch of ceil(B/M) rows is profiled (default 1)")
+    device: str = _opt("cpu", "cpu | cuda | cuda:N (default cpu)")
+    out: str | None = _opt(None, "profiles/NAME.csv (default: from MODEL)")
+    force: bool = _opt(False, "overwrite --out if it exists")
+    repeats: int | None = _opt(None, "timed runs per layer (default 10)")
+    warmup: int | None = _opt(None, "untimed runs first (default 2)")
+    max_depth: int | None = _opt(None, "keep submodules at this depth whole")
+    leaf: list[str] | None = _opt(None, "submodule name or class to keep whole as one layer (repeatable)",
+                                  metavar="NAME", action="append")
+    input_shape: str | None = _opt(None, "one sample's shape, e.g. 3,32,32, when the factory "
+                                         "returns a model without inputs")
+    threads: int | None = _opt(None, "torch CPU threads while measuring")
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    profile: str = _pos("profiles/NAME.csv (with NAME.json beside it)")
+    stages: int = _opt(None, "number of pipeline stages K", required=True)
+    method: Method = _opt("auto", "partition method (default auto: DP for chains, ILP for DAGs)")
+    memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
+    chunks: int | None = _opt(None, "micro-batches per batch M (default: the profile's, else 8)")
+    checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
+    optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
+    ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
+    bandwidth: float = _opt(10e9, "bytes/s between stages, 0 = free (default 1e10)")
+    time_limit: float = _opt(60.0, "ILP time limit in seconds (default 60)")
+    out: str = _opt(None, "plans/NAME.json", required=True)
+    force: bool = _opt(False, "overwrite --out if it exists")
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    plan: str = _pos("plans/NAME.json")
+    profile: str | None = _opt(None, "profiles/NAME.csv to recompute stage costs from")
+    schedule: SimulatedSchedule = _opt("gpipe", "schedule to simulate (default gpipe)")
+
+
+@dataclass(frozen=True)
+class PlotConfig:
+    plan: str = _pos("plans/NAME.json")
+    profile: str | None = _opt(None, "profiles/NAME.csv: check the plan against it and recompute "
+                                     "stage costs from it (needed by --layers)")
+    figure: Figure = _opt("balance", "which figure", switches={
+        "--timeline": ("timeline", "the simulated pipeline timeline instead of the balance bars"),
+        "--layers": ("layers", "per-layer time and memory with the plan's cuts (needs --profile)"),
+    })
+    schedule: SimulatedSchedule = _opt("gpipe", "schedule of --timeline (default gpipe)")
+    out: str = _opt(None, "image file: .png, .svg or .pdf", required=True)
+    force: bool = _opt(False, "overwrite --out if it exists")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    example: str = _pos("bundled example: mlp | cnn | gpt | unet")
+    stages: int = _opt(2, "pipeline stages K (default 2)")
+    chunks: int = _opt(4, "micro-batches per batch M (default 4)")
+    batch_size: int = _opt(32, "mini-batch size (default 32)")
+    steps: int = _opt(5, "training steps (default 5)")
+    checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
+    devices: list[str] | None = _opt(None, "one device per stage (default: cpu)", nargs="+")
+    method: Method = _opt("auto", "partition method (default auto)")
+    plan: str | None = _opt(None, "use this saved plan instead of partitioning")
+    profile: str | None = _opt(None, "use this saved profile instead of measuring")
+    lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What every rank of ``autopipe run`` trains: an example, a plan (or None: rank 0
+    partitions) and the loop. Travels to the ranks as JSON (:meth:`to_json`)."""
+
+    model: str = _pos("bundled example: mlp | cnn | gpt | unet")
+    plan: str | None = _opt(None, "plans/NAME.json (default: rank 0 profiles and partitions)")
+    nproc: int = _opt(2, "processes = pipeline ranks (default 2)")
+    steps: int = _opt(10, "training steps (default 10)")
+    batch_size: int = _opt(32, "mini-batch size (default 32)")
+    chunks: int | None = _opt(None, "micro-batches (default: the plan's, else 8)")
+    schedule: Schedule = _opt("gpipe", "pipeline schedule (default gpipe)")
+    checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
+    lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
+    timeout: float = _opt(60.0, "seconds before a silent rank is an error (default 60)")
+    threads: int = _opt(1, "torch threads per rank (default 1)")
+
+    def check(self) -> None:
+        from autopipe.examples import EXAMPLES
+
+        if self.model not in EXAMPLES:
+            raise BuildError(f"unknown example {self.model!r}; `autopipe run` trains one of {sorted(EXAMPLES)}")
+        if self.nproc < 1:
+            raise BuildError(f"--nproc {self.nproc} < 1: a pipeline needs at least one process")
+        if self.steps < 1:
+            raise BuildError(f"--steps {self.steps} < 1: pass --steps 1 or more")
+        _check_choice("--schedule", self.schedule, Schedule)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls(**json.loads(text))
+
+
+def _check_choice(flag: str, value: Any, kind: Any) -> None:
+    choices = typing.get_args(kind)
+    if value not in choices:
+        raise BuildError(f"{flag} {value!r} is unknown; use one of {list(choices)}")
+
+
+# --- argparse from the dataclasses --------------------------------------------------------------
+def _unwrap(kind: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); X -> (X, False)."""
+    args = typing.get_args(kind)
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], len(rest) < len(args)
+    return kind, False
+
+
+def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
+    """Add one argument per field of the dataclass ``config`` (see [Note: one place for defaults])."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        meta = dict(f.metadata)
+        kind, _ = _unwrap(hints[f.name])
+        help_text = meta.pop("help")
+        if meta.pop("positional", False):
+            parser.add_argument(f.name, help=help_text, **meta)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        switches = meta.pop("switches", None)
+        if switches is not None:  # a choice made by mutually exclusive switches, e.g. --timeline
+            group = parser.add_mutually_exclusive_group()
+            for switch, (value, text) in switches.items():
+                group.add_argument(switch, action="store_const", const=value, dest=f.name, help=text)
+            parser.set_defaults(**{f.name: f.default})
+            continue
+        kw: dict[str, Any] = {"help": help_text, "dest": f.name, **meta}
+        if f.default is not dataclasses.MISSING and not meta.get("required"):
+            kw["default"] = f.default
+        if kind is bool:
+            kw["action"] = "store_true"
+        elif typing.get_origin(kind) is Literal:
+            # shown, not enforced by argparse: its refusal is a usage dump; the library's own
+            # check answers in one line with exit status 2 (cli.main)
+            kw["metavar"] = "|".join(typing.get_args(kind))
+        elif typing.get_origin(kind) is list:
+            kw.setdefault("metavar", f.name.upper())
+        else:
+            kw["type"] = kind
+        parser.add_argument(flag, **kw)
+
+
+def from_namespace(config: type, args: argparse.Namespace) -> Any:
+    """The config dataclass filled from parsed arguments."""
+    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})

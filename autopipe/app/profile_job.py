@@ -1,0 +1,142 @@
+"""The ``autopipe profile`` command as one library call, and a profile's summary table.
+
+    prof, path = profile_to_file("mlp", batch_size=32, chunks=4, out="profiles/mlp.csv")
+    print(summary_table(prof))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopipe.app.model_spec import load_model
+from autopipe.core.profile_table import Profile
+from autopipe.core.units import format_bytes
+from autopipe.errors import ProfileError
+from autopipe.frontend.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
+
+__all__ = ["profile_to_file", "summary_table", "parse_shape"]
+
+
+def summary_table(prof: Profile, width: int = 36) -> str:
+    """One line per layer (time, parameters, activations) and a total line."""
+    df = prof.df
+    head = (f"{'layer':<{width}} {'type':<18} {'fwd ms':>8} {'bwd ms':>8} {'params':>10} "
+            f"{'output':>10} {'saved':>10}")
+    lines = [head, "-" * len(head)]
+    for r in df.to_dict("records"):
+        lines.append(
+            f"{str(r['layer'])[:width]:<{width}} {str(r['module_type'])[:18]:<18} "
+            f"{r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} {format_bytes(r['param_bytes']):>10} "
+            f"{format_bytes(r['output_bytes']):>10} {format_bytes(r['saved_bytes']):>10}"
+        )
+    lines.append("-" * len(head))
+    lines.append(
+        f"{f'total ({len(df)} layers)':<{width}} {'':<18} {df['fwd_ms'].sum():>8.3f} "
+        f"{df['bwd_ms'].sum():>8.3f} {format_bytes(float(df['param_bytes'].sum())):>10} "
+        f"{'':>10} {format_bytes(float(df['saved_bytes'].sum())):>10}"
+    )
+    m = prof.meta
+    lines.append(
+        f"device {m.get('device')}, micro-batch {m.get('micro_batch_size')} "
+        f"(batch {m.get('batch_size')} / chunks {m.get('chunks')}), {m.get('dtype')}, "
+        f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s), "
+        f"fingerprint {m.get('fingerprint')}"
+    )
+    return "\n".join(lines)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"3,32,32"`` -> ``(3, 32, 32)``: one sample's shape, without the batch dimension."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ProfileError(
+            f"--input-shape {text!r} is not a shape; give one sample's sizes without the batch "
+            "dimension, e.g. 3,32,32"
+        )
+    return shape
+
+
+def _leaf_modules(model: nn.Module, names: Sequence[str]) -> list[type[nn.Module] | str]:
+    """Each --leaf: a submodule's qualified name, or the class name of submodules."""
+    qualified = {name for name, _ in model.named_modules() if name}
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    out: list[type[nn.Module] | str] = []
+    for name in names:
+        if name in qualified:
+            out.append(name)
+        elif name in classes:
+            out.append(classes[name])
+        else:
+            example = next(iter(sorted(qualified)), "")
+            raise ProfileError(
+                f"--leaf {name!r} names neither a submodule nor a module class of "
+                f"{type(model).__name__}; use a qualified name such as {example!r} or a class name"
+            )
+    return out
+
+
+def _csv_json(out: str | os.PathLike[str]) -> tuple[Path, Path]:
+    p = Path(out)
+    base = p.with_suffix("") if p.suffix in (".csv", ".json") else p
+    return base.with_name(base.name + ".csv"), base.with_name(base.name + ".json")
+
+
+def profile_to_file(
+    model: str,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    batch_size: int | None = None,
+    chunks: int = 1,
+    device: str = "cpu",
+    repeats: int | None = None,
+    warmup: int | None = None,
+    max_depth: int | None = None,
+    leaf: Sequence[str] | None = None,
+    input_shape: str | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> tuple[Profile, Path]:
+    """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
+
+    ``out`` defaults to ``profiles/NAME.csv``; existing files are never touched unless
+    ``force``. ``threads`` sets torch's CPU threads while measuring (recorded in the metadata).
+    """
+    if threads is not None and threads < 1:
+        raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
+    shape = parse_shape(input_shape) if input_shape is not None else None
+    loaded = load_model(model, batch_size, input_shape=shape)
+    csv_path, json_path = _csv_json(out if out is not None else Path("profiles") / f"{loaded.name}.csv")
+    existing = [str(p) for p in (csv_path, json_path) if p.exists()]
+    if existing and not force:  # fail before measuring, and leave the files untouched
+        raise ProfileError(
+            f"{' and '.join(existing)} already exist(s): refusing to overwrite a saved profile; "
+            "pass --force or choose another --out"
+        )
+    kwargs: dict[str, Any] = {}
+    if max_depth is not None:
+        kwargs["max_depth"] = max_depth
+    if leaf:
+        kwargs["leaf_modules"] = _leaf_modules(loaded.model, leaf)
+    before = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        prof = profile(
+            loaded.model, loaded.inputs, device=device, chunks=chunks,
+            repeats=DEFAULT_REPEATS if repeats is None else repeats,
+            warmup=DEFAULT_WARMUP if warmup is None else warmup,
+            name=loaded.name, progress=progress, **kwargs,
+        )
+    finally:
+        torch.set_num_threads(before)
+    return prof, prof.save(csv_path, overwrite=force)

@@ -1,0 +1,195 @@
+"""distributed_pipeline(model, example_inputs, loss_fn=...) -> this rank's part of a pipeline.
+
+Called on every rank after ``torch.distributed.init_process_group`` (one rank per stage,
+launched by ``torchrun --nproc_per_node K``)::
+
+    pipe = autopipe.distributed_pipeline(model, (x,), loss_fn=F.cross_entropy, chunks=8)
+    opt = torch.optim.AdamW(pipe.stage_module.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        loss = pipe.step(x, target=y)        # mean micro-batch loss on the last rank, else None
+        opt.step()
+    torch.save(pipe.state_dict(), f"ckpt/rank{rank}.pt")   # original model keys
+    model.load_state_dict(autopipe.merge_state_dicts(["ckpt/rank0.pt", "ckpt/rank1.pt"]))
+
+[Note: one plan on every rank] Every rank traces the same model on the same micro-batch
+(see [Note: graphs are keyed to the micro-batch]), so the graphs and fingerprints agree. A
+measured profile does not (timings differ per process), so without a ``plan`` rank 0 profiles
+and partitions alone and broadcasts the plan; every rank then checks its fingerprint in
+:func:`autopipe.build.build`. Rank 0's weights are broadcast too, like DistributedDataParallel
+does, so ranks that built the model with different seeds still train one model.
+
+[Note: loss of a pipeline] The schedules compute ``loss_fn`` per micro-batch; ``step``
+returns the mean of those losses and leaves the gradients of that mean. A single-process
+reference is ``mean(loss_fn(model(x_i), y_i) over the micro-batches x_i of x)``, which equals
+``loss_fn(model(x), y)`` only for mean-reduced losses over equal micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autopipe.assemble import microbatch_inputs
+from autopipe.core.plan import Plan
+from autopipe.errors import BuildError
+from autopipe.frontend.graph import trace
+from autopipe.frontend.stages import build
+from executor.distributed import DistributedPipeline, infer_wires
+from executor.spec import SCHEDULES
+
+__all__ = ["distributed_pipeline", "merge_state_dicts"]
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return torch.device("cpu")
+
+
+def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
+                 method: str, chunks: int, checkpoint: str) -> Plan:
+    """Rank 0 profiles and partitions; every rank receives its plan (see [Note: one plan...])."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        from autopipe.frontend.profiler import profile
+        from autopipe.solvers.partitioner import partition
+
+        try:
+            prof = profile(model, micro, graph=graph)
+            box[0] = partition(prof, stages=stages, method=method, chunks=chunks,
+                               checkpoint=checkpoint).to_dict()
+        except ValueError as err:
+            box[0] = err  # every rank raises it, instead of the others waiting forever
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], ValueError):
+        raise box[0]
+    return Plan.from_dict(box[0])
+
+
+def _sync_weights(model: nn.Module) -> None:
+    seen: set[int] = set()
+    for t in model.state_dict(keep_vars=True).values():
+        if isinstance(t, Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            with torch.no_grad():
+                dist.broadcast(t.data, src=0)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each state_dict key -> every key naming the same tensor (tied weights have several)."""
+    by_id: dict[int, list[str]] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), []).append(key)
+    return {key: keys for keys in by_id.values() for key in keys if len(keys) > 1}
+
+
+def distributed_pipeline(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Tensor,
+    *,
+    loss_fn: Callable[[Any, Any], Tensor],
+    plan: Plan | None = None,
+    method: str = "auto",
+    chunks: int = 8,
+    checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    stages_per_rank: int | None = None,
+    device: str | torch.device | None = None,
+    timeout: float = 60.0,
+    **trace_kwargs: Any,
+) -> DistributedPipeline:
+    """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
+
+    Args:
+        model: the same model on every rank; only this rank's stage keeps its tensors (the
+            others' parameters and buffers are freed, so ``model`` itself is no longer usable).
+        example_inputs: one mini-batch of positional inputs (tensors).
+        loss_fn: ``loss_fn(model_output, target)`` for one micro-batch.
+        plan: a Plan with ``world_size * stages_per_rank`` stages; default: rank 0 partitions.
+        method: the partitioner's method when no plan is given.
+        chunks, checkpoint: micro-batches per mini-batch and recomputation mode.
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank).
+        stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / world).
+        device: default ``cuda:LOCAL_RANK`` under NCCL, else CPU.
+        timeout: seconds a rank waits for a silent peer before failing with PipelineFailure.
+        trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
+
+    Raises:
+        BuildError, PlanError (and the planner's errors): one-line messages, on every rank.
+    """
+    if not dist.is_initialized():
+        raise BuildError("torch.distributed is not initialized; call "
+                         "torch.distributed.init_process_group(...) on every rank first")
+    if schedule not in SCHEDULES:
+        raise BuildError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
+                                   else 2 if schedule == "interleaved1f1b" else 1)
+    k = per_rank * world
+    if plan is not None and len(plan.stages) != k:
+        raise BuildError(f"the plan has {len(plan.stages)} stages but {world} ranks x {per_rank} "
+                         f"stages per rank = {k}; re-run `autopipe partition --stages {k}`")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    micro = microbatch_inputs(inputs, chunks)
+    graph = trace(model, micro, **trace_kwargs)
+    _sync_weights(model)
+    if plan is None:
+        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=checkpoint)
+    stages = build(model, plan, graph)
+    wires = infer_wires(stages, micro)
+    mine = list(range(rank, k, world))
+    owners: dict[int, list[int]] = {}
+    for i, s in enumerate(stages):
+        for p in s.parameters():
+            owners.setdefault(id(p), [])
+            if i % world not in owners[id(p)]:
+                owners[id(p)].append(i % world)
+    local = {id(p): p for i in mine for p in stages[i].parameters()}
+    ties = [(ranks, local.get(pid)) for pid, ranks in owners.items() if len(ranks) > 1]
+    aliases = _aliases(model)
+    _free_others(model, [stages[i] for i in mine])
+    return DistributedPipeline(
+        [stages[i] for i in mine], mine, k, loss_fn=loss_fn, chunks=chunks, checkpoint=checkpoint,
+        schedule=schedule, wires=wires, ties=ties, key_aliases=aliases, device=_device(device),
+        timeout=timeout,
+    )
+
+
+def _free_others(model: nn.Module, keep: list[nn.Module]) -> None:
+    kept = {id(t) for s in keep for t in s.state_dict(keep_vars=True).values()}
+    for t in model.state_dict(keep_vars=True).values():
+        if isinstance(t, Tensor) and id(t) not in kept:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def merge_state_dicts(
+    parts: Iterable[Mapping[str, Any] | str | os.PathLike[str]], *, model: nn.Module | None = None
+) -> dict[str, Any]:
+    """Merge the ranks' ``pipe.state_dict()`` (dicts or ``torch.save`` paths) into one.
+
+    A key saved by several ranks (a tied weight) must hold equal tensors. With ``model``, the
+    result must cover exactly its ``state_dict`` keys, so it loads with ``strict=True``.
+    """
+    merged: dict[str, Any] = {}
+    for n, part in enumerate(parts):
+        sd = part if isinstance(part, Mapping) else torch.load(part, map_location="cpu", weights_only=True)
+        for key, value in sd.items():
+            if key in merged and isinstance(value, Tensor) and not torch.equal(merged[key], value):
+                raise BuildError(f"checkpoint part {n} disagrees with an earlier part on {key!r} "
+                                 "(a tied weight whose copies diverged); save all parts after the same step")
+            merged[key] = value
+    if model is not None:
+        want = set(model.state_dict())
+        missing, extra = sorted(want - set(merged)), sorted(set(merged) - want)
+        if missing or extra:
+            raise BuildError(f"merged checkpoint does not match the model: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}; pass one part per rank of the same pipeline")
+    return merged

@@ -1,0 +1,94 @@
+"""Where do time and memory go, layer by layer, and where does a plan cut? ``plot_profile``."""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
+from autopipe.plot.style import (
+    BOUND_COLOR,
+    PHASE_COLORS,
+    byte_unit,
+    check_plan,
+    check_profile,
+    new_figure,
+)
+
+__all__ = ["plot_profile"]
+
+_NAMED_TICKS = 40  # up to this many layers, every layer's name is a tick label
+
+
+def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | None = None) -> Figure:
+    """Per-layer time (top) and memory (bottom) along the profile's topological order.
+
+    With a ``plan``, its cuts are drawn as dashed lines and its stages shaded and labelled.
+    Raises PlotError for arguments of the wrong type and PlanError when the plan was made for
+    another model (other layers or graph fingerprint).
+    """
+    profile = check_profile(profile, "plot_profile")
+    stage: list[int] | None = None
+    if plan is not None:
+        plan = check_plan(plan, "plot_profile")
+        plan.check(profile.layers, profile.fingerprint)
+        where = {name: s for s, names in enumerate(plan.stages) for name in names}
+        stage = [where[name] for name in profile.layers]
+    df = profile.df
+    n = len(df)
+    x = np.arange(n)
+    fig = new_figure(min(16.0, max(8.0, 0.22 * n + 3.0)), 6.0)
+    ax_t, ax_m = fig.subplots(2, 1, sharex=True)
+
+    fwd, bwd = df["fwd_ms"].to_numpy(float), df["bwd_ms"].to_numpy(float)
+    ax_t.bar(x, fwd, 0.8, color=PHASE_COLORS["forward"], label="forward")
+    ax_t.bar(x, bwd, 0.8, bottom=fwd, color=PHASE_COLORS["backward"], label="backward")
+    ax_t.set_ylabel("time per micro-batch (ms)")
+    ax_t.margins(y=0.15)
+    ax_t.set_title("time per layer")
+
+    params, saved = df["param_bytes"].to_numpy(float), df["saved_bytes"].to_numpy(float)
+    unit, size = byte_unit(max(params.max(), saved.max(), 1.0))
+    ax_m.bar(x - 0.2, params / size, 0.4, color="#55A868", label="parameters")
+    ax_m.bar(x + 0.2, saved / size, 0.4, color="#CCB974", label="saved for backward")
+    ax_m.set_ylabel(f"memory per micro-batch ({unit})")
+    ax_m.set_title("memory per layer")
+    ax_m.set_xlabel("layer (topological order)")
+    if n <= _NAMED_TICKS:
+        ax_m.set_xticks(x, profile.layers, rotation=90, fontsize=7)
+
+    if stage is not None:
+        _draw_stages(ax_t, stage, names=True)
+        _draw_stages(ax_m, stage, names=False)
+    for ax in (ax_t, ax_m):
+        ax.set_xlim(-0.6, n - 0.4)
+        ax.legend(fontsize=8, loc="upper right")
+
+    meta = profile.meta
+    head = f"profile of {meta.get('model', 'a model')}: {n} layers on {profile.device}"
+    if "micro_batch_size" in meta:
+        head += f", micro-batch of {meta['micro_batch_size']}"
+    if plan is not None:
+        head += f"; {plan.num_stages} stages by {plan.method}"
+    fig.suptitle(title or head)
+    return fig
+
+
+def _draw_stages(ax: Axes, stage: list[int], *, names: bool) -> None:
+    """Shade each run of same-stage layers, label it on top and dash the cuts between runs."""
+    runs: list[tuple[int, int, int]] = []  # (stage, first, last)
+    for i, s in enumerate(stage):
+        if runs and runs[-1][0] == s:
+            runs[-1] = (s, runs[-1][1], i)
+        else:
+            runs.append((s, i, i))
+    for r, (s, first, last) in enumerate(runs):
+        ax.axvspan(first - 0.5, last + 0.5, color=f"C{s % 10}", alpha=0.08, lw=0)
+        if names:
+            ax.text((first + last) / 2, 0.97, f"stage {s}", transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=8, color=f"C{s % 10}")
+        if r > 0:
+            ax.axvline(first - 0.5, color=BOUND_COLOR, ls="--", lw=1,
+                       label="stage cut" if r == 1 else None)

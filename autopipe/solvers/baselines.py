@@ -1,0 +1,55 @@
+"""Baseline splits to compare against: equal layer counts, DeepSpeed's parameter balance, and
+torchgpipe's ``blockpartition`` (called from torchgpipe itself, never copied).
+
+Each returns ``stage sizes`` (layer counts of the K contiguous stages, in profile order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from autopipe.errors import PartitionError
+from autopipe.solvers.dp import check_stage_count, minmax_dp
+
+__all__ = ["uniform_sizes", "params_sizes", "blockpartition_sizes", "sizes_to_assignment"]
+
+
+def uniform_sizes(n: int, k: int) -> list[int]:
+    """Equal layer counts; the first ``n % k`` stages get one more layer."""
+    check_stage_count(n, k)
+    return [n // k + (1 if s < n % k else 0) for s in range(k)]
+
+
+def params_sizes(param_bytes: Sequence[int], k: int) -> list[int]:
+    """DeepSpeed's ``partition_method="parameters"``: contiguous stages with the smallest
+    largest parameter total (an exact min-max split of the parameter counts)."""
+    n = len(param_bytes)
+    check_stage_count(n, k)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(param_bytes, dtype=np.float64))])
+    rows = np.arange(n + 1)
+
+    def cost(_: int, j0: int, j1: int) -> np.ndarray:
+        cols = np.arange(j0, j1)
+        return np.where(rows[:, None] < cols[None, :], prefix[None, j0:j1] - prefix[:, None], np.inf)
+
+    _, starts = minmax_dp(n, k, cost)
+    return [b - a for a, b in zip(starts, [*starts[1:], n], strict=True)]
+
+
+def blockpartition_sizes(costs: Sequence[float], k: int) -> list[int]:
+    """torchgpipe's ``balance.blockpartition.solve`` on per-layer costs (needs torchgpipe)."""
+    check_stage_count(len(costs), k)
+    try:
+        from torchgpipe.balance import blockpartition
+    except ImportError:
+        raise PartitionError(
+            "method='blockpartition' calls torchgpipe's algorithm: pip install torchgpipe"
+        ) from None
+    blocks = blockpartition.solve(list(costs), partitions=k)  # type: ignore[arg-type]
+    return [len(b) for b in blocks]
+
+
+def sizes_to_assignment(sizes: Sequence[int]) -> list[int]:
+    return [s for s, size in enumerate(sizes) for _ in range(size)]

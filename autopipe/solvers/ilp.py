@@ -1,0 +1,222 @@
+"""Optimal partition of a layer DAG with PuLP (CBC): any precedence-respecting split, not only
+contiguous runs of one topological order.
+
+[Note: monotone ILP] Stage membership is encoded monotonically: binary ``y[v, s] = 1`` iff
+``stage(v) <= s`` (for s < K-1), so ``y[v, s] <= y[v, s+1]``, precedence of an edge u -> v is
+``y[v, s] <= y[u, s]`` and membership is ``x[v, s] = y[v, s] - y[v, s-1]``. A value u crosses
+cut s iff ``y[u, s] = 1`` and some consumer has ``y[v, s] = 0``: continuous
+``z[u, s] >= y[u, s] - y[v, s]`` (minimisation drives it to 0/1), which charges pass-through
+values at every cut they cross ([Note: transfer cost] in autopipe.core.cost). This is far tighter for
+CBC than one-hot assignment with ``stage(u) <= stage(v)`` written through stage indices.
+
+The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` for every stage,
+with autopipe.core.cost's formulas applied to PuLP expressions, tie groups shared (a member anywhere charges the group's
+bytes to that stage) or colocated (members' y rows equal), and non-empty stages. CBC is
+warm-started from the exact DP split, so it never returns worse than the DP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy.typing as npt
+import pulp
+
+from autopipe.core.cost import (
+    CostOptions,
+    DeviceSpec,
+    LayerCosts,
+    activation_bytes,
+    layer_work,
+    lower_bound,
+    stage_costs,
+    stage_time,
+    state_bytes,
+)
+from autopipe.errors import PartitionError
+from executor.spec import recomputed_microbatches
+
+__all__ = ["ILPResult", "solve_ilp"]
+
+
+@dataclass(frozen=True)
+class ILPResult:
+    assignment: list[int]
+    objective: float  # ms, the bottleneck of ``assignment``
+    bound: float  # ms, CBC's best lower bound
+    gap: float  # (objective - bound) / objective
+    status: str  # "optimal", "time_limit" or "feasible"
+    seconds: float
+
+
+def solve_ilp(
+    costs: LayerCosts,
+    devices: Sequence[DeviceSpec],
+    options: CostOptions,
+    *,
+    warm_start: Sequence[int] | None = None,
+    time_limit: float = 60.0,
+    gap: float = 0.005,
+    threads: int | None = None,
+) -> ILPResult:
+    """Solve the partition ILP; ``warm_start`` is a feasible assignment (e.g. the DP's)."""
+    with warnings.catch_warnings():  # PuLP 3 warns about its own 4.0 API changes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(costs, devices, options, warm_start, time_limit, gap, threads)
+
+
+def _solve(
+    costs: LayerCosts,
+    devices: Sequence[DeviceSpec],
+    options: CostOptions,
+    warm_start: Sequence[int] | None,
+    time_limit: float,
+    gap: float,
+    threads: int | None,
+) -> ILPResult:
+    start_time = time.perf_counter()
+    n, k = len(costs), len(devices)
+    if k == 1:
+        (c,) = stage_costs(costs, [0] * n, devices, options)
+        return ILPResult([0] * n, c.time_ms, c.time_ms, 0.0, "optimal", 0.0)
+    m = options.chunks
+    rec_n = recomputed_microbatches(options.checkpoint, m)
+    cuts = range(k - 1)
+    work_array = layer_work(costs.fwd, costs.bwd, rec_n, m)
+    work = [float(w) for w in work_array]
+
+    prob = pulp.LpProblem("autopipe_partition", pulp.LpMinimize)
+    y = [[pulp.LpVariable(f"y_{v}_{s}", cat="Binary") for s in cuts] for v in range(n)]
+    senders = [u for u in range(n) if costs.consumers[u] and costs.value_bytes[u] > 0]
+    z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", 0, 1) for u in senders for s in cuts}
+    t = pulp.LpVariable("T", 0)
+    prob += t
+
+    def yv(v: int, s: int) -> pulp.LpAffineExpression | int:
+        return 0 if s < 0 else (1 if s >= k - 1 else y[v][s])
+
+    def x(v: int, s: int) -> pulp.LpAffineExpression:
+        return yv(v, s) - yv(v, s - 1)  # type: ignore[no-any-return]
+
+    for v in range(n):
+        for s in range(k - 2):
+            prob += y[v][s] <= y[v][s + 1]
+    for u in range(n):
+        for v in costs.consumers[u]:
+            for s in cuts:
+                prob += y[v][s] <= y[u][s]
+                if (u, s) in z:
+                    prob += z[u, s] >= y[u][s] - y[v][s]
+    for members, _ in costs.tie_groups if options.ties == "colocate" else ():
+        for v in members[1:]:
+            for s in cuts:
+                prob += y[v][s] == y[members[0]][s]
+    h = {}
+    if options.ties == "share":
+        for g, (members, _) in enumerate(costs.tie_groups):
+            for s in range(k):
+                h[g, s] = pulp.LpVariable(f"h_{g}_{s}", 0, 1)
+                for v in members:
+                    prob += h[g, s] >= x(v, s)
+
+    def crossing(s: int) -> pulp.LpAffineExpression:
+        if s < 0 or s >= k - 1:
+            return pulp.lpSum([])
+        return pulp.lpSum(int(costs.value_bytes[u]) * z[u, s] for u in senders)
+
+    lower = lower_bound(work_array, [d.speed for d in devices])
+    prob += t >= lower
+
+    def total(values: Sequence[float] | npt.NDArray[Any], s: int) -> pulp.LpAffineExpression:
+        return pulp.lpSum(float(values[v]) * x(v, s) for v in range(n) if values[v])
+
+    for s, dev in enumerate(devices):
+        prob += pulp.lpSum(x(v, s) for v in range(n)) >= 1
+        prob += t >= stage_time(total(work, s), dev.speed, crossing(s - 1), crossing(s),
+                                options.ms_per_byte)
+        if dev.memory is not None:
+            if options.ties == "share":
+                tied = pulp.lpSum(nbytes * h[g, s] for g, (_, nbytes) in enumerate(costs.tie_groups))
+            else:
+                tied = pulp.lpSum(nbytes * x(members[0], s) for members, nbytes in costs.tie_groups)
+            params = total(costs.params, s) + tied
+            memory = (state_bytes(params, total(costs.buffers, s), options.optimizer)
+                      + activation_bytes(crossing(s - 1), total(costs.saved, s), rec_n, m))
+            prob += memory <= dev.memory
+
+    warm_value = math.inf
+    if warm_start is not None:
+        warm_value = _set_warm_start(costs, devices, options, warm_start, y, z, h, t)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "cbc.log")
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit))),
+                                   gapRel=gap, warmStart=warm_start is not None, logPath=log,
+                                   threads=threads)
+        prob.solve(solver)
+        log_text = open(log, encoding="utf-8", errors="replace").read() if os.path.exists(log) else ""
+    seconds = time.perf_counter() - start_time
+    status = pulp.LpStatus[prob.status]
+    if status == "Infeasible":
+        raise PartitionError(
+            f"the ILP has no split into {k} stages within the memory limits; "
+            f"try checkpoint='always', more stages or devices with more memory"
+        )
+    values = [[pulp.value(var) for var in row] for row in y]
+    if status != "Optimal" or any(v is None for row in values for v in row):
+        if warm_start is None:
+            raise PartitionError(f"the ILP found no split in time_limit={time_limit}s; raise time_limit")
+        assignment = list(warm_start)
+    else:
+        assignment = [sum(1 for val in row if (val or 0) < 0.5) for row in values]
+    objective = max(c.time_ms for c in stage_costs(costs, assignment, devices, options))
+    if objective > warm_value:  # never worse than the warm start
+        assignment, objective = list(warm_start or assignment), warm_value
+    bound = min(_bound(log_text, objective, gap), objective)
+    bound = max(bound, lower)
+    rel_gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+    stopped = "Stopped on time" in log_text or "time limit" in log_text.lower()
+    label = "optimal" if rel_gap <= gap + 1e-9 and not stopped else ("time_limit" if stopped else "feasible")
+    return ILPResult(assignment, objective, bound, rel_gap, label, seconds)
+
+
+def _set_warm_start(
+    costs: LayerCosts,
+    devices: Sequence[DeviceSpec],
+    options: CostOptions,
+    assignment: Sequence[int],
+    y: list[list[pulp.LpVariable]],
+    z: dict[tuple[int, int], pulp.LpVariable],
+    h: dict[tuple[int, int], pulp.LpVariable],
+    t: pulp.LpVariable,
+) -> float:
+    for v, row in enumerate(y):
+        for s, var in enumerate(row):
+            var.setInitialValue(1 if assignment[v] <= s else 0)
+    for (u, s), var in z.items():
+        reach = max(assignment[c] for c in costs.consumers[u])
+        var.setInitialValue(1 if assignment[u] <= s < reach else 0)
+    for (g, s), var in h.items():
+        members, _ = costs.tie_groups[g]
+        var.setInitialValue(1 if any(assignment[v] == s for v in members) else 0)
+    value = max(c.time_ms for c in stage_costs(costs, list(assignment), devices, options))
+    t.setInitialValue(value)
+    return value
+
+
+def _bound(log: str, objective: float, gap: float) -> float:
+    """CBC's best bound from its log ("Lower bound:" or the final "best possible" line)."""
+    if "Optimal solution found" in log:
+        return objective * (1 - gap) if "tolerance" in log else objective
+    for pattern in (r"Lower bound:\s*([-+0-9.eE]+)", r"best possible\s*([-+0-9.eE]+)"):
+        found = re.findall(pattern, log)
+        if found:
+            return float(found[-1])
+    return -math.inf

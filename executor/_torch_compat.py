@@ -1,0 +1,177 @@
+"""Every private torch API autopipe uses, in one place, each checked before it is relied on.
+
+[Note: private torch API] pyproject admits any torch from the tested release on (2.13), and
+private names change between releases without notice. So no module imports a private torch
+name directly: it imports it from here, where
+
+- ``torch.utils._pytree`` (tree_flatten & co.), ``torch.nn.modules.batchnorm._BatchNorm`` and
+  ``torch._subclasses.fake_tensor.FakeTensorMode`` are re-exported: they have kept their names
+  and signatures since torch 2.0 and are what torch's own public wrappers use; an ImportError
+  here names this module, not a deep frame of the tracer or the runtime;
+- the receive-ahead GPipe schedule ([Note: receive ahead] in executor/prefetch.py) overrides
+  ``ScheduleGPipe._step_microbatches`` and calls private schedule and stage methods.
+  :func:`prefetch_support` checks each of their signatures against the ones the override was
+  written for (torch 2.13); on any difference the executor runs torch's public
+  ``ScheduleGPipe`` instead and warns once, in one line, saying why;
+- :func:`is_communication_error` tells a dead or silent peer from this rank's own error:
+  by exception type where torch has the ``DistError`` classes, else by the messages gloo and
+  NCCL put on a plain RuntimeError.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import (
+    TreeSpec,
+    tree_flatten,
+    tree_leaves,
+    tree_map_only,
+    tree_unflatten,
+)
+
+__all__ = [
+    "BatchNormBase",
+    "FakeTensorMode",
+    "TreeSpec",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map_only",
+    "tree_unflatten",
+    "prefetch_support",
+    "warn_no_prefetch",
+    "sorted_batch_p2p",
+    "wait_batch_p2p",
+    "is_communication_error",
+]
+
+BatchNormBase = _BatchNorm
+
+# The parameters (after self) of each private method the receive-ahead schedule overrides or
+# calls, as in torch 2.13. Exact names and order: a renamed or inserted parameter means the
+# override would call it wrongly, so the schedule falls back to ScheduleGPipe. Classes are
+# named, not imported: torch.distributed.pipelining is imported only when a check runs.
+PREFETCH_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("ScheduleGPipe", "__init__"): ("stage", "n_microbatches", "loss_fn", "args_chunk_spec",
+                                  "kwargs_chunk_spec", "output_merge_spec", "scale_grads"),
+    ("ScheduleGPipe", "_step_microbatches"): ("arg_mbs", "kwarg_mbs", "target_mbs", "losses",
+                                            "return_outputs", "loss_kwargs"),
+    ("ScheduleGPipe", "_check_inputs"): ("arg_mbs", "kwarg_mbs", "target_mbs", "losses"),
+    ("ScheduleGPipe", "_initialize_stage"): ("args", "kwargs", "target", "loss_kwargs"),
+    ("ScheduleGPipe", "_maybe_compute_loss"): ("stage", "output", "target_mbs", "mb_index",
+                                             "loss_kwargs"),
+    ("ScheduleGPipe", "_maybe_get_loss"): ("stage", "mb_index"),
+    ("ScheduleGPipe", "_update_losses"): ("stages", "losses"),
+    ("PipelineStage", "get_fwd_recv_ops"): ("fwd_chunk_id",),
+    ("PipelineStage", "get_fwd_send_ops"): ("fwd_chunk_id",),
+    ("PipelineStage", "get_bwd_recv_ops"): ("bwd_chunk_id",),
+    ("PipelineStage", "get_bwd_send_ops"): ("bwd_chunk_id",),
+    ("PipelineStage", "forward_one_chunk"): ("fwd_chunk_id", "args", "kwargs",
+                                           "save_forward_output"),
+    ("PipelineStage", "backward_one_chunk"): ("bwd_chunk_id", "loss", "full_backward",
+                                            "last_backward"),
+    ("PipelineStage", "perform_reduce_grad"): ("grad_scale_factor",),
+}
+_HELPER_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "_sorted_batch_p2p": ("p2p_ops", "desc"),
+    "_wait_batch_p2p": ("work",),
+}
+
+
+def _parameters(fn: Callable[..., Any], *, method: bool) -> tuple[str, ...]:
+    names = tuple(inspect.signature(fn).parameters)
+    return names[1:] if method else names
+
+
+def _load_helpers() -> tuple[dict[str, Callable[..., Any]], str | None]:
+    from torch.distributed.pipelining import schedules
+
+    helpers = {name: getattr(schedules, name, None) for name in _HELPER_SIGNATURES}
+    for name, expected in _HELPER_SIGNATURES.items():
+        fn = helpers[name]
+        if fn is None:
+            return {}, f"torch.distributed.pipelining.schedules.{name} is missing"
+        found = _parameters(fn, method=False)
+        if found != expected:
+            return {}, f"schedules.{name}{found} differs from the expected {expected}"
+    return {k: v for k, v in helpers.items() if v is not None}, None
+
+
+@functools.cache
+def _helpers() -> tuple[dict[str, Callable[..., Any]], str | None]:
+    return _load_helpers()
+
+
+def prefetch_support(
+    signatures: dict[tuple[str, str], tuple[str, ...]] | None = None,
+    namespace: Any = None,
+) -> str | None:
+    """None when this torch has every private piece the receive-ahead schedule needs, with the
+    signatures it was written for; else one line saying what differs. ``namespace`` (default
+    torch.distributed.pipelining) is where the classes are looked up."""
+    if namespace is None:
+        import torch.distributed.pipelining as namespace
+    _, problem = _helpers()
+    if problem is not None:
+        return problem
+    for (cls_name, name), expected in (signatures or PREFETCH_SIGNATURES).items():
+        fn = getattr(getattr(namespace, cls_name, None), name, None)
+        if fn is None:
+            return f"{cls_name}.{name} is missing"
+        found = _parameters(fn, method=True)
+        if found != expected:
+            return f"{cls_name}.{name}{found} differs from the expected {expected}"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def warn_no_prefetch(reason: str) -> None:
+    """Say once per reason that GPipe runs on torch's ScheduleGPipe, and why."""
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(
+        f"torch {torch.__version__}: {reason}; autopipe runs schedule='gpipe' on torch's "
+        "ScheduleGPipe (receives are not posted ahead: correct, possibly slower)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def sorted_batch_p2p(ops: list[Any], desc: str) -> dict[int, list[Any]]:
+    return _helpers()[0]["_sorted_batch_p2p"](ops, desc=desc)  # type: ignore[no-any-return]
+
+
+def wait_batch_p2p(work: list[Any]) -> None:
+    _helpers()[0]["_wait_batch_p2p"](work)
+
+
+# Messages gloo and NCCL put on a plain RuntimeError when a peer dies, hangs or drops.
+_COMMUNICATION_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+)
+
+
+def is_communication_error(err: BaseException) -> bool:
+    """True for a failure of the link to a peer (dead, silent or dropped); False for this
+    rank's own errors (a shape mismatch, out of memory), which must propagate unchanged."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    text = str(err).lower()
+    return any(marker in text for marker in _COMMUNICATION_MARKERS)

@@ -1,0 +1,97 @@
+"""The rules the runtime and the planner must agree on, torch-free: one copy, imported by both.
+
+    CHECKPOINT_MODES, recomputed_microbatches()   which micro-batches are recomputed
+    microbatch_sizes()                            how a batch is cut into micro-batches
+    PHASES, TimelineEvent                         the spans of a (predicted or measured) timeline
+    SCHEDULES                                     the pipeline schedules the runtime runs
+
+The planner (``autopipe.core``) predicts what the executor does; any rule it had to copy could
+drift from the executor's. So the rules live here, in a module that imports neither torch nor
+``autopipe`` (``import executor.spec`` does not import torch: see [Note: lazy executor] in
+executor/__init__.py). Functions raise ValueError; each caller re-raises in its own error class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "PHASES",
+    "SCHEDULES",
+    "TimelineEvent",
+    "check_checkpoint_mode",
+    "check_chunks",
+    "microbatch_sizes",
+    "recomputed_microbatches",
+]
+
+CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+
+# Phases of a timeline, in drawing order (bottom to top of a stacked bar).
+PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "transfer")
+
+# Schedules of the distributed runtime; executor.GPipe (one process) always runs "gpipe".
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+def check_checkpoint_mode(mode: str) -> None:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"checkpoint={mode!r} is not a checkpoint mode; use one of {', '.join(CHECKPOINT_MODES)}"
+        )
+
+
+def recomputed_microbatches(mode: str, chunks: int) -> int:
+    """How many of ``chunks`` micro-batches a stage recomputes in backward (torchgpipe's rule).
+
+    ``always``: all of them; ``except_last``: all but the last, whose backward starts right
+    after its forward; ``never``: none. The executor recomputes micro-batches ``0 .. R-1``.
+    """
+    check_checkpoint_mode(mode)
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def check_chunks(chunks: int) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}; pass chunks=1 or more")
+
+
+def microbatch_sizes(batch: int, chunks: int) -> list[int]:
+    """[Note: micro-batch sizes] The sizes of the ``chunks`` micro-batches of a batch of ``batch``.
+
+    Exactly ``chunks`` micro-batches whose sizes differ by at most one, the larger first
+    (``torch.tensor_split``'s cut: B=10, M=4 -> 3, 3, 2, 2). ``torch.chunk`` (torchgpipe's
+    choice) may return fewer than M (B=10, M=4 -> 3, 3, 3, 1; B=5, M=4 -> 2, 2, 1), and then the
+    schedule, the cost model and deferred BatchNorm would see another M than was asked for. The
+    first micro-batch is the largest, ``ceil(B / M)`` rows: the one profiles and plans describe.
+    """
+    check_chunks(chunks)
+    if batch < chunks:
+        raise ValueError(
+            f"chunks={chunks} > batch size {batch}: micro-batches would be empty; "
+            f"use chunks <= {batch}"
+        )
+    q, r = divmod(batch, chunks)
+    return [q + 1] * r + [q] * (chunks - r)
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """[Note: timeline events] One span of work: ``phase`` (one of PHASES) of ``microbatch`` on
+    ``stage``, from ``start_ms`` to ``end_ms`` after the start of the iteration.
+
+    The simulator predicts these and executor.GPipe measures them (``measured=True``), so a
+    predicted and a measured timeline are the same kind of value and overlay on one plot.
+    """
+
+    stage: int
+    microbatch: int
+    phase: str
+    start_ms: float
+    end_ms: float
+    measured: bool = False
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from autopipe.app.cli import main
+from autopipe.core.plan import Plan
+from autopipe.solvers.synthetic import random_chain
+
+
+@pytest.fixture()
+def profile_csv(tmp_path: Path) -> Path:
+    return random_chain(12, 5).save(tmp_path / "profiles" / "toy")
+
+
+def test_partition_then_simulate(profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plans" / "toy.json"
+    assert main(["partition", str(profile_csv), "--stages", "3", "--chunks", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "bottleneck" in text and "share" in text and f"wrote {out}" in text
+    plan = Plan.load(out)
+    assert plan.num_stages == 3 and plan.chunks == 4 and plan.method == "dp"
+    assert main(["simulate", str(out), "--profile", str(profile_csv), "--schedule", "1f1b"]) == 0
+    text = capsys.readouterr().out
+    assert "schedule 1f1b" in text and "stage 2" in text
+
+
+def test_existing_out_is_left_unchanged(profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    out.write_text("precious")
+    assert main(["partition", str(profile_csv), "--stages", "2", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_text() == "precious"
+    assert main(["partition", str(profile_csv), "--stages", "2", "--out", str(out), "--force"]) == 0
+    assert Plan.load(out).num_stages == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--stages", "13"], "stages=13 > 12 layers"),
+        (["--stages", "2", "--memory", "1KiB"], "stage memory needs at least .* limit is 1.0 KiB"),
+        (["--stages", "2", "--method", "nope"], "method='nope'"),
+    ],
+)
+def test_bad_input(profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                   extra: list[str], match: str) -> None:
+    out = tmp_path / "p.json"
+    assert main(["partition", str(profile_csv), *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopipe: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(match, err)
+    assert not out.exists()
+
+
+def test_corrupt_profile(profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile_csv.write_text("layer,fwd_ms\n\"broken")
+    assert main(["partition", str(profile_csv), "--stages", "2", "--out", str(tmp_path / "p.json")]) == 2
+    assert "toy.csv" in capsys.readouterr().err
+
+
+def test_simulate_corrupt_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["simulate", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopipe.app.cli import main
+from autopipe.core.profile_table import Profile
+
+FAST = ["--repeats", "2", "--warmup", "0"]
+
+
+def test_profile_bundled_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mlp.csv"
+    rc = main(["profile", "mlp", "--batch-size", "8", "--chunks", "2", "--out", str(out),
+               "--threads", "1", *FAST])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "net.0" in cap.out and "total (15 layers)" in cap.out and f"wrote {out}" in cap.out
+    assert "profiling" in cap.err  # the progress bar goes to stderr
+    prof = Profile.load(out)
+    assert (prof.meta["model"], prof.meta["micro_batch_size"], prof.meta["batch_size"]) == ("mlp", 4, 8)
+    assert prof.meta["cpu_threads"] == 1 and prof.meta["repeats"] == 2
+    assert (tmp_path / "mlp.json").exists()
+
+
+def test_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "chain.csv"
+    argv = ["profile", "tests.models:make_chain", "--out", str(out), *FAST]
+    assert main(argv) == 0
+    before = out.read_bytes(), out.with_suffix(".json").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopipe: error: ") and "refusing to overwrite" in err and "--force" in err
+    assert err.count("\n") == 1
+    assert (out.read_bytes(), out.with_suffix(".json").read_bytes()) == before
+    assert main([*argv, "--force"]) == 0
+    assert out.with_suffix(".json").read_bytes() != before[1]  # a new date and timings
+
+
+def test_factory_with_batch_size_and_default_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "tests.models:make_chain", "--batch-size", "6", "--chunks", "3", *FAST]) == 0
+    prof = Profile.load(tmp_path / "profiles" / "make_chain.csv")
+    assert (prof.meta["model"], prof.meta["micro_batch_size"]) == ("make_chain", 2)
+
+
+def test_bare_model_with_input_shape(tmp_path: Path) -> None:
+    out = tmp_path / "bare.csv"
+    assert main(["profile", "tests.models:Chain", "--input-shape", "8", "--batch-size", "4",
+                 "--out", str(out), *FAST]) == 0
+    assert Profile.load(out).layers[0] == "net.0"
+
+
+def test_leaf_and_max_depth(tmp_path: Path) -> None:
+    main(["profile", "cnn", "--batch-size", "2", "--leaf", "ResBlock", "--leaf", "head",
+          "--out", str(tmp_path / "a.csv"), *FAST])
+    layers = Profile.load(tmp_path / "a.csv").layers
+    assert {"blocks.0", "blocks.3", "head"} <= set(layers) and len(layers) < 12
+    main(["profile", "cnn", "--batch-size", "2", "--max-depth", "1", "--out", str(tmp_path / "b.csv"), *FAST])
+    assert "blocks" in Profile.load(tmp_path / "b.csv").layers
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["nocolon"], "neither a bundled example"),
+        (["no_such_module_xyz:make"], "cannot import module 'no_such_module_xyz'"),
+        (["tests.models:nothing"], "has no attribute 'nothing'"),
+        (["tests.models:NOT_CALLABLE"], "is a int, not callable"),
+        (["tests.models:make_wrong"], "returned int; it must return an nn.Module"),
+        (["tests.models:make_raises"], "raised RuntimeError: boom; fix the factory"),
+        (["tests.models:Chain"], "pass --input-shape"),
+        (["tests.models:Chain", "--input-shape", "3,x"], "is not a shape"),
+        (["tests.models:make_fixed_batch", "--batch-size", "8"], "inputs of batch 4 but --batch-size is 8"),
+        (["mlp", "--batch-size", "2", "--chunks", "4"], r"chunks=4 > batch size 2"),
+        (["mlp", "--batch-size", "0"], "batch size must be >= 1"),
+        (["mlp", "--leaf", "nope"], "--leaf 'nope' names neither a submodule"),
+        (["mlp", "--threads", "0"], "--threads must be >= 1"),
+        (["mlp", "--repeats", "0"], "repeats must be an int >= 1"),
+        (["mlp", "--device", "cuda" if not torch.cuda.is_available() else "cuda:99"],
+         "CUDA is not available|does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_error(
+    argv: list[str], match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.csv"
+    assert main(["profile", "--out", str(out), *FAST, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autopipe: error: "), err
+    assert re.search(match, err[0]), err[0]
+    assert not out.exists()

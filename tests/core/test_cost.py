@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from autopipe.core.cost import (
+    CostOptions,
+    DeviceSpec,
+    LayerCosts,
+    resolve_devices,
+    stage_costs,
+)
+from autopipe.core.profile_table import Profile
+from autopipe.errors import PartitionError
+
+
+def _diamond() -> Profile:
+    # a -> b -> d, a -> c -> d, plus a skip a -> d
+    df = pd.DataFrame({
+        "layer": ["a", "b", "c", "d"],
+        "fwd_ms": [1.0, 2.0, 3.0, 4.0],
+        "bwd_ms": [2.0, 4.0, 6.0, 8.0],
+        "param_bytes": [10, 20, 30, 40],
+        "output_bytes": [100, 200, 300, 400],
+        "saved_bytes": [1000, 2000, 3000, 4000],
+    })
+    edges = [("a", "b", 100), ("a", "c", 100), ("b", "d", 200), ("c", "d", 300)]
+    return Profile.from_frame(df, edges=edges)
+
+
+def test_resolve_devices() -> None:
+    devs = resolve_devices(3, None, "1KB")
+    assert [d.memory for d in devs] == [1000] * 3
+    devs = resolve_devices(None, ["cuda:0", DeviceSpec("cuda:1", 500, 2.0)], 800)
+    assert devs == [DeviceSpec("cuda:0", 800), DeviceSpec("cuda:1", 500, 2.0)]
+    with pytest.raises(PartitionError, match="stages=3 but 2 devices"):
+        resolve_devices(3, ["a", "b"])
+    with pytest.raises(PartitionError, match="stages=0"):
+        resolve_devices(0, None)
+    with pytest.raises(PartitionError, match="give stages=K or devices"):
+        resolve_devices(None, None)
+    with pytest.raises(PartitionError, match="speed must be > 0"):
+        DeviceSpec("x", speed=0)
+
+
+def test_options_validation() -> None:
+    with pytest.raises(PartitionError, match="checkpoint='sometimes'"):
+        CostOptions(checkpoint="sometimes")
+    with pytest.raises(PartitionError, match="optimizer='lion'"):
+        CostOptions(optimizer="lion")
+    with pytest.raises(PartitionError, match="chunks=0"):
+        CostOptions(chunks=0)
+    with pytest.raises(PartitionError, match="ties="):
+        CostOptions(ties="maybe")
+
+
+def test_cut_bytes_count_pass_through() -> None:
+    lc = LayerCosts.from_profile(_diamond())
+    # cut before b: a's value (100); before c: a (still used by c) + b (200); before d: b + c
+    assert lc.cut_bytes().tolist() == [0, 100, 300, 500, 0]
+
+
+def test_stage_costs_hand_computed() -> None:
+    lc = LayerCosts.from_profile(_diamond())
+    opts = CostOptions(chunks=4, checkpoint="never", optimizer="adam", bandwidth=1e6)
+    # stages: {a, c} | {b, d}: a's value crosses cut 0 (b needs it), c's value also crosses
+    s0, s1 = stage_costs(lc, [0, 1, 0, 1], [DeviceSpec("x"), DeviceSpec("y", speed=2.0)], opts)
+    assert s0.output_bytes == 100 + 300 and s1.input_bytes == 400
+    assert s0.fwd_ms == 4.0 and s0.bwd_ms == 8.0 and s0.recompute_ms == 0.0
+    assert s0.transfer_ms == pytest.approx(400 * 1000 / 1e6)  # sends activations forward
+    assert s1.transfer_ms == pytest.approx(400 * 1000 / 1e6)  # sends their gradients back
+    assert s1.fwd_ms == 3.0 and s1.bwd_ms == 6.0  # (2 + 4) / speed 2
+    assert s0.param_bytes == 40 * 4 and s0.activation_bytes == 4 * 4000
+    assert s1.memory_bytes == 60 * 4 + 4 * 6000
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "recompute", "act1"),
+    [("always", 3.0, 4 * 400 + 6000), ("except_last", 3.0 * 3 / 4, 3 * 400 + 6000), ("never", 0.0, 4 * 6000)],
+)
+def test_checkpoint_modes(checkpoint: str, recompute: float, act1: int) -> None:
+    lc = LayerCosts.from_profile(_diamond())
+    opts = CostOptions(chunks=4, checkpoint=checkpoint, optimizer="sgd", bandwidth=None)
+    s0, s1 = stage_costs(lc, [0, 1, 0, 1], [DeviceSpec("x"), DeviceSpec("y", speed=2.0)], opts)
+    assert s1.recompute_ms == pytest.approx(recompute)
+    assert s1.activation_bytes == act1
+    assert s0.transfer_ms == 0.0 and s1.param_bytes == 60 * 2
+
+
+def test_tied_bytes_charged_to_every_holder() -> None:
+    df = _diamond().df.assign(tie_group=["w", "", "", "w"], param_bytes=[50, 20, 30, 50])
+    lc = LayerCosts.from_profile(Profile.from_frame(df, edges=_diamond().edges))
+    opts = CostOptions(optimizer="none")
+    devs = [DeviceSpec("x"), DeviceSpec("y")]
+    s0, s1 = stage_costs(lc, [0, 0, 1, 1], devs, opts)
+    assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
+    (single,) = stage_costs(lc, [0, 0, 0, 0], devs[:1], opts)
+    assert single.param_bytes == 50 + 20 + 30

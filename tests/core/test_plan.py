@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopipe.core.plan import Plan
+from autopipe.errors import PlanError
+from autopipe.solvers.synthetic import chain_profile, random_chain
+
+
+def _plan() -> Plan:
+    prof = random_chain(6, 2)
+    prof.meta["fingerprint"] = "fp1"
+    return Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], chunks=4)
+
+
+def test_from_stages_numbers() -> None:
+    prof = chain_profile([1.0, 2.0, 3.0, 6.0], output_bytes=0, saved_bytes=0)
+    plan = Plan.from_stages(prof, [["l0", "l1", "l2"], ["l3"]], chunks=2, checkpoint="never")
+    assert plan.stage_times == [18.0, 18.0]  # fwd + 2 x fwd backward
+    assert plan.bottleneck == 18.0 and plan.lower_bound == 18.0
+    assert plan.iteration_time == 3 * 18.0  # (M + K - 1) x bottleneck
+    assert [b.fwd_ms for b in plan.breakdown] == [6.0, 6.0]
+    assert plan.method == "manual" and plan.num_stages == 2
+
+
+def test_from_stages_rejects_bad_splits() -> None:
+    prof = chain_profile([1.0] * 3)
+    with pytest.raises(PlanError, match="'l1' is in stage 0 and stage 1"):
+        Plan.from_stages(prof, [["l0", "l1"], ["l1", "l2"]])
+    with pytest.raises(PlanError, match="stage 1 of 2 is empty"):
+        Plan.from_stages(prof, [["l0", "l1", "l2"], []])
+    with pytest.raises(PlanError, match="runs backwards"):
+        Plan.from_stages(prof, [["l0", "l2"], ["l1"]])
+    with pytest.raises(PlanError, match="unassigned.*'l2'"):
+        Plan.from_stages(prof, [["l0"], ["l1"]])
+    with pytest.raises(PlanError, match="not in the profile.*'zz'"):
+        Plan.from_stages(prof, [["l0", "l1"], ["l2", "zz"]])
+
+
+def test_save_load_roundtrip(tmp_path: Path) -> None:
+    plan = _plan()
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back == plan
+
+
+def test_save_refuses_overwrite(tmp_path: Path) -> None:
+    target = tmp_path / "p.json"
+    target.write_text("keep me")
+    with pytest.raises(PlanError, match="already exists.*overwrite=True"):
+        _plan().save(target)
+    assert target.read_text() == "keep me"
+    _plan().save(target, overwrite=True)
+    assert Plan.load(target).fingerprint == "fp1"
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: "{\n  oops", r"not valid JSON \(line 2\)"),
+        (lambda d: json.dumps([1, 2]), "not an autopipe plan"),
+        (lambda d: json.dumps({k: v for k, v in d.items() if k != "stages"}), r"lacks key\(s\) \['stages'\]"),
+        (lambda d: json.dumps({**d, "stage_times": [1.0]}), "'stage_times' must be a list with one entry per stage"),
+        (lambda d: json.dumps({**d, "chunks": "four"}), "malformed field"),
+        (lambda d: json.dumps({**d, "stages": [["a"], "b"]}), "'stages' must be a list"),
+        (lambda d: json.dumps({**d, "checkpoint": "sometimes"}), "malformed field.*checkpoint"),
+    ],
+)
+def test_load_rejects_bad_files(tmp_path: Path, edit, match) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "bad.json"
+    path.write_text(edit(_plan().to_dict()))
+    with pytest.raises(PlanError, match=match):
+        Plan.load(path)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "none.json")
+
+
+def test_check_against_graph() -> None:
+    plan = _plan()
+    layers = [n for s in plan.stages for n in s]
+    plan.check(layers, "fp1")
+    plan.check(layers, None)
+    with pytest.raises(PlanError, match="fingerprint fp1 but this graph has fp2"):
+        plan.check(layers, "fp2")
+    with pytest.raises(PlanError, match="unassigned.*'extra'"):
+        plan.check([*layers, "extra"], "fp1")
+    with pytest.raises(PlanError, match="not in the graph"):
+        plan.check(layers[:-1], "fp1")
+
+
+def test_explain_names_the_limit() -> None:
+    big = chain_profile([1.0, 1.0, 20.0, 1.0])
+    text = Plan.from_stages(big, [["l0", "l1"], ["l2", "l3"]], chunks=2).explain()
+    assert "stage 1" in text and "bottleneck" in text and "lower bound" in text
+    assert "big layer 'l2'" in text
+    wide = chain_profile([1.0] * 4, output_bytes=10**9)
+    text = Plan.from_stages(wide, [["l0", "l1"], ["l2", "l3"]], bandwidth=1e9).explain()
+    assert "transfers" in text
+    tight = Plan.from_stages(chain_profile([1.0] * 4, param_bytes=10**6), [["l0"], ["l1", "l2", "l3"]],
+                             memory_limit=10**6)
+    assert "memory: stage 0 needs" in tight.explain()
+    assert "stage" in tight.table() and "share" in tight.table()

@@ -1,0 +1,87 @@
+"""executor._torch_compat: the private torch API the runtime relies on, and its fallbacks.
+
+The receive-ahead schedule's numerics are covered by tests/test_assemble_ranks.py, whose "gpipe"
+runs use it (and one run forced onto the fallback) and compare loss and every gradient with one
+process. Here: the signature checks that decide between the two, on the real torch and on a
+torch whose private methods drifted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+import executor._torch_compat as compat
+import executor.distributed as distributed
+from executor.errors import DistributedError
+from executor.prefetch import PrefetchGPipe
+
+
+def test_this_torch_has_what_the_receive_ahead_schedule_needs() -> None:
+    assert compat.prefetch_support() is None
+    assert distributed.schedule_class("gpipe") is PrefetchGPipe
+    # The override's own signature is the one it replaces, parameter for parameter.
+    assert (inspect.signature(PrefetchGPipe._step_microbatches).parameters.keys()
+            == inspect.signature(ScheduleGPipe._step_microbatches).parameters.keys())
+    # Every method the override calls is checked, and the check reads the real classes.
+    for (cls_name, name), expected in compat.PREFETCH_SIGNATURES.items():
+        cls = {"ScheduleGPipe": ScheduleGPipe, "PipelineStage": PipelineStage}[cls_name]
+        params = tuple(inspect.signature(getattr(cls, name)).parameters)[1:]
+        assert params == expected, (cls_name, name)
+    source = inspect.getsource(PrefetchGPipe._step_microbatches)
+    called = {name for _, name in compat.PREFETCH_SIGNATURES if f".{name}(" in source}
+    assert called >= {"_check_inputs", "_initialize_stage", "_maybe_compute_loss", "_maybe_get_loss",
+                      "_update_losses", "forward_one_chunk", "backward_one_chunk",
+                      "perform_reduce_grad", "get_fwd_recv_ops", "get_bwd_send_ops"}
+
+
+def _drifted_namespace() -> types.SimpleNamespace:
+    class Schedule(ScheduleGPipe):
+        def _initialize_stage(self, args, kwargs, target=None, loss_kwargs=None, extra=0):  # type: ignore[no-untyped-def]
+            raise AssertionError("never called")
+
+    class Missing:
+        pass
+
+    return types.SimpleNamespace(ScheduleGPipe=Schedule, PipelineStage=Missing)
+
+
+def test_a_drifted_private_signature_is_named() -> None:
+    ns = _drifted_namespace()
+    problem = compat.prefetch_support(namespace=ns)
+    assert problem is not None and problem.startswith("ScheduleGPipe._initialize_stage(")
+    assert "'extra'" in problem and "differs from the expected" in problem
+    only_stage = {k: v for k, v in compat.PREFETCH_SIGNATURES.items() if k[0] == "PipelineStage"}
+    assert compat.prefetch_support(only_stage, namespace=ns) == "PipelineStage.get_fwd_recv_ops is missing"
+
+
+def test_gpipe_falls_back_to_torch_schedule_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(distributed, "prefetch_support", lambda: "ScheduleGPipe.x is missing")
+    monkeypatch.setattr(compat, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"ScheduleGPipe.x is missing; autopipe runs "
+                                            r"schedule='gpipe' on torch's ScheduleGPipe") as record:
+        assert distributed.schedule_class("gpipe") is ScheduleGPipe
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not at every pipeline built
+        assert distributed.schedule_class("gpipe") is ScheduleGPipe
+    assert distributed.schedule_class("1f1b").__name__ == "Schedule1F1B"  # untouched
+    with pytest.raises(DistributedError, match="schedule='zb' is unknown; use one of"):
+        distributed.schedule_class("zb")
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (dist.DistNetworkError("anything"), True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"), True),
+    (RuntimeError("Timed out waiting 20000ms for recv operation to complete"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x2)"), False),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("expected a peer-to-peer friendly layout"), False),
+])
+def test_communication_errors_are_told_from_a_ranks_own(error: BaseException, expected: bool) -> None:
+    assert compat.is_communication_error(error) is expected

@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+from autopipe.errors import PartitionError
+from autopipe.solvers.dp import solve_dp
+from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
+
+
+def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
+    """Best bottleneck over every contiguous split, evaluated by the general cost model."""
+    n, k = len(lc), len(devices)
+    best = np.inf
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        assignment = [s for s in range(k) for _ in range(bounds[s], bounds[s + 1])]
+        costs = stage_costs(lc, assignment, devices, opts)
+        if opts.ties == "colocate" and any(
+            len({assignment[i] for i in members}) > 1 for members, _ in lc.tie_groups
+        ):
+            continue
+        if all(d.memory is None or c.memory_bytes <= d.memory for c, d in zip(costs, devices, strict=True)):
+            best = min(best, max(c.time_ms for c in costs))
+    return float(best)
+
+
+def _check(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> None:
+    expected = brute_force(lc, devices, opts)
+    if not np.isfinite(expected):
+        with pytest.raises(PartitionError):
+            solve_dp(lc, devices, opts)
+        return
+    result = solve_dp(lc, devices, opts)
+    costs = stage_costs(lc, result.assignment, devices, opts)
+    assert result.bottleneck == pytest.approx(expected, rel=1e-9)
+    assert max(c.time_ms for c in costs) == pytest.approx(result.bottleneck, rel=1e-9)
+    assert sorted(set(result.assignment)) == list(range(len(devices)))  # no empty stage
+    assert result.assignment == sorted(result.assignment)  # contiguous, in order
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(3, 10)), int(rng.integers(1, 5))
+    k = min(k, n)
+    prof = random_chain(n, seed)
+    lc = LayerCosts.from_profile(prof)
+    checkpoint = ["always", "except_last", "never"][seed % 3]
+    opts = CostOptions(chunks=int(rng.integers(1, 6)), checkpoint=checkpoint,
+                       bandwidth=[None, 1e9, 1e8][seed % 3])
+    # memory limit somewhere between the tightest and a loose split, speeds 0.5..2
+    total = stage_costs(lc, [0] * n, [DeviceSpec("x")], opts)[0].memory_bytes
+    limit = int(total * rng.uniform(0.3, 1.0) / k) if seed % 2 else None
+    speeds = rng.choice([0.5, 1.0, 2.0], k) if seed % 4 < 2 else np.ones(k)
+    devices = [DeviceSpec(f"d{s}", limit, float(speeds[s])) for s in range(k)]
+    _check(lc, devices, opts)
+
+
+@pytest.mark.parametrize("ties", ["share", "colocate"])
+def test_dp_ties_on_dag(ties: str) -> None:
+    lc = LayerCosts.from_profile(transformer_dag(1))  # 10 layers, embed and head tied
+    opts = CostOptions(chunks=4, ties=ties, bandwidth=1e9)
+    if ties == "colocate":
+        # embed and head at both ends: colocating them leaves no place to cut
+        with pytest.raises(PartitionError, match="ties='colocate'.*0 places to cut"):
+            solve_dp(lc, [DeviceSpec("a"), DeviceSpec("b")], opts)
+    else:
+        _check(lc, [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")], opts)
+
+
+def test_dp_colocate_inside_span() -> None:
+    prof = chain_profile([1, 5, 5, 1, 1, 1], param_bytes=[1, 8, 8, 1, 1, 1], tie_group=["", "t", "t", "", "", ""])
+    lc = LayerCosts.from_profile(prof)
+    opts = CostOptions(ties="colocate", bandwidth=None)
+    result = solve_dp(lc, [DeviceSpec("a"), DeviceSpec("b")], opts)
+    assert result.assignment[1] == result.assignment[2]
+    _check(lc, [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")], opts)
+
+
+def test_memory_limit_binds() -> None:
+    prof = chain_profile([1.0] * 8, param_bytes=[100, 1000, 100, 100, 100, 100, 100, 100])
+    lc = LayerCosts.from_profile(prof)
+    opts = CostOptions(optimizer="none", checkpoint="never", bandwidth=None)
+    free = solve_dp(lc, [DeviceSpec("a"), DeviceSpec("b")], opts)
+    assert free.assignment == [0, 0, 0, 0, 1, 1, 1, 1]
+    tight = solve_dp(lc, [DeviceSpec("a", 1250), DeviceSpec("b", 1250)], opts)
+    assert tight.assignment == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert tight.bottleneck > free.bottleneck
+
+
+def test_faster_device_gets_more_layers() -> None:
+    lc = LayerCosts.from_profile(chain_profile([1.0] * 12))
+    opts = CostOptions(bandwidth=None)
+    result = solve_dp(lc, [DeviceSpec("slow", speed=1.0), DeviceSpec("fast", speed=3.0)], opts)
+    assert result.assignment.count(1) == 9
+    _check(lc, [DeviceSpec("slow", speed=1.0), DeviceSpec("fast", speed=3.0)], opts)
+
+
+def test_infeasible_memory_message() -> None:
+    prof = chain_profile([1.0] * 4, param_bytes=[1 << 30] * 4, saved_bytes=1 << 28)
+    lc = LayerCosts.from_profile(prof)
+    opts = CostOptions(optimizer="adam", checkpoint="never", chunks=8)
+    devs = [DeviceSpec("a", 8 << 30), DeviceSpec("b", 8 << 30)]
+    # best split: 2 layers per stage = 2 x 4 GiB states + 8 x 2 x 256 MiB activations = 12 GiB
+    with pytest.raises(PartitionError, match=r"needs at least 12.0 GiB with checkpoint='never'.*limit is 8.0 GiB; try checkpoint='always', 3 stages"):
+        solve_dp(lc, devs, opts)
+
+
+def test_stage_count_errors() -> None:
+    lc = LayerCosts.from_profile(chain_profile([1.0] * 3))
+    with pytest.raises(PartitionError, match=r"stages=4 > 3 layers.*stages <= 3"):
+        solve_dp(lc, [DeviceSpec(str(i)) for i in range(4)], CostOptions())
+    with pytest.raises(PartitionError, match="at least 1 stage"):
+        solve_dp(lc, [], CostOptions())
+
+
+def test_dp_scales_to_2000_layers_16_stages() -> None:
+    lc = LayerCosts.from_profile(random_chain(2000, 1))
+    devices = [DeviceSpec(f"d{s}", 3 << 30) for s in range(16)]
+    start = time.perf_counter()
+    result = solve_dp(lc, devices, CostOptions())
+    elapsed = time.perf_counter() - start
+    assert len(set(result.assignment)) == 16
+    assert elapsed < 8.0  # target 2 s (benchmarks/partition_speed.py reports the real number)

@@ -1,0 +1,272 @@
+"""autopipe.pipeline: the pipelined model must be the model (outputs, losses, gradients)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from autopipe import BuildError, PlanError, ProfileError
+from autopipe.assemble import microbatch_inputs, pipeline
+from autopipe.core.profile_table import Profile
+from autopipe.examples import TinyGPT, get_example
+from autopipe.frontend.graph import LayerGraph, trace
+from autopipe.solvers.partitioner import partition
+from executor import GPipe
+from tests.models import tiny_gpt2
+
+MODES = ("always", "except_last", "never")
+
+
+def cost_profile(graph: LayerGraph) -> Profile:
+    """A profile with made-up but layer-dependent costs: enough to exercise the partitioner."""
+    params = [graph.nx.nodes[n]["param_bytes"] for n in graph.layers]
+    df = pd.DataFrame(
+        {
+            "layer": graph.layers,
+            "fwd_ms": [1.0 + p / 1e5 for p in params],
+            "bwd_ms": [2.0 + 2 * p / 1e5 for p in params],
+            "param_bytes": params,
+            "output_bytes": [graph.nx.nodes[n]["output_bytes"] for n in graph.layers],
+            "saved_bytes": [graph.nx.nodes[n]["output_bytes"] for n in graph.layers],
+        }
+    )
+    return Profile.from_frame(df, edges=graph.edges(), meta={"fingerprint": graph.fingerprint})
+
+
+def check_transparent(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    loss_of: Callable[[Any], Tensor],
+    k: int,
+    checkpoint: str,
+    chunks: int = 2,
+    **trace_kwargs: Any,
+) -> GPipe:
+    reference = copy.deepcopy(model)
+    graph = trace(model, microbatch_inputs(inputs, chunks), **trace_kwargs)
+    plan = partition(cost_profile(graph), stages=k, method="dp", chunks=chunks)
+    pipe = pipeline(model, inputs, devices=["cpu"] * k, chunks=chunks, checkpoint=checkpoint,
+                    plan=plan, graph=graph)
+    out = pipe(*inputs)
+    expected = reference(*inputs)
+    loss, ref_loss = loss_of(out), loss_of(expected)
+    torch.testing.assert_close(loss, ref_loss)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        ref_grad = ref_params[name].grad
+        if ref_grad is None:  # a parameter the loss does not reach gets no gradient at all
+            assert p.grad is None, f"{name} got a gradient the unpipelined model does not have"
+            continue
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref_grad, msg=f"gradient of {name}")
+    return pipe
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "unet"])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_bundled_examples_match_unpipelined(name: str, checkpoint: str) -> None:
+    for k in (1, 2, 3, 4):
+        ex = get_example(name, batch_size=4)
+        check_transparent(ex.model, ex.inputs, lambda out, ex=ex: ex.loss_fn(out, ex.target),
+                          k, checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_nn_transformer_matches(checkpoint: str) -> None:
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=1,
+                           dim_feedforward=32, dropout=0.0, batch_first=True)
+    src, tgt = torch.randn(4, 6, 16), torch.randn(4, 5, 16)
+    for k in (1, 2, 3, 4):
+        check_transparent(copy.deepcopy(model), (src, tgt), lambda out: out.pow(2).mean(), k,
+                          checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_huggingface_gpt2_matches(checkpoint: str) -> None:
+    ids = torch.randint(0, 64, (4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in (1, 2, 3, 4):
+            model = tiny_gpt2()
+            pipe = check_transparent(model, (ids,), lambda out: out.logits.logsumexp(-1).mean(),
+                                     k, checkpoint)
+            # export keeps one name per tied tensor; build restores the plain model's keys
+            assert set(pipe.state_dict()) == set(model.state_dict())
+            pipe.load_state_dict(model.state_dict())
+
+
+def test_adamw_steps_keep_parameters_equal_and_uneven_microbatch() -> None:
+    # (not the GPT: its attention key bias has a mathematically zero gradient, and Adam turns
+    # that float noise into +-lr steps, in the reference model as much as in the pipeline)
+    ex = get_example("unet", batch_size=7)  # 7 rows into 3 micro-batches: 3, 3, 1
+    reference = copy.deepcopy(ex.model)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 3))
+    plan = partition(cost_profile(graph), stages=3, method="dp", chunks=3)
+    pipe = pipeline(ex.model, ex.inputs, devices=["cpu"] * 3, chunks=3, plan=plan, graph=graph)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        for o, m in ((opt, pipe), (ref_opt, reference)):
+            o.zero_grad()
+            ex.loss_fn(m(*ex.inputs), ex.target).backward()
+            o.step()
+    for (name, p), q in zip(ex.model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"parameter {name}")
+    # the user's own model object was trained (parameters are shared, not copied)
+    assert all(p is q for p, q in zip(pipe.parameters(), ex.model.parameters(), strict=True))
+
+
+def test_eval_mode_and_no_grad() -> None:
+    ex = get_example("cnn", batch_size=4)
+    pipe = check_transparent(ex.model, ex.inputs, lambda out: out.sum(), 2, "always")
+    pipe.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(*ex.inputs), ex.model.eval()(*ex.inputs))
+
+
+def test_dropout_recomputation_replays_masks() -> None:
+    grads = {}
+    for mode in ("always", "never"):
+        torch.manual_seed(0)
+        model = TinyGPT(dropout=0.3)
+        ids = torch.randint(0, 256, (4, 16))
+        graph = trace(model, microbatch_inputs((ids,), 2))
+        plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2)
+        pipe = pipeline(model, (ids,), devices=["cpu"] * 2, chunks=2, checkpoint=mode,
+                        plan=plan, graph=graph)
+        torch.manual_seed(1)
+        pipe(ids).logsumexp(-1).mean().backward()
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["always"], grads["never"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_state_dict_uses_original_keys_and_round_trips() -> None:
+    ex = get_example("unet", batch_size=4)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
+    plan = partition(cost_profile(graph), stages=3, method="dp", chunks=2)
+    pipe = pipeline(ex.model, ex.inputs, devices=["cpu"] * 3, chunks=2, plan=plan, graph=graph)
+    state = pipe.state_dict()
+    assert set(state) == set(ex.model.state_dict())
+    fresh = get_example("unet", batch_size=4, seed=5).model
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(fresh(*ex.inputs), pipe(*ex.inputs))
+    pipe.load_state_dict(get_example("unet", batch_size=4, seed=7).model.state_dict())
+    assert not torch.equal(pipe(*ex.inputs), fresh(*ex.inputs))
+
+
+def test_measures_and_partitions_when_no_plan_given() -> None:
+    ex = get_example("mlp", batch_size=8)
+    pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2)
+    assert len(pipe.plan.stages) == 2
+    torch.testing.assert_close(pipe(*ex.inputs), ex.model(*ex.inputs))
+    assert autopipe.pipeline is pipeline
+
+
+def test_errors() -> None:
+    ex = get_example("mlp", batch_size=4)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2)
+    with pytest.raises(BuildError, match="2 stages but 3 devices"):
+        pipeline(ex.model, ex.inputs, devices=["cpu"] * 3, chunks=2, plan=plan)
+    with pytest.raises(BuildError, match="chunks=8 > batch size 4: micro-batches would be empty"):
+        pipeline(ex.model, ex.inputs, devices=["cpu"] * 2, chunks=8, plan=plan)
+    with pytest.raises(BuildError, match="devices is empty"):
+        pipeline(ex.model, ex.inputs, devices=[], chunks=2, plan=plan)
+    # a plan made for another model (or another micro-batch shape) is refused
+    with pytest.raises(PlanError, match="fingerprint"):
+        pipeline(ex.model, ex.inputs, devices=["cpu"] * 2, chunks=1, plan=plan)
+    gpu_profile = cost_profile(graph)
+    gpu_profile.meta.update(device="NVIDIA H200", device_type="cuda")
+    with pytest.raises(ProfileError, match="measured on cuda .* runs on cpu"):
+        pipeline(ex.model, ex.inputs, devices=["cpu"] * 2, chunks=2, profile=gpu_profile)
+    other = get_example("cnn", batch_size=4)
+    with pytest.raises(ProfileError, match="fingerprint"):
+        pipeline(other.model, other.inputs, devices=["cpu"] * 2, chunks=2,
+                 profile=cost_profile(graph))
+
+
+def test_prediction_benchmark_smoke() -> None:
+    from benchmarks.executor_vs_prediction import main
+
+    (row,) = main(["--models", "mlp", "--batch", "8", "--chunks", "2", "--checkpoints", "never",
+                   "--repeats", "2"])
+    assert row.predicted_ms > 0 and row.measured_ms > 0 and row.loop_ms > 0
+    assert 0.05 < row.ratio < 20  # a sanity range, not a timing threshold
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf"])
+def test_tied_embedding_and_head_on_different_devices(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One CPU stands in for two GPUs: the runtime is told the stages' devices differ, so the
+    # tied head fetches the embedding's weight ([Note: ties across devices] in executor.gpipe).
+    monkeypatch.setattr("executor.placement._same_device", lambda a, b: False)
+    if name == "gpt":
+        ex = get_example("gpt", batch_size=4)
+        model, inputs = ex.model, ex.inputs
+
+        def loss_of(out: Any) -> Tensor:
+            return ex.loss_fn(out, ex.target)
+    else:
+        model, inputs = tiny_gpt2(), (torch.randint(0, 64, (4, 8)),)
+
+        def loss_of(out: Any) -> Tensor:
+            return out.logits.logsumexp(-1).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = check_transparent(model, inputs, loss_of, 2, "except_last")
+    assert set(pipe.state_dict()) == set(model.state_dict())
+    tied = [p for p in pipe.parameters() if p.shape[0] in (256, 64) and p.dim() == 2]
+    assert len({id(p) for p in tied}) == len(tied)  # the tied weight is listed once
+
+
+def test_stage_that_does_not_fit_its_device_is_refused() -> None:
+    from autopipe.assemble import check_device_memory
+
+    ex = get_example("mlp", batch_size=4)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2)
+    gib = 2**30
+    free = {"cuda:0": 8 * gib, "cuda:1": 1000}
+    check_device_memory(plan, ["cpu", "cpu"])  # the CPU reports no free memory: not checked
+    check_device_memory(plan, ["cuda:0", "cuda:0"], lambda d: free.get(str(d)))
+    with pytest.raises(BuildError, match=r"stage\(s\) \[1\] need .* but cuda:1 has 1000 B free; "
+                                         r"use more stages.*memory_limit='1000 B'"):
+        check_device_memory(plan, ["cuda:0", "cuda:1"], lambda d: free.get(str(d)))
+    both = sum(plan.stage_memory)
+    with pytest.raises(BuildError, match=r"stage\(s\) \[0, 1\]"):  # stages on one device add up
+        check_device_memory(plan, ["cuda:1", "cuda:1"], lambda d: both - 1)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_huggingface_llama_and_bert_match(checkpoint: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=64))
+    # BERT's pooler output is not in this loss: its parameters must get no gradient, as in the
+    # unpipelined model (not zeros, which AdamW would act on)
+    bert = transformers.BertModel(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ids = torch.randint(0, 64, (4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_transparent(llama, (ids,), lambda out: out.logits.logsumexp(-1).mean(), 3,
+                          checkpoint)
+        check_transparent(bert, (ids,), lambda out: out.last_hidden_state.pow(2).mean(), 3,
+                          checkpoint)
+    assert bert.pooler.dense.weight.grad is None

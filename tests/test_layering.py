@@ -1,0 +1,85 @@
+"""The dependency rules of docs/DESIGN.md, checked on the source: who may import whom.
+
+Every import statement of every module is read with ``ast`` (function-level imports too), so a
+lazy import inside a function cannot slip past the rule either.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _violations(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> list[str]:
+    bad = []
+    for path in _modules(package):
+        for name in sorted(_imports(path)):
+            hit = any(name == f or name.startswith(f + ".") for f in forbidden)
+            ok = any(name == a or name.startswith(a + ".") for a in allowed)
+            if hit and not ok:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    return bad
+
+
+def test_executor_never_imports_autopipe() -> None:
+    assert _modules("executor")
+    assert _violations("executor", ("autopipe",)) == []
+
+
+@pytest.mark.parametrize("package", ["autopipe/core", "autopipe/solvers"])
+def test_the_planner_imports_no_torch_and_nothing_downstream(package: str) -> None:
+    downstream = ("torch", "autopipe.frontend", "autopipe.assemble", "autopipe.assemble_ranks",
+                  "autopipe.plot", "autopipe.app", "autopipe.examples", "executor")
+    assert _violations(package, downstream, allowed=("executor.spec",)) == []
+
+
+def test_solvers_are_not_imported_by_the_core() -> None:
+    assert _violations("autopipe/core", ("autopipe.solvers",)) == []
+
+
+def test_the_frontend_does_not_reach_the_application_or_the_solvers() -> None:
+    assert _violations("autopipe/frontend", ("autopipe.app", "autopipe.assemble",
+                                             "autopipe.assemble_ranks", "autopipe.plot",
+                                             "autopipe.solvers")) == []
+
+
+def test_plots_read_plans_and_profiles_only() -> None:
+    assert _violations("autopipe/plot", ("torch", "autopipe.frontend", "autopipe.app",
+                                         "autopipe.assemble", "autopipe.assemble_ranks")) == []
+
+
+def test_executor_spec_is_torch_free() -> None:
+    assert _imports(ROOT / "executor" / "spec.py") <= {"__future__", "__future__.annotations",
+                                                      "dataclasses", "dataclasses.dataclass"}
+
+
+def test_private_torch_names_come_only_from_the_compat_module() -> None:
+    compat = ROOT / "executor" / "_torch_compat.py"
+    bad = []
+    for path in [*_modules("autopipe"), *_modules("executor")]:
+        if path == compat:
+            continue
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "torch" and any(p.startswith("_") for p in parts[1:]):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert bad == []
