@@ -28,7 +28,7 @@ from autopipe.core.cost import (
     stage_costs,
 )
 from autopipe.core.files import atomic_write_text
-from autopipe.core.profile_table import Profile
+from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.core.units import format_bytes
 from autopipe.errors import AutopipeError, PlanError
@@ -79,6 +79,8 @@ class Plan:
     bandwidth: float | None = 10e9
     ties: str = "share"
     largest_layer: tuple[str, float] = ("", 0.0)
+    batch_size: int | None = None  # the profile's batch and micro-batch rows, when recorded
+    micro_batch_size: int | None = None
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -123,6 +125,8 @@ class Plan:
             breakdown=breakdown, solver=solver or SolverInfo(), fingerprint=profile.fingerprint,
             optimizer=optimizer, bandwidth=bandwidth, ties=ties,
             largest_layer=(layers[big], float(work[big])),
+            batch_size=_int_or_none(profile.meta.get("batch_size")),
+            micro_batch_size=_int_or_none(profile.meta.get("micro_batch_size")),
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -130,13 +134,29 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def check(self, layers: Sequence[str], fingerprint: str | None) -> None:
-        """Raise PlanError unless this plan was made for a graph with these layers."""
-        if fingerprint is not None and self.fingerprint is not None and fingerprint != self.fingerprint:
+    def check(self, layers: Sequence[str], fingerprint: str | None, *,
+              micro_batch_size: int | None = None) -> None:
+        """Raise PlanError unless this plan was made for a graph with these layers; a fingerprint
+        mismatch says whether the model or the micro-batch shape differs (``micro_batch_size``:
+        the rows of the graph's micro-batch, named in the message when given)."""
+        differs = fingerprint_mismatch(self.fingerprint, fingerprint)
+        head = f"plan was made for graph fingerprint {self.fingerprint} but this graph has {fingerprint}"
+        if differs == "model":
+            raise PlanError(f"{head}: the plan is for another model (its layers or parameter shapes "
+                            f"differ); re-run autopipe profile and autopipe partition for this model")
+        if differs == "shape":
+            mine = micro_batch_text({"micro_batch_size": self.micro_batch_size,
+                                     "batch_size": self.batch_size, "chunks": self.chunks})
+            this = f", this one's {micro_batch_size} rows" if micro_batch_size is not None else ""
             raise PlanError(
-                f"plan was made for graph fingerprint {self.fingerprint} but this graph has "
-                f"{fingerprint}; re-run autopipe profile and autopipe partition for this model/batch"
+                f"{head}: same model, another micro-batch shape (the plan's micro-batch is "
+                f"{mine}{this}; a micro-batch is the first ceil(batch / chunks) rows); use the "
+                f"plan's batch size and chunks, or re-run autopipe profile and autopipe partition "
+                f"for this batch and chunks"
             )
+        if differs == "graph":
+            raise PlanError(f"{head} (another model or micro-batch shape); re-run autopipe profile "
+                            f"and autopipe partition for this model/batch")
         _check_layers({n for names in self.stages for n in names}, list(layers), "the graph")
 
     def explain(self) -> str:
@@ -145,7 +165,7 @@ class Plan:
         s = int(np.argmax(self.stage_times))
         names = self.stages[s]
         total = sum(self.stage_times)
-        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        span = self.spans()[s]
         big_name, big_ms = self.largest_layer
         parts = [
             f"{k} stage(s) by {self.method}: stage {s} ({span}, {len(names)} layers on "
@@ -187,16 +207,22 @@ class Plan:
                     f"of its device, which keeps layers off it")
         return "layer granularity: whole layers cannot be balanced more evenly"
 
+    def spans(self) -> list[str]:
+        """Each stage's layers as ``first .. last`` (whole names, never cut)."""
+        return [names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}" for names in self.stages]
+
     def table(self) -> str:
         """A per-stage table: layers, time, memory and share of the summed time."""
         total = sum(self.stage_times) or 1.0
-        rows = [f"{'stage':>5}  {'device':<10} {'layers':>6}  {'first .. last':<32} {'time ms':>9} "
+        spans = self.spans()
+        wide = max(len("first .. last"), *(len(x) for x in spans))
+        dev = max(len("device"), *(len(d.name) for d in self.devices))
+        rows = [f"{'stage':>5}  {'device':<{dev}} {'layers':>6}  {'first .. last':<{wide}} {'time ms':>9} "
                 f"{'fwd':>8} {'bwd':>8} {'recomp':>8} {'xfer':>8} {'memory':>10}  {'share':>5}"]
         for s, names in enumerate(self.stages):
             b = self.breakdown[s]
-            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
             rows.append(
-                f"{s:>5}  {self.devices[s].name:<10} {len(names):>6}  {span[:32]:<32} "
+                f"{s:>5}  {self.devices[s].name:<{dev}} {len(names):>6}  {spans[s]:<{wide}} "
                 f"{self.stage_times[s]:>9.3f} {b.fwd_ms:>8.3f} {b.bwd_ms:>8.3f} {b.recompute_ms:>8.3f} "
                 f"{b.transfer_ms:>8.3f} {format_bytes(self.stage_memory[s]):>10}  "
                 f"{100 * self.stage_times[s] / total:>4.0f}%"
@@ -236,7 +262,8 @@ class Plan:
             raise PlanError(f"{where} is not an autopipe plan (expected format {PLAN_FORMAT!r}); "
                             f"re-run `autopipe partition ...`")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data and n not in ("solver", "largest_layer")]
+        optional = ("solver", "largest_layer", "batch_size", "micro_batch_size")  # older plans lack them
+        missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
         try:
@@ -267,7 +294,18 @@ def _check_types(plan: Plan) -> None:
         raise TypeError("times and memory must be numbers")
     if not isinstance(plan.chunks, int) or plan.chunks < 1:
         raise TypeError(f"'chunks' must be an integer >= 1, got {plan.chunks!r}")
+    for name in ("batch_size", "micro_batch_size"):
+        value = getattr(plan, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise TypeError(f"{name!r} must be an integer >= 1 or null, got {value!r}")
     CostOptions(plan.chunks, plan.checkpoint, plan.optimizer, plan.bandwidth, plan.ties)
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_layers(

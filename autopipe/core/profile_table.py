@@ -56,7 +56,7 @@ import pandas as pd
 from autopipe.core.files import atomic_write_text
 from autopipe.errors import ProfileError
 
-__all__ = ["Profile"]
+__all__ = ["Profile", "fingerprint_mismatch", "micro_batch_text"]
 
 _RERUN = "re-run `autopipe profile ...`"
 
@@ -135,14 +135,27 @@ class Profile:
         return cls(frame, list(edges or []), dict(meta or {}))
 
     def check_fingerprint(self, fingerprint: str | None, what: str = "model") -> None:
-        """Raise ProfileError if this profile was measured on a different graph."""
+        """Raise ProfileError if this profile was measured on a different graph, saying whether
+        the model or only the micro-batch shape differs (see :func:`fingerprint_mismatch`)."""
         mine = self.fingerprint
-        if fingerprint is None or mine is None or fingerprint == mine:
+        differs = fingerprint_mismatch(mine, fingerprint)
+        if differs is None:
             return
+        head = f"profile fingerprint {mine} does not match the {what}'s fingerprint {fingerprint}"
+        if differs == "model":
+            raise ProfileError(
+                f"{head}: the profile was measured on another model (its layers or parameter "
+                f"shapes differ); re-run autopipe profile for this model"
+            )
+        if differs == "shape":
+            raise ProfileError(
+                f"{head}: same model, another micro-batch shape (the profile's micro-batch is "
+                f"{micro_batch_text(self.meta)}); use that batch size and chunks, or re-run "
+                f"autopipe profile for this batch and chunks"
+            )
         raise ProfileError(
-            f"profile fingerprint {mine} does not match the {what}'s fingerprint {fingerprint}: "
-            f"the profile was measured on a different graph; re-run autopipe profile for this "
-            f"model/batch"
+            f"{head}: the profile was measured on a different graph (another model or micro-batch "
+            f"shape); re-run autopipe profile for this model/batch"
         )
 
     # --- disk -------------------------------------------------------------------------------
@@ -195,6 +208,34 @@ class Profile:
                 raise ProfileError(f"{json_path}: edge {e!r} is not [src, dst, bytes]; {_RERUN}")
             edges.append((str(e[0]), str(e[1]), int(e[2])))
         return cls(df, edges, {**meta, "_source": str(csv_path)})
+
+
+def fingerprint_mismatch(made_for: str | None, other: str | None) -> str | None:
+    """What differs between the graph a profile or plan was made for and ``other``'s graph.
+
+    None when they match or either is unknown; ``"model"`` when the layers or their parameter
+    shapes differ; ``"shape"`` when only the shapes flowing through them do (another
+    micro-batch); ``"graph"`` when an older one-part fingerprint cannot tell which. Fingerprints
+    are ``FULL.STRUCTURE`` ([Note: two-part fingerprint] in autopipe/frontend/graph.py); FULL
+    alone decides whether they match, so files from before the STRUCTURE part still do.
+    """
+    if made_for is None or other is None:
+        return None
+    full_a, _, structure_a = made_for.partition(".")
+    full_b, _, structure_b = other.partition(".")
+    if full_a == full_b:
+        return None
+    if not structure_a or not structure_b:
+        return "graph"
+    return "model" if structure_a != structure_b else "shape"
+
+
+def micro_batch_text(meta: dict[str, Any]) -> str:
+    """``"64 rows (batch 256 in 4 chunks)"`` from a profile's or plan's record, as far as known."""
+    micro, batch, chunks = (meta.get(k) for k in ("micro_batch_size", "batch_size", "chunks"))
+    if micro is None:
+        return "unrecorded"
+    return f"{micro} rows" + (f" (batch {batch} in {chunks} chunks)" if batch and chunks else "")
 
 
 def _as_int(x: Any) -> int:

@@ -110,16 +110,29 @@ class LayerGraph:
 
 
 def _fingerprint(g: LayerGraph) -> str:
-    """Stable hash of structure, shapes and dtypes: same model + batch shape -> same hash."""
+    """``FULL.STRUCTURE``: a stable hash of structure, shapes and dtypes (same model + batch
+    shape -> same FULL), then a hash of the structure alone (layers, their types, parameter
+    shapes, edges), which stays the same when only the micro-batch shape changes.
+
+    [Note: two-part fingerprint] FULL is the whole fingerprint of older profiles and plans, so
+    they still match; the STRUCTURE part lets a mismatch say whether the model or the
+    micro-batch shape differs (autopipe.core.profile_table.fingerprint_mismatch).
+    """
     items: list[Any] = [g.source, g.input_bytes]
+    structure: list[Any] = []
     for n in g.layers:
         a = g.nx.nodes[n]
         items.append(
             [n, a["kind"], a["module_type"], a["param_shapes"], a["output_shapes"], a["output_dtypes"]]
         )
+        structure.append([n, a["kind"], a["module_type"], a["param_shapes"]])
     items.append(g.edges())
-    blob = json.dumps(items, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    structure.append([(u, v) for u, v, _ in g.edges()])
+
+    def digest(value: Any, size: int) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:size]
+
+    return f"{digest(items, 16)}.{digest(structure, 8)}"
 
 
 def trace(

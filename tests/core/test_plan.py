@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from autopipe.core.plan import Plan
-from autopipe.errors import PlanError
+from autopipe.core.profile_table import Profile
+from autopipe.errors import PlanError, ProfileError
 from autopipe.solvers.synthetic import chain_profile, random_chain
 
 
@@ -86,12 +87,56 @@ def test_check_against_graph() -> None:
     layers = [n for s in plan.stages for n in s]
     plan.check(layers, "fp1")
     plan.check(layers, None)
-    with pytest.raises(PlanError, match="fingerprint fp1 but this graph has fp2"):
+    with pytest.raises(PlanError, match="fingerprint fp1 but this graph has fp2 .another model or micro-batch shape"):
         plan.check(layers, "fp2")
     with pytest.raises(PlanError, match="unassigned.*'extra'"):
         plan.check([*layers, "extra"], "fp1")
     with pytest.raises(PlanError, match="not in the graph"):
         plan.check(layers[:-1], "fp1")
+
+
+def _two_part_plan() -> Plan:
+    prof = random_chain(6, 2)
+    prof.meta.update(fingerprint="aaaa.s1", batch_size=32, chunks=4, micro_batch_size=8)
+    return Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], chunks=4)
+
+
+def test_check_says_whether_the_model_or_the_micro_batch_differs() -> None:
+    plan = _two_part_plan()
+    assert (plan.batch_size, plan.micro_batch_size) == (32, 8)
+    layers = [n for s in plan.stages for n in s]
+    plan.check(layers, "aaaa.s1")
+    plan.check(layers, "aaaa")  # a graph fingerprinted before the structure part: same FULL
+    with pytest.raises(PlanError, match=r"^plan was made for graph fingerprint aaaa.s1 but this graph "
+                       r"has bbbb.s2: the plan is for another model \(its layers or parameter shapes "
+                       r"differ\); re-run autopipe profile and autopipe partition for this model$"):
+        plan.check(layers, "bbbb.s2")
+    with pytest.raises(PlanError, match=r": same model, another micro-batch shape \(the plan's micro-batch "
+                       r"is 8 rows \(batch 32 in 4 chunks\), this one's 16 rows; .*\); use the plan's "
+                       r"batch size and chunks, or re-run autopipe profile and autopipe partition"):
+        plan.check(layers, "bbbb.s1", micro_batch_size=16)
+
+
+def test_plans_saved_before_the_batch_fields_still_load(tmp_path: Path) -> None:
+    data = _two_part_plan().to_dict()
+    del data["batch_size"], data["micro_batch_size"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "old.json")
+    assert old.micro_batch_size is None and old.stages == _two_part_plan().stages
+    with pytest.raises(PlanError, match=r"the plan's micro-batch is unrecorded; "):
+        old.check([n for s in old.stages for n in s], "bbbb.s1")
+    (tmp_path / "bad.json").write_text(json.dumps({**data, "micro_batch_size": "eight"}))
+    with pytest.raises(PlanError, match="'micro_batch_size' must be an integer >= 1 or null"):
+        Plan.load(tmp_path / "bad.json")
+
+
+def test_table_keeps_whole_layer_names() -> None:
+    names = [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
+    prof = Profile.from_frame(chain_profile([1.0] * 4).df.assign(layer=names))
+    table = Plan.from_stages(prof, [names[:2], names[2:]]).table()
+    assert "model.layers.0.self_attn.q_proj .. model.layers.1.self_attn.q_proj" in table
+    assert "model.layers.2.self_attn.q_proj .. model.layers.3.self_attn.q_proj" in table
+    assert len({len(line) for line in table.splitlines()}) == 1  # columns stay aligned
 
 
 def test_explain_names_the_limit() -> None:
@@ -106,3 +151,16 @@ def test_explain_names_the_limit() -> None:
                              memory_limit=10**6)
     assert "memory: stage 0 needs" in tight.explain()
     assert "stage" in tight.table() and "share" in tight.table()
+
+
+def test_profile_check_says_whether_the_model_or_the_micro_batch_differs() -> None:
+    prof = random_chain(3, 1)
+    prof.meta.update(fingerprint="aaaa.s1", batch_size=256, chunks=4, micro_batch_size=64)
+    prof.check_fingerprint("aaaa.s1")
+    prof.check_fingerprint("aaaa")
+    with pytest.raises(ProfileError, match=r"^profile fingerprint aaaa.s1 does not match the model's "
+                       r"fingerprint bbbb.s2: the profile was measured on another model"):
+        prof.check_fingerprint("bbbb.s2")
+    with pytest.raises(ProfileError, match=r"same model, another micro-batch shape \(the profile's "
+                       r"micro-batch is 64 rows \(batch 256 in 4 chunks\)\); use that batch size"):
+        prof.check_fingerprint("bbbb.s1")
