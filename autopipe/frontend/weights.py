@@ -22,6 +22,7 @@ Anything else missing, any key the model does not have, and any shape mismatch i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -32,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from autopipe.core.files import atomic_write, atomic_write_text
 from autopipe.errors import BuildError, first_line
 
-__all__ = ["WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights"]
+__all__ = ["WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded"]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -261,3 +263,47 @@ def match_weights(
                            f"{key!r} is {list(got)} in the file but {list(want)} in the model; "
                            "the weights are for another configuration of this model")
     return found
+
+
+def _save_shard(save_file: Any, shard: dict[str, Tensor], tmp: str) -> None:
+    save_file(shard, tmp, metadata={"format": "pt"})
+
+
+def save_sharded(
+    parts: Iterable[Mapping[str, Tensor]], folder: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Write one safetensors shard per part (per stage) and the index HuggingFace reads.
+
+    ``parts``: each stage's ``state_dict`` in the model's keys, in stage order. A tensor held by
+    several parts (a tie across stages) is stored once, in the first part that holds it; a key
+    naming an already stored tensor (a tie within a part) is left to its alias, as
+    ``save_pretrained`` does. Returns the index path (``model.safetensors.index.json``), which
+    ``weights=`` accepts. Existing files are kept unless ``overwrite``.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(folder)
+    states = [dict(p) for p in parts]
+    index = root / "model.safetensors.index.json"
+    names = [f"model-{i + 1:05d}-of-{len(states):05d}.safetensors" for i in range(len(states))]
+    taken = [str(p) for p in (index, *(root / n for n in names)) if p.exists()]
+    if taken and not overwrite:
+        raise WeightsError(f"{taken[0]} already exists: refusing to overwrite saved weights; "
+                           "pass overwrite=True or choose another folder")
+    stored: dict[tuple[int, int], str] = {}  # (storage pointer, offset) -> key written
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, state in zip(names, states, strict=True):
+        shard: dict[str, Tensor] = {}
+        for key, value in state.items():
+            where = (value.untyped_storage().data_ptr(), int(value.storage_offset()))
+            if where in stored:  # a tie: its alias holds it
+                continue
+            stored[where] = key
+            shard[key] = value.detach().to("cpu").contiguous()
+            weight_map[key] = name
+            total += value.numel() * value.element_size()
+        atomic_write(root / name, functools.partial(_save_shard, save_file, shard))
+    atomic_write_text(index, json.dumps({"metadata": {"total_size": total},
+                                         "weight_map": weight_map}, indent=2) + "\n")
+    return index

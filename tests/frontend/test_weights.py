@@ -137,3 +137,24 @@ def test_an_index_whose_shards_lack_a_key_is_refused(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": {"a": "s.safetensors", "b": "s.safetensors"}}))
     with pytest.raises(WeightsError, match=r"lists 1 key\(s\) its shards do not hold, e.g. \['b'\]"):
         open_weights(index)
+
+
+def test_sharded_save_round_trips_and_stores_a_tie_once(tmp_path: Path) -> None:
+    from autopipe.frontend.weights import save_sharded
+
+    emb = torch.randn(10, 4)
+    parts = [{"emb.weight": emb, "lin.weight": torch.randn(3, 4)},
+             {"head.weight": emb, "lin2.bias": torch.randn(3)}]  # head tied to emb, across parts
+    index = save_sharded(parts, tmp_path / "out")
+    data = json.loads(index.read_text())
+    assert data["weight_map"] == {"emb.weight": "model-00001-of-00002.safetensors",
+                                  "lin.weight": "model-00001-of-00002.safetensors",
+                                  "lin2.bias": "model-00002-of-00002.safetensors"}
+    source = open_weights(tmp_path / "out")  # the folder works as well as the index
+    expected = {k: TensorInfo(tuple(v.shape), v.dtype) for p in parts for k, v in p.items()}
+    found = match_weights(source, expected, {"head.weight": ["emb.weight"]})
+    assert found["head.weight"] == "emb.weight"
+    torch.testing.assert_close(source.read(["emb.weight"])["emb.weight"], emb)
+    with pytest.raises(WeightsError, match="already exists: refusing to overwrite saved weights"):
+        save_sharded(parts, tmp_path / "out")
+    assert save_sharded(parts, tmp_path / "out", overwrite=True) == index
