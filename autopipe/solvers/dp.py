@@ -15,7 +15,7 @@ binary search with a greedy feasibility test would not be exact; the DP is.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,6 +50,7 @@ class RangeCosts:
     def __init__(self, costs: LayerCosts, options: CostOptions) -> None:
         n = len(costs)
         self.n = n
+        self.names = costs.names
         m = options.chunks
         rec_n = recomputed_microbatches(options.checkpoint, m)
         zero = np.zeros(1)
@@ -165,38 +166,121 @@ def solve_dp(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOpti
             f"places to cut but {k} stages need {k - 1}; use fewer stages or ties='share'"
         )
     assert has_limit, "a split without memory limits is always feasible"
-    raise memory_error(rc, devices, options, memory)
+    raise memory_error(costs, rc, devices, options, memory)
 
 
 def memory_error(
+    costs: LayerCosts,
     rc: RangeCosts,
     devices: Sequence[DeviceSpec],
     options: CostOptions,
     memory: Callable[[int, int], FloatArray],
 ) -> PartitionError:
-    """Explain an infeasible memory limit: the least memory any split of the layers needs."""
+    """Explain an infeasible memory limit in one line, with the fix that applies.
+
+    In order: a layer whose parameters with optimizer state alone exceed the limit (no split
+    can help: name it and the least memory any split needs); else, with one limit for every
+    stage, the fewest stages that fit, and whether checkpoint='always' fits at this count; else
+    the least memory any split needs.
+    """
     n, k = rc.n, len(devices)
-
-    def ratio(s: int, j0: int, j1: int) -> FloatArray:
-        limit = devices[s].memory
-        mem = memory(j0, j1) / limit if limit else np.zeros((n + 1, j1 - j0))
-        return np.where(rc.valid(j0, j1), mem, np.inf)
-
-    need, _ = minmax_dp(n, k, ratio)
-    limits = {d.memory for d in devices}
-    hint = "try checkpoint='always', " if options.checkpoint != "always" else ""
-    hint += f"{k + 1} stages" if k < n else "devices with more memory"
-    if len(limits) == 1:
-        (limit,) = limits
+    limits = [d.memory for d in devices if d.memory is not None]
+    roomiest = max(limits)
+    state, params = layer_state_bytes(rc, options.optimizer)
+    big = int(np.argmax(state))
+    setting = f"checkpoint={options.checkpoint!r}, optimizer={options.optimizer!r}"
+    if state[big] > roomiest:
         return PartitionError(
-            f"stage memory needs at least {format_bytes(need * (limit or 0))} with "
-            f"checkpoint={options.checkpoint!r}, optimizer={options.optimizer!r} and {k} stages; "
-            f"limit is {format_bytes(limit)}; {hint}"
+            f"layer {rc.names[big]!r} alone needs {format_bytes(state[big])} for its parameters "
+            f"({format_bytes(params[big])}) with {options.optimizer!r} optimizer state, more than "
+            f"the {format_bytes(roomiest)} limit, so no split fits; the least memory any split "
+            f"needs is {format_bytes(least_memory(rc, memory))} with {setting}: raise the limit to that "
+            f"(--memory / memory_limit=) or split that layer into smaller modules"
         )
-    return PartitionError(
-        f"stage memory exceeds some device's limit by at least {100 * (need - 1):.1f}% with "
-        f"checkpoint={options.checkpoint!r} and {k} stages; {hint}"
-    )
+    if len(set(limits)) != 1 or len(limits) != k:
+        need, _ = minmax_dp(n, k, _ratio(rc, devices, memory))
+        return PartitionError(
+            f"stage memory exceeds some device's limit by at least {100 * (need - 1):.1f}% with "
+            f"{setting} and these {k} devices; give them more memory"
+            + (" or use checkpoint='except_last'" if options.checkpoint == "never" else "")
+        )
+    limit = limits[0]
+    need, _ = minmax_dp(n, k, _ratio(rc, devices, memory))
+    head = (f"stage memory needs at least {format_bytes(need * limit)} with {setting} and {k} "
+            f"stages; limit is {format_bytes(limit)}")
+    fixes = []
+    fewest = fewest_stages(rc, memory, limit)
+    if fewest is not None:
+        fixes.append(f"{fewest} stages are the fewest that fit (--stages {fewest} / stages={fewest})")
+    others = {mode: RangeCosts(costs, replace(options, checkpoint=mode))
+              for mode in ("except_last", "always") if mode != options.checkpoint}
+    for mode, other in others.items():  # recomputation keeps fewer activations than 'never'
+        if minmax_dp(n, k, _ratio(other, devices, other.memory))[0] <= 1.0:
+            fixes.append(f"{k} stages fit with checkpoint={mode!r} (--checkpoint {mode} / "
+                         f"checkpoint={mode!r})")
+            break
+    else:
+        if fewest is None:
+            for mode, other in others.items():
+                count = fewest_stages(other, other.memory, limit)
+                if count is not None:
+                    fixes.append(f"{count} stages fit with checkpoint={mode!r} (--stages {count} "
+                                 f"--checkpoint {mode} / stages={count}, checkpoint={mode!r})")
+                    break
+    if not fixes:
+        fixes.append(f"no number of stages fits: the least memory any split needs is "
+                     f"{format_bytes(least_memory(rc, memory))}; raise the limit to that "
+                     f"(--memory / memory_limit=)")
+    return PartitionError(f"{head}; {'; or '.join(fixes)}")
+
+
+def _ratio(rc: RangeCosts, devices: Sequence[DeviceSpec], memory: Callable[[int, int], FloatArray]) -> BlockCost:
+    """Stage memory over its device's limit (inf where the range is not a valid stage)."""
+    def cost(s: int, j0: int, j1: int) -> FloatArray:
+        limit = devices[s].memory
+        mem = memory(j0, j1) / limit if limit else np.zeros((rc.n + 1, j1 - j0))
+        out: FloatArray = np.where(rc.valid(j0, j1), mem, np.inf)
+        return out
+    return cost
+
+
+def layer_state_bytes(rc: RangeCosts, optimizer: str) -> tuple[FloatArray, FloatArray]:
+    """Each layer's parameters with optimizer state and buffers (``cost.state_bytes``), and its
+    parameter bytes (tied ones included): what the layer needs in any stage that holds it."""
+    params = np.diff(rc.params)
+    for members, nbytes in rc.ties:
+        params[list(members)] += nbytes
+    state: FloatArray = state_bytes(params, np.diff(rc.buffers), optimizer)
+    return state, params
+
+
+def least_memory(rc: RangeCosts, memory: Callable[[int, int], FloatArray]) -> float:
+    """The least peak stage memory of any split into any number of stages (bytes)."""
+    best = np.full(rc.n + 1, np.inf)
+    best[0] = 0.0
+    for j in range(1, rc.n + 1):
+        mem = memory(j, j + 1)[:, 0]
+        ok = rc.valid(j, j + 1)[:, 0]
+        best[j] = float(np.min(np.where(ok, np.maximum(best, mem), np.inf)))
+    return float(best[rc.n])
+
+
+def fewest_stages(rc: RangeCosts, memory: Callable[[int, int], FloatArray], limit: float,
+                  most: int = 256) -> int | None:
+    """The fewest stages (up to ``most``) whose every stage fits ``limit`` bytes, or None."""
+    n = rc.n
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    for s in range(1, min(n, most) + 1):
+        new = np.full(n + 1, np.inf)
+        for j0 in range(1, n + 1, _BLOCK):
+            j1 = min(j0 + _BLOCK, n + 1)
+            cand = np.where(rc.valid(j0, j1), np.maximum(best[:, None], memory(j0, j1)), np.inf)
+            new[j0:j1] = cand.min(axis=0)
+        best = new
+        if best[n] <= limit:
+            return s
+    return None
 
 
 def check_stage_count(n: int, k: int) -> None:

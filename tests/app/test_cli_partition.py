@@ -40,7 +40,7 @@ def test_existing_out_is_left_unchanged(profile_csv: Path, tmp_path: Path, capsy
     ("extra", "match"),
     [
         (["--stages", "13"], "stages=13 > 12 layers"),
-        (["--stages", "2", "--memory", "1KiB"], "stage memory needs at least .* limit is 1.0 KiB"),
+        (["--stages", "2", "--memory", "1KiB"], r"layer '\S+' alone needs .* more than the 1.0 KiB limit, so no split fits; .* \(--memory / memory_limit=\)"),
         (["--stages", "2", "--method", "nope"], "method='nope'"),
     ],
 )

@@ -147,7 +147,7 @@ def test_explain_names_the_limit() -> None:
     wide = chain_profile([1.0] * 4, output_bytes=10**9)
     text = Plan.from_stages(wide, [["l0", "l1"], ["l2", "l3"]], bandwidth=1e9).explain()
     assert "transfers" in text
-    tight = Plan.from_stages(chain_profile([1.0] * 4, param_bytes=10**6), [["l0"], ["l1", "l2", "l3"]],
+    tight = Plan.from_stages(chain_profile([1.0] * 4, param_bytes=[10**6] * 4), [["l0"], ["l1", "l2", "l3"]],
                              memory_limit=10**6)
     assert "memory: stage 0 needs" in tight.explain()
     assert "stage" in tight.table() and "share" in tight.table()

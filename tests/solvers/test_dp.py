@@ -106,9 +106,48 @@ def test_infeasible_memory_message() -> None:
     lc = LayerCosts.from_profile(prof)
     opts = CostOptions(optimizer="adam", checkpoint="never", chunks=8)
     devs = [DeviceSpec("a", 8 << 30), DeviceSpec("b", 8 << 30)]
-    # best split: 2 layers per stage = 2 x 4 GiB states + 8 x 2 x 256 MiB activations = 12 GiB
-    with pytest.raises(PartitionError, match=r"needs at least 12.0 GiB with checkpoint='never'.*limit is 8.0 GiB; try checkpoint='always', 3 stages"):
+    # best split: 2 layers per stage = 2 x 4 GiB states + 8 x 2 x 256 MiB activations = 12 GiB;
+    # one layer per stage = 4 GiB + 8 x 256 MiB = 6 GiB fits: 4 stages, not "3 stages"
+    with pytest.raises(PartitionError, match=r"^stage memory needs at least 12.0 GiB with checkpoint='never', "
+                       r"optimizer='adam' and 2 stages; limit is 8.0 GiB; 4 stages are the fewest that fit "
+                       r"\(--stages 4 / stages=4\)$"):
         solve_dp(lc, devs, opts)
+
+
+def test_a_layer_too_big_for_the_limit_is_named_with_the_least_memory_any_split_needs() -> None:
+    prof = chain_profile([1.0] * 4, param_bytes=[1 << 20, 3 << 30, 1 << 20, 1 << 20],
+                         saved_bytes=1 << 20)
+    lc = LayerCosts.from_profile(prof)
+    opts = CostOptions(optimizer="adam", checkpoint="never", chunks=4)
+    for k in (2, 4):  # no stage count helps, and the message says so at every count
+        with pytest.raises(PartitionError, match=r"^layer 'l1' alone needs 12.0 GiB for its parameters "
+                           r"\(3.0 GiB\) with 'adam' optimizer state, more than the 8.0 GiB limit, so no "
+                           r"split fits; the least memory any split needs is 12.0 GiB with checkpoint='never', "
+                           r"optimizer='adam': raise the limit to that \(--memory / memory_limit=\) or split "
+                           r"that layer into smaller modules$"):
+            solve_dp(lc, [DeviceSpec(str(s), 8 << 30) for s in range(k)], opts)
+
+
+def test_memory_message_offers_recomputation_when_it_fits() -> None:
+    prof = chain_profile([1.0] * 4, param_bytes=[1 << 20] * 4, output_bytes=1 << 20,
+                         saved_bytes=64 << 20)
+    lc = LayerCosts.from_profile(prof)
+    devs = [DeviceSpec(str(s), 300 << 20) for s in range(2)]
+    # never: 8 micro-batches x 2 layers x 64 MiB = 1 GiB a stage; except_last keeps one micro-batch
+    with pytest.raises(PartitionError, match=r"with checkpoint='never', .*; 2 stages fit with "
+                       r"checkpoint='except_last' \(--checkpoint except_last / checkpoint='except_last'\)$"):
+        solve_dp(lc, devs, CostOptions(checkpoint="never", chunks=8))
+    tiny = [DeviceSpec(str(s), 100 << 20) for s in range(2)]  # below one layer's 8 x 64 MiB, above its 64 MiB
+    with pytest.raises(PartitionError, match=r"; 4 stages fit with checkpoint='except_last' \(--stages 4 "
+                       r"--checkpoint except_last / stages=4, checkpoint='except_last'\)$"):
+        solve_dp(lc, tiny, CostOptions(checkpoint="never", chunks=8))
+    with pytest.raises(PartitionError, match=r"; no number of stages fits: the least memory any split needs "
+                       r"is 75.0 MiB; raise the limit to that \(--memory / memory_limit=\)$"):
+        solve_dp(lc, [DeviceSpec(str(s), 70 << 20) for s in range(2)], CostOptions(checkpoint="except_last", chunks=8))
+    with pytest.raises(PartitionError, match=r"exceeds some device's limit by at least .* and these 2 devices; "
+                       r"give them more memory or use checkpoint='except_last'$"):
+        solve_dp(lc, [DeviceSpec("a", 100 << 20), DeviceSpec("b", 90 << 20)],
+                 CostOptions(checkpoint="never", chunks=8))
 
 
 def test_stage_count_errors() -> None:
