@@ -23,6 +23,12 @@ no op) through the very same code path and subtracts its median from every layer
 zero); the amounts are recorded in the metadata as ``harness_fwd_ms`` / ``harness_bwd_ms``.
 benchmarks/profile_accuracy.py checks the result: the sum over layers against a whole-model
 forward + backward of the same micro-batch.
+
+[Note: progress on a terminal] Long work shows its progress on stderr by default only when
+stderr is a terminal, where a person is waiting for it: a bar over the layers here, the ILP's
+incumbent, bound and gap in autopipe.solvers.partitioner. A log file, a pipe or a test's captured
+stream stays clean. ``progress=True`` forces it, ``progress=False`` silences it. tqdm's
+``disable=None`` is exactly this rule, checked against ``sys.stderr`` when the bar is made.
 """
 
 from __future__ import annotations
@@ -201,7 +207,7 @@ def _measure(
     dev: torch.device,
     repeats: int,
     warmup: int,
-    progress: bool,
+    progress: bool | None,
 ) -> tuple[list[dict[str, Any]], tuple[float, float]]:
     """Every layer's row, and the harness overhead subtracted from each time."""
     values = record_values(g.gm, graph_args(g, args))
@@ -209,8 +215,9 @@ def _measure(
     state = _state_pointers(model, g)
     fwd_extra, bwd_extra = _harness_overhead(timer, dev)
     rows: list[dict[str, Any]] = []
+    # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
     bar = tqdm(layer_calls(g), desc="profiling", unit="layer", file=sys.stderr,
-               disable=not progress, leave=False)
+               disable=None if progress is None else not progress, leave=False)
     for call in bar:
         saved, peak = _probe(call, values, meter, state)
         fwd_ms, bwd_ms = _time_layer(call, values, timer, repeats, warmup)
@@ -230,7 +237,7 @@ def profile(
     warmup: int = DEFAULT_WARMUP,
     graph: LayerGraph | None = None,
     name: str | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     timer: Timer | None = None,
     **trace_kwargs: Any,
 ) -> Profile:
@@ -246,7 +253,8 @@ def profile(
         warmup: untimed runs per layer before the timed ones.
         graph: a LayerGraph already traced on one micro-batch (else it is traced here).
         name: the model's name in the metadata (default: its class name).
-        progress: show a progress bar on stderr.
+        progress: a progress bar over the layers on stderr: None (default) shows it when
+            stderr is a terminal, True always, False never.
         timer: how to time a call (default: the device's, see autopipe.frontend.timing).
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
 
@@ -260,6 +268,9 @@ def profile(
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs an nn.Module, got {type(model).__name__}")
     _check_counts(repeats, warmup)
+    if progress is not None and not isinstance(progress, bool):
+        raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
+                           f"terminal), got {progress!r}")
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     dev = target_device(device)
     if graph is not None:

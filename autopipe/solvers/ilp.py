@@ -12,18 +12,16 @@ CBC than one-hot assignment with ``stage(u) <= stage(v)`` written through stage 
 The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` for every stage,
 with autopipe.core.cost's formulas applied to PuLP expressions, tie groups shared (a member anywhere charges the group's
 bytes to that stage) or colocated (members' y rows equal), and non-empty stages. CBC is
-warm-started from the exact DP split, so it never returns worse than the DP.
+warm-started from the exact DP split, so it never returns worse than the DP. CBC runs through
+autopipe.solvers.cbc_log, which reads its log for the bound and, live, for progress.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
-import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +40,7 @@ from autopipe.core.cost import (
     state_bytes,
 )
 from autopipe.errors import PartitionError
+from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 from executor.spec import recomputed_microbatches
 
 __all__ = ["ILPResult", "solve_ilp"]
@@ -66,11 +65,16 @@ def solve_ilp(
     time_limit: float = 60.0,
     gap: float = 0.005,
     threads: int | None = None,
+    on_progress: Callable[[SolverProgress], None] | None = None,
 ) -> ILPResult:
-    """Solve the partition ILP; ``warm_start`` is a feasible assignment (e.g. the DP's)."""
+    """Solve the partition ILP; ``warm_start`` is a feasible assignment (e.g. the DP's).
+
+    ``on_progress`` is called with the solver's incumbent, bound and gap while CBC works
+    (autopipe.solvers.cbc_log.run_cbc), from a reader thread.
+    """
     with warnings.catch_warnings():  # PuLP 3 warns about its own 4.0 API changes
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve(costs, devices, options, warm_start, time_limit, gap, threads)
+        return _solve(costs, devices, options, warm_start, time_limit, gap, threads, on_progress)
 
 
 def _solve(
@@ -81,6 +85,7 @@ def _solve(
     time_limit: float,
     gap: float,
     threads: int | None,
+    on_progress: Callable[[SolverProgress], None] | None,
 ) -> ILPResult:
     start_time = time.perf_counter()
     n, k = len(costs), len(devices)
@@ -155,13 +160,8 @@ def _solve(
     warm_value = math.inf
     if warm_start is not None:
         warm_value = _set_warm_start(costs, devices, options, warm_start, y, z, h, t)
-    with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "cbc.log")
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit))),
-                                   gapRel=gap, warmStart=warm_start is not None, logPath=log,
-                                   threads=threads)
-        prob.solve(solver)
-        log_text = open(log, encoding="utf-8", errors="replace").read() if os.path.exists(log) else ""
+    log = run_cbc(prob, time_limit=time_limit, gap=gap, warm_start=warm_start is not None,
+                  threads=threads, on_progress=on_progress)
     seconds = time.perf_counter() - start_time
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
@@ -179,10 +179,9 @@ def _solve(
     objective = max(c.time_ms for c in stage_costs(costs, assignment, devices, options))
     if objective > warm_value:  # never worse than the warm start
         assignment, objective = list(warm_start or assignment), warm_value
-    bound = min(_bound(log_text, objective, gap), objective)
-    bound = max(bound, lower)
+    bound = max(min(objective, log.bound if log.bound is not None else -math.inf), lower)
     rel_gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
-    stopped = "Stopped on time" in log_text or "time limit" in log_text.lower()
+    stopped = log.stopped_on_time
     label = "optimal" if rel_gap <= gap + 1e-9 and not stopped else ("time_limit" if stopped else "feasible")
     return ILPResult(assignment, objective, bound, rel_gap, label, seconds)
 
@@ -210,13 +209,3 @@ def _set_warm_start(
     t.setInitialValue(value)
     return value
 
-
-def _bound(log: str, objective: float, gap: float) -> float:
-    """CBC's best bound from its log ("Lower bound:" or the final "best possible" line)."""
-    if "Optimal solution found" in log:
-        return objective * (1 - gap) if "tolerance" in log else objective
-    for pattern in (r"Lower bound:\s*([-+0-9.eE]+)", r"best possible\s*([-+0-9.eE]+)"):
-        found = re.findall(pattern, log)
-        if found:
-            return float(found[-1])
-    return -math.inf

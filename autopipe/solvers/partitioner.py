@@ -2,6 +2,7 @@
 
     dp.py         exact min-max split of the layers' topological order (memory, speeds, ties)
     ilp.py        PuLP/CBC over the whole DAG, warm-started from the DP
+    cbc_log.py    CBC's log read as it is written: bound, incumbent and gap, live
     baselines.py  equal layer counts, DeepSpeed's parameter balance, torchgpipe's blockpartition
     synthetic.py  deterministic chain / transformer-DAG profiles for tests and benchmarks
 
@@ -33,6 +34,7 @@ from autopipe.solvers.baselines import (
     sizes_to_assignment,
     uniform_sizes,
 )
+from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import solve_ilp
 from executor.spec import recomputed_microbatches
@@ -61,6 +63,7 @@ def partition(
     time_limit: float = 60,
     ties: str = "share",
     bandwidth: float | None = 10e9,
+    progress: bool | None = None,
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
@@ -75,14 +78,18 @@ def partition(
     using it, ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free). ``chunks`` defaults to the number of micro-batches
     the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
-    profiled micro-batch's, so that is the pipeline it fits. Raises PartitionError when no split
-    fits.
+    profiled micro-batch's, so that is the pipeline it fits. ``progress``: the ILP's best split,
+    bound and gap on stderr as they improve; None (default) shows them when stderr is a terminal,
+    True always, False never. Raises PartitionError when no split fits.
     """
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
                              f"load one with autopipe.Profile.load(path)")
     if method not in METHODS:
         raise PartitionError(f"method={method!r} is unknown; choose one of {list(METHODS)}")
+    if progress is not None and not isinstance(progress, bool):
+        raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
+                             f"terminal), got {progress!r}")
     if chunks is None:
         chunks = int(profile.meta.get("chunks") or 8)
     options = CostOptions(chunks, checkpoint, optimizer, bandwidth, ties)
@@ -116,7 +123,12 @@ def partition(
         if is_chain(profile):
             dp_info = SolverInfo("optimal", dp.bottleneck, dp.bottleneck, 0.0, dp_info.seconds)
         return plan(dp.assignment, "dp", dp_info)
-    ilp = solve_ilp(costs, specs, options, warm_start=dp.assignment, time_limit=time_limit)
+    line = ProgressLine(time_limit, progress)  # [Note: progress on a terminal]
+    try:
+        ilp = solve_ilp(costs, specs, options, warm_start=dp.assignment, time_limit=time_limit,
+                        on_progress=line if line.enabled else None)
+    finally:
+        line.close()
     info = SolverInfo(ilp.status, ilp.objective, ilp.bound, ilp.gap,
                       dp_info.seconds + ilp.seconds)
     if method == "auto" and ilp.objective >= dp.bottleneck * (1 - 1e-9):
