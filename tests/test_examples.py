@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
 from autopipe import AutopipeError
-from autopipe.examples import EXAMPLES, get_example
+from autopipe.core.profile_table import Profile, fingerprint_mismatch
+from autopipe.examples import EXAMPLES, TinyGPT, get_example
+from autopipe.frontend.graph import trace
+from autopipe.frontend.inputs import micro_batch
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -43,3 +51,43 @@ def test_gpt_head_is_tied_and_mlp_is_uneven() -> None:
 def test_bad_arguments(name: str, batch: int, match: str) -> None:
     with pytest.raises(AutopipeError, match=match):
         get_example(name, batch)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpt_starts_at_the_loss_of_a_uniform_guess_and_learns(seed: int) -> None:
+    ex = get_example("gpt", batch_size=8, seed=seed)
+    vocab = ex.model.tok.num_embeddings
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(4):
+        loss = ex.loss_fn(ex.model(*ex.inputs), ex.target)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[0] == pytest.approx(math.log(vocab), rel=0.10)  # ln(256) = 5.55, not 56
+    assert losses[-1] < losses[0] - 0.1 and losses == sorted(losses, reverse=True)
+
+
+def test_gpt_init_is_gpt2s() -> None:
+    model = TinyGPT(layers=6)
+    assert model.head.weight is model.tok.weight
+    assert model.tok.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert model.blocks[0].fc1.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    scaled = 0.02 / math.sqrt(2 * 6)  # residual projections shrink with depth
+    assert model.blocks[0].proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
+    assert model.blocks[5].fc2.weight.std().item() == pytest.approx(scaled, rel=0.1)
+    assert all(torch.all(m.bias == 0) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m.bias is not None)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_committed_profiles_match_the_examples(name: str) -> None:
+    """profiles/NAME.* were measured on these models: a fresh trace has their fingerprint."""
+    prof = Profile.load(PROFILES / f"{name}.csv")
+    ex = get_example(name, batch_size=int(prof.meta["batch_size"]))
+    inputs, _, micro = micro_batch(ex.inputs, int(prof.meta["chunks"]))
+    assert micro == prof.meta["micro_batch_size"]
+    graph = trace(ex.model, inputs)
+    assert graph.layers == prof.layers
+    assert fingerprint_mismatch(prof.fingerprint, graph.fingerprint) is None
