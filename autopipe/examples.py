@@ -243,11 +243,10 @@ def get_example(name: str, batch_size: int = 32, seed: int = 0) -> Example:
     """Build the bundled example ``name`` with inputs of ``batch_size`` rows, seeded."""
     if name not in EXAMPLES:
         raise AutopipeError(
-            f"unknown example {name!r}; choose one of {sorted(EXAMPLES)} "
-            "or pass 'package.module:factory'"
+            f"unknown example {name!r}; choose one of {sorted(EXAMPLES)}"
         )
     if batch_size < 1:
-        raise AutopipeError(f"batch_size must be >= 1, got {batch_size}; pass --batch-size 1 or more")
+        raise AutopipeError(f"batch_size must be >= 1, got {batch_size}; pass batch_size=1 or more")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return EXAMPLES[name](batch_size)

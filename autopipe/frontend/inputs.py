@@ -67,7 +67,7 @@ def target_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ProfileError(
-                f"device {str(device)!r} requested but CUDA is not available on this machine; use --device cpu"
+                f"device {str(device)!r} requested but CUDA is not available on this machine; use 'cpu'"
             )
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
