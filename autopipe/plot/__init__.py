@@ -11,7 +11,7 @@ Each function is pure: it reads its arguments and returns a new ``matplotlib.fig
 
     style.py      phase colours, byte units, argument checks
     balance.py    plot_balance, compare_plans
-    layers.py     plot_profile
+    per_layer.py  plot_profile
     timeline.py   plot_timeline, bubble_fraction
     files.py      save_figure, plot_plan_file (the ``autopipe plot`` command)
     readme.py     the README images (``python -m autopipe.plot --readme-images``)

@@ -20,6 +20,8 @@ from autopipe.plot.style import (
 __all__ = ["plot_profile"]
 
 _NAMED_TICKS = 40  # up to this many layers, every layer's name is a tick label
+_FULL_NAME = 0.05  # a run of a stage this wide (share of the axis) is labelled "stage s" ...
+_NUMBER_ONLY = 0.015  # ... this wide "s"; a narrower run is only shaded (it would overlap)
 
 
 def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | None = None) -> Figure:
@@ -39,7 +41,7 @@ def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | Non
     df = profile.df
     n = len(df)
     x = np.arange(n)
-    fig = new_figure(min(16.0, max(8.0, 0.22 * n + 3.0)), 6.0)
+    fig = new_figure(min(16.0, max(8.0, 0.22 * n + 3.0) + 2.0), 6.0)  # + 2 in for the legends
     ax_t, ax_m = fig.subplots(2, 1, sharex=True)
 
     fwd, bwd = df["fwd_ms"].to_numpy(float), df["bwd_ms"].to_numpy(float)
@@ -49,11 +51,14 @@ def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | Non
     ax_t.margins(y=0.15)
     ax_t.set_title("time per layer")
 
+    # parameters are held once, saved activations once per micro-batch in flight: the axis is
+    # plain memory and each bar's legend entry says which it is
     params, saved = df["param_bytes"].to_numpy(float), df["saved_bytes"].to_numpy(float)
     unit, size = byte_unit(max(params.max(), saved.max(), 1.0))
-    ax_m.bar(x - 0.2, params / size, 0.4, color="#55A868", label="parameters")
-    ax_m.bar(x + 0.2, saved / size, 0.4, color="#CCB974", label="saved for backward")
-    ax_m.set_ylabel(f"memory per micro-batch ({unit})")
+    ax_m.bar(x - 0.2, params / size, 0.4, color="#55A868", label="parameters (one copy)")
+    ax_m.bar(x + 0.2, saved / size, 0.4, color="#CCB974",
+             label="saved for backward (per micro-batch)")
+    ax_m.set_ylabel(f"memory ({unit})")
     ax_m.set_title("memory per layer")
     ax_m.set_xlabel("layer (topological order)")
     if n <= _NAMED_TICKS:
@@ -62,9 +67,9 @@ def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | Non
     if stage is not None:
         _draw_stages(ax_t, stage, names=True)
         _draw_stages(ax_m, stage, names=False)
-    for ax in (ax_t, ax_m):
+    for ax in (ax_t, ax_m):  # legends beside the axes: inside they hide bars and stage names
         ax.set_xlim(-0.6, n - 0.4)
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
     meta = profile.meta
     head = f"profile of {meta.get('model', 'a model')}: {n} layers on {profile.device}"
@@ -84,11 +89,14 @@ def _draw_stages(ax: Axes, stage: list[int], *, names: bool) -> None:
             runs[-1] = (s, runs[-1][1], i)
         else:
             runs.append((s, i, i))
+    n = len(stage)
     for r, (s, first, last) in enumerate(runs):
         ax.axvspan(first - 0.5, last + 0.5, color=f"C{s % 10}", alpha=0.08, lw=0)
-        if names:
-            ax.text((first + last) / 2, 0.97, f"stage {s}", transform=ax.get_xaxis_transform(),
-                    ha="center", va="top", fontsize=8, color=f"C{s % 10}")
+        share = (last - first + 1) / n  # of the axis' width
+        if names and share >= _NUMBER_ONLY:
+            ax.text((first + last) / 2, 0.97, f"stage {s}" if share >= _FULL_NAME else str(s),
+                    transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+                    color=f"C{s % 10}")
         if r > 0:
             ax.axvline(first - 0.5, color=BOUND_COLOR, ls="--", lw=1,
                        label="stage cut" if r == 1 else None)

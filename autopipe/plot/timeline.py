@@ -6,7 +6,9 @@ predicted and the executor's measured ``TimelineEvent``s go through the same cod
 ``SimulationResult`` may be passed for its ``.timeline``.
 
 One row per stage, one box per (micro-batch, phase) labelled with the micro-batch number;
-transfers are drawn as a thin strip under the compute, since a measured copy may overlap it.
+transfers are drawn as a thin strip under the compute, since a measured copy may overlap it,
+and are named in the legend only when one is wide enough to see (zero-length ones, as with
+``bandwidth=None``, are not drawn at all).
 White space in a row is a bubble; a box much longer than its peers (over twice the median of
 its stage and phase) is outlined as a straggler.
 """
@@ -29,6 +31,7 @@ from executor.spec import PHASES
 __all__ = ["plot_timeline", "bubble_fraction"]
 
 _STRAGGLER = 2.0  # a span longer than this x its peers' median is a straggler
+_VISIBLE = 1e-3  # share of the time axis, about a pixel: a shorter transfer gets no legend entry
 _FIELDS = ("stage", "microbatch", "phase", "start_ms", "end_ms")
 
 
@@ -68,8 +71,10 @@ def plot_timeline(
     rows = max(max(s.stage for s in spans) + 1 for spans in panels)
     fig = new_figure(11.0, 1.0 + len(panels) * (0.9 + 0.45 * rows))
     axes: list[Axes] = list(np.atleast_1d(fig.subplots(len(panels), 1, sharex=sharex)))
+    # one panel under the default title: the title names it, its own title says only the numbers
+    named = len(panels) > 1 or title is not None
     for ax, spans, name in zip(axes, panels, names, strict=True):
-        _draw(ax, spans, name)
+        _draw(ax, spans, name if named else None)
     axes[-1].set_xlabel("time since the iteration started (ms)")
     axes[0].legend(*_legend(axes), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title or " vs ".join(names) + " pipeline timeline")
@@ -91,21 +96,23 @@ def _bubble(spans: list[_Span]) -> float:
     return 1.0 - busy / (len(stages) * (t1 - t0))
 
 
-def _draw(ax: Axes, spans: list[_Span], name: str) -> None:
+def _draw(ax: Axes, spans: list[_Span], name: str | None) -> None:
     t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
     width = max(t1 - t0, 1e-9)
     medians = {key: float(np.median([s.end - s.start for s in spans if (s.stage, s.phase) == key]))
                for key in {(s.stage, s.phase) for s in spans}}
     counts = {key: sum(1 for s in spans if (s.stage, s.phase) == key) for key in medians}
     for phase in PHASES:
-        mine = [s for s in spans if s.phase == phase]
+        thin = phase == "transfer"
+        mine = [s for s in spans if s.phase == phase and (s.end > s.start or not thin)]
         if not mine:
             continue
-        thin = phase == "transfer"
         y = [s.stage + (0.3 if thin else 0.0) for s in mine]
+        # a legend entry only for what shows: transfers far below a pixel are drawn, unlabelled
+        seen = not thin or any(s.end - s.start >= _VISIBLE * width for s in mine)
         ax.barh(y, [s.end - s.start for s in mine], left=[s.start for s in mine],
                 height=0.16 if thin else 0.56, color=PHASE_COLORS[phase], edgecolor="white",
-                linewidth=0.4, label=phase)
+                linewidth=0.4, label=phase if seen else None)
         for s in mine:
             duration = s.end - s.start
             if not thin and duration > 0.018 * width:
@@ -119,9 +126,9 @@ def _draw(ax: Axes, spans: list[_Span], name: str) -> None:
     ax.set_yticks(stages, [f"stage {j}" for j in stages])
     ax.set_ylim(max(stages) + 0.6, -0.6)  # stage 0 on top
     ax.set_ylabel("pipeline stage")
-    ax.set_title(f"{name}: {_fmt_ms(t1 - t0)} ms, bubble {100 * _bubble(spans):.0f}% "
-                 f"({len(stages)} stages, {len({s.microbatch for s in spans})} micro-batches)",
-                 fontsize=10, loc="left")
+    numbers = (f"{_fmt_ms(t1 - t0)} ms, bubble {100 * _bubble(spans):.0f}% ({len(stages)} "
+               f"stages, {len({s.microbatch for s in spans})} micro-batches)")
+    ax.set_title(numbers if name is None else f"{name}: {numbers}", fontsize=10, loc="left")
     ax.grid(axis="x", alpha=0.3)
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from matplotlib import _pylab_helpers
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -116,10 +119,45 @@ def test_profile_bars_and_cuts(profile: Profile, plan: Plan) -> None:
     assert sorted(line.get_xdata()[0] for line in cuts) == [i - 0.5 for i in first]
     assert [t.get_text() for t in ax_t.texts] == [f"stage {s}" for s in range(plan.num_stages)]
     assert legend_labels(ax_t) == ["stage cut", "forward", "backward"]
-    assert legend_labels(ax_m) == ["stage cut", "parameters", "saved for backward"]
+    # parameters are held once, activations per micro-batch: the legend says which, not the axis
+    assert legend_labels(ax_m) == ["stage cut", "parameters (one copy)",
+                                   "saved for backward (per micro-batch)"]
+    assert ax_m.get_ylabel() == "memory (MiB)" and "per micro-batch" in ax_t.get_ylabel()
     assert ax_m.get_xlabel() == "layer (topological order)"
     assert [t.get_text() for t in ax_m.get_xticklabels()] == profile.layers
     assert_labelled(fig)
+
+
+def _extents(fig: Figure) -> Any:
+    """Draw ``fig`` with the Agg canvas; returns its renderer for window extents."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+@pytest.fixture(scope="module")
+def profile_700() -> Profile:
+    return transformer_dag(87)  # 698 layers
+
+
+@pytest.mark.parametrize("stages", [8, 40])
+def test_profile_stage_names_stay_clear_of_the_legend_at_700_layers(profile_700: Profile,
+                                                                     stages: int) -> None:
+    plan = partition(profile_700, stages=stages, method="dp", chunks=4)
+    fig = plot_profile(profile_700, plan)
+    ax_t = fig.axes[0]
+    renderer = _extents(fig)
+    legend = ax_t.get_legend().get_window_extent(renderer)
+    frame = ax_t.get_window_extent(renderer)
+    boxes = [t.get_window_extent(renderer) for t in ax_t.texts]
+    assert len(boxes) >= min(stages, 8)  # narrow stages may be numbered or only shaded
+    if stages == 8:
+        assert [t.get_text() for t in ax_t.texts] == [f"stage {s}" for s in range(8)]
+    for box in boxes:
+        assert not box.overlaps(legend)
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
+    for a, b in itertools.combinations(boxes, 2):
+        assert not a.overlaps(b)
 
 
 def test_profile_without_a_plan_has_no_cuts(profile: Profile) -> None:
@@ -157,7 +195,9 @@ def test_timeline_predicted_draws_one_box_per_event(plan: Plan) -> None:
     assert len(fig.axes) == 1
     ax = fig.axes[0]
     assert len(bars(ax)) == len(result.timeline)
-    assert ax.get_title(loc="left").startswith("predicted:")
+    # the figure's title names the one panel; the panel's own title gives only its numbers
+    assert fig.get_suptitle() == "predicted pipeline timeline"
+    assert "predicted" not in ax.get_title(loc="left")
     assert f"bubble {100 * result.bubble_fraction:.0f}%" in ax.get_title(loc="left")
     assert ax.get_xlabel() == "time since the iteration started (ms)"
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"stage {s}" for s in range(3)]
@@ -177,6 +217,38 @@ def test_timeline_predicted_over_measured(plan: Plan, measured: list[TimelineEve
     named = plot_timeline(measured, predicted, labels=["on CPU", "plan"], sharex=False)
     assert named.axes[0].get_title(loc="left").startswith("on CPU:")
     assert not named.axes[0].get_shared_x_axes().joined(*named.axes)
+
+
+def test_timeline_title_names_a_single_panel_once(plan: Plan, tmp_path: Path) -> None:
+    fig = plot_timeline(simulate(plan), labels=["predicted (gpipe)"])  # what `autopipe plot` draws
+    texts = [fig.get_suptitle(), fig.axes[0].get_title(loc="left")]
+    assert sum(t.count("predicted (gpipe)") for t in texts) == 1, texts
+    titled = plot_timeline(simulate(plan), labels=["plan A"], title="my run")
+    assert titled.axes[0].get_title(loc="left").startswith("plan A: ")  # named somewhere
+
+
+def _transfers(length_ms: float) -> list[TimelineEvent]:
+    """Two stages, two micro-batches; each forward of stage 0 sends for ``length_ms``."""
+    events = []
+    for m in range(2):
+        events += [TimelineEvent(0, m, "forward", 2 * m, 2 * m + 2),
+                   TimelineEvent(0, m, "transfer", 2 * m + 2, 2 * m + 2 + length_ms),
+                   TimelineEvent(1, m, "forward", 2 * m + 2.5, 2 * m + 4.5)]
+    return events
+
+
+@pytest.mark.parametrize("length_ms,drawn,named", [
+    (0.0, 0, False),  # zero-length (bandwidth=None): nothing drawn, no legend entry
+    (1e-5, 2, False),  # far below a pixel of the 6.5 ms axis: drawn, not in the legend
+    (0.5, 2, True),  # visible: drawn and named
+])
+def test_timeline_names_transfers_only_when_they_show(length_ms: float, drawn: int,
+                                                      named: bool) -> None:
+    ax = plot_timeline(_transfers(length_ms)).axes[0]
+    thin = [b for b in bars(ax) if b.get_height() < 0.2]
+    assert len(thin) == drawn and len(bars(ax)) == 4 + drawn
+    assert ("transfer" in legend_labels(ax)) is named
+    assert "forward" in legend_labels(ax)
 
 
 def test_bubble_fraction_matches_the_simulator(plan: Plan) -> None:
