@@ -78,7 +78,9 @@ def partition(
     using it, ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free). ``chunks`` defaults to the number of micro-batches
     the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
-    profiled micro-batch's, so that is the pipeline it fits. ``progress``: the ILP's best split,
+    profiled micro-batch's, so that is the pipeline it fits. Given ``stages`` and no ``devices``,
+    each stage gets its own device of the kind the profile was measured on (``cpu:0``,
+    ``cpu:1``, ...; ``stage0``, ... when the profile does not say). ``progress``: the ILP's best split,
     bound and gap on stderr as they improve; None (default) shows them when stderr is a terminal,
     True always, False never. Raises PartitionError when no split fits.
     """
@@ -93,6 +95,9 @@ def partition(
     if chunks is None:
         chunks = int(profile.meta.get("chunks") or 8)
     options = CostOptions(chunks, checkpoint, optimizer, bandwidth, ties)
+    kind = profile.meta.get("device_type")
+    if devices is None and kind and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
+        devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
     specs = resolve_devices(stages, devices, memory_limit)
     costs = LayerCosts.from_profile(profile)
     n, k = len(costs), len(specs)

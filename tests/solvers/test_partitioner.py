@@ -50,7 +50,7 @@ def test_memory_limit_binds_and_is_reported() -> None:
     first_small = partition(prof, devices=[DeviceSpec("a", 3 << 20), DeviceSpec("b")],
                             optimizer="none", checkpoint="never")
     assert [len(s) for s in first_small.stages] == [3, 5]
-    with pytest.raises(PartitionError, match=r"needs at least 4.0 MiB.*limit is 2.0 MiB; try checkpoint='always', 3 stages"):
+    with pytest.raises(PartitionError, match=r"needs at least 4.0 MiB.*limit is 2.0 MiB; 4 stages are the fewest that fit \(--stages 4 / stages=4\)$"):
         partition(prof, stages=2, memory_limit="2MiB", optimizer="none", checkpoint="never")
 
 
@@ -120,3 +120,15 @@ def test_chunks_default_to_the_profiled_micro_batch() -> None:
     prof.meta["chunks"] = 4  # measured as 1 of 4 micro-batches: the plan fits that pipeline
     assert partition(prof, stages=2).chunks == 4
     assert partition(prof, stages=2, chunks=2).chunks == 2
+
+
+def test_stages_are_named_after_the_profiled_device_kind() -> None:
+    prof = random_chain(6, 1)
+    assert [d.name for d in partition(prof, stages=2).devices] == ["stage0", "stage1"]  # kind unknown
+    prof.meta["device_type"] = "cpu"
+    plan = partition(prof, stages=3, memory_limit="1GiB")
+    assert [(d.name, d.memory) for d in plan.devices] == [(f"cpu:{s}", 1 << 30) for s in range(3)]
+    assert plan.table().splitlines()[1].split()[:2] == ["0", "cpu:0"]
+    assert [d.name for d in partition(prof, devices=["cpu", "cpu"]).devices] == ["cpu", "cpu"]
+    with pytest.raises(PartitionError, match="stages=0: need an integer K >= 1"):
+        partition(prof, stages=0)
