@@ -94,7 +94,7 @@ def _profile(args: argparse.Namespace) -> int:
         config.model, out=config.out, force=config.force, batch_size=config.batch_size,
         chunks=config.chunks, device=config.device, repeats=config.repeats, warmup=config.warmup,
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
-        threads=config.threads,
+        threads=config.threads, progress=not config.no_progress,
     )
     print(summary_table(prof))
     print(f"wrote {path} and {path.with_suffix('.json')}")
@@ -120,7 +120,7 @@ def _partition(args: argparse.Namespace) -> int:
         Profile.load(config.profile), stages=config.stages, method=config.method,
         chunks=config.chunks, checkpoint=config.checkpoint, memory_limit=config.memory,
         optimizer=config.optimizer, time_limit=config.time_limit, ties=config.ties,
-        bandwidth=config.bandwidth or None,
+        bandwidth=config.bandwidth or None, progress=False if config.no_progress else None,
     )
     plan.save(config.out, overwrite=config.force)
     print(plan.table())

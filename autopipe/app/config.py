@@ -70,6 +70,7 @@ class ProfileConfig:
     input_shape: str | None = _opt(None, "one sample's shape, e.g. 3,32,32, when the factory "
                                          "returns a model without inputs")
     threads: int | None = _opt(None, "torch CPU threads while measuring")
+    no_progress: bool = _opt(False, "no progress bar on stderr")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class PartitionConfig:
     time_limit: float = _opt(60.0, "ILP time limit in seconds (default 60)")
     out: str = _opt(None, "plans/NAME.json", required=True)
     force: bool = _opt(False, "overwrite --out if it exists")
+    no_progress: bool = _opt(False, "no ILP progress on stderr (default: shown when stderr is a terminal)")
 
 
 @dataclass(frozen=True)

@@ -321,3 +321,13 @@ def test_cuda_profile_reports_peak_memory_and_moves_back() -> None:
     assert prof.df["peak_bytes"].notna().all() and (prof.df["peak_bytes"] > 0).any()
     assert all(p.device.type == "cpu" for p in ex.model.parameters())
     assert (prof.df["fwd_ms"] >= 0).all()
+
+
+def test_cli_profile_no_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from autopipe.app.cli import main
+
+    argv = ["profile", "tests.models:make_chain", "--repeats", "1", "--warmup", "0"]
+    assert main([*argv, "--out", str(tmp_path / "a.csv")]) == 0
+    assert "profiling" in capsys.readouterr().err  # the command's bar is on unless told
+    assert main([*argv, "--out", str(tmp_path / "b.csv"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""

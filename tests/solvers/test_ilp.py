@@ -250,6 +250,18 @@ def test_partition_progress_switch(progress: bool | None, terminal: bool, shown:
         assert err == ""
 
 
+@pytest.mark.parametrize("flags,shown", [([], True), (["--no-progress"], False)])
+def test_cli_partition_progress_on_a_terminal(flags: list[str], shown: bool, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopipe.app.cli import main
+
+    prof = transformer_dag(2).save(tmp_path / "dag.csv")
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    argv = ["partition", str(prof), "--stages", "3", "--method", "ilp", "--out", str(tmp_path / "p.json")]
+    assert main([*argv, *flags]) == 0
+    assert bool(_PROGRESS.search(sys.stderr.getvalue())) is shown  # type: ignore[attr-defined]
+
+
 def test_partition_refuses_a_progress_that_is_not_a_bool() -> None:
     with pytest.raises(PartitionError, match="progress must be True, False or None") as info:
         partition(transformer_dag(2), stages=3, progress="yes")  # type: ignore[arg-type]
