@@ -133,10 +133,13 @@ def distributed_pipeline(
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
                                    else 2 if schedule == "interleaved1f1b" else 1)
-    k = per_rank * world
+    k = max(per_rank, 1) * world
     if plan is not None and len(plan.stages) != k:
-        raise BuildError(f"the plan has {len(plan.stages)} stages but {world} ranks x {per_rank} "
-                         f"stages per rank = {k}; re-run `autopipe partition --stages {k}`")
+        n = len(plan.stages)
+        each = f"{per_rank} stage(s) each" if stages_per_rank else "the same number of stages each"
+        raise BuildError(f"the plan has {n} stages but {world} ranks need {each} ({k} in all); start "
+                         f"{n} ranks (torchrun --nproc_per_node {n}) or make a plan of {k} stages "
+                         f"(`autopipe partition --stages {k}`)")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = microbatch_inputs(inputs, chunks)
     graph = trace(model, micro, **trace_kwargs)
