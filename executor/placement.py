@@ -8,7 +8,9 @@ start of every forward, gets a differentiable copy (``param.to(device)``) set as
 attribute in its place: autograd sends that copy's gradient back into the one Parameter, so the tie holds, the
 optimizer sees one tensor, and the weight crosses devices once per mini-batch, not per
 micro-batch. The state_dict key of the removed name must then come from the first stage
-(autopipe.build registers every alias of a tied tensor on each stage that holds it).
+(autopipe.build registers every alias of a tied tensor on each stage that holds it). The copies
+have registries of their own (parameters, buffers, which buffers are persistent), so the stage
+saves what the user's modules save and changing one never changes the other.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def _private_path(stage: nn.Module, path: str) -> nn.Module:
         clone = shallow_copy(child)
         clone._parameters = dict(child._parameters)
         clone._buffers = dict(child._buffers)
+        clone._non_persistent_buffers_set = set(child._non_persistent_buffers_set)
         clone._modules = dict(child._modules)
         parent._modules[part] = clone
         parent = clone

@@ -8,9 +8,10 @@ and it is what autopipe.core.cost charges as pass-through bytes at every cut a v
 
 [Note: stage parameters are the model's] Stage modules are fx GraphModules built over the traced
 GraphModule, which references the user's own submodules and parameters; GraphModule copies
-attribute *references* under their original qualified names. So stage.state_dict() keys are the
-original model's keys, optimizer state built on model.parameters() stays valid, and a parameter
-tied between two stages is one Parameter object used by both.
+attribute *references* under their original qualified names. So optimizer state built on
+model.parameters() stays valid, a parameter tied between two stages is one Parameter object used
+by both, and, once build() registers them as the model does ([Note: a stage saves what the model
+saves]), stage.state_dict() keys are the original model's keys.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch import fx, nn
+from torch import Tensor, fx, nn
 
 from autopipe.core.plan import assign_stages
 from autopipe.errors import BuildError
@@ -108,44 +109,75 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
         BuildError: the plan's stages do not fit the graph.
     """
     plan.check(graph.layers, graph.fingerprint)
-    names: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(tensor), []).append(name)
+    registry = _Registry(model)
     stages = split_stages(graph, plan.stages)
-    foreign = [n for s in stages for n, p in s.named_parameters() if id(p) not in names]
+    foreign = [n for s in stages for n, p in s.named_parameters() if id(p) not in registry.names]
     if foreign:
         raise BuildError(
             f"stage parameters {foreign[:3]} are not the model's own; trace this model "
             "(autopipe.trace(model, ...)) and build with that graph"
         )
-    for stage in stages:
-        _add_aliases(stage, names)
+    for i, stage in enumerate(stages):
+        registry.apply(stage, i)
     return stages
 
 
-def _add_aliases(stage: nn.Module, names: dict[int, list[str]]) -> None:
-    """Register every other name of a tied tensor the stage holds (e.g. a HF model's
-    ``lm_head.weight`` next to ``transformer.wte.weight``), so the stage's state_dict has the
-    plain model's keys: torch.export keeps only one name per tied tensor."""
-    held = [*stage.named_parameters(remove_duplicate=False),
-            *stage.named_buffers(remove_duplicate=False)]
-    present = {name for name, _ in held}
-    for _, tensor in held:
-        for alias in names.get(id(tensor), []):
-            if alias in present:
-                continue
-            parent: nn.Module = stage
-            *path, leaf = alias.split(".")
-            for part in path:
-                child = getattr(parent, part, None)
-                if not isinstance(child, nn.Module):
-                    child = nn.Module()
-                    parent.add_module(part, child)
-                parent = child
-            if isinstance(tensor, nn.Parameter):
-                parent.register_parameter(leaf, tensor)
-            else:
-                parent.register_buffer(leaf, tensor)
-            present.add(alias)
+class _Registry:
+    """How ``model`` registers its tensors: every name of each, and which names it saves.
 
+    [Note: a stage saves what the model saves] fx.GraphModule copies each ``get_attr`` target
+    onto fresh ``nn.Module()``s and registers every tensor that is not a Parameter as a
+    *persistent* buffer, so a stage would save what the model does not: buffers registered with
+    ``persistent=False`` (Llama's rotary ``inv_freq``, BERT's ``position_ids``) and plain
+    tensor attributes torch.export lifts as constants; and torch.export keeps one name per tied
+    tensor (GPT-2's ``lm_head.weight`` next to ``transformer.wte.weight``). :meth:`apply`
+    re-registers every tensor a stage holds the way the model does: under each of the model's
+    names for it, as a parameter, as a buffer that is persistent exactly where
+    ``model.state_dict()`` has that key, and under any other name (a constant) as a
+    non-persistent buffer, which still moves with the stage. The stages' state_dicts are then
+    the model's, key for key (executor/gpipe.py [Note: state_dict keys] joins them), and load
+    both ways with ``strict=True``. The model's own modules (fx ``call_module`` leaves the stage
+    shares) are registered that way already and are never changed.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: dict[int, list[str]] = {}
+        for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]:
+            self.names.setdefault(id(tensor), []).append(name)
+        self.saved = set(model.state_dict(keep_vars=True))
+        self.own = {id(m) for m in model.modules()}
+
+    def apply(self, stage: nn.Module, index: int) -> None:
+        held = [*stage.named_parameters(remove_duplicate=False),
+                *stage.named_buffers(remove_duplicate=False)]
+        for name, tensor in held:
+            names = self.names.get(id(tensor), [])
+            for alias in names:
+                self._put(stage, alias, tensor, persistent=alias in self.saved)
+            if name not in names:
+                self._put(stage, name, tensor, persistent=False)
+        extra = [key for key in stage.state_dict(keep_vars=True) if key not in self.saved]
+        if extra:  # a Parameter under a name the model does not have for it
+            raise BuildError(
+                f"stage {index} would save {extra[:3]}, which model.state_dict() does not have; "
+                "trace this model (autopipe.trace(model, ...)) and build with that graph"
+            )
+
+    def _put(self, stage: nn.Module, name: str, tensor: Tensor, *, persistent: bool) -> None:
+        *path, leaf = name.split(".")
+        parent = stage
+        for part in path:
+            child = parent._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        if id(parent) in self.own:
+            return
+        if isinstance(tensor, nn.Parameter):
+            parent._buffers.pop(leaf, None)
+            parent.register_parameter(leaf, tensor)
+        else:
+            parent._parameters.pop(leaf, None)
+            parent.register_buffer(leaf, tensor, persistent=persistent)
