@@ -14,15 +14,19 @@ reverse fill-drain order. (Structure after torchgpipe's ``pipeline.py``; own cod
 [Note: state_dict keys] Stages are usually torch.fx GraphModules split from one model, whose
 submodule paths equal the model's qualified names. GPipe's ``state_dict`` is therefore the union
 of its stages' ``state_dict``s without a ``stages.N.`` prefix (a tied parameter appears once),
-and ``load_state_dict`` accepts the original model's ``state_dict``. Stages whose local names
-differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one string per
-stage prepended to its local keys (``"net."``).
+and ``load_state_dict`` accepts the original model's ``state_dict`` and reports missing and
+unexpected keys and size mismatches under the original keys, as the model itself would. Which
+keys a stage saves is the stage's business (autopipe's stages save exactly what the model does:
+autopipe/frontend/stages.py [Note: a stage saves what the model saves]). Stages whose local
+names differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one
+string per stage prepended to its local keys (``"net."``).
 
 Placement, and [Note: ties across devices], are in executor/placement.py.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -118,6 +122,7 @@ class GPipe(nn.Module):
         self._recorder: TimelineRecorder | None = None
         self._recording = False
         self._load_prefix = ""
+        self._load_errors: list[str] = []
         self.register_state_dict_post_hook(_unprefix_state_dict)
         self.register_load_state_dict_pre_hook(_prefix_state_dict)
         self.register_load_state_dict_post_hook(_unprefix_incompatible_keys)
@@ -308,9 +313,13 @@ def _original_keys(module: GPipe) -> dict[str, list[str]]:
     return owners
 
 
-def _prefix_state_dict(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+def _prefix_state_dict(
+    module: nn.Module, state_dict: Any, prefix: str, _meta: Any, _strict: bool,
+    _missing: list[str], _unexpected: list[str], error_msgs: list[str],
+) -> None:
     assert isinstance(module, GPipe)
-    module._load_prefix = prefix  # for _unprefix_incompatible_keys, which gets no prefix
+    # for _unprefix_incompatible_keys, which gets neither the prefix nor the error messages
+    module._load_prefix, module._load_errors = prefix, error_msgs
     owners = _original_keys(module)
     for key in list(state_dict):
         if not key.startswith(prefix) or key.startswith(prefix + _STAGES):
@@ -323,10 +332,20 @@ def _prefix_state_dict(module: nn.Module, state_dict: Any, prefix: str, *_: Any)
 
 
 def _unprefix_incompatible_keys(module: nn.Module, incompatible: Any) -> None:
+    """Missing and unexpected keys, and the errors (size mismatch for ...), in original keys."""
     assert isinstance(module, GPipe)
+    prefix, errors = module._load_prefix, module._load_errors
+    module._load_errors = []
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         renamed = []
         for key in keys:
-            split = _split_key(module, key, module._load_prefix)
-            renamed.append(key if split is None else module._load_prefix + split[1])
+            split = _split_key(module, key, prefix)
+            renamed.append(key if split is None else prefix + split[1])
         keys[:] = list(dict.fromkeys(renamed))
+    if not errors:
+        return
+    original = {prefix + local: prefix + key
+                for key, locals_ in _original_keys(module).items() for local in locals_}
+    longest_first = sorted(original, key=len, reverse=True)  # stages.0.ab before stages.0.a
+    pattern = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+    errors[:] = list(dict.fromkeys(pattern.sub(lambda m: original[m.group(0)], e) for e in errors))
