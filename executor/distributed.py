@@ -37,6 +37,7 @@ import datetime
 import os
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -201,13 +202,26 @@ class DistributedPipeline:
         """This rank's stage (an ``nn.ModuleList`` of them when it holds several)."""
         return self.stages[0] if len(self.stages) == 1 else nn.ModuleList(self.stages)
 
+    PART_METADATA = "autopipe:part"  # see [Note: checkpoint parts]
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers under the original model's keys (tied: every key)."""
-        out: dict[str, Any] = {}
+        """This rank's parameters and buffers under the original model's keys (tied: every key).
+
+        [Note: checkpoint parts] The keys are exactly what ``model.state_dict()`` has for the
+        tensors this rank holds. Which part of which pipeline this is (rank, world, stage
+        indices, number of stages, steps taken) rides outside the keys, in the dict's
+        ``_metadata`` under ``PART_METADATA``, where torch keeps its own per-module versions
+        (``torch.save`` keeps it, ``load_state_dict`` ignores it), so that merging the parts
+        (autopipe.merge_state_dicts) can name a missing rank or a part of another pipeline.
+        """
+        out: OrderedDict[str, Any] = OrderedDict()
         for stage in self.stages:
             for key, value in stage.state_dict().items():
                 for alias in self.key_aliases.get(key, [key]):
                     out[alias] = value
+        out._metadata = OrderedDict({self.PART_METADATA: {  # type: ignore[attr-defined]
+            "rank": self.rank, "world": self.world, "stages": list(self.indices),
+            "num_stages": self.num_stages, "steps": self._steps}})
         return out
 
     def _loss(self, output: Any, target: Any) -> Tensor:
