@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import re
-import select
+import selectors
 import sys
 import tempfile
 import threading
@@ -234,22 +234,23 @@ def _pump(fd: int, log: CbcLog, report: Callable[[], None]) -> None:
     pending = b""
     shown: tuple[Any, ...] | None = None
     last = time.perf_counter()
-    while True:
-        ready, _, _ = select.select([fd], [], [], _TICK_S)
-        if ready:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:  # EIO: every writer of the terminal has closed it
-                chunk = b""
-            if not chunk:
-                break
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                log.feed(line.decode("utf-8", "replace").rstrip("\r"))
-        key = (log.incumbent, log.bound, log.nodes)
-        if key != shown or time.perf_counter() - last >= _TICK_S:
-            shown, last = key, time.perf_counter()
-            report()
+    with selectors.DefaultSelector() as selector:  # poll/epoll: no FD_SETSIZE limit
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            if selector.select(_TICK_S):
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except OSError:  # EIO: every writer of the terminal has closed it
+                    chunk = b""
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    log.feed(line.decode("utf-8", "replace").rstrip("\r"))
+            key = (log.incumbent, log.bound, log.nodes)
+            if key != shown or time.perf_counter() - last >= _TICK_S:
+                shown, last = key, time.perf_counter()
+                report()
     if pending:
         log.feed(pending.decode("utf-8", "replace").rstrip("\r"))
 
