@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from autopipe.app.config import (
+    DEFAULT_CHUNKS,
     PartitionConfig,
     PlotConfig,
     ProfileConfig,
@@ -29,6 +30,7 @@ from autopipe.app.config import (
     TrainConfig,
     add_arguments,
     from_namespace,
+    resolve,
 )
 from autopipe.errors import AutopipeError
 
@@ -96,7 +98,7 @@ def _profile(args: argparse.Namespace) -> int:
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
         threads=config.threads, progress=not config.no_progress,
     )
-    print(summary_table(prof))
+    print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")
     return 0
 
@@ -116,9 +118,10 @@ def _partition(args: argparse.Namespace) -> int:
     config: PartitionConfig = from_namespace(PartitionConfig, args)
     if os.path.exists(config.out) and not config.force:  # fail before solving, not after
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
+    profile = Profile.load(config.profile)
     plan: Plan = partition(
-        Profile.load(config.profile), stages=config.stages, method=config.method,
-        chunks=config.chunks, checkpoint=config.checkpoint, memory_limit=config.memory,
+        profile, stages=config.stages, method=config.method,
+        chunks=resolve(config.chunks, profile.meta.get("chunks"), default=DEFAULT_CHUNKS), checkpoint=config.checkpoint, memory_limit=config.memory,
         optimizer=config.optimizer, time_limit=config.time_limit, ties=config.ties,
         bandwidth=config.bandwidth or None, progress=False if config.no_progress else None,
     )
@@ -165,14 +168,14 @@ def _plot(args: argparse.Namespace) -> int:
 @_register
 def _train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _command(sub, "train", TrainConfig, _train,
-             "profile, partition and train a bundled example as a GPipe pipeline")
+             "profile, partition and train a model as a GPipe pipeline in this process")
 
 
 def _train(args: argparse.Namespace) -> int:
     from autopipe.app.train import train_example
 
     config: TrainConfig = from_namespace(TrainConfig, args)
-    train_example(config.example, stages=config.stages, chunks=config.chunks,
+    train_example(config.model, stages=config.stages, chunks=config.chunks,
                   batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
                   devices=config.devices, method=config.method, plan=config.plan,
                   profile=config.profile, lr=config.lr)
@@ -182,7 +185,7 @@ def _train(args: argparse.Namespace) -> int:
 @_register
 def _run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _command(sub, "run", RunConfig, _run,
-             "train a bundled example as a multi-process pipeline (torchrun)")
+             "train a model as a multi-process pipeline, one stage per process (torchrun)")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -6,6 +6,12 @@ read the config's fields. A default, a choice or a help text is therefore writte
 flag cannot drift from the rank-side parser or the library call it feeds. Choices are Literal
 types (listed in each flag's help, checked by the library call in one line); ``help`` says
 what a flag means and, where it has one, its default.
+
+[Note: one chunks rule] ``--chunks`` (micro-batches per batch) and ``--batch-size`` default the
+same way on every command: to the value the given plan (else profile) was made for, since a
+plan or profile describes one micro-batch shape ([Note: graphs are keyed to the micro-batch]),
+else to DEFAULT_CHUNKS = 4 and DEFAULT_BATCH = 32. :func:`resolve` applies the rule; each
+``--help`` states it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ __all__ = [
     "PlotConfig",
     "TrainConfig",
     "RunConfig",
+    "DEFAULT_CHUNKS",
+    "DEFAULT_BATCH",
+    "DEFAULT_STAGES",
+    "resolve",
     "add_arguments",
     "from_namespace",
 ]
@@ -40,6 +50,24 @@ Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
 Figure = Literal["balance", "timeline", "layers"]
 
 _EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
+_TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory returning "
+                "(model, inputs, target, loss_fn) or an object with those attributes")
+DEFAULT_CHUNKS = 4
+DEFAULT_BATCH = 32
+DEFAULT_STAGES = 2
+_CHUNKS = f"micro-batches per batch M (default: the given plan's, else profile's, else {DEFAULT_CHUNKS})"
+_BATCH = f"mini-batch size B (default: the given plan's, else profile's, else {DEFAULT_BATCH})"
+
+
+def resolve(value: int | None, *made_for: Any, default: int) -> int:
+    """``value`` when given, else the first recorded value of the plan / profile it is used
+    with, else ``default`` ([Note: one chunks rule])."""
+    if value is not None:
+        return value
+    for recorded in made_for:
+        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
+            return recorded
+    return default
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -57,8 +85,11 @@ def _pos(help: str, **meta: Any) -> Any:
 @dataclass(frozen=True)
 class ProfileConfig:
     model: str = _pos(_EXAMPLE_MODEL, metavar="MODEL")
-    batch_size: int | None = _opt(None, "mini-batch size B (default 32)")
-    chunks: int = _opt(1, "micro-batches per batch M; one micro-batch of ceil(B/M) rows is profiled (default 1)")
+    batch_size: int | None = _opt(None, f"mini-batch size B (default {DEFAULT_BATCH}; a factory without a "
+                                        f"batch_size parameter: its own inputs' batch)")
+    chunks: int | None = _opt(None, f"micro-batches per batch M; one micro-batch of ceil(B/M) rows is "
+                                    f"profiled (default {DEFAULT_CHUNKS}, which partition, train and run "
+                                    f"then take from the profile)")
     device: str = _opt("cpu", "cpu | cuda | cuda:N (default cpu)")
     out: str | None = _opt(None, "profiles/NAME.csv (default: from MODEL)")
     force: bool = _opt(False, "overwrite --out if it exists")
@@ -67,8 +98,8 @@ class ProfileConfig:
     max_depth: int | None = _opt(None, "keep submodules at this depth whole")
     leaf: list[str] | None = _opt(None, "submodule name or class to keep whole as one layer (repeatable)",
                                   metavar="NAME", action="append")
-    input_shape: str | None = _opt(None, "one sample's shape, e.g. 3,32,32, when the factory "
-                                         "returns a model without inputs")
+    input_shape: str | None = _opt(None, "one sample's shape, e.g. 3,32,32, for a factory that "
+                                         "returns a bare model (refused when it returns inputs)")
     threads: int | None = _opt(None, "torch CPU threads while measuring")
     no_progress: bool = _opt(False, "no progress bar on stderr")
 
@@ -79,7 +110,7 @@ class PartitionConfig:
     stages: int = _opt(None, "number of pipeline stages K", required=True)
     method: Method = _opt("auto", "partition method (default auto: DP for chains, ILP for DAGs)")
     memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
-    chunks: int | None = _opt(None, "micro-batches per batch M (default: the profile's, else 8)")
+    chunks: int | None = _opt(None, _CHUNKS)
     checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
     optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
     ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
@@ -113,13 +144,14 @@ class PlotConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    example: str = _pos("bundled example: mlp | cnn | gpt | unet")
-    stages: int = _opt(2, "pipeline stages K (default 2)")
-    chunks: int = _opt(4, "micro-batches per batch M (default 4)")
-    batch_size: int = _opt(32, "mini-batch size (default 32)")
+    model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
+    stages: int | None = _opt(None, f"pipeline stages K (default: the plan's, else one per --devices, "
+                                    f"else {DEFAULT_STAGES})")
+    chunks: int | None = _opt(None, _CHUNKS)
+    batch_size: int | None = _opt(None, _BATCH)
     steps: int = _opt(5, "training steps (default 5)")
     checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
-    devices: list[str] | None = _opt(None, "one device per stage (default: cpu)", nargs="+")
+    devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")
     method: Method = _opt("auto", "partition method (default auto)")
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")
     profile: str | None = _opt(None, "use this saved profile instead of measuring")
@@ -128,15 +160,15 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What every rank of ``autopipe run`` trains: an example, a plan (or None: rank 0
-    partitions) and the loop. Travels to the ranks as JSON (:meth:`to_json`)."""
+    """What every rank of ``autopipe run`` trains: a model, a plan (the launcher makes one when
+    none is given) and the loop. Travels to the ranks as JSON (:meth:`to_json`), resolved."""
 
-    model: str = _pos("bundled example: mlp | cnn | gpt | unet")
-    plan: str | None = _opt(None, "plans/NAME.json (default: rank 0 profiles and partitions)")
+    model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
+    plan: str | None = _opt(None, "plans/NAME.json (default: profile and partition before starting the ranks)")
     nproc: int = _opt(2, "processes = pipeline ranks (default 2)")
     steps: int = _opt(10, "training steps (default 10)")
-    batch_size: int = _opt(32, "mini-batch size (default 32)")
-    chunks: int | None = _opt(None, "micro-batches (default: the plan's, else 8)")
+    batch_size: int | None = _opt(None, _BATCH)
+    chunks: int | None = _opt(None, _CHUNKS)
     schedule: Schedule = _opt("gpipe", "pipeline schedule (default gpipe)")
     checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
@@ -144,15 +176,28 @@ class RunConfig:
     threads: int = _opt(1, "torch threads per rank (default 1)")
 
     def check(self) -> None:
-        from autopipe.examples import EXAMPLES
+        """The flags alone (before any file is read): one line per bad value."""
+        if ":" not in self.model:
+            from autopipe.examples import EXAMPLES
 
-        if self.model not in EXAMPLES:
-            raise BuildError(f"unknown example {self.model!r}; `autopipe run` trains one of {sorted(EXAMPLES)}")
+            if self.model not in EXAMPLES:
+                raise BuildError(f"unknown example {self.model!r}; `autopipe run` trains one of "
+                                 f"{sorted(EXAMPLES)} or a 'package.module:factory'")
         if self.nproc < 1:
             raise BuildError(f"--nproc {self.nproc} < 1: a pipeline needs at least one process")
         if self.steps < 1:
             raise BuildError(f"--steps {self.steps} < 1: pass --steps 1 or more")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise BuildError(f"--batch-size {self.batch_size} < 1: pass --batch-size 1 or more")
+        if self.chunks is not None and self.chunks < 1:
+            raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
+        if self.threads < 1:
+            raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
+        if not self.timeout > 0:
+            raise BuildError(f"--timeout {self.timeout} must be > 0 seconds, e.g. --timeout 60")
         _check_choice("--schedule", self.schedule, Schedule)
+        if self.checkpoint is not None:
+            _check_choice("--checkpoint", self.checkpoint, Checkpoint)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -4,18 +4,23 @@
     load_model("mypkg.models:make", batch_size=32)            # factory -> (model, inputs)
     load_model("mypkg.models:Net", 32, input_shape=(3, 32, 32))  # factory -> model; random inputs
 
-A factory is any callable ``package.module:name``. It is called with ``batch_size=B`` when it
-has a ``batch_size`` parameter, else with no arguments, and returns either ``(model, inputs)``,
-an object with ``.model`` and ``.inputs`` (like :class:`autopipe.examples.Example`), or a bare
-``nn.Module``, in which case ``input_shape`` (one sample's shape, without the batch dimension)
-makes a random float batch.
+A factory is any callable ``package.module:name``; its module is imported like ``python -m``
+would, so a ``myfactory.py`` in the current directory needs no PYTHONPATH. It is called with
+``batch_size=B`` when it has a ``batch_size`` parameter, else with no arguments (seeded, so
+every rank of ``autopipe run`` builds the same inputs), and returns ``(model, inputs)``,
+``(model, inputs, target, loss_fn)``, an object with ``.model`` and ``.inputs`` (and
+``.target`` and ``.loss_fn``, like :class:`autopipe.examples.Example`), or a bare ``nn.Module``,
+in which case ``input_shape`` (one sample's shape, without the batch dimension) makes a random
+float batch. Training (``autopipe train``, ``autopipe run``) needs the target and the loss.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,8 @@ class LoadedModel:
     name: str  # short name: the example name or the factory's name
     model: nn.Module
     inputs: tuple[Any, ...]
+    target: Any = None  # what loss_fn compares the output with (None: the factory gave none)
+    loss_fn: Callable[[Any, Any], Any] | None = None
 
 
 def _factory(spec: str) -> Any:
@@ -45,13 +52,7 @@ def _factory(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ProfileError(f"model {spec!r} must be 'package.module:factory' with both parts non-empty")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ProfileError(
-            f"cannot import module {module_name!r} of model {spec!r} ({first_line(err)}); "
-            "check the name and that it is on PYTHONPATH"
-        ) from None
+    module = _import(module_name, spec)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -67,6 +68,32 @@ def _factory(spec: str) -> Any:
     return obj
 
 
+def _import(module_name: str, spec: str) -> Any:
+    """Import the factory's module with the current directory on sys.path, as ``python -m``
+    has it; one line saying why when that fails."""
+    here = os.getcwd()
+    if not any(os.path.abspath(p or ".") == here for p in sys.path):
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        missing = getattr(err, "name", None)
+        if isinstance(err, ModuleNotFoundError) and missing and module_name.startswith(missing):
+            raise ProfileError(
+                f"cannot import module {module_name!r} of model {spec!r} ({first_line(err)}); check "
+                f"the name: {module_name.replace('.', '/')}.py must be in the current directory "
+                f"({here}) or on PYTHONPATH"
+            ) from None
+        raise ProfileError(
+            f"importing module {module_name!r} of model {spec!r} failed ({first_line(err)}); "
+            f"fix that import in {module_name!r} (is the package it needs installed?)"
+        ) from None
+    except Exception as err:  # the user's module: a SyntaxError, an error at import time
+        raise ProfileError(
+            f"importing module {module_name!r} of model {spec!r} raised {first_line(err)}; fix the module"
+        ) from None
+
+
 def _random_batch(batch_size: int, input_shape: Sequence[int]) -> tuple[torch.Tensor]:
     if any(d < 1 for d in input_shape):
         raise ProfileError(f"input shape {list(input_shape)} has a non-positive dimension; use sizes >= 1")
@@ -74,53 +101,81 @@ def _random_batch(batch_size: int, input_shape: Sequence[int]) -> tuple[torch.Te
 
 
 def load_model(
-    spec: str, batch_size: int | None = None, *, input_shape: Sequence[int] | None = None
+    spec: str,
+    batch_size: int | None = None,
+    *,
+    input_shape: Sequence[int] | None = None,
+    for_training: str | None = None,
 ) -> LoadedModel:
-    """Build the model named by ``spec`` with a batch of ``batch_size`` rows (default 32)."""
+    """Build the model named by ``spec`` with a batch of ``batch_size`` rows (default 32).
+
+    ``for_training``: the command that trains it (e.g. ``"autopipe train"``); a factory must then
+    also return a target and a loss function.
+    """
     from autopipe.examples import EXAMPLES, get_example
 
     if batch_size is not None and batch_size < 1:
         raise ProfileError(f"batch size must be >= 1, got {batch_size}; pass --batch-size 1 or more")
     if spec in EXAMPLES:
+        if input_shape is not None:
+            raise ProfileError(f"--input-shape is for a factory returning a bare model; the bundled "
+                               f"example {spec!r} brings its own inputs: drop --input-shape")
         ex = get_example(spec, batch_size or 32)
-        return LoadedModel(spec, ex.model, ex.inputs)
+        return LoadedModel(spec, ex.model, ex.inputs, ex.target, ex.loss_fn)
     factory = _factory(spec)
     try:
         takes_batch = "batch_size" in inspect.signature(factory).parameters
     except (TypeError, ValueError):  # builtins without a signature
         takes_batch = False
     try:
-        made = factory(batch_size=batch_size or 32) if takes_batch else factory()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # every rank of `autopipe run` builds the same inputs and targets
+            made = factory(batch_size=batch_size or 32) if takes_batch else factory()
     except Exception as err:  # the user's code: report it in one line
         raise ProfileError(f"factory {spec!r} raised {first_line(err)}; fix the factory") from None
     name = spec.partition(":")[2].split(".")[-1]
-    model, inputs = _unpack(spec, made)
-    if inputs is None:
+    loaded = _unpack(spec, name, made)
+    if for_training and (not loaded.inputs or loaded.loss_fn is None or loaded.target is None):
+        raise ProfileError(
+            f"factory {spec!r} returned no inputs, target and loss function, which {for_training} "
+            "needs; return (model, inputs, target, loss_fn) or an object with .model, .inputs, "
+            ".target and .loss_fn (like autopipe.examples.Example)"
+        )
+    if not loaded.inputs:
         if input_shape is None:
             raise ProfileError(
                 f"factory {spec!r} returned a model without inputs; pass --input-shape (one "
                 "sample's shape, e.g. 3,32,32) or return (model, inputs)"
             )
-        inputs = _random_batch(batch_size or 32, input_shape)
+        loaded.inputs = _random_batch(batch_size or 32, input_shape)
+    elif input_shape is not None:
+        raise ProfileError(
+            f"factory {spec!r} returns its own inputs, so --input-shape {','.join(map(str, input_shape))} "
+            "would be ignored; drop --input-shape (it is for factories returning a bare model)"
+        )
     elif batch_size is not None and not takes_batch:
-        got = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()), None)
+        got = next((int(t.shape[0]) for t in loaded.inputs if isinstance(t, torch.Tensor) and t.dim()), None)
         if got is not None and got != batch_size:
             raise ProfileError(
                 f"factory {spec!r} returned inputs of batch {got} but --batch-size is {batch_size}; "
                 "give the factory a batch_size parameter or drop --batch-size"
             )
-    return LoadedModel(name, model, inputs)
+    return loaded
 
 
-def _unpack(spec: str, made: Any) -> tuple[nn.Module, tuple[Any, ...] | None]:
+def _unpack(spec: str, name: str, made: Any) -> LoadedModel:
     if isinstance(made, nn.Module):
-        return made, None
+        return LoadedModel(name, made, ())
     if hasattr(made, "model") and hasattr(made, "inputs"):
-        made = (made.model, made.inputs)
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
-        inputs = made[1]
-        return made[0], inputs if isinstance(inputs, tuple) else (inputs,)
+        made = (made.model, made.inputs, getattr(made, "target", None), getattr(made, "loss_fn", None))
+    if isinstance(made, tuple) and len(made) in (2, 4) and isinstance(made[0], nn.Module):
+        inputs = made[1] if isinstance(made[1], tuple) else (made[1],)
+        target, loss_fn = made[2:] if len(made) == 4 else (None, None)
+        if loss_fn is not None and not callable(loss_fn):
+            raise ProfileError(f"factory {spec!r} returned a loss_fn of type {type(loss_fn).__name__}; "
+                               "it must be callable as loss_fn(output, target)")
+        return LoadedModel(name, made[0], inputs, target, loss_fn)
     raise ProfileError(
         f"factory {spec!r} returned {type(made).__name__}; it must return an nn.Module, "
-        "(model, inputs) or an object with .model and .inputs"
+        "(model, inputs), (model, inputs, target, loss_fn) or an object with .model and .inputs"
     )

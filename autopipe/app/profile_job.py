@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopipe.app.config import DEFAULT_CHUNKS, resolve
 from autopipe.app.model_spec import load_model
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
@@ -23,22 +24,31 @@ from autopipe.frontend.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
 __all__ = ["profile_to_file", "summary_table", "parse_shape"]
 
 
-def summary_table(prof: Profile, width: int = 36) -> str:
-    """One line per layer (time, parameters, activations) and a total line."""
-    df = prof.df
-    head = (f"{'layer':<{width}} {'type':<18} {'fwd ms':>8} {'bwd ms':>8} {'params':>10} "
+def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | None = None) -> str:
+    """The ``top`` heaviest layers (forward + backward time), the totals and how it was measured;
+    every layer when there are at most ``top``. ``where``: the saved file holding every row."""
+    df = prof.df.assign(_ms=prof.df["fwd_ms"] + prof.df["bwd_ms"])
+    total_ms = float(df["_ms"].sum()) or 1.0
+    shown = df if len(df) <= top else df.nlargest(top, "_ms", keep="first")
+    width = max(len("layer"), *(len(str(x)) for x in shown["layer"]))
+    head = (f"{'layer':<{width}} {'type':<18} {'fwd ms':>8} {'bwd ms':>8} {'share':>6} {'params':>10} "
             f"{'output':>10} {'saved':>10}")
-    lines = [head, "-" * len(head)]
-    for r in df.to_dict("records"):
+    lines = []
+    if len(shown) < len(df):
+        lines.append(f"the {len(shown)} heaviest of {len(df)} layers (forward + backward), heaviest first"
+                     + (f"; every layer is in {where}" if where is not None else ""))
+    lines += [head, "-" * len(head)]
+    for r in shown.to_dict("records"):
         lines.append(
-            f"{str(r['layer'])[:width]:<{width}} {str(r['module_type'])[:18]:<18} "
-            f"{r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} {format_bytes(r['param_bytes']):>10} "
-            f"{format_bytes(r['output_bytes']):>10} {format_bytes(r['saved_bytes']):>10}"
+            f"{str(r['layer']):<{width}} {str(r['module_type'])[:18]:<18} "
+            f"{r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} {100 * r['_ms'] / total_ms:>5.1f}% "
+            f"{format_bytes(r['param_bytes']):>10} {format_bytes(r['output_bytes']):>10} "
+            f"{format_bytes(r['saved_bytes']):>10}"
         )
     lines.append("-" * len(head))
     lines.append(
-        f"{f'total ({len(df)} layers)':<{width}} {'':<18} {df['fwd_ms'].sum():>8.3f} "
-        f"{df['bwd_ms'].sum():>8.3f} {format_bytes(float(df['param_bytes'].sum())):>10} "
+        f"{f'total ({len(df)} layers)':<{width + 19}} {df['fwd_ms'].sum():>8.3f} "
+        f"{df['bwd_ms'].sum():>8.3f} {'100.0%':>6} {format_bytes(float(df['param_bytes'].sum())):>10} "
         f"{'':>10} {format_bytes(float(df['saved_bytes'].sum())):>10}"
     )
     m = prof.meta
@@ -96,7 +106,7 @@ def profile_to_file(
     out: str | os.PathLike[str] | None = None,
     force: bool = False,
     batch_size: int | None = None,
-    chunks: int = 1,
+    chunks: int | None = None,
     device: str = "cpu",
     repeats: int | None = None,
     warmup: int | None = None,
@@ -110,6 +120,7 @@ def profile_to_file(
 
     ``out`` defaults to ``profiles/NAME.csv``; existing files are never touched unless
     ``force``. ``threads`` sets torch's CPU threads while measuring (recorded in the metadata).
+    ``chunks`` defaults to DEFAULT_CHUNKS ([Note: one chunks rule] in autopipe/app/config.py).
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
@@ -132,7 +143,7 @@ def profile_to_file(
         if threads is not None:
             torch.set_num_threads(threads)
         prof = profile(
-            loaded.model, loaded.inputs, device=device, chunks=chunks,
+            loaded.model, loaded.inputs, device=device, chunks=resolve(chunks, default=DEFAULT_CHUNKS),
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             name=loaded.name, progress=progress, **kwargs,

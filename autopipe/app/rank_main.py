@@ -1,10 +1,17 @@
-"""One rank of ``autopipe run``: train a bundled example as a distributed pipeline.
+"""One rank of ``autopipe run``: train a model as a distributed pipeline.
 
 Started by torchrun (see autopipe.app.launch), which sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous address; what to train arrives as ``--config JSON``, a RunConfig (autopipe.app.config),
-so the ranks and the command line share one set of defaults. Every rank builds the same example, joins the process group (gloo on CPU,
-NCCL on CUDA), builds its stage with :func:`autopipe.distributed_pipeline` and runs AdamW over
-its own stage's parameters. The last rank prints the loss of every step and the throughput.
+rendezvous address; what to train arrives as ``--config JSON``, a RunConfig (autopipe.app.config)
+that the launcher has already checked and resolved (plan, chunks, batch, checkpoint), so the
+ranks and the command line share one set of defaults. Every rank builds the same model and
+inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA), builds its stage with
+:func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters. The last
+rank prints the loss of every step and the throughput.
+
+A failure ends the rank with ONE line on stderr that the launcher reads back ([Note: one line
+from K ranks] in autopipe/app/launch.py): ``autopipe run: error on rank R [at step S]: ...``
+for bad input (AutopipeError, ExecutorError), executor's ``PipelineFailure: ...`` when a peer
+died or hung.
 """
 
 from __future__ import annotations
@@ -15,34 +22,46 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from autopipe.app.config import RunConfig
+from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, RunConfig
+from autopipe.app.model_spec import load_model
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.core.plan import Plan
 from autopipe.errors import AutopipeError
-from autopipe.examples import get_example
+from executor.distributed import PipelineFailure
+from executor.errors import ExecutorError
 
 __all__ = ["main", "train"]
 
 
-def train(config: RunConfig) -> list[float]:
+@dataclass
+class Progress:
+    step: int = 0  # the step being run (1-based); 0 while the stage is being built
+
+
+def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     """The loop on this rank; the per-step losses on the last rank, [] elsewhere."""
+    progress = progress or Progress()
     torch.set_num_threads(config.threads)
     plan = Plan.load(config.plan) if config.plan else None
-    chunks = config.chunks or (plan.chunks if plan else 8)
+    chunks = config.chunks or (plan.chunks if plan else DEFAULT_CHUNKS)
+    batch = config.batch_size or DEFAULT_BATCH
     checkpoint = config.checkpoint or (plan.checkpoint if plan else "except_last")
-    ex = get_example(config.model, batch_size=config.batch_size)  # same seed on every rank
+    ex = load_model(config.model, batch, for_training="autopipe run")  # same seed on every rank
+    assert ex.loss_fn is not None
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan, chunks=chunks,
                                 checkpoint=checkpoint, schedule=config.schedule, timeout=config.timeout)
-    inputs = tuple(x.to(pipe.device) for x in ex.inputs)
-    target = ex.target.to(pipe.device)
+    inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in ex.inputs)
+    target = ex.target.to(pipe.device) if isinstance(ex.target, torch.Tensor) else ex.target
     opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=config.lr)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(config.steps):
+        progress.step = step + 1
         if step == 1:  # the first step warms up (allocations, connections)
             start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -55,8 +74,7 @@ def train(config: RunConfig) -> list[float]:
     timed = max(config.steps - 1, 1)
     if pipe.is_last:
         print(f"{config.model}: {pipe.world} ranks x {len(pipe.stages)} stage(s), {config.schedule}, "
-              f"chunks={chunks}, batch {config.batch_size}: "
-              f"{timed * config.batch_size / elapsed:.1f} samples/s", flush=True)
+              f"chunks={chunks}, batch {batch}: {timed * batch / elapsed:.1f} samples/s", flush=True)
     return losses
 
 
@@ -73,11 +91,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout))
+    progress = Progress()
     try:
-        train(config)
-    except AutopipeError as err:
-        print(f"autopipe run: error on rank {dist.get_rank()}: {err}", file=sys.stderr)
+        train(config, progress)
+    except (AutopipeError, ExecutorError) as err:
+        at = f" at step {progress.step}" if progress.step else ""
+        print(f"autopipe run: error on rank {dist.get_rank()}{at}: {err}", file=sys.stderr, flush=True)
         return 2
+    except PipelineFailure as err:
+        print(f"PipelineFailure: {err}", file=sys.stderr, flush=True)
+        return 3
     finally:
         dist.destroy_process_group()
     return 0

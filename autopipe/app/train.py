@@ -1,10 +1,15 @@
-"""The whole job on a bundled example: profile -> partition -> pipeline -> train, in one process.
+"""The whole job on one model: profile -> partition -> pipeline -> train, in one process.
 
 ``autopipe train mlp --stages 2 --chunks 4`` runs this; it is the README's end-to-end command.
-It trains on the example's synthetic batch (no data set, no download) with AdamW, and reports
-the loss per step, the measured step time against the plan's prediction, and the unpipelined
-model's step time measured in the same process (timings here are noisy; the ratio is what
-matters).
+It trains a bundled example (or a factory's model, inputs, target and loss) with AdamW, and
+reports the loss per step, the measured step against the plan's prediction, and the
+unpipelined model's same step (forward, backward, AdamW) measured in the same process.
+
+[Note: one process takes turns] ``executor.GPipe`` runs stages that share a device one at a
+time, so on one CPU the pipelined step cannot beat the unpipelined one: it only adds
+per-micro-batch overhead and recomputation. The summary says so, predicts the step for the
+devices actually used (the simulator's [Note: shared devices]) and for one device per stage,
+and names the ``autopipe run`` command that runs each stage in its own process.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, DEFAULT_STAGES, resolve
+from autopipe.app.model_spec import LoadedModel, load_model
 from autopipe.assemble import microbatch_inputs, pipeline
+from autopipe.core.cost import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
-from autopipe.errors import AutopipeError
-from autopipe.examples import get_example
+from autopipe.core.simulator import simulate_stages
+from autopipe.errors import AutopipeError, BuildError
 from autopipe.frontend.graph import trace
+from executor.spec import microbatch_sizes
 
 __all__ = ["TrainReport", "median_ms", "train_example"]
 
@@ -31,27 +40,58 @@ class TrainReport:
     example: str
     plan: Plan
     losses: list[float] = field(default_factory=list)
-    step_ms: list[float] = field(default_factory=list)
-    baseline_ms: float = float("nan")
+    step_ms: list[float] = field(default_factory=list)  # forward + backward + AdamW
+    optimizer_ms: list[float] = field(default_factory=list)  # the AdamW part of each step
+    baseline_ms: float = float("nan")  # the unpipelined model's same step
     batch_size: int = 0
+    devices: list[str] = field(default_factory=list)
+    predicted_ms: float = float("nan")  # forward + backward on these devices
+    predicted_apart_ms: float = float("nan")  # forward + backward, one device per stage
+    run_command: str = ""
 
     @property
     def median_step_ms(self) -> float:
         return statistics.median(self.step_ms[1:] or self.step_ms)  # first step warms up
 
+    @property
+    def median_optimizer_ms(self) -> float:
+        return statistics.median(self.optimizer_ms[1:] or self.optimizer_ms or [0.0])
+
+    @property
+    def median_forward_backward_ms(self) -> float:
+        both = [s - o for s, o in zip(self.step_ms, self.optimizer_ms, strict=False)] or self.step_ms
+        return statistics.median(both[1:] or both)
+
+    @property
+    def shares_devices(self) -> bool:
+        return len(set(self.devices)) < len(self.devices)
+
     def summary(self) -> str:
-        sps = self.batch_size / (self.median_step_ms / 1e3)
-        return "\n".join(
-            [
-                f"{self.example}: {len(self.plan.stages)} stages x {self.plan.chunks} "
-                f"micro-batches, checkpoint={self.plan.checkpoint}, method={self.plan.method}",
-                f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f} over {len(self.losses)} steps",
-                f"step {self.median_step_ms:.1f} ms (median), {sps:.0f} samples/s; "
-                f"predicted {self.plan.iteration_time:.1f} ms "
-                f"(measured/predicted {self.median_step_ms / self.plan.iteration_time:.2f}); "
-                f"unpipelined {self.baseline_ms:.1f} ms",
-            ]
-        )
+        k, m = self.plan.num_stages, self.plan.chunks
+        micro = microbatch_sizes(self.batch_size, m)[0] if self.batch_size >= m else 0
+        step, opt, fb = self.median_step_ms, self.median_optimizer_ms, self.median_forward_backward_ms
+        timed = "steps 2.." + str(len(self.step_ms)) if len(self.step_ms) > 1 else "the only step"
+        lines = [
+            f"{self.example}: batch {self.batch_size} in {m} micro-batches of {micro} rows, "
+            f"{k} stages on {', '.join(self.devices)} (checkpoint={self.plan.checkpoint}, "
+            f"method={self.plan.method})",
+            f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f} over {len(self.losses)} steps",
+            f"step {step:.1f} ms (medians of {timed}: forward+backward {fb:.1f} ms, AdamW "
+            f"{opt:.1f} ms), {self.batch_size / (step / 1e3):.0f} samples/s; predicted forward+backward "
+            f"{self.predicted_ms:.1f} ms (measured/predicted {fb / self.predicted_ms:.2f}); "
+            f"unpipelined model, same step: {self.baseline_ms:.1f} ms "
+            f"(pipelined/unpipelined {step / self.baseline_ms:.2f})",
+        ]
+        if self.shares_devices:
+            lines.append(
+                f"Stages on one device take turns: with {k} stages on {self.devices[0]} this process "
+                f"runs one micro-batch of one stage at a time, so the pipeline cannot beat the "
+                f"unpipelined model here; it adds per-micro-batch overhead and recomputation "
+                f"(checkpoint={self.plan.checkpoint}). The prediction counts only the profiled "
+                f"layers. For a real speedup give each stage its own process: `{self.run_command}` "
+                f"(predicted forward+backward {self.predicted_apart_ms:.1f} ms with one device per stage)."
+            )
+        return "\n".join(lines)
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
@@ -66,12 +106,37 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
+def _predict(plan: Plan, devices: Sequence[str]) -> float:
+    """The plan's simulated GPipe iteration on ``devices`` (shared names take turns)."""
+    options = CostOptions(plan.chunks, plan.checkpoint, plan.optimizer, plan.bandwidth, plan.ties)
+    return simulate_stages(plan.breakdown, chunks=plan.chunks, checkpoint=plan.checkpoint,
+                           ms_per_byte=options.ms_per_byte, devices=list(devices)).iteration_time
+
+
+def _sizes(plan: Plan | None, profile: Profile | None, stages: int | None, chunks: int | None,
+           batch_size: int | None, devices: Sequence[str] | None) -> tuple[int, int, int, list[str]]:
+    """Stages, chunks, batch and devices by [Note: one chunks rule] (autopipe/app/config.py)."""
+    meta = profile.meta if profile is not None else {}
+    k = resolve(stages, plan.num_stages if plan else None, len(devices) if devices else None,
+                default=DEFAULT_STAGES)
+    if plan is not None and k != plan.num_stages:
+        raise BuildError(f"--stages {k} but the plan has {plan.num_stages} stages; drop --stages (it "
+                         f"defaults to the plan's) or re-run `autopipe partition --stages {k}`")
+    chosen = list(devices) if devices is not None else ["cpu"] * k
+    if len(chosen) != k:
+        raise AutopipeError(f"{len(chosen)} devices for {k} stages: pass one device per stage "
+                            f"(--devices) or --stages {len(chosen)}")
+    m = resolve(chunks, plan.chunks if plan else None, meta.get("chunks"), default=DEFAULT_CHUNKS)
+    b = resolve(batch_size, plan.batch_size if plan else None, meta.get("batch_size"), default=DEFAULT_BATCH)
+    return k, m, b, chosen
+
+
 def train_example(
     name: str = "mlp",
     *,
-    stages: int = 2,
-    chunks: int = 4,
-    batch_size: int = 32,
+    stages: int | None = None,
+    chunks: int | None = None,
+    batch_size: int | None = None,
     steps: int = 5,
     checkpoint: str = "except_last",
     devices: Sequence[str] | None = None,
@@ -81,43 +146,61 @@ def train_example(
     lr: float = 1e-3,
     log: Callable[[str], None] | None = print,
 ) -> TrainReport:
-    """Profile, partition and train the bundled example ``name`` as a GPipe pipeline."""
+    """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
+    returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
+    ``batch_size`` default to the plan's or profile's, else 2, 4 and 32."""
     if steps < 1:
-        raise AutopipeError(f"steps={steps} < 1: train at least one step")
-    ex = get_example(name, batch_size=batch_size)
-    devices = list(devices) if devices is not None else ["cpu"] * stages
-    if len(devices) != stages:
-        raise AutopipeError(
-            f"{len(devices)} devices for {stages} stages: pass one device per stage"
-        )
+        raise AutopipeError(f"steps={steps} < 1: train at least one step (--steps 1 or more)")
     loaded_plan = Plan.load(plan) if isinstance(plan, str) else plan
     loaded_profile = Profile.load(profile) if isinstance(profile, str) else profile
-    graph = trace(ex.model, microbatch_inputs(ex.inputs, chunks))
-    pipe = pipeline(ex.model, ex.inputs, devices=devices, chunks=chunks, checkpoint=checkpoint,
+    k, m, b, chosen = _sizes(loaded_plan, loaded_profile, stages, chunks, batch_size, devices)
+    ex = load_model(name, b, for_training="autopipe train")
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
+    pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,
                     plan=loaded_plan, profile=loaded_profile, method=method, graph=graph)
-    report = TrainReport(name, pipe.plan, batch_size=batch_size)
+    run = f"autopipe run {name} --nproc {k} --batch-size {b} --chunks {m}"
+    report = TrainReport(ex.name if ":" in name else name, pipe.plan, batch_size=b, devices=chosen,
+                         predicted_ms=_predict(pipe.plan, chosen),
+                         predicted_apart_ms=_predict(pipe.plan, [f"device{s}" for s in range(k)]),
+                         run_command=run + (f" --plan {plan}" if isinstance(plan, str) else ""))
     if log:
         log(report.plan.table())
     opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
-    target = ex.target.to(devices[-1])
+    target = ex.target.to(chosen[-1]) if isinstance(ex.target, torch.Tensor) else ex.target
+    assert ex.loss_fn is not None  # load_model(for_training=...) checked it
     for step in range(steps):
         start = time.perf_counter()
         opt.zero_grad()
         loss = ex.loss_fn(pipe(*ex.inputs), target)
         loss.backward()
+        before_opt = time.perf_counter()
         opt.step()
-        report.step_ms.append((time.perf_counter() - start) * 1e3)
+        done = time.perf_counter()
+        report.step_ms.append((done - start) * 1e3)
+        report.optimizer_ms.append((done - before_opt) * 1e3)
         report.losses.append(loss.detach().item())
         if log:
             log(f"step {step + 1}/{steps}  loss {report.losses[-1]:.4f}  "
                 f"{report.step_ms[-1]:.1f} ms")
-
-    plain = get_example(name, batch_size=batch_size)
-
-    def plain_step() -> None:
-        plain.loss_fn(plain.model(*plain.inputs), plain.target).backward()
-
-    report.baseline_ms = median_ms(plain_step, max(3, steps))
+    report.baseline_ms = _unpipelined_ms(load_model(name, b, for_training="autopipe train"),
+                                         chosen[0], lr, max(3, steps))
     if log:
         log(report.summary())
     return report
+
+
+def _unpipelined_ms(plain: LoadedModel, device: str, lr: float, repeats: int) -> float:
+    """The same step (forward, loss, backward, AdamW) on the unpipelined model, on one device."""
+    model = plain.model.to(device)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in plain.inputs)
+    target = plain.target.to(device) if isinstance(plain.target, torch.Tensor) else plain.target
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    assert plain.loss_fn is not None
+    loss_fn = plain.loss_fn
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(*inputs), target).backward()
+        opt.step()
+
+    return median_ms(step, repeats, warmup=1)

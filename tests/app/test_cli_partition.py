@@ -65,3 +65,16 @@ def test_simulate_corrupt_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
     bad.write_text("{")
     assert main(["simulate", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_partition_names_devices_and_chunks_like_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = random_chain(6, 3)
+    bare = prof.save(tmp_path / "bare")  # no device kind, no chunks recorded
+    prof.meta.update(device="cpu", device_type="cpu", chunks=2)
+    cpu = prof.save(tmp_path / "cpu")
+    assert main(["partition", str(bare), "--stages", "2", "--out", str(tmp_path / "a.json")]) == 0
+    assert Plan.load(tmp_path / "a.json").chunks == 4  # the one default of every command
+    assert main(["partition", str(cpu), "--stages", "2", "--out", str(tmp_path / "b.json")]) == 0
+    rows = capsys.readouterr().out.split("wrote " + str(tmp_path / "a.json"))[1].splitlines()
+    assert [r.split()[:2] for r in rows[2:4]] == [["0", "cpu:0"], ["1", "cpu:1"]]
+    assert Plan.load(tmp_path / "b.json").chunks == 2  # the profile's

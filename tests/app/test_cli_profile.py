@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,12 @@ def test_profile_bundled_example(tmp_path: Path, capsys: pytest.CaptureFixture[s
                "--threads", "1", *FAST])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
-    assert "net.0" in cap.out and "total (15 layers)" in cap.out and f"wrote {out}" in cap.out
+    lines = cap.out.splitlines()
+    assert lines[0] == f"the 10 heaviest of 15 layers (forward + backward), heaviest first; every layer is in {out}"
+    rows = lines[3:13]  # the 10 heaviest, heaviest first, then the totals
+    ms = [float(r.split()[2]) + float(r.split()[3]) for r in rows]
+    assert ms == sorted(ms, reverse=True) and lines[13].startswith("---")
+    assert lines[14].startswith("total (15 layers)") and f"wrote {out}" in cap.out
     assert "profiling" in cap.err  # the progress bar goes to stderr
     prof = Profile.load(out)
     assert (prof.meta["model"], prof.meta["micro_batch_size"], prof.meta["batch_size"]) == ("mlp", 4, 8)
@@ -58,11 +64,11 @@ def test_bare_model_with_input_shape(tmp_path: Path) -> None:
 
 
 def test_leaf_and_max_depth(tmp_path: Path) -> None:
-    main(["profile", "cnn", "--batch-size", "2", "--leaf", "ResBlock", "--leaf", "head",
+    main(["profile", "cnn", "--batch-size", "2", "--chunks", "1", "--leaf", "ResBlock", "--leaf", "head",
           "--out", str(tmp_path / "a.csv"), *FAST])
     layers = Profile.load(tmp_path / "a.csv").layers
     assert {"blocks.0", "blocks.3", "head"} <= set(layers) and len(layers) < 12
-    main(["profile", "cnn", "--batch-size", "2", "--max-depth", "1", "--out", str(tmp_path / "b.csv"), *FAST])
+    main(["profile", "cnn", "--batch-size", "2", "--chunks", "1", "--max-depth", "1", "--out", str(tmp_path / "b.csv"), *FAST])
     assert "blocks" in Profile.load(tmp_path / "b.csv").layers
 
 
@@ -77,6 +83,10 @@ def test_leaf_and_max_depth(tmp_path: Path) -> None:
         (["tests.models:make_raises"], "raised RuntimeError: boom; fix the factory"),
         (["tests.models:Chain"], "pass --input-shape"),
         (["tests.models:Chain", "--input-shape", "3,x"], "is not a shape"),
+        (["tests.models:make_chain", "--input-shape", "8"],
+         r"factory 'tests.models:make_chain' returns its own inputs, so --input-shape 8 would be ignored; "
+         r"drop --input-shape \(it is for factories returning a bare model\)$"),
+        (["mlp", "--input-shape", "64"], r"the bundled example 'mlp' brings its own inputs: drop --input-shape$"),
         (["tests.models:make_fixed_batch", "--batch-size", "8"], "inputs of batch 4 but --batch-size is 8"),
         (["mlp", "--batch-size", "2", "--chunks", "4"], r"chunks=4 > batch size 2"),
         (["mlp", "--batch-size", "0"], "batch size must be >= 1"),
@@ -96,3 +106,32 @@ def test_bad_input_is_one_line_error(
     assert len(err) == 1 and err[0].startswith("autopipe: error: "), err
     assert re.search(match, err[0]), err[0]
     assert not out.exists()
+
+
+def test_a_factory_in_the_current_directory_needs_no_pythonpath(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "here_factory.py").write_text(
+        "import torch\nfrom torch import nn\n\ndef with_inputs(batch_size):\n"
+        "    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(batch_size, 4)\n")
+    (tmp_path / "broken_factory.py").write_text("import not_installed_package_xyz\n")
+    (tmp_path / "typo_factory.py").write_text("def make(:\n")
+    monkeypatch.chdir(tmp_path)  # as `python -m` would, the current directory is importable
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    for name in ("here_factory", "broken_factory", "typo_factory"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert main(["profile", "here_factory:with_inputs", "--batch-size", "4", "--chunks", "2", *FAST]) == 0
+    assert Profile.load(tmp_path / "profiles" / "with_inputs.csv").meta["micro_batch_size"] == 2
+    capsys.readouterr()
+    for spec, line in [
+        ("broken_factory:make", "importing module 'broken_factory' of model 'broken_factory:make' failed "
+         "(ModuleNotFoundError: No module named 'not_installed_package_xyz'); fix that import in "
+         "'broken_factory' (is the package it needs installed?)"),
+        ("typo_factory:make", "importing module 'typo_factory' of model 'typo_factory:make' raised "
+         "SyntaxError: invalid syntax (typo_factory.py, line 1); fix the module"),
+        ("absent_factory:make", "cannot import module 'absent_factory' of model 'absent_factory:make' "
+         f"(ModuleNotFoundError: No module named 'absent_factory'); check the name: absent_factory.py must "
+         f"be in the current directory ({tmp_path}) or on PYTHONPATH"),
+    ]:
+        assert main(["profile", spec, *FAST]) == 2
+        assert capsys.readouterr().err == f"autopipe: error: {line}\n"

@@ -12,17 +12,19 @@ import pytest
 import autopipe
 from autopipe.app.cli import main
 from autopipe.app.config import RunConfig
-from autopipe.app.launch import torchrun_command
+from autopipe.app.launch import diagnose, torchrun_command
 from autopipe.app.rank_main import main as rank_main
+from autopipe.assemble import microbatch_inputs
 from autopipe.errors import BuildError
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_torchrun_command_names_every_setting() -> None:
-    cmd = torchrun_command(RunConfig("mlp", nproc=3, plan="plans/mlp.json", steps=2, chunks=4))
+def test_torchrun_command_names_every_setting(tmp_path: Path) -> None:
+    cmd = torchrun_command(RunConfig("mlp", nproc=3, plan="plans/mlp.json", steps=2, chunks=4), tmp_path)
     assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert "--nproc_per_node=3" in cmd and cmd[cmd.index("-m", 3) + 1] == "autopipe.app.rank_main"
+    assert cmd[cmd.index("--log-dir") + 1] == str(tmp_path) and cmd[cmd.index("--redirects") + 1] == "2"
     sent = RunConfig.from_json(cmd[cmd.index("--config") + 1])  # what every rank reads
     assert sent == RunConfig("mlp", nproc=3, plan="plans/mlp.json", steps=2, chunks=4)
     assert sent.checkpoint is None  # left to the plan
@@ -31,9 +33,12 @@ def test_torchrun_command_names_every_setting() -> None:
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        (RunConfig("resnet"), "unknown example 'resnet'"),
+        (RunConfig("resnet"), r"unknown example 'resnet'; `autopipe run` trains one of \['cnn', 'gpt', "
+                              r"'mlp', 'unet'\] or a 'package.module:factory'$"),
         (RunConfig("mlp", nproc=0), "--nproc 0 < 1"),
         (RunConfig("mlp", steps=0), "--steps 0 < 1"),
+        (RunConfig("mlp", chunks=0), r"^--chunks 0 < 1: pass --chunks 1 or more$"),
+        (RunConfig("mlp", threads=0), r"^--threads 0 < 1: pass --threads 1 or more$"),
         (RunConfig("mlp", schedule="zb"), "--schedule 'zb' is unknown"),
     ],
 )
@@ -42,9 +47,113 @@ def test_bad_run_configs(config: RunConfig, match: str) -> None:
         torchrun_command(config)
 
 
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """2- and 3-stage mlp plans made at batch 16 in 4 chunks, and a cnn plan."""
+    out = tmp_path_factory.mktemp("plans")
+    made = {}
+    for name, stages in (("mlp", 2), ("mlp", 3), ("cnn", 2)):
+        ex = autopipe.get_example(name, batch_size=16)
+        prof = autopipe.profile(ex.model, ex.inputs, chunks=4, repeats=1, warmup=0)
+        made[f"{name}{stages}"] = autopipe.partition(prof, stages=stages).save(out / f"{name}{stages}.json")
+    return made
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--plan", "{mlp2}", "--nproc", "3"],
+         "the plan has 2 stages but --nproc 3 starts 3 ranks of one stage each; pass --nproc 2, or re-run "
+         "`autopipe partition --stages 3` for 3 ranks"),
+        (["--plan", "{mlp3}", "--nproc", "2", "--schedule", "interleaved1f1b"],
+         "the plan has 3 stages, which 2 ranks cannot share equally (--schedule interleaved1f1b gives each "
+         "rank the same number); pass --nproc a divisor of 3, or re-run `autopipe partition --stages 4`"),
+        (["--plan", "{mlp2}", "--batch-size", "30"],
+         "--batch-size 30 is not a multiple of --chunks 4: the ranks pass equal micro-batches; use "
+         "--batch-size 28 or 32"),
+        (["--nproc", "20"],
+         "--nproc 20 needs 20 stages of at least one layer each, but mlp traces to 15 layers; use --nproc "
+         "15 or fewer"),
+        (["--plan", "{mlp2}", "--batch-size", "32"],
+         "plan was made for graph fingerprint {fp} but this graph has {other}: same model, another "
+         "micro-batch shape (the plan's micro-batch is 4 rows (batch 16 in 4 chunks), this one's 8 rows; "
+         "a micro-batch is the first ceil(batch / chunks) rows); use the plan's batch size and chunks, or "
+         "re-run autopipe profile and autopipe partition for this batch and chunks"),
+        (["--plan", "{cnn2}"], "plan was made for graph fingerprint {cnnfp} but this graph has {fp}: the plan "
+                               "is for another model (its layers or parameter shapes differ); re-run autopipe "
+                               "profile and autopipe partition for this model"),
+    ],
+)
+def test_run_checks_plan_ranks_and_batch_before_starting_a_rank(
+    argv: list[str], line: str, plans: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_launch)
+    mlp, cnn = autopipe.Plan.load(plans["mlp2"]), autopipe.Plan.load(plans["cnn2"])
+    ex = autopipe.get_example("mlp", batch_size=32)
+    other = autopipe.trace(ex.model, microbatch_inputs(ex.inputs, 4)).fingerprint
+    fields = {"mlp2": plans["mlp2"], "mlp3": plans["mlp3"], "cnn2": plans["cnn2"], "fp": mlp.fingerprint,
+              "cnnfp": cnn.fingerprint, "other": other}
+    assert main(["run", "mlp", *[a.format(**fields) for a in argv]]) == 2
+    assert capsys.readouterr().err == f"autopipe: error: {line.format(**fields)}\n"
+
+
 def test_cli_run_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "mlp", "--nproc", "0"]) == 2
-    assert "autopipe: error: --nproc 0 < 1" in capsys.readouterr().err
+    assert capsys.readouterr().err == "autopipe: error: --nproc 0 < 1: a pipeline needs at least one process\n"
+
+
+_TORCHRUN_ROOT = """E1130 03:10:20 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 14114)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 3 (pid: 14113)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_03:10:20
+  host      : localhost
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 14114)
+============================================================
+"""
+_FAILURE = ("PipelineFailure: rank {r}/2: pipeline step 3 (gpipe, stages [{r}]) failed: a peer rank died, "
+            "hung or failed ({cause}); see that rank's log\n")
+
+
+def test_diagnose_names_rank_peer_and_step(tmp_path: Path) -> None:
+    # the last rank was killed (OOM killer, SIGKILL) while rank 0 waited on it
+    logs = {0: "noise\n" + _FAILURE.format(r=0, cause="Connection reset by peer"), 1: ""}
+    assert diagnose(logs, _TORCHRUN_ROOT.format(rank=1, code=-9), 2, tmp_path) == (
+        f"rank 0 stopped at pipeline step 3 (gpipe): its peer rank 1 was killed by SIGKILL; the ranks' "
+        f"logs are in {tmp_path}")
+    # both ranks' watchdogs fired: the peer is the other rank of two, and it died or hung
+    logs = {r: _FAILURE.format(r=r, cause="no progress for 9s") for r in (0, 1)}
+    assert diagnose(logs, _TORCHRUN_ROOT.format(rank=1, code=3), 2, tmp_path) == (
+        f"rank 0 stopped at pipeline step 3 (gpipe): its peer rank 1 died or hung; the ranks' logs are in "
+        f"{tmp_path}")
+    # of more ranks, an unknown peer: the cause is quoted instead
+    assert diagnose({2: _FAILURE.format(r=2, cause="timeout").replace("/2", "/4")},
+                    _TORCHRUN_ROOT.format(rank=2, code=3), 4, tmp_path).startswith(
+        "rank 2 stopped at pipeline step 3 (gpipe): a peer rank died or hung (timeout)")
+
+
+def test_diagnose_prefers_a_ranks_own_error_and_falls_back_to_its_traceback(tmp_path: Path) -> None:
+    own = {0: "", 1: "autopipe run: error on rank 1 at step 2: target batch size 6 is not a multiple of chunks=4\n"}
+    assert diagnose(own, _TORCHRUN_ROOT.format(rank=1, code=2), 2, tmp_path) == (
+        f"rank 1 at step 2: target batch size 6 is not a multiple of chunks=4; the ranks' logs are in {tmp_path}")
+    building = {0: "autopipe run: error on rank 0: layer 'x' is not the model's own\n"}
+    assert diagnose(building, "", 2, tmp_path).startswith("rank 0 while building its stage: layer 'x'")
+    crash = {0: 'Traceback (most recent call last):\n  File "m.py", line 3\nRuntimeError: mat1 and mat2 '
+                'shapes cannot be multiplied (8x3 and 8x16)\n'}
+    assert diagnose(crash, _TORCHRUN_ROOT.format(rank=0, code=1), 2, tmp_path) == (
+        "rank 0 exited with status 1: RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x3 and 8x16); "
+        f"its log is {tmp_path / 'rank0.log'}")
 
 
 def test_rank_main_refuses_to_run_outside_torchrun(monkeypatch: pytest.MonkeyPatch,
@@ -55,17 +164,50 @@ def test_rank_main_refuses_to_run_outside_torchrun(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.timeout(90)
-def test_cli_run_trains_a_bundled_example_with_a_saved_plan(tmp_path: Path,
+def test_cli_run_trains_a_bundled_example_with_a_saved_plan(plans: dict[str, Path], tmp_path: Path,
                                                             capfd: pytest.CaptureFixture[str]) -> None:
-    ex = autopipe.get_example("mlp", batch_size=16)
-    prof = autopipe.profile(ex.model, ex.inputs, chunks=4, repeats=2, warmup=1)
-    plan_path = tmp_path / "mlp.json"
-    autopipe.partition(prof, stages=2, chunks=4).save(plan_path)
-    rc = main(["run", "mlp", "--plan", str(plan_path), "--nproc", "2", "--steps", "3",
-               "--batch-size", "16", "--timeout", "30"])
+    from autopipe.app.launch import run
+
+    rc = run(RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2, steps=3, timeout=30), log_dir=tmp_path)
     out = capfd.readouterr().out
     assert rc == 0, out
+    plan = autopipe.Plan.load(plans["mlp2"])
+    (first, last), layers = plan.spans(), [len(s) for s in plan.stages]
+    assert out.startswith(f"mlp on 2 ranks (gpipe, checkpoint=except_last): batch 16 in 4 micro-batches "
+                          f"of 4 rows; plan {plans['mlp2']}\n")  # batch and chunks from the plan
+    assert f"   0      0  {layers[0]:>6}  {first}" in out and f"   1      1  {layers[1]:>6}  {last}" in out
     assert out.count("loss") == 3 and "samples/s" in out and "2 ranks" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.log", "rank1.log", "torchrun", "torchrun.log"]
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_mid_run_ends_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "dies_at_step3.py").write_text(
+        "import os, signal\nimport torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
+        "def make(batch_size):\n"
+        "    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+        "    calls = [0]\n"
+        "    def loss_fn(out, y):\n"
+        "        calls[0] += 1\n"
+        "        if calls[0] == 9:  # the first micro-batch of step 3 on the last rank\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        return F.cross_entropy(out, y)\n"
+        "    return model, torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,)), loss_fn\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the factory's module is found in the current directory
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["run", "dies_at_step3:make", "--nproc", "2", "--steps", "5", "--batch-size", "16",
+                 "--timeout", "20"]) == 2
+    out, err = capfd.readouterr()
+    assert "step    2/5" in out and "step    3/5" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("autopipe: error: rank 0 stopped at pipeline step 3 (gpipe): its peer rank 1 "
+                               "was killed by SIGKILL; the ranks' logs are in ")
+    logs = Path(lines[0].rsplit(" ", 1)[1])
+    assert "PipelineFailure: rank 0/2: pipeline step 3" in (logs / "rank0.log").read_text()
+    assert (logs / "plan.json").exists()  # made before the ranks started
 
 
 @pytest.mark.timeout(90)
