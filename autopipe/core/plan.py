@@ -144,10 +144,10 @@ class Plan:
         if differs == "model":
             raise PlanError(f"{head}: the plan is for another model (its layers or parameter shapes "
                             f"differ); re-run autopipe profile and autopipe partition for this model")
+        mine = micro_batch_text({"micro_batch_size": self.micro_batch_size,
+                                 "batch_size": self.batch_size, "chunks": self.chunks})
+        this = f", this one's {micro_batch_size} rows" if micro_batch_size is not None else ""
         if differs == "shape":
-            mine = micro_batch_text({"micro_batch_size": self.micro_batch_size,
-                                     "batch_size": self.batch_size, "chunks": self.chunks})
-            this = f", this one's {micro_batch_size} rows" if micro_batch_size is not None else ""
             raise PlanError(
                 f"{head}: same model, another micro-batch shape (the plan's micro-batch is "
                 f"{mine}{this}; a micro-batch is the first ceil(batch / chunks) rows); use the "
@@ -155,8 +155,10 @@ class Plan:
                 f"for this batch and chunks"
             )
         if differs == "graph":
-            raise PlanError(f"{head} (another model or micro-batch shape); re-run autopipe profile "
-                            f"and autopipe partition for this model/batch")
+            known = f"; the plan's micro-batch is {mine}{this}" if self.micro_batch_size else ""
+            fix = "use the plan's batch size and chunks, or " if self.micro_batch_size else ""
+            raise PlanError(f"{head} (another model or micro-batch shape{known}); {fix}re-run "
+                            f"autopipe profile and autopipe partition for this model/batch")
         _check_layers({n for names in self.stages for n in names}, list(layers), "the graph")
 
     def explain(self) -> str:

@@ -164,3 +164,14 @@ def test_profile_check_says_whether_the_model_or_the_micro_batch_differs() -> No
     with pytest.raises(ProfileError, match=r"same model, another micro-batch shape \(the profile's "
                        r"micro-batch is 64 rows \(batch 256 in 4 chunks\)\); use that batch size"):
         prof.check_fingerprint("bbbb.s1")
+
+
+def test_a_one_part_fingerprint_still_names_the_micro_batches() -> None:
+    prof = random_chain(4, 0)  # like the committed profiles: fingerprinted before the STRUCTURE part
+    prof.meta.update(fingerprint="aaaa", batch_size=256, chunks=4, micro_batch_size=64)
+    plan = Plan.from_stages(prof, [prof.layers[:2], prof.layers[2:]], chunks=4)
+    with pytest.raises(PlanError, match=r"^plan was made for graph fingerprint aaaa but this graph has bbbb.s1 "
+                       r"\(another model or micro-batch shape; the plan's micro-batch is 64 rows \(batch 256 "
+                       r"in 4 chunks\), this one's 8 rows\); use the plan's batch size and chunks, or re-run "
+                       r"autopipe profile and autopipe partition for this model/batch$"):
+        plan.check(prof.layers, "bbbb.s1", micro_batch_size=8)
