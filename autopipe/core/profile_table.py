@@ -85,7 +85,7 @@ class Profile:
         "layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes", "saved_bytes",
     )
     NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes")
-    TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type")
+    TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type", "measured_as")
 
     def __post_init__(self) -> None:
         self.df = _validate_frame(self.df, where=str(self.meta.get("_source", "profile")))

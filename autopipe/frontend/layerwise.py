@@ -139,7 +139,7 @@ def _standalone(call: LayerCall, device: torch.device) -> fx.GraphModule:
             else:
                 root[str(node.target)] = t
     graph = on_device(call.module.graph, device)
-    return fx.GraphModule(root, graph, class_name=type(call.module).__name__)
+    return fx.GraphModule(root, graph, class_name=type(call.module).__name__).train()
 
 
 def _made_up(value: Any, device: torch.device) -> Any:

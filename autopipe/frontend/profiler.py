@@ -5,24 +5,14 @@
     prof.save("profiles/mymodel.csv")
 
 A pipeline runs micro-batches, so the profiler slices the example batch to one micro-batch
-(``ceil(batch / chunks)`` rows), traces it (autopipe.frontend.graph), runs the traced graph once to get
-every node's real value (autopipe.frontend.replay), and then times each layer alone, forward and
-backward, on fresh copies of exactly the values it reads in the real run.
-
-[Note: in-place layers] A layer's inputs are recorded once and cloned before every repeat, and
-an input that needs a gradient is passed as a non-leaf clone of a fresh leaf. So a layer that
-writes its input in place (``ReLU(inplace=True)``) neither corrupts the recorded values of later
-repeats nor trips autograd's "leaf variable used in an in-place operation" check; torchgpipe's
-profiler breaks on exactly that.
-
-[Note: harness overhead] Timing a layer alone adds costs the real pipeline does not pay: the
-call of the layer's GraphModule, and above all one ``torch.autograd.backward`` call per layer
-(engine start-up, the input's clone and gradient accumulation), about 20 us on a CPU. For a
-small layer that is more than its work. The profiler times an EMPTY layer (inputs -> outputs,
-no op) through the very same code path and subtracts its median from every layer's (clamped at
-zero); the amounts are recorded in the metadata as ``harness_fwd_ms`` / ``harness_bwd_ms``.
-benchmarks/profile_accuracy.py checks the result: the sum over layers against a whole-model
-forward + backward of the same micro-batch.
+(``ceil(batch / chunks)`` rows) and traces it (autopipe.frontend.graph). Then, for a model that
+fits (``mode="whole"``), it runs the traced graph once to get every node's real value
+(autopipe.frontend.replay) and times each layer alone, forward and backward, on fresh copies of
+exactly the values it reads in the real run (autopipe.frontend.layer_timing). For a model that
+does not, or that lives on the meta device (``mode="layers"``), each layer is built alone on the
+device with made-up inputs of the traced shapes, and identical layers are measured once
+(autopipe.frontend.layerwise). Both give the same columns; ``measured_as`` names the layer
+whose measurement a row holds, and the metadata records the mode and the peak memory.
 
 [Note: progress on a terminal] Long work shows its progress on stderr by default only when
 stderr is a terminal, where a person is waiting for it: a bar over the layers here, the ILP's
@@ -36,7 +26,7 @@ from __future__ import annotations
 import datetime
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import pandas as pd
@@ -45,114 +35,30 @@ from torch import fx, nn
 from tqdm import tqdm
 
 from autopipe.core.profile_table import Profile
-from autopipe.errors import ProfileError
+from autopipe.core.units import parse_bytes
+from autopipe.errors import AutopipeError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
 from autopipe.frontend.inputs import micro_batch, target_device, to_device
+from autopipe.frontend.layer_timing import (
+    fresh,
+    harness_overhead,
+    probe,
+    storage_key,
+    time_layer,
+    time_runs,
+)
+from autopipe.frontend.layerwise import LayerRun, layer_by_layer
+from autopipe.frontend.materialize import has_meta_tensors
 from autopipe.frontend.preserve import preserved
-from autopipe.frontend.replay import LayerCall, Values, graph_args, layer_calls, record_values
-from autopipe.frontend.timing import MemoryMeter, Timer, median, memory_meter_for, timer_for
-from executor._torch_compat import tree_leaves, tree_map_only
+from autopipe.frontend.process_memory import PeakRss
+from autopipe.frontend.replay import graph_args, layer_calls, record_values
+from autopipe.frontend.timing import Timer, memory_meter_for, timer_for
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
-_CALIBRATION_REPEATS = 50
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-
-
-# --- measuring one layer -----------------------------------------------------------------------
-def _fresh(value: Any) -> Any:
-    """A private copy of a recorded value; tensors that need grad become non-leaf clones."""
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad:
-            return t.detach().clone().requires_grad_().clone()
-        return t.clone()
-
-    return tree_map_only(torch.Tensor, copy, value)
-
-
-def _roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Output tensors to backpropagate from, with all-ones output gradients."""
-    roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    return roots, [torch.ones_like(t) for t in roots]
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    try:
-        storage = t.untyped_storage()
-        return int(storage.data_ptr()), int(storage.nbytes())
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested ...)
-        return id(t), int(t.numel()) * t.element_size()
-
-
-def _probe(
-    call: LayerCall, values: Values, meter: MemoryMeter, state: set[int]
-) -> tuple[int, int | None]:
-    """One untimed forward + backward: bytes saved for backward and peak memory."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage_key(t)
-        if ptr not in state:  # parameters and buffers are state, not activations
-            saved[ptr] = nbytes
-        return t
-
-    args = _fresh(call.arguments(values))
-    meter.start()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call.module(*args)
-    roots, grads = _roots(out)
-    if roots:
-        torch.autograd.backward(roots, grads)
-    peak = meter.peak()
-    return sum(saved.values()), peak
-
-
-def _timed_step(timer: Timer, forward: Callable[[], Any]) -> tuple[float, float]:
-    """One timed forward and, if its output needs a gradient, one timed backward (ms)."""
-    timer.synchronize()
-    out, f_ms = timer(forward)
-    roots, grads = _roots(out)
-    if not roots:
-        return f_ms, 0.0
-    return f_ms, timer(functools.partial(torch.autograd.backward, roots, grads))[1]
-
-
-def _time_runs(
-    timer: Timer, make_forward: Callable[[], Callable[[], Any]], repeats: int, warmup: int
-) -> tuple[float, float]:
-    """Median forward and backward ms over ``repeats`` steps after ``warmup`` untimed ones.
-
-    ``make_forward`` returns a fresh zero-argument forward for every step (fresh inputs).
-    """
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for i in range(warmup + repeats):
-        f_ms, b_ms = _timed_step(timer, make_forward())
-        if i >= warmup:
-            fwd.append(f_ms)
-            bwd.append(b_ms)
-    return median(fwd), median(bwd)
-
-
-def _time_layer(
-    call: LayerCall, values: Values, timer: Timer, repeats: int, warmup: int
-) -> tuple[float, float]:
-    def make_forward() -> Callable[[], Any]:
-        return functools.partial(call.module, *_fresh(call.arguments(values)))
-
-    return _time_runs(timer, make_forward, repeats, warmup)
-
-
-def _harness_overhead(timer: Timer, device: torch.device) -> tuple[float, float]:
-    """Forward and backward ms that timing an EMPTY layer costs: see [Note: harness overhead]."""
-    graph = fx.Graph()
-    graph.output((graph.placeholder("x"),))
-    call = LayerCall("<empty>", fx.GraphModule(nn.Module(), graph), ["x"], ["x"])
-    values = Values({"x": torch.zeros(1, device=device, requires_grad=True)})
-    return _time_layer(call, values, timer, _CALIBRATION_REPEATS, DEFAULT_WARMUP)
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -180,7 +86,7 @@ def _check_graph(g: LayerGraph, inputs: tuple[Any, ...], micro: int, chunks: int
 
 def _state_pointers(model: nn.Module, g: LayerGraph) -> set[int]:
     tensors = [*model.parameters(), *model.buffers(), *g.gm.parameters(), *g.gm.buffers()]
-    return {_storage_key(t)[0] for t in tensors}
+    return {storage_key(t)[0] for t in tensors}
 
 
 def _dtype(model: nn.Module) -> str:
@@ -199,10 +105,17 @@ def _home(gm: fx.GraphModule) -> torch.device | None:
     return None if tensor is None else tensor.device
 
 
+def _whole_model_runs(model: nn.Module, g: LayerGraph, args: tuple[Any, ...]) -> Iterator[LayerRun]:
+    """Each layer on the values of one real run of the whole model."""
+    values = record_values(g.gm, graph_args(g, args))
+    state = _state_pointers(model, g)
+    for call in layer_calls(g):
+        yield LayerRun(call, values, state, signature="")
+
+
 def _measure(
-    model: nn.Module,
     g: LayerGraph,
-    args: tuple[Any, ...],
+    runs: Iterable[LayerRun],
     timer: Timer,
     dev: torch.device,
     repeats: int,
@@ -210,21 +123,57 @@ def _measure(
     progress: bool | None,
 ) -> tuple[list[dict[str, Any]], tuple[float, float]]:
     """Every layer's row, and the harness overhead subtracted from each time."""
-    values = record_values(g.gm, graph_args(g, args))
     meter = memory_meter_for(dev)
-    state = _state_pointers(model, g)
-    fwd_extra, bwd_extra = _harness_overhead(timer, dev)
+    fwd_extra, bwd_extra = harness_overhead(timer, dev)
     rows: list[dict[str, Any]] = []
+    measured: dict[str, tuple[float, float, int, int | None]] = {}
     # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
-    bar = tqdm(layer_calls(g), desc="profiling", unit="layer", file=sys.stderr,
+    bar = tqdm(runs, total=len(g.layers), desc="profiling", unit="layer", file=sys.stderr,
                disable=None if progress is None else not progress, leave=False)
-    for call in bar:
-        saved, peak = _probe(call, values, meter, state)
-        fwd_ms, bwd_ms = _time_layer(call, values, timer, repeats, warmup)
-        fwd_ms = max(0.0, fwd_ms - fwd_extra)
-        bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
-        rows.append(_row(g, call.name, fwd_ms, bwd_ms, saved, peak))
+    for run in bar:
+        if run.reuse_of is None:
+            saved, peak = probe(run.call, run.values, meter, run.state)
+            fwd_ms, bwd_ms = time_layer(run.call, run.values, timer, repeats, warmup)
+            fwd_ms = max(0.0, fwd_ms - fwd_extra)
+            bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
+            measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak)
+        source = run.reuse_of or run.call.name
+        rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
     return rows, (fwd_extra, bwd_extra)
+
+
+MODES = ("auto", "whole", "layers")
+
+
+def _state_bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _choose_mode(mode: str, model: nn.Module, dev: torch.device,
+                 memory_budget: int | str | None) -> str:
+    """[Note: whole or layer by layer] ``whole`` records one real run of the whole model on the
+    device, so it needs the model and its activations there; ``layers`` needs one layer at a
+    time ([Note: layer by layer]). ``auto`` takes ``layers`` when the model has tensors on the
+    meta device, or its parameters and buffers exceed ``memory_budget`` (default on CUDA: the
+    device's free memory); else ``whole``. Both give the same columns."""
+    if mode not in MODES:
+        raise ProfileError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
+    meta = has_meta_tensors(model)
+    if mode == "whole" and meta:
+        raise ProfileError("the model has tensors on the meta device, so it cannot run whole; "
+                           "profile it layer by layer: mode='layers' (or 'auto')")
+    if mode != "auto":
+        return mode
+    if meta:
+        return "layers"
+    try:
+        budget = parse_bytes(memory_budget)
+    except AutopipeError as err:
+        raise ProfileError(str(err).replace("memory limit", "memory_budget")) from None
+    if budget is None and dev.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(dev)[0])
+    return "layers" if budget is not None and _state_bytes(model) > budget else "whole"
 
 
 def profile(
@@ -239,6 +188,9 @@ def profile(
     name: str | None = None,
     progress: bool | None = None,
     timer: Timer | None = None,
+    mode: str = "auto",
+    dedupe: bool = True,
+    memory_budget: int | str | None = None,
     **trace_kwargs: Any,
 ) -> Profile:
     """Measure every layer of ``model`` on one micro-batch of ``example_inputs``.
@@ -247,7 +199,8 @@ def profile(
         model: the model to profile (left as it was: see [Note: profiling leaves the model
             as it was]).
         example_inputs: one full batch of positional inputs (a tensor or a tuple).
-        device: "cpu" or "cuda[:N]": where to measure (the model is moved there and back).
+        device: "cpu" or "cuda[:N]": where to measure (the whole model is moved there and
+            back; layer by layer, only one layer's copy is ever there).
         chunks: micro-batches per batch; one micro-batch is ``ceil(batch / chunks)`` rows.
         repeats: timed runs per layer; the profile holds the median.
         warmup: untimed runs per layer before the timed ones.
@@ -256,6 +209,13 @@ def profile(
         progress: a progress bar over the layers on stderr: None (default) shows it when
             stderr is a terminal, True always, False never.
         timer: how to time a call (default: the device's, see autopipe.frontend.timing).
+        mode: ``"whole"`` (one real run of the model on the device), ``"layers"`` (each layer
+            alone, for models that do not fit or live on the meta device) or ``"auto"``: see
+            [Note: whole or layer by layer].
+        dedupe: layer by layer, measure identical layers once ([Note: identical layers]);
+            the ``measured_as`` column names the layer whose measurement a row reuses.
+        memory_budget: bytes (or "16GiB") the model's tensors may take on the device before
+            ``auto`` goes layer by layer (default on CUDA: its free memory).
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
 
     Raises:
@@ -275,18 +235,32 @@ def profile(
     dev = target_device(device)
     if graph is not None:
         _check_graph(graph, inputs, micro, chunks)
-    with preserved(model, dev):
-        args = to_device(inputs, dev)
-        g = graph if graph is not None else trace(model, args, **trace_kwargs)
-        home = _home(g.gm)  # a caller's graph goes back where it was
-        try:
-            g.gm.to(dev)
-            rows, (fwd_extra, bwd_extra) = _measure(
-                model, g, args, timer or timer_for(dev), dev, repeats, warmup, progress
-            )
-        finally:
-            if home is not None and graph is not None:
-                g.gm.to(home)
+    chosen = _choose_mode(mode, model, dev, memory_budget)
+    timer = timer or timer_for(dev)
+    cuda = [int(dev.index or 0)] if dev.type == "cuda" else []
+    with PeakRss() as rss:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        if chosen == "whole":
+            with preserved(model, dev):
+                args = to_device(inputs, dev)
+                g = graph if graph is not None else trace(model, args, **trace_kwargs)
+                home = _home(g.gm)  # a caller's graph goes back where it was
+                try:
+                    g.gm.to(dev)
+                    rows, (fwd_extra, bwd_extra) = _measure(
+                        g, _whole_model_runs(model, g, args), timer, dev, repeats, warmup, progress)
+                finally:
+                    if home is not None and graph is not None:
+                        g.gm.to(home)
+        else:  # the model is never moved or run: see [Note: layer by layer]
+            with torch.random.fork_rng(devices=cuda):
+                g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
+                rows, (fwd_extra, bwd_extra) = _measure(
+                    g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev, repeats,
+                    warmup, progress)
+    peak = (int(torch.cuda.max_memory_allocated(dev)), "cuda max_memory_allocated") \
+        if dev.type == "cuda" else (rss.bytes, "RssAnon of the process")
     meta = {
         "model": name or type(model).__name__,
         "device": _device_name(dev),
@@ -303,12 +277,18 @@ def profile(
         "harness_fwd_ms": round(fwd_extra, 6),
         "harness_bwd_ms": round(bwd_extra, 6),
         "source": g.source,
+        "mode": chosen,
+        "dedupe": bool(dedupe) if chosen == "layers" else False,
+        "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
+        "peak_memory_bytes": peak[0],
+        "peak_memory_of": peak[1],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     return Profile(pd.DataFrame(rows), g.edges(), meta)
 
 
-def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None) -> dict[str, Any]:
+def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,
+         measured_as: str) -> dict[str, Any]:
     a = g.nx.nodes[layer]
     return {
         "layer": layer,
@@ -323,6 +303,7 @@ def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, pe
         "tie_group": str(a["tie_group"]),
         "kind": str(a["kind"]),
         "module_type": str(a["module_type"]),
+        "measured_as": measured_as,
     }
 
 
@@ -347,6 +328,6 @@ def time_model(
     dev = target_device(device)
     with preserved(model, dev):
         args, timer = to_device(inputs, dev), timer or timer_for(dev)
-        return _time_runs(
-            timer, lambda: functools.partial(model, *_fresh(args), **(kwargs or {})), repeats, warmup
+        return time_runs(
+            timer, lambda: functools.partial(model, *fresh(args), **(kwargs or {})), repeats, warmup
         )
