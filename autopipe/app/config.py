@@ -55,8 +55,15 @@ _TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory
 DEFAULT_CHUNKS = 4
 DEFAULT_BATCH = 32
 DEFAULT_STAGES = 2
-_CHUNKS = f"micro-batches per batch M (default: the given plan's, else profile's, else {DEFAULT_CHUNKS})"
-_BATCH = f"mini-batch size B (default: the given plan's, else profile's, else {DEFAULT_BATCH})"
+
+
+def _chunks(made_for: str) -> str:
+    """--chunks' help: [Note: one chunks rule], naming the inputs this command has."""
+    return f"micro-batches per batch M (default: {made_for}, else {DEFAULT_CHUNKS})"
+
+
+def _batch(made_for: str) -> str:
+    return f"mini-batch size B (default: {made_for}, else {DEFAULT_BATCH})"
 
 
 def resolve(value: int | None, *made_for: Any, default: int) -> int:
@@ -88,8 +95,8 @@ class ProfileConfig:
     batch_size: int | None = _opt(None, f"mini-batch size B (default {DEFAULT_BATCH}; a factory without a "
                                         f"batch_size parameter: its own inputs' batch)")
     chunks: int | None = _opt(None, f"micro-batches per batch M; one micro-batch of ceil(B/M) rows is "
-                                    f"profiled (default {DEFAULT_CHUNKS}, which partition, train and run "
-                                    f"then take from the profile)")
+                                    f"profiled (default {DEFAULT_CHUNKS}; partition, train and run then "
+                                    f"default to the profile's or plan's)")
     device: str = _opt("cpu", "cpu | cuda | cuda:N (default cpu)")
     out: str | None = _opt(None, "profiles/NAME.csv (default: from MODEL)")
     force: bool = _opt(False, "overwrite --out if it exists")
@@ -110,7 +117,7 @@ class PartitionConfig:
     stages: int = _opt(None, "number of pipeline stages K", required=True)
     method: Method = _opt("auto", "partition method (default auto: DP for chains, ILP for DAGs)")
     memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
-    chunks: int | None = _opt(None, _CHUNKS)
+    chunks: int | None = _opt(None, _chunks("the profile's"))
     checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
     optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
     ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
@@ -147,8 +154,8 @@ class TrainConfig:
     model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
     stages: int | None = _opt(None, f"pipeline stages K (default: the plan's, else one per --devices, "
                                     f"else {DEFAULT_STAGES})")
-    chunks: int | None = _opt(None, _CHUNKS)
-    batch_size: int | None = _opt(None, _BATCH)
+    chunks: int | None = _opt(None, _chunks("the --plan's, else the --profile's"))
+    batch_size: int | None = _opt(None, _batch("the --plan's, else the --profile's"))
     steps: int = _opt(5, "training steps (default 5)")
     checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
     devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")
@@ -167,8 +174,8 @@ class RunConfig:
     plan: str | None = _opt(None, "plans/NAME.json (default: profile and partition before starting the ranks)")
     nproc: int = _opt(2, "processes = pipeline ranks (default 2)")
     steps: int = _opt(10, "training steps (default 10)")
-    batch_size: int | None = _opt(None, _BATCH)
-    chunks: int | None = _opt(None, _CHUNKS)
+    batch_size: int | None = _opt(None, _batch("the --plan's"))
+    chunks: int | None = _opt(None, _chunks("the --plan's"))
     schedule: Schedule = _opt("gpipe", "pipeline schedule (default gpipe)")
     checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")

@@ -17,13 +17,16 @@ def _help(command: str, flag: str) -> str:
 
 
 def test_one_chunks_rule_stated_in_every_help() -> None:
-    rule = f"micro-batches per batch M (default: the given plan's, else profile's, else {DEFAULT_CHUNKS})"
-    assert _help("partition", "--chunks") == _help("train", "--chunks") == _help("run", "--chunks") == rule
-    assert f"(default {DEFAULT_CHUNKS}, which partition, train and run then take from the profile)" in \
+    rule = "micro-batches per batch M (default: {}, else 4)"
+    assert _help("partition", "--chunks") == rule.format("the profile's")
+    assert _help("train", "--chunks") == rule.format("the --plan's, else the --profile's")
+    assert _help("run", "--chunks") == rule.format("the --plan's")
+    assert "(default 4; partition, train and run then default to the profile's or plan's)" in \
         _help("profile", "--chunks")
-    batch = f"mini-batch size B (default: the given plan's, else profile's, else {DEFAULT_BATCH})"
-    assert _help("train", "--batch-size") == _help("run", "--batch-size") == batch
-    assert _help("profile", "--batch-size").startswith(f"mini-batch size B (default {DEFAULT_BATCH};")
+    assert _help("train", "--batch-size") == "mini-batch size B (default: the --plan's, else the --profile's, else 32)"
+    assert _help("run", "--batch-size") == "mini-batch size B (default: the --plan's, else 32)"
+    assert _help("profile", "--batch-size").startswith("mini-batch size B (default 32;")
+    assert (DEFAULT_CHUNKS, DEFAULT_BATCH) == (4, 32)
 
 
 @pytest.mark.parametrize(
