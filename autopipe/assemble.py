@@ -13,6 +13,7 @@ chunks=4)``, and is refused, with a message saying why, for ``chunks=8``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,8 +26,10 @@ from autopipe.core.units import format_bytes
 from autopipe.errors import BuildError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
 from autopipe.frontend.inputs import micro_batch
+from autopipe.frontend.materialize import materialize_stages
 from autopipe.frontend.profiler import profile as measure
 from autopipe.frontend.stages import build
+from autopipe.frontend.weights import Weights
 from executor import GPipe
 
 __all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory"]
@@ -96,9 +99,16 @@ def pipeline(
     optimizer: str = "adam",
     deferred_batch_norm: bool = False,
     graph: LayerGraph | None = None,
+    weights: Weights | None = None,
+    init: Callable[[nn.Module], None] | None = None,
     **trace_kwargs: Any,
 ) -> Pipeline:
     """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
+
+    A model built on the meta device (``with torch.device("meta"): model = ...``) is never
+    materialised whole: it is profiled layer by layer, and each stage gets real tensors on its
+    own device, one stage at a time ([Note: materialise per stage]), from ``weights`` or, without
+    them, from ``init`` / each module's ``reset_parameters()`` (with a warning that says so).
 
     Args:
         model: the model to pipeline; its own parameters are used by the stages (no copies
@@ -110,6 +120,11 @@ def pipeline(
         plan: a saved Plan (``autopipe.Plan.load``) to use instead of partitioning.
         profile: a saved Profile to partition instead of measuring one.
         method, memory_limit, optimizer: passed to :func:`autopipe.partition`.
+        weights: the model's weights, read stage by stage: a ``.safetensors`` file, a
+            HuggingFace ``*.safetensors.index.json`` (or its folder), a ``torch.save``d
+            state_dict, or a mapping; keys are the model's ([Note: weights by key]).
+        init: for a meta-device model without ``weights``: called as ``init(module)`` on each
+            module whose tensors need values (default: its ``reset_parameters()``).
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     Raises:
@@ -153,5 +168,11 @@ def pipeline(
         )
     check_device_memory(plan, devices)
     stages = build(model, plan, graph)
+    initialised = materialize_stages(model, stages, devices, weights=weights, init=init)
+    if initialised:
+        warnings.warn(f"autopipe: the model is on the meta device and no weights= were given: "
+                      f"{len(initialised)} module(s) were initialised ({initialised[-1]!r}, ...) "
+                      "with init= or reset_parameters(); pass weights= to load trained weights",
+                      UserWarning, stacklevel=2)
     return Pipeline(stages, devices, chunks, checkpoint, deferred_batch_norm, plan=plan,
                     graph=graph)

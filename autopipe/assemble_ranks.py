@@ -41,7 +41,9 @@ from autopipe.assemble import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError, first_line
 from autopipe.frontend.graph import trace
+from autopipe.frontend.materialize import has_meta_tensors, materialize_stages
 from autopipe.frontend.stages import build
+from autopipe.frontend.weights import Weights
 from executor.distributed import DistributedPipeline, infer_wires
 from executor.spec import SCHEDULES
 
@@ -106,6 +108,8 @@ def distributed_pipeline(
     stages_per_rank: int | None = None,
     device: str | torch.device | None = None,
     timeout: float = 60.0,
+    weights: Weights | None = None,
+    init: Callable[[nn.Module], None] | None = None,
     **trace_kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
@@ -122,7 +126,15 @@ def distributed_pipeline(
         stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / world).
         device: default ``cuda:LOCAL_RANK`` under NCCL, else CPU.
         timeout: seconds a rank waits for a silent peer before failing with PipelineFailure.
+        weights: the model's weights file (or mapping), read by every rank for its own stage(s)
+            only; see :func:`autopipe.pipeline`. Without it, rank 0's weights are broadcast.
+        init: for a meta-device model without ``weights``: ``init(module)`` for each module
+            of this rank's stages (default ``reset_parameters()``), seeded per module so that
+            ranks agree on tied ones ([Note: seeded per module]).
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
+
+    A model built on the meta device is never materialised whole: every rank gives real tensors
+    only to its own stage(s) ([Note: materialise per stage]).
 
     Raises:
         BuildError, PlanError (and the planner's errors): one-line messages, on every rank.
@@ -145,12 +157,17 @@ def distributed_pipeline(
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = microbatch_inputs(inputs, chunks)
     graph = trace(model, micro, **trace_kwargs)
-    _sync_weights(model)
+    on_meta = has_meta_tensors(model)
+    if weights is None and not on_meta:
+        _sync_weights(model)  # every rank reads the same weights file otherwise
     if plan is None:
         plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=checkpoint)
     stages = build(model, plan, graph)
-    wires = infer_wires(stages, micro)
+    probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
+    wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
     mine = list(range(rank, k, world))
+    here = _device(device)
+    materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
     for i, s in enumerate(stages):
         for p in s.parameters():
@@ -163,7 +180,7 @@ def distributed_pipeline(
     _free_others(model, [stages[i] for i in mine])
     return DistributedPipeline(
         [stages[i] for i in mine], mine, k, loss_fn=loss_fn, chunks=chunks, checkpoint=checkpoint,
-        schedule=schedule, wires=wires, ties=ties, key_aliases=aliases, device=_device(device),
+        schedule=schedule, wires=wires, ties=ties, key_aliases=aliases, device=here,
         timeout=timeout,
     )
 

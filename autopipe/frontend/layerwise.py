@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from autopipe.frontend.graph import LayerGraph
+from autopipe.frontend.materialize import retarget_meta_devices
 from autopipe.frontend.replay import LayerCall, Values, graph_args, layer_calls
 from executor._torch_compat import tree_map_only
 
@@ -98,20 +99,11 @@ def _real(t: Tensor, device: torch.device, buffer: bool) -> Tensor:
 
 
 def on_device(graph: fx.Graph, device: torch.device) -> fx.Graph:
-    """A copy of ``graph`` whose baked-in meta devices are ``device``.
-
-    torch.export records the device of factory calls (``arange(..., device=meta)``) and of
-    its tensor-metadata assertions: a graph traced from a model on the meta device would
-    create meta tensors, or fail its assertions, on a real device."""
+    """A copy of ``graph`` whose baked-in meta devices are ``device`` (see
+    :func:`autopipe.frontend.materialize.retarget_meta_devices`)."""
     copied = fx.Graph()
     copied.output(copied.graph_copy(graph, {}))
-
-    def swap(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value.type == "meta" else value
-
-    for node in copied.nodes:
-        node.args = fx.node.map_aggregate(node.args, swap)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)  # type: ignore[assignment]
+    retarget_meta_devices(copied, device)
     return copied
 
 

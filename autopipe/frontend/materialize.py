@@ -25,16 +25,17 @@ whichever stage it lands in.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from autopipe.errors import BuildError
-from autopipe.frontend.weights import TensorInfo, WeightSource
+from autopipe.frontend.weights import TensorInfo, Weights, WeightSource, match_weights, open_weights
 
-__all__ = ["TensorIndex", "has_meta_tensors", "materialize"]
+__all__ = ["TensorIndex", "has_meta_tensors", "materialize", "materialize_stages"]
 
 Init = Callable[[nn.Module], None]
 
@@ -58,6 +59,7 @@ class TensorIndex:
     keys: dict[int, list[str]] = field(default_factory=dict)  # the model's state_dict keys
     owner_names: dict[int, str] = field(default_factory=dict)  # first module holding it, by name
     persistent: set[int] = field(default_factory=set)
+    loaded: set[int] = field(default_factory=set)  # real tensors already overwritten from weights
 
     @classmethod
     def build(cls, model: nn.Module, stages: Iterable[nn.Module] = ()) -> TensorIndex:
@@ -138,17 +140,27 @@ def materialize(
     qualified names of the modules that were initialised rather than loaded.
     """
     device = torch.device(device)
-    todo = [t for t in _stage_tensors(stage) if t.is_meta]
-    from_file = {id(t): index.keys[id(t)][0] for t in todo
-                 if weights is not None and id(t) in index.persistent and index.keys.get(id(t))}
+    tensors = _stage_tensors(stage)
+    todo = [t for t in tensors if t.is_meta]
+    # with weights, every tensor the model saves is loaded: a meta one is replaced, a real one
+    # (a model built normally, or a tie an earlier stage loaded) is overwritten in place
+    from_file = {id(t): index.keys[id(t)][0] for t in tensors
+                 if weights is not None and id(t) in index.persistent and index.keys.get(id(t))
+                 and id(t) not in index.loaded}
     if weights is not None and from_file:
         assert key_map is not None
         wanted = {key_map[key] for key in from_file.values()}
         read = weights.read(sorted(wanted), device)
-        for t in todo:
-            if id(t) in from_file:
-                value = read[key_map[from_file[id(t)]]].to(device=device, dtype=t.dtype)
-                index.replace(t, value)
+        for t in tensors:
+            if id(t) not in from_file:
+                continue
+            value = read[key_map[from_file[id(t)]]]
+            if t.is_meta:
+                index.replace(t, value.to(device=device, dtype=t.dtype))
+            else:
+                with torch.no_grad():
+                    t.copy_(value)
+                index.loaded.add(id(t))
     fresh = [t for t in todo if id(t) not in from_file]
     if not fresh:
         return []
@@ -175,3 +187,55 @@ def materialize(
                 else:
                     module.reset_parameters()  # type: ignore[operator]
     return sorted(modules)
+
+
+def retarget_meta_devices(graph: torch.fx.Graph, device: torch.device) -> bool:
+    """Replace, in place, every meta device baked into ``graph``'s calls with ``device``; True
+    when something changed (a GraphModule then needs ``recompile()``).
+
+    torch.export bakes the device of factory calls (``arange(..., device=meta)``) and of its
+    tensor-metadata assertions into the graph: a graph traced from a model on the meta device
+    would otherwise create meta tensors, or fail its assertions, on a real device."""
+    changed = False
+
+    def swap(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, torch.device) and value.type == "meta":
+            changed = True
+            return device
+        return value
+
+    for node in graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, swap)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)  # type: ignore[assignment]
+    return changed
+
+
+def materialize_stages(
+    model: nn.Module,
+    stages: Sequence[nn.Module],
+    devices: Sequence[torch.device | str],
+    *,
+    weights: Weights | None = None,
+    init: Init | None = None,
+    mine: Sequence[int] | None = None,
+    seed: int = 0,
+) -> list[str]:
+    """Load or initialise the stages ``mine`` (default: all) of ``model``, one at a time, each on
+    its device ([Note: materialise per stage]); the other stages are not touched. Returns the
+    modules that were initialised rather than loaded. A model without meta tensors and without
+    ``weights`` is left as it is."""
+    if weights is None and not has_meta_tensors(model):
+        return []
+    index = TensorIndex.build(model, stages)
+    source = open_weights(weights) if weights is not None else None
+    key_map = match_weights(source, index.expected(model), index.aliases()) if source else None
+    initialised: list[str] = []
+    for i in (range(len(stages)) if mine is None else mine):
+        device = torch.device(devices[i])
+        initialised += materialize(stages[i], device, index=index, weights=source,
+                                   key_map=key_map, init=init, seed=seed)
+        stage = stages[i]
+        if isinstance(stage, torch.fx.GraphModule) and retarget_meta_devices(stage.graph, device):
+            stage.recompile()
+    return initialised

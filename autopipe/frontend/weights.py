@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ from torch import Tensor
 from autopipe.core.files import atomic_write, atomic_write_text
 from autopipe.errors import BuildError, first_line
 
-__all__ = ["WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded"]
+__all__ = ["Weights", "WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded"]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -65,6 +65,10 @@ class WeightSource:
 
     def read(self, keys: Iterable[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
         raise NotImplementedError
+
+
+# What ``weights=`` accepts ([Note: weights by key]).
+Weights: TypeAlias = "str | os.PathLike[str] | Mapping[str, Tensor] | WeightSource"
 
 
 class _MappingSource(WeightSource):
@@ -192,7 +196,7 @@ def _torch_file(path: Path) -> Mapping[str, Any]:
     return data
 
 
-def open_weights(weights: str | os.PathLike[str] | Mapping[str, Any] | WeightSource) -> WeightSource:
+def open_weights(weights: Weights) -> WeightSource:
     """A :class:`WeightSource` for a file, a folder, a sharded index or a mapping
     ([Note: weights by key])."""
     if isinstance(weights, WeightSource):
