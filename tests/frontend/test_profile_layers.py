@@ -100,3 +100,16 @@ def test_a_5gb_meta_model_profiles_within_1gib_of_tracing_it() -> None:
         peaks[phase] = peak
     assert size >= 5e9  # bytes of fp32 parameters the profiler never allocated
     assert peaks["profile"] - peaks["trace"] <= 2**30, peaks
+
+
+def test_giant_benchmark_runs_tiny() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks.giant import main
+
+    phases = main(["--layers", "3", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+                   "--kv-heads", "2", "--vocab", "128", "--seq", "16", "--batch", "4",
+                   "--chunks", "2", "--stages", "2", "--repeats", "1", "--threads", "1"])
+    assert [p.name for p in phases] == ["build on meta", "trace", "profile (layer by layer)",
+                                        "partition into 2 stages"]
+    assert all(p.seconds > 0 for p in phases)
+    assert "layers measured, layers" in phases[2].note and "bottleneck" in phases[3].note

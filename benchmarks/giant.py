@@ -1,0 +1,102 @@
+"""A 1B-class HF Llama that is never materialised: build on meta, trace, profile, partition.
+
+    python benchmarks/giant.py                       # TinyLlama-1.1B's shape, 8 stages
+    python benchmarks/giant.py --layers 4 --hidden 256 --intermediate 512 --vocab 1000
+
+Each phase runs in this process, one after the other; the table reports its wall time and the
+process's peak anonymous resident memory while it ran (RssAnon: [Note: RssAnon] in
+autopipe/frontend/process_memory.py), next to the model's fp32 bytes, which no phase allocates.
+Profiling is layer by layer on the CPU with identical decoder blocks measured once
+([Note: layer by layer], [Note: identical layers]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import autopipe
+from autopipe.core.units import format_bytes
+from autopipe.frontend.process_memory import PeakRss
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    peak_bytes: int | None
+    note: str = ""
+
+
+def _timed(name: str, fn: Callable[[], Any], phases: list[Phase]) -> Any:
+    start = time.perf_counter()
+    with PeakRss() as rss:
+        value = fn()
+    phases.append(Phase(name, time.perf_counter() - start, rss.bytes))
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> list[Phase]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 128),
+    )
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    phases: list[Phase] = []
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config)
+
+    model = _timed("build on meta", build, phases)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    micro = ids[: -(-args.batch // args.chunks)]
+    graph = _timed("trace", lambda: autopipe.trace(model, (micro,)), phases)
+    prof = _timed("profile (layer by layer)", lambda: autopipe.profile(
+        model, (ids,), chunks=args.chunks, graph=graph, repeats=args.repeats, warmup=1,
+        progress=False), phases)
+    phases[-1].note = (f"{prof.meta['measured_layers']} of {len(prof)} layers measured, "
+                       f"{prof.meta['mode']}")
+    plan = _timed(f"partition into {args.stages} stages", lambda: autopipe.partition(
+        prof, stages=args.stages, chunks=args.chunks, progress=False), phases)
+    phases[-1].note = f"{plan.method}, bottleneck {plan.bottleneck:.1f} ms, {plan.solver.status}"
+    total = sum(p.seconds for p in phases)
+    print(f"HF Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: "
+          f"{format_bytes(size)} of fp32 parameters on the meta device; batch {args.batch} x "
+          f"{args.seq} tokens in {args.chunks} micro-batches; torch {torch.__version__}, "
+          f"{args.threads} threads\n")
+    print("| phase | seconds | peak RssAnon | |")
+    print("|---|---:|---:|---|")
+    for p in phases:
+        peak = format_bytes(p.peak_bytes) if p.peak_bytes is not None else "n/a"
+        print(f"| {p.name} | {p.seconds:.1f} | {peak} | {p.note} |")
+    print(f"| all | {total:.1f} | | |")
+    return phases
+
+
+if __name__ == "__main__":
+    main()
