@@ -96,7 +96,8 @@ def _profile(args: argparse.Namespace) -> int:
         config.model, out=config.out, force=config.force, batch_size=config.batch_size,
         chunks=config.chunks, device=config.device, repeats=config.repeats, warmup=config.warmup,
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
-        threads=config.threads, progress=not config.no_progress,
+        threads=config.threads, progress=not config.no_progress, mode=config.mode,
+        meta=config.meta,
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")

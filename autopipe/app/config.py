@@ -48,6 +48,7 @@ Ties = Literal["share", "colocate"]
 SimulatedSchedule = Literal["gpipe", "1f1b"]
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
 Figure = Literal["balance", "timeline", "layers"]
+ProfileMode = Literal["auto", "whole", "layers"]
 
 _EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
 _TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory returning "
@@ -109,6 +110,12 @@ class ProfileConfig:
                                          "returns a bare model (refused when it returns inputs)")
     threads: int | None = _opt(None, "torch CPU threads while measuring")
     no_progress: bool = _opt(False, "no progress bar on stderr")
+    mode: ProfileMode = _opt("auto", "whole: one run of the whole model on the device; layers: "
+                                     "each layer alone (models that do not fit); auto: layers for "
+                                     "a model on the meta device or larger than the device's free "
+                                     "memory (default auto)")
+    meta: bool = _opt(False, "build the model on the meta device (no memory for its weights) and "
+                             "profile it layer by layer")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ float batch. Training (``autopipe train``, ``autopipe run``) needs the target an
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from autopipe.errors import ProfileError, first_line
+from executor._torch_compat import tree_map_only
 
 __all__ = ["LoadedModel", "load_model"]
 
@@ -100,14 +102,38 @@ def _random_batch(batch_size: int, input_shape: Sequence[int]) -> tuple[torch.Te
     return (torch.randn(batch_size, *input_shape),)
 
 
+def _building(meta: bool) -> contextlib.AbstractContextManager[Any]:
+    return torch.device("meta") if meta else contextlib.nullcontext()
+
+
+def _real_inputs(loaded: LoadedModel) -> LoadedModel:
+    """Meta inputs and targets remade real ([Note: models built on meta])."""
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return out.normal_() if out.is_floating_point() else out.zero_()
+
+    loaded.inputs = tree_map_only(torch.Tensor, real, loaded.inputs)
+    loaded.target = tree_map_only(torch.Tensor, real, loaded.target)
+    return loaded
+
+
 def load_model(
     spec: str,
     batch_size: int | None = None,
     *,
     input_shape: Sequence[int] | None = None,
     for_training: str | None = None,
+    meta: bool = False,
 ) -> LoadedModel:
     """Build the model named by ``spec`` with a batch of ``batch_size`` rows (default 32).
+
+    [Note: models built on meta] With ``meta``, the example or factory runs under
+    ``torch.device("meta")``, so the model's tensors take no memory (profile it layer by
+    layer). Inputs it made there have no values: they are remade real, integer ones as zeros
+    (a valid token id) and floating ones as random values, with their shapes and dtypes.
 
     ``for_training``: the command that trains it (e.g. ``"autopipe train"``); a factory must then
     also return a target and a loss function.
@@ -120,21 +146,22 @@ def load_model(
         if input_shape is not None:
             raise ProfileError(f"--input-shape is for a factory returning a bare model; the bundled "
                                f"example {spec!r} brings its own inputs: drop --input-shape")
-        ex = get_example(spec, batch_size or 32)
-        return LoadedModel(spec, ex.model, ex.inputs, ex.target, ex.loss_fn)
+        with _building(meta):
+            ex = get_example(spec, batch_size or 32)
+        return _real_inputs(LoadedModel(spec, ex.model, ex.inputs, ex.target, ex.loss_fn))
     factory = _factory(spec)
     try:
         takes_batch = "batch_size" in inspect.signature(factory).parameters
     except (TypeError, ValueError):  # builtins without a signature
         takes_batch = False
     try:
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(), _building(meta):
             torch.manual_seed(0)  # every rank of `autopipe run` builds the same inputs and targets
             made = factory(batch_size=batch_size or 32) if takes_batch else factory()
     except Exception as err:  # the user's code: report it in one line
         raise ProfileError(f"factory {spec!r} raised {first_line(err)}; fix the factory") from None
     name = spec.partition(":")[2].split(".")[-1]
-    loaded = _unpack(spec, name, made)
+    loaded = _real_inputs(_unpack(spec, name, made))
     if for_training and (not loaded.inputs or loaded.loss_fn is None or loaded.target is None):
         raise ProfileError(
             f"factory {spec!r} returned no inputs, target and loss function, which {for_training} "

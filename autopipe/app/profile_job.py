@@ -58,6 +58,13 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s), "
         f"fingerprint {m.get('fingerprint')}"
     )
+    if m.get("mode") == "layers":
+        peak = m.get("peak_memory_bytes")
+        lines.append(
+            f"profiled layer by layer: {m.get('measured_layers')} of {len(df)} layers measured, "
+            f"the others are identical to one of them (column measured_as); peak memory "
+            f"{format_bytes(peak) if peak is not None else 'not measured'} ({m.get('peak_memory_of')})"
+        )
     return "\n".join(lines)
 
 
@@ -115,17 +122,21 @@ def profile_to_file(
     input_shape: str | None = None,
     threads: int | None = None,
     progress: bool = True,
+    mode: str = "auto",
+    meta: bool = False,
 ) -> tuple[Profile, Path]:
     """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
 
     ``out`` defaults to ``profiles/NAME.csv``; existing files are never touched unless
     ``force``. ``threads`` sets torch's CPU threads while measuring (recorded in the metadata).
     ``chunks`` defaults to DEFAULT_CHUNKS ([Note: one chunks rule] in autopipe/app/config.py).
+    ``meta`` builds the model on the meta device ([Note: models built on meta] in
+    autopipe/app/model_spec.py); ``mode`` is profile()'s.
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
     shape = parse_shape(input_shape) if input_shape is not None else None
-    loaded = load_model(model, batch_size, input_shape=shape)
+    loaded = load_model(model, batch_size, input_shape=shape, meta=meta)
     csv_path, json_path = _csv_json(out if out is not None else Path("profiles") / f"{loaded.name}.csv")
     existing = [str(p) for p in (csv_path, json_path) if p.exists()]
     if existing and not force:  # fail before measuring, and leave the files untouched
@@ -146,7 +157,7 @@ def profile_to_file(
             loaded.model, loaded.inputs, device=device, chunks=resolve(chunks, default=DEFAULT_CHUNKS),
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
-            name=loaded.name, progress=progress, **kwargs,
+            name=loaded.name, progress=progress, mode=mode, **kwargs,
         )
     finally:
         torch.set_num_threads(before)

@@ -135,3 +135,18 @@ def test_a_factory_in_the_current_directory_needs_no_pythonpath(
     ]:
         assert main(["profile", spec, *FAST]) == 2
         assert capsys.readouterr().err == f"autopipe: error: {line}\n"
+
+
+def test_profile_a_model_built_on_meta(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gpt.csv"
+    assert main(["profile", "gpt", "--meta", "--batch-size", "4", "--chunks", "2", "--repeats", "1",
+                 "--warmup", "0", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"profiled layer by layer: \d+ of 52 layers measured", text), text
+    prof = Profile.load(out)
+    assert prof.meta["mode"] == "layers" and prof.meta["measured_layers"] < len(prof)
+    whole = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "gpt.csv")
+    assert prof.fingerprint.split(".")[1] == whole.fingerprint.split(".")[1]  # the same model
+    assert main(["profile", "gpt", "--meta", "--mode", "whole", "--batch-size", "4", "--chunks", "2",
+                 "--out", str(tmp_path / "g2.csv")]) == 2
+    assert "cannot run whole; profile it layer by layer" in capsys.readouterr().err
