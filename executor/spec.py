@@ -3,7 +3,8 @@
     CHECKPOINT_MODES, recomputed_microbatches()   which micro-batches are recomputed
     microbatch_sizes()                            how a batch is cut into micro-batches
     PHASES, TimelineEvent                         the spans of a (predicted or measured) timeline
-    SCHEDULES                                     the pipeline schedules the runtime runs
+    SCHEDULES, check_schedule()                   the pipeline schedules the runtime runs, and
+                                                  the stage / micro-batch counts each accepts
 
 The planner (``autopipe.core``) predicts what the executor does; any rule it had to copy could
 drift from the executor's. So the rules live here, in a module that imports neither torch nor
@@ -22,6 +23,7 @@ __all__ = [
     "TimelineEvent",
     "check_checkpoint_mode",
     "check_chunks",
+    "check_schedule",
     "microbatch_sizes",
     "recomputed_microbatches",
 ]
@@ -50,6 +52,30 @@ def recomputed_microbatches(mode: str, chunks: int) -> int:
     """
     check_checkpoint_mode(mode)
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def check_schedule(schedule: str, stages: int, ranks: int, chunks: int) -> None:
+    """What torch.distributed.pipelining accepts: ``gpipe`` and ``1f1b`` run one stage per
+    rank, ``1f1b`` needs at least as many micro-batches as stages (Schedule1F1B refuses fewer),
+    ``interleaved1f1b`` gives every rank the same number of stages and needs ``chunks`` to be a
+    multiple of its rounds, ``max(1, chunks // ranks)`` (ScheduleInterleaved1F1B)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved1f1b" and stages != ranks:
+        raise ValueError(f"schedule={schedule!r} runs one stage per rank: {stages} stages need "
+                         f"{stages} ranks, not {ranks}; use schedule='interleaved1f1b' for more")
+    if schedule == "1f1b" and chunks < stages:
+        raise ValueError(f"schedule='1f1b' needs chunks >= stages ({stages}), got chunks={chunks}; "
+                         f"use more micro-batches or schedule='gpipe'")
+    if schedule == "interleaved1f1b":
+        if stages % ranks:
+            raise ValueError(f"schedule='interleaved1f1b' gives every rank the same number of "
+                             f"stages: {stages} stages cannot be shared by {ranks} ranks")
+        rounds = max(1, chunks // ranks)
+        if chunks % rounds:
+            raise ValueError(f"schedule='interleaved1f1b' needs chunks to be a multiple of its "
+                             f"rounds (chunks // ranks = {rounds}), got chunks={chunks}; use "
+                             f"chunks={ranks * rounds}")
 
 
 def check_chunks(chunks: int) -> None:
