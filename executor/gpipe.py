@@ -41,7 +41,7 @@ from executor.errors import ExecutorError
 from executor.microbatch import Batch, gather, scatter
 from executor.placement import check_devices, place
 from executor.schedule import clock_cycles
-from executor.spec import TimelineEvent
+from executor.spec import TimelineEvent, check_stage_checkpoints
 from executor.stream import (
     AbstractStream,
     copy,
@@ -67,7 +67,9 @@ class GPipe(nn.Module):
         devices: one device per stage; stages on the same device share a worker.
         chunks: micro-batches per mini-batch (exactly ``chunks``; see executor.microbatch).
         checkpoint: ``"always"``, ``"except_last"`` (every micro-batch but the last is
-            recomputed in backward) or ``"never"``. No recomputation in eval or under no_grad.
+            recomputed in backward) or ``"never"``, or a list with one of them per stage
+            ([Note: per-stage recomputation] in executor/spec.py). No recomputation in eval
+            or under no_grad.
         deferred_batch_norm: convert BatchNorm layers so running statistics advance once per
             mini-batch, as in the unpipelined model.
         key_prefixes: per stage, a prefix mapping its local ``state_dict`` keys to the
@@ -84,7 +86,7 @@ class GPipe(nn.Module):
         stages: Sequence[nn.Module],
         devices: Sequence[torch.device | str | int],
         chunks: int,
-        checkpoint: str = "except_last",
+        checkpoint: str | Sequence[str] = "except_last",
         deferred_batch_norm: bool = False,
         *,
         key_prefixes: Sequence[str] | None = None,
@@ -99,7 +101,10 @@ class GPipe(nn.Module):
             raise ExecutorError(
                 f"chunks={chunks} < 1: need at least one micro-batch; use chunks >= 1"
             )
-        checkpoint_stop(checkpoint, chunks)  # validates the mode
+        try:
+            checkpoints = check_stage_checkpoints(checkpoint, len(stages))
+        except ValueError as err:
+            raise ExecutorError(str(err)) from None
         if key_prefixes is not None and len(key_prefixes) != len(stages):
             raise ExecutorError(
                 f"got {len(key_prefixes)} key_prefixes for {len(stages)} stages: "
@@ -108,7 +113,8 @@ class GPipe(nn.Module):
         self.devices = check_devices(devices, len(stages))
         self.chunks = chunks
         self.threads = threads
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
+        self.checkpoints = checkpoints  # one mode per stage
         self.key_prefixes = list(key_prefixes) if key_prefixes is not None else [""] * len(stages)
         self._deferred: list[DeferredBatchNorm] = []
         if deferred_batch_norm:
@@ -160,12 +166,12 @@ class GPipe(nn.Module):
         if recorder is not None:
             self._recorder = recorder
         enabled = self.training and torch.is_grad_enabled()
-        stop = checkpoint_stop(self.checkpoint, self.chunks, enabled=enabled)
+        stops = [checkpoint_stop(mode, self.chunks, enabled=enabled) for mode in self.checkpoints]
         try:
             with WorkerPool(self.devices, self.threads) as pool:
                 for cycle in clock_cycles(len(batches), len(self.stages)):
                     self._fence(cycle, batches, recorder)
-                    self._compute(cycle, batches, pool, stop, recorder)
+                    self._compute(cycle, batches, pool, stops, recorder)
         except BaseException:
             for bn in self._deferred:
                 bn.reset_tracking()
@@ -208,7 +214,7 @@ class GPipe(nn.Module):
         cycle: list[tuple[int, int]],
         batches: list[Batch],
         pool: WorkerPool,
-        stop: int,
+        stops: list[int],
         recorder: TimelineRecorder | None,
     ) -> None:
         last = len(self.stages) - 1
@@ -219,7 +225,7 @@ class GPipe(nn.Module):
             if self._crosses(j):  # compute only after the copy has landed
                 batch = wait(batch, self._copy_stream(j, i), streams[j])
             task = _StageTask(
-                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stop, recorder
+                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder
             )
             futures.append((i, j, pool.submit(j, task)))
         error: BaseException | None = None

@@ -1,6 +1,7 @@
 """The rules the runtime and the planner must agree on, torch-free: one copy, imported by both.
 
     CHECKPOINT_MODES, recomputed_microbatches()   which micro-batches are recomputed
+    check_stage_checkpoints()                     one checkpoint mode per stage
     microbatch_sizes()                            how a batch is cut into micro-batches
     PHASES, TimelineEvent                         the spans of a (predicted or measured) timeline
     SCHEDULES, check_schedule()                   the pipeline schedules the runtime runs, and
@@ -24,6 +25,7 @@ __all__ = [
     "check_checkpoint_mode",
     "check_chunks",
     "check_schedule",
+    "check_stage_checkpoints",
     "microbatch_sizes",
     "recomputed_microbatches",
 ]
@@ -52,6 +54,39 @@ def recomputed_microbatches(mode: str, chunks: int) -> int:
     """
     check_checkpoint_mode(mode)
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def check_stage_checkpoints(checkpoint: object, stages: int) -> list[str]:
+    """[Note: per-stage recomputation] One checkpoint mode per stage, from one mode for every
+    stage or a list (or tuple) with one mode per stage.
+
+    Recomputation is local to a stage: a checkpointed stage saves its own inputs and replays its
+    own forward, so stage ``s`` recomputes micro-batches ``0 .. R_s - 1`` with
+    ``R_s = recomputed_microbatches(modes[s], M)`` whatever its neighbours do, and any mix of
+    modes leaves the same loss and gradients; only time and memory differ, per stage. A planner
+    can therefore pay for recomputation only on the stages where memory binds.
+    """
+    if isinstance(checkpoint, str):
+        check_checkpoint_mode(checkpoint)
+        return [checkpoint] * stages
+    if not isinstance(checkpoint, list | tuple):
+        raise ValueError(
+            f"checkpoint={checkpoint!r} is neither a mode nor a list of modes; pass one of "
+            f"{', '.join(CHECKPOINT_MODES)}, or a list with one per stage"
+        )
+    modes = list(checkpoint)
+    if len(modes) != stages:
+        raise ValueError(
+            f"checkpoint lists {len(modes)} mode(s) for {stages} stage(s); give one mode per "
+            "stage, or one mode for all of them"
+        )
+    for s, mode in enumerate(modes):
+        if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"checkpoint[{s}]={mode!r} is not a checkpoint mode; use one of "
+                f"{', '.join(CHECKPOINT_MODES)}"
+            )
+    return modes
 
 
 def check_schedule(schedule: str, stages: int, ranks: int, chunks: int) -> None:
