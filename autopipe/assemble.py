@@ -9,10 +9,21 @@ plan's fingerprint and the traced graph all describe ONE micro-batch: the first 
 rows of the example inputs (executor.microbatch splits a batch the same way). A plan made with
 ``autopipe profile --batch-size 32 --chunks 4`` therefore matches ``pipeline(model, (x32,),
 chunks=4)``, and is refused, with a message saying why, for ``chunks=8``.
+
+[Note: a plan is a prediction for a placement] A plan's times assume its own devices: made
+with ``stages=2`` it predicts two separate devices, and ``devices=["cpu", "cpu"]`` then runs
+both stages on one CPU, where they take turns (one worker per device: executor.worker). So a
+pipeline keeps, as ``pipe.plan``, the plan re-evaluated for the devices it really runs on: the
+same stages and per-stage costs, its devices renamed to the runtime's names
+(``device_names``) and its iteration time, bubble and peaks simulated again, where stages
+sharing a name take turns ([Note: shared devices] in autopipe/core/simulator.py).
+:func:`pipeline` says so in one warning when the names differ. Only the names move: a plan's
+device speeds and memory stay the plan's, since nothing at build time measures the real ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +33,7 @@ from torch import nn
 
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
+from autopipe.core.simulator import simulate
 from autopipe.core.units import format_bytes
 from autopipe.errors import BuildError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
@@ -31,20 +43,91 @@ from autopipe.frontend.profiler import profile as measure
 from autopipe.frontend.stages import build
 from autopipe.frontend.weights import Weights
 from executor import GPipe
+from executor.spec import check_stage_checkpoints
+from executor.worker import normalize_device
 
-__all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory"]
+__all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory",
+           "device_names", "plan_for_devices", "runtime_checkpoint"]
 
 
 class Pipeline(GPipe):
-    """An executor.GPipe that also remembers the plan and graph it was built from."""
+    """An executor.GPipe that also remembers its plan, re-evaluated for the devices it runs on
+    ([Note: a plan is a prediction for a placement]), and the graph it was built from."""
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
-                 chunks: int, checkpoint: str, deferred_batch_norm: bool, *, plan: Plan,
-                 graph: LayerGraph) -> None:
+                 chunks: int, checkpoint: str | Sequence[str], deferred_batch_norm: bool, *,
+                 plan: Plan, graph: LayerGraph) -> None:
         super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
                          deferred_batch_norm=deferred_batch_norm)
-        self.plan = plan
+        self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
+
+
+def device_names(devices: Sequence[str | torch.device | int]) -> list[str]:
+    """Each device as the runtime names it (``"cpu:1"`` -> ``cpu``, ``"cuda"`` -> ``cuda:N``):
+    the names a plan for these devices must carry for its simulation to group them right."""
+    names = []
+    for d in devices:
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        usable = dev.type != "cuda" or torch.cuda.is_available()  # else GPipe refuses it later
+        names.append(str(normalize_device(dev) if usable else dev))
+    return names
+
+
+def plan_for_devices(plan: Plan, devices: Sequence[str | torch.device | int]) -> Plan:
+    """``plan`` re-evaluated for running on ``devices`` (one per stage): the same stages and
+    per-stage costs, the devices' runtime names, and the iteration time, bubble and peaks that
+    :func:`autopipe.simulate` predicts for them ([Note: a plan is a prediction for a placement]).
+    ``plan`` itself when its devices already carry these names."""
+    names = device_names(devices)
+    if len(names) != len(plan.devices):
+        raise BuildError(f"the plan has {len(plan.devices)} stages but {len(names)} devices were "
+                         f"given; pass one device per stage")
+    if [d.name for d in plan.devices] == names:
+        return plan
+    placed = dataclasses.replace(plan, devices=[dataclasses.replace(d, name=n)
+                                                for d, n in zip(plan.devices, names, strict=True)])
+    sim = simulate(placed)
+    return dataclasses.replace(placed, iteration_time=sim.iteration_time,
+                               bubble_fraction=sim.bubble_fraction, peak_memory=sim.peak_memory)
+
+
+def _placement_warning(plan: Plan, placed: Plan) -> str:
+    now = [d.name for d in placed.devices]
+    shared = len(set(now)) < len(now)
+    return (f"autopipe: the plan was made for devices {[d.name for d in plan.devices]} but the "
+            f"pipeline runs on {now}{' (stages on one device take turns)' if shared else ''}: "
+            f"pipe.plan is re-evaluated for them, {placed.iteration_time:.3f} ms per iteration "
+            f"instead of the plan's {plan.iteration_time:.3f} ms; partition with these devices "
+            f"for a plan balanced for them")
+
+
+def _modes(checkpoint: str | Sequence[str], stages: int, what: str) -> list[str]:
+    try:
+        return check_stage_checkpoints(checkpoint, stages)
+    except ValueError as err:
+        raise BuildError(f"{what}: {err}") from None
+
+
+def _show(modes: list[str]) -> str:
+    return repr(modes[0]) if len(set(modes)) == 1 else repr(modes)
+
+
+def runtime_checkpoint(plan: Plan, checkpoint: str | Sequence[str] | None) -> str | list[str]:
+    """The recomputation a pipeline built from ``plan`` runs: the plan's mode, or its list of
+    one mode per stage ([Note: per-stage recomputation] in executor/spec.py), unless
+    ``checkpoint`` is given. A given ``checkpoint`` that differs from the plan's still wins, with
+    a one-line warning: the plan's times and memory were predicted for its own modes."""
+    k = len(plan.stages)
+    planned = _modes(plan.checkpoint, k, "the plan's checkpoint")
+    if checkpoint is None:
+        return plan.checkpoint if isinstance(plan.checkpoint, str) else planned
+    asked = _modes(checkpoint, k, "checkpoint")
+    if asked != planned:
+        warnings.warn(f"autopipe: checkpoint={_show(asked)} overrides the plan's {_show(planned)}, "
+                      "for which its times and memory were predicted; drop checkpoint= to run the "
+                      "plan's, or partition with this checkpoint", UserWarning, stacklevel=3)
+    return checkpoint if isinstance(checkpoint, str) else asked
 
 
 def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any, ...]:
@@ -91,7 +174,7 @@ def pipeline(
     *,
     devices: Sequence[str | torch.device],
     chunks: int = 8,
-    checkpoint: str = "except_last",
+    checkpoint: str | Sequence[str] | None = None,
     plan: Plan | None = None,
     profile: Profile | None = None,
     method: str = "auto",
@@ -116,8 +199,12 @@ def pipeline(
         example_inputs: one mini-batch of positional inputs (as passed to ``model(...)``).
         devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"] * 4``.
         chunks: micro-batches per mini-batch.
-        checkpoint: recomputation mode: ``"always"``, ``"except_last"`` or ``"never"``.
-        plan: a saved Plan (``autopipe.Plan.load``) to use instead of partitioning.
+        checkpoint: recomputation: ``"always"``, ``"except_last"`` or ``"never"``, or a list
+            with one of them per stage; default: the plan's (its mode or per-stage list), and
+            ``"except_last"`` to partition with. See :func:`runtime_checkpoint`.
+        plan: a saved Plan (``autopipe.Plan.load``) to use instead of partitioning. It is kept
+            as ``pipe.plan`` re-evaluated for ``devices``, with a warning when its devices
+            differ ([Note: a plan is a prediction for a placement]).
         profile: a saved Profile to partition instead of measuring one.
         method, memory_limit, optimizer: passed to :func:`autopipe.partition`.
         weights: the model's weights, read stage by stage: a ``.safetensors`` file, a
@@ -137,6 +224,12 @@ def pipeline(
     if not devices:
         raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
     micro = microbatch_inputs(inputs, chunks)
+    given = checkpoint if plan is not None else None  # else the plan is made with it
+    if plan is None and checkpoint is not None and not isinstance(checkpoint, str):
+        listed = _modes(checkpoint, len(devices), "checkpoint")  # before tracing and profiling
+        raise BuildError(f"checkpoint={listed!r} gives one mode per stage, which only a plan made "
+                         "for them predicts; pass plan=partition(profile, ...) with those modes, "
+                         "or one mode for every stage")
     if graph is None:
         graph = trace(model, micro, **trace_kwargs)
     if plan is None:
@@ -154,10 +247,10 @@ def pipeline(
                 )
         plan = partition(
             profile,
-            devices=[str(d) for d in devices],
+            devices=device_names(devices),  # the runtime's names: shared devices take turns
             method=method,
             chunks=chunks,
-            checkpoint=checkpoint,
+            checkpoint=checkpoint if isinstance(checkpoint, str) else "except_last",
             memory_limit=memory_limit,
             optimizer=optimizer,
         )
@@ -166,6 +259,7 @@ def pipeline(
             f"the plan has {len(plan.stages)} stages but {len(devices)} devices were given; "
             f"pass {len(plan.stages)} devices or re-run `autopipe partition --stages {len(devices)}`"
         )
+    modes = runtime_checkpoint(plan, given)
     check_device_memory(plan, devices)
     stages = build(model, plan, graph)
     initialised = materialize_stages(model, stages, devices, weights=weights, init=init)
@@ -174,5 +268,7 @@ def pipeline(
                       f"{len(initialised)} module(s) were initialised ({initialised[-1]!r}, ...) "
                       "with init= or reset_parameters(); pass weights= to load trained weights",
                       UserWarning, stacklevel=2)
-    return Pipeline(stages, devices, chunks, checkpoint, deferred_batch_norm, plan=plan,
-                    graph=graph)
+    pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph)
+    if pipe.plan is not plan:
+        warnings.warn(_placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
+    return pipe

@@ -1,0 +1,136 @@
+"""pipeline(..., plan=plan): the plan's per-stage recomputation, and the plan re-evaluated for the
+devices the pipeline really runs on ([Note: a plan is a prediction for a placement])."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import autopipe
+from autopipe import BuildError
+from autopipe.assemble import microbatch_inputs, pipeline
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
+from autopipe.examples import Example, get_example
+from autopipe.frontend.graph import LayerGraph, trace
+from autopipe.solvers.partitioner import partition
+from tests.test_assemble import cost_profile
+
+MODES = ["always", "never", "except_last"]
+
+
+def _cpu_profile(graph: LayerGraph) -> Profile:
+    prof = cost_profile(graph)
+    prof.meta.update(device="cpu", device_type="cpu")  # partition names stages cpu:0, cpu:1
+    return prof
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_gpt_with_tied_head_runs_the_plans_per_stage_modes(
+    apart: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if apart:  # as on two GPUs: the head fetches the embedding's weight from stage 0's device
+        monkeypatch.setattr("executor.placement._same_device", lambda a, b: False)
+    ex = get_example("gpt", batch_size=4)
+    reference = copy.deepcopy(ex.model)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
+    plan = partition(cost_profile(graph), devices=["cpu"] * 3, method="dp", chunks=2)
+    plan = dataclasses.replace(plan, checkpoint=list(MODES))  # a plan with one mode per stage
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plan for these devices and modes: nothing to say
+        pipe = pipeline(ex.model, ex.inputs, devices=["cpu"] * 3, chunks=2, plan=plan, graph=graph)
+    assert pipe.checkpoints == MODES
+    loss = ex.loss_fn(pipe(*ex.inputs), ex.target)
+    ref_loss = ex.loss_fn(reference(*ex.inputs), ex.target)
+    torch.testing.assert_close(loss, ref_loss)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    assert ex.model.head.weight is ex.model.tok.weight  # still tied
+    for name, p in ex.model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=f"gradient of {name}")
+
+
+def _mlp_plan(**kwargs: object) -> tuple[Example, LayerGraph, Profile, Plan]:
+    ex = get_example("mlp", batch_size=4)
+    graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
+    prof = _cpu_profile(graph)
+    return ex, graph, prof, partition(prof, method="dp", chunks=2, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu:0", "cpu:1"]])
+def test_plan_is_re_evaluated_for_the_devices_used(devices: list[str]) -> None:
+    ex, graph, prof, plan = _mlp_plan(stages=2)
+    assert [d.name for d in plan.devices] == ["cpu:0", "cpu:1"]  # two separate devices
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = pipeline(ex.model, ex.inputs, devices=devices, chunks=2, plan=plan, graph=graph)
+    placed = pipe.plan
+    assert placed.stages == plan.stages and placed.breakdown == plan.breakdown
+    assert [d.name for d in placed.devices] == ["cpu", "cpu"]  # one CPU: the stages take turns
+    on_one_cpu = dataclasses.replace(plan, devices=[dataclasses.replace(d, name="cpu")
+                                                    for d in plan.devices])
+    sim = autopipe.simulate(on_one_cpu)
+    assert placed.iteration_time == sim.iteration_time
+    assert placed.bubble_fraction == sim.bubble_fraction and placed.peak_memory == sim.peak_memory
+    assert placed.iteration_time > plan.iteration_time  # turns are slower than two devices
+    # the same as evaluating the split for these devices from the profile
+    again = Plan.from_stages(prof, plan.stages, devices=["cpu", "cpu"], chunks=2)
+    assert placed.iteration_time == pytest.approx(again.iteration_time)
+    (warning,) = [w for w in caught if "autopipe:" in str(w.message)]
+    text = str(warning.message)
+    assert "\n" not in text and warning.filename == __file__
+    assert text.startswith("autopipe: the plan was made for devices ['cpu:0', 'cpu:1'] but the "
+                           "pipeline runs on ['cpu', 'cpu'] (stages on one device take turns): "
+                           "pipe.plan is re-evaluated for them, ")
+    assert f"{placed.iteration_time:.3f} ms per iteration instead of the plan's " \
+           f"{plan.iteration_time:.3f} ms" in text
+
+
+def test_plan_for_the_devices_used_is_kept_as_is() -> None:
+    ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan,
+                        graph=graph)
+    assert pipe.plan is plan
+
+
+def test_partitioning_names_devices_as_the_runtime_does() -> None:
+    ex, graph, prof, _ = _mlp_plan(stages=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = pipeline(ex.model, ex.inputs, devices=["cpu:0", "cpu:1"], chunks=2, profile=prof,
+                        graph=graph, method="dp")
+    # one CPU, predicted as one: the plan made here is the plan it runs
+    assert [d.name for d in pipe.plan.devices] == ["cpu", "cpu"]
+
+
+def test_checkpoint_choice_and_its_errors() -> None:
+    ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"], checkpoint="never")
+    pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan, graph=graph)
+    assert pipe.checkpoints == ["never", "never"]  # default: the plan's
+    with pytest.warns(UserWarning, match=r"^autopipe: checkpoint=\['always', 'never'\] overrides "
+                                         r"the plan's 'never', for which its times and memory "
+                                         r"were predicted; drop checkpoint= to run the plan's"):
+        pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan,
+                        graph=graph, checkpoint=["always", "never"])
+    assert pipe.checkpoints == ["always", "never"]
+    with pytest.raises(BuildError, match=r"^checkpoint: checkpoint lists 3 mode\(s\) for 2 "
+                                         r"stage\(s\); give one mode per stage") as err:
+        pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan, graph=graph,
+                 checkpoint=MODES)
+    assert "\n" not in str(err.value)
+    with pytest.raises(BuildError, match=r"^checkpoint=\['always', 'never'\] gives one mode per "
+                                         r"stage, which only a plan made for them predicts"):
+        pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, graph=graph,
+                 checkpoint=["always", "never"])
+    with pytest.raises(BuildError, match=r"^the plan's checkpoint: checkpoint\[1\]='sometimes' "
+                                         r"is not a checkpoint mode"):
+        bad = dataclasses.replace(plan, checkpoint=["never", "sometimes"])
+        pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=bad, graph=graph)
