@@ -47,7 +47,7 @@ from executor.spec import check_stage_checkpoints
 from executor.worker import normalize_device
 
 __all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory",
-           "device_names", "plan_for_devices", "runtime_checkpoint"]
+           "device_names", "plan_for_devices", "partition_checkpoint", "runtime_checkpoint"]
 
 
 class Pipeline(GPipe):
@@ -111,6 +111,18 @@ def _modes(checkpoint: str | Sequence[str], stages: int, what: str) -> list[str]
 
 def _show(modes: list[str]) -> str:
     return repr(modes[0]) if len(set(modes)) == 1 else repr(modes)
+
+
+def partition_checkpoint(checkpoint: str | Sequence[str] | None, stages: int) -> str:
+    """The mode to partition with when no plan is given: ``checkpoint``, ``"except_last"`` by
+    default; a list of one mode per stage is refused in one line, since only a plan made for
+    those modes predicts them (partition takes one mode)."""
+    if checkpoint is None or isinstance(checkpoint, str):
+        return checkpoint or "except_last"
+    listed = _modes(checkpoint, stages, "checkpoint")
+    raise BuildError(f"checkpoint={listed!r} gives one mode per stage, which only a plan made "
+                     "for them predicts; pass plan=partition(profile, ...) with those modes, "
+                     "or one mode for every stage")
 
 
 def runtime_checkpoint(plan: Plan, checkpoint: str | Sequence[str] | None) -> str | list[str]:
@@ -225,11 +237,8 @@ def pipeline(
         raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
     micro = microbatch_inputs(inputs, chunks)
     given = checkpoint if plan is not None else None  # else the plan is made with it
-    if plan is None and checkpoint is not None and not isinstance(checkpoint, str):
-        listed = _modes(checkpoint, len(devices), "checkpoint")  # before tracing and profiling
-        raise BuildError(f"checkpoint={listed!r} gives one mode per stage, which only a plan made "
-                         "for them predicts; pass plan=partition(profile, ...) with those modes, "
-                         "or one mode for every stage")
+    # refused before tracing and profiling; unused with a plan
+    mode = partition_checkpoint(checkpoint, len(devices)) if plan is None else ""
     if graph is None:
         graph = trace(model, micro, **trace_kwargs)
     if plan is None:
@@ -250,7 +259,7 @@ def pipeline(
             devices=device_names(devices),  # the runtime's names: shared devices take turns
             method=method,
             chunks=chunks,
-            checkpoint=checkpoint if isinstance(checkpoint, str) else "except_last",
+            checkpoint=mode,
             memory_limit=memory_limit,
             optimizer=optimizer,
         )

@@ -30,14 +30,14 @@ reference is ``mean(loss_fn(model(x_i), y_i) over the micro-batches x_i of x)``,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.assemble import microbatch_inputs
+from autopipe.assemble import microbatch_inputs, partition_checkpoint, runtime_checkpoint
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError, first_line
 from autopipe.frontend.graph import trace
@@ -103,7 +103,7 @@ def distributed_pipeline(
     plan: Plan | None = None,
     method: str = "auto",
     chunks: int = 8,
-    checkpoint: str = "except_last",
+    checkpoint: str | Sequence[str] | None = None,
     schedule: str = "gpipe",
     stages_per_rank: int | None = None,
     device: str | torch.device | None = None,
@@ -121,7 +121,9 @@ def distributed_pipeline(
         loss_fn: ``loss_fn(model_output, target)`` for one micro-batch.
         plan: a Plan with ``world_size * stages_per_rank`` stages; default: rank 0 partitions.
         method: the partitioner's method when no plan is given.
-        chunks, checkpoint: micro-batches per mini-batch and recomputation mode.
+        chunks: micro-batches per mini-batch.
+        checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
+            (see :func:`autopipe.assemble.runtime_checkpoint`), ``"except_last"`` to partition.
         schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank).
         stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / world).
         device: default ``cuda:LOCAL_RANK`` under NCCL, else CPU.
@@ -156,12 +158,15 @@ def distributed_pipeline(
                          f"(`autopipe partition --stages {k}`)")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = microbatch_inputs(inputs, chunks)
+    given = checkpoint if plan is not None else None  # else the plan is made with it
+    mode = partition_checkpoint(checkpoint, k) if plan is None else ""
     graph = trace(model, micro, **trace_kwargs)
     on_meta = has_meta_tensors(model)
     if weights is None and not on_meta:
         _sync_weights(model)  # every rank reads the same weights file otherwise
     if plan is None:
-        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=checkpoint)
+        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode)
+    modes = runtime_checkpoint(plan, given)
     stages = build(model, plan, graph)
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
     wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
@@ -179,7 +184,7 @@ def distributed_pipeline(
     aliases = _aliases(model)
     _free_others(model, [stages[i] for i in mine])
     return DistributedPipeline(
-        [stages[i] for i in mine], mine, k, loss_fn=loss_fn, chunks=chunks, checkpoint=checkpoint,
+        [stages[i] for i in mine], mine, k, loss_fn=loss_fn, chunks=chunks, checkpoint=modes,
         schedule=schedule, wires=wires, ties=ties, key_aliases=aliases, device=here,
         timeout=timeout,
     )

@@ -11,8 +11,10 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 
 [Note: what crosses a cut] is in executor/wire.py.
 
-[Note: distributed recomputation] ``checkpoint`` follows executor.checkpoint's modes
-(micro-batches ``0 .. checkpoint_stop - 1`` are recomputed) but uses
+[Note: distributed recomputation] ``checkpoint`` follows executor.checkpoint's modes, one for
+every stage or one per stage ([Note: per-stage recomputation] in executor/spec.py): stage ``i``'s
+micro-batches ``0 .. checkpoint_stop(modes[i]) - 1`` are recomputed, never in eval mode or
+under no_grad (as in executor.GPipe), but it uses
 ``torch.utils.checkpoint`` (non-reentrant, RNG replayed): a PipelineStage receives a gradient
 before it starts a micro-batch's backward, so there is nothing to overlap the recomputation
 with and executor.checkpoint's early-recompute lane would buy nothing here.
@@ -56,7 +58,7 @@ from executor._torch_compat import is_communication_error, prefetch_support, war
 from executor.checkpoint import checkpoint_stop
 from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
-from executor.spec import SCHEDULES
+from executor.spec import SCHEDULES, check_stage_checkpoints
 from executor.wire import Wire, WireStage, infer_wires, wire_metas
 
 __all__ = [
@@ -122,7 +124,8 @@ class DistributedPipeline:
         num_stages: stages in the whole pipeline.
         loss_fn: ``loss_fn(output, target)`` on each micro-batch's output (last stage).
         chunks: micro-batches per mini-batch; the batch size must be a multiple of it.
-        checkpoint: ``always``, ``except_last`` or ``never`` (see executor.checkpoint).
+        checkpoint: ``always``, ``except_last`` or ``never``, or a list with one of them for
+            each of the ``num_stages`` stages (see [Note: distributed recomputation]).
         schedule: one of executor.spec.SCHEDULES.
         wires: the wires of every cut, from :func:`infer_wires` (the same on every rank).
         ties: one ``(ranks, parameter or None)`` per parameter held by several ranks, in the
@@ -139,7 +142,7 @@ class DistributedPipeline:
         *,
         loss_fn: Callable[[Any, Any], Tensor],
         chunks: int = 8,
-        checkpoint: str = "except_last",
+        checkpoint: str | Sequence[str] = "except_last",
         schedule: str = "gpipe",
         wires: Sequence[Sequence[Wire]],
         ties: Sequence[tuple[Sequence[int], nn.Parameter | None]] = (),
@@ -161,6 +164,10 @@ class DistributedPipeline:
         if len(wires) != num_stages + 1:
             raise DistributedError(f"got wires for {len(wires)} cuts but {num_stages} stages have "
                                    f"{num_stages + 1}; pass infer_wires(all_stages, micro_batch)")
+        try:
+            self.checkpoints = check_stage_checkpoints(checkpoint, num_stages)  # every stage's
+        except ValueError as err:
+            raise DistributedError(str(err)) from None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.indices = list(indices)
         self.num_stages, self.chunks, self.schedule_name = num_stages, chunks, schedule
@@ -170,15 +177,15 @@ class DistributedPipeline:
         self._steps = 0
         timedelta = datetime.timedelta(seconds=timeout)
         self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta)
-        stop = checkpoint_stop(checkpoint, chunks)
         self.stages = [s.to(self.device) for s in stages]
         self.wire_stages = [
             WireStage(s, wires[i], wires[i + 1], last=i == num_stages - 1, device=self.device)
             for s, i in zip(self.stages, self.indices, strict=True)
         ]
         self.pipeline_stages = [  # static metadata: no inference run on the first step
-            _Stage(w, stop, i, num_stages, self.device, input_args=wire_metas(w.inputs),
-                   output_args=wire_metas(w.outputs), group=self.group)
+            _Stage(w, checkpoint_stop(self.checkpoints[i], chunks), i, num_stages, self.device,
+                   input_args=wire_metas(w.inputs), output_args=wire_metas(w.outputs),
+                   group=self.group)
             for w, i in zip(self.wire_stages, self.indices, strict=True)
         ]
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)

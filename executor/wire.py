@@ -178,7 +178,7 @@ class WireStage(nn.Module):
         self._consts: list[tuple[int, Any]] = []
 
     def forward(self, *wire: Tensor) -> tuple[Tensor, ...]:
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute and self.stage.training and torch.is_grad_enabled():
             out: tuple[Tensor, ...] = torch_checkpoint(
                 self._run, *wire, use_reentrant=False, preserve_rng_state=True
             )
