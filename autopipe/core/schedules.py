@@ -1,0 +1,104 @@
+"""The order in which each rank runs its forwards and backwards, per pipeline schedule.
+
+[Note: schedule orders] These are the compute orders of torch.distributed.pipelining (torch
+2.13), the runtime behind ``executor.DistributedPipeline``, written out torch-free so that the
+simulator and the cost model can follow them exactly (tests/test_schedule_parity.py compares
+them with torch's own, rank by rank):
+
+    gpipe            ScheduleGPipe: F0 .. F(M-1), then B0 .. B(M-1)
+    1f1b             Schedule1F1B: min(M, K - s) warm-up forwards, then one backward / one
+                     forward until the forwards run out, then the remaining backwards
+    interleaved1f1b  ScheduleInterleaved1F1B: V stages per rank (stage s on rank s % W);
+                     warm-up forwards, 1F1B over the rank's stages in rounds, cool-down
+
+An operation is ``(stage, kind, microbatch)`` with kind ``"F"`` or ``"B"``. ``executor.GPipe``
+(one process, torchgpipe's order) runs the same forwards but drains its backwards in reverse,
+B(M-1) .. B0; see [Note: stage memory] in autopipe/core/cost.py for what that changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from executor.spec import SCHEDULES
+
+__all__ = ["Op", "rank_order", "stage_order", "rank_layout"]
+
+Op = tuple[int, str, int]  # (stage, "F" or "B", micro-batch)
+
+
+def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[Op]:
+    """Stage ``stage``'s operations under ``gpipe`` or ``1f1b`` (one stage per rank)."""
+    m = chunks
+    if schedule == "gpipe":
+        return [(stage, "F", i) for i in range(m)] + [(stage, "B", i) for i in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"stage_order runs one stage per rank; schedule={schedule!r} does not")
+    warm = min(m, stages - stage)
+    ops: list[Op] = [(stage, "F", i) for i in range(warm)]
+    fwd, bwd = warm, 0
+    while True:  # Schedule1F1B._step_microbatches: 1B, then 1F while forwards remain
+        ops.append((stage, "B", bwd))
+        bwd += 1
+        if fwd == m:
+            break
+        ops.append((stage, "F", fwd))
+        fwd += 1
+    return ops + [(stage, "B", i) for i in range(bwd, m)]
+
+
+def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
+    """Rank ``rank``'s operations; ``interleaved1f1b`` runs ``per_rank`` stages on each of
+    ``ranks`` ranks (stage s on rank s % ranks), the others one stage per rank."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved1f1b":
+        return stage_order(schedule, rank, ranks, chunks)
+    return list(_interleaved(rank, ranks, per_rank, chunks))
+
+
+@lru_cache(maxsize=1024)
+def _interleaved(rank: int, ranks: int, local: int, m: int) -> list[Op]:
+    """ScheduleInterleaved1F1B._calculate_single_rank_operations and _get_1f1b_rank_ops
+    (without zero bubble), with torch's idle slots (None) left out."""
+    rounds = max(1, m // ranks)
+    per_round = m // rounds
+    warmup = min((local - 1) * per_round + 2 * (ranks - 1 - rank), m * local)
+    steady = local * m - warmup
+
+    def fwd_stage(step: int) -> int:
+        return (step // per_round) % local * ranks + rank
+
+    def bwd_stage(step: int) -> int:
+        return (local - 1 - ((step - warmup) // per_round) % local) * ranks + rank
+
+    fwd_next: dict[int, int] = {}
+    bwd_next: dict[int, int] = {}
+    ops: list[Op] = []
+
+    def add(stage: int, kind: str, counter: dict[int, int]) -> None:
+        mb = counter.get(stage, 0)
+        counter[stage] = mb + 1
+        ops.append((stage, kind, mb))
+
+    for step in range(warmup + steady + warmup):
+        if step < warmup + steady:
+            add(fwd_stage(step), "F", fwd_next)
+        if step >= warmup:
+            add(bwd_stage(step), "B", bwd_next)
+    return ops
+
+
+def rank_layout(devices: Sequence[str]) -> tuple[int, list[int]]:
+    """Ranks and each stage's rank for ``interleaved1f1b``: the distinct device names are the
+    ranks, and stage s must run on rank s % ranks (as executor.distributed places them)."""
+    names = list(dict.fromkeys(devices))
+    ranks = len(names)
+    if len(devices) % ranks or any(d != names[s % ranks] for s, d in enumerate(devices)):
+        raise ValueError(
+            f"interleaved1f1b runs stage s on rank s % ranks, but the stages' devices are "
+            f"{list(devices)}; list the {ranks} ranks' devices in turn, "
+            f"e.g. {[names[s % ranks] for s in range(len(devices))]}"
+        )
+    return ranks, [s % ranks for s in range(len(devices))]
