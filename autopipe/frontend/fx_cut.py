@@ -4,6 +4,8 @@ Both a profiled layer (frontend/replay.py) and a pipeline stage (frontend/stages
 cut. [Note: a cut reads parameters, never receives them] A ``get_attr`` node the cut reads (its
 own parameter, or one tied to a node outside the cut) is re-created inside the cut, on the
 original root module: the cut shares the model's parameters and never takes them as inputs.
+The graph's ``training`` flag is such a ``get_attr`` too ([Note: train and eval in one graph]
+in frontend/modes.py): each cut reads its own, so ``stage.eval()`` switches that stage.
 Every other value from outside becomes a placeholder; graph constants can be substituted.
 """
 

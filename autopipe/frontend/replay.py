@@ -87,10 +87,16 @@ class _ValueRecorder(fx.Interpreter):
 
 
 def record_values(gm: fx.GraphModule, args: Sequence[Any]) -> Values:
-    """Run ``gm`` once (with autograd on, as in training) and keep every node's value."""
+    """Run ``gm`` once (with autograd on, in train mode, as in training) and keep every node's
+    value."""
     values = Values()
-    with torch.enable_grad():
-        _ValueRecorder(gm, values).run(*args)
+    mode = gm.training
+    try:
+        gm.training = True  # the graph's own flag ([Note: train and eval in one graph])
+        with torch.enable_grad():
+            _ValueRecorder(gm, values).run(*args)
+    finally:
+        gm.training = mode
     return values
 
 
@@ -105,6 +111,7 @@ def _layer_module(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> LayerC
     cut.copy(body)
     outputs = [n for n in body if any(u not in members for u in n.users)]
     module = cut.module(gm, tuple(outputs), "Layer_" + re.sub(r"\W", "_", name))
+    module.training = True  # layers are measured as in training (modes.py reads this flag)
     return LayerCall(name, module, [n.name for n in cut.inputs], [n.name for n in outputs])
 
 
