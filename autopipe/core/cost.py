@@ -19,12 +19,22 @@ assumed not to overlap compute (blocking sends), which is pessimistic on GPUs wi
 
 [Note: stage memory] parameters x optimizer factor (``none`` 1 = weights only, ``sgd`` 2 =
 +grads, ``momentum`` 3, ``adam``/``adamw`` 4) + buffers + activations. Activations of one
-micro-batch are the stage's ``saved_bytes``. Checkpointing follows torchgpipe: ``always``
-checkpoints all M micro-batches, ``except_last`` all but the last one (whose backward starts at
-once), ``never`` none. A checkpointed micro-batch keeps only its stage input until its backward
-recomputes it, so peak activations are ``R x input_bytes + max(M - R, 1) x saved_bytes`` with R
-checkpointed micro-batches (``M x saved_bytes`` when R = 0), which is exact for GPipe's
-fill-drain order (``autopipe.core.simulator`` reports the peaks of other schedules).
+micro-batch are the stage's ``saved_bytes``. Checkpointing follows torchgpipe, per stage
+([Note: per-stage recomputation] in executor/spec.py): ``always`` checkpoints all M
+micro-batches, ``except_last`` all but the last one, ``never`` none; micro-batches
+``0 .. R-1`` are the checkpointed ones. A checkpointed micro-batch keeps only its stage input
+from its forward until its backward, which first recomputes the forward (``saved_bytes`` again)
+and then frees both; any other micro-batch keeps ``saved_bytes`` from its forward to the end of
+its backward. Walking the stage's operations in its schedule's order ([Note: schedule orders]
+in autopipe/core/schedules.py) with these rules (``_held``) gives the level after every
+allocation as ``a x input_bytes + b x saved_bytes``; the peak is the largest, over the few
+Pareto-maximal (a, b) pairs (``activation_terms``). That is exact for the order the schedule
+runs, whatever the stage's bytes: GPipe with R of M checkpointed peaks at
+``max(R x input + (M - R + 1) x saved, M x saved)`` (its backwards run B0 first: ``except_last``
+holds the un-checkpointed last micro-batch while recomputing the first), 1F1B at stage s holds
+at most ``min(M, K - s)`` micro-batches. executor.GPipe (one process) drains B(M-1) first, so
+with ``except_last`` it needs one ``saved_bytes`` less than this: the prediction is safe for it.
+The simulator walks the order it ran, so its peaks equal these (tests/core/test_simulator.py).
 
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
@@ -34,17 +44,24 @@ one stage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from autopipe.core.profile_table import Profile
+from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.core.units import parse_bytes
 from autopipe.errors import PartitionError
-from executor.spec import CHECKPOINT_MODES, recomputed_microbatches
+from executor.spec import (
+    CHECKPOINT_MODES,
+    SCHEDULES,
+    check_stage_checkpoints,
+    recomputed_microbatches,
+)
 
 __all__ = [
     "OPTIMIZER_FACTOR",
@@ -54,13 +71,16 @@ __all__ = [
     "StageCost",
     "layer_work",
     "recompute_ms",
-    "kept_microbatches",
+    "activation_terms",
     "activation_bytes",
+    "activation_peak",
+    "stage_terms",
     "state_bytes",
     "stage_time",
     "transfer_ms",
     "lower_bound",
     "resolve_devices",
+    "schedule_ranks",
     "stage_costs",
 ]
 
@@ -101,16 +121,80 @@ def stage_time(
     return work / speed + transfer_ms(input_bytes, output_bytes, ms_per_byte)
 
 
-def kept_microbatches(recomputed: int, chunks: int) -> int:
-    """How many micro-batches' full activations a stage holds at its peak ([Note: stage memory]):
-    all M without recomputation, else those not recomputed (at least the one being recomputed)."""
-    return max(chunks - recomputed, 1) if recomputed else chunks
+Terms = tuple[tuple[int, int], ...]  # (a, b): a x input_bytes + b x saved_bytes
 
 
-def activation_bytes(input_bytes: Amount, saved_bytes: Amount, recomputed: int, chunks: int) -> Amount:
-    """Peak activation bytes of a stage under GPipe: the inputs of the R recomputed micro-batches
-    plus the full ``saved_bytes`` of the kept ones ([Note: stage memory])."""
-    return recomputed * input_bytes + kept_microbatches(recomputed, chunks) * saved_bytes
+def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[tuple[int, int, int, bool]]:
+    """(stage, inputs held, saved activations held, after an allocation?) after each change of
+    what a stage holds, walking ``ops`` in order ([Note: stage memory]); stage s checkpoints
+    micro-batches ``0 .. recomputed[s] - 1``."""
+    held: dict[int, list[int]] = {}
+    for s, kind, i in ops:
+        h = held.setdefault(s, [0, 0])
+        checkpointed = i < recomputed[s]
+        if kind == "F":
+            h[0 if checkpointed else 1] += 1
+            yield s, h[0], h[1], True
+        elif checkpointed:
+            h[1] += 1  # the recomputed forward, next to the input it was recomputed from
+            yield s, h[0], h[1], True
+            h[0] -= 1
+            h[1] -= 1
+            yield s, h[0], h[1], False
+        else:
+            h[1] -= 1
+            yield s, h[0], h[1], False
+
+
+@lru_cache(maxsize=4096)
+def _terms(ops: tuple[Op, ...], recomputed: int) -> Terms:
+    stage = ops[0][0] if ops else 0
+    seen = {(a, b) for _, a, b, alloc in _held(ops, {stage: recomputed}) if alloc}
+    top = [t for t in seen if not any(u != t and u[0] >= t[0] and u[1] >= t[1] for u in seen)]
+    return tuple(sorted(top)) or ((0, 0),)
+
+
+def activation_terms(ops: Sequence[Op], recomputed: int) -> Terms:
+    """The Pareto-maximal (a, b) held after an allocation by one stage running ``ops``: its
+    peak activations are ``max(a x input_bytes + b x saved_bytes)`` ([Note: stage memory])."""
+    return _terms(tuple(ops), recomputed)
+
+
+def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms) -> Amount:
+    """Peak activation bytes of a stage: the largest ``a x input_bytes + b x saved_bytes`` over
+    its ``terms``. Floats and numpy arrays take the maximum; a PuLP expression needs one term
+    at a time (a constraint per term)."""
+    out: Amount = None
+    for a, b in terms:
+        value = a * input_bytes + b * saved_bytes
+        out = value if out is None else np.maximum(out, value)
+    return out
+
+
+def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int],
+                    input_bytes: Mapping[int, float], saved_bytes: Mapping[int, float]) -> float:
+    """Peak activation bytes of a device running ``ops`` of one or more stages in that order
+    (an interleaved rank holds several stages at once)."""
+    level: dict[int, float] = {}
+    peak = 0.0
+    for s, a, b, alloc in _held(ops, recomputed):
+        level[s] = a * input_bytes[s] + b * saved_bytes[s]
+        if alloc:
+            peak = max(peak, sum(level.values()))
+    return peak
+
+
+@lru_cache(maxsize=65536)
+def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed: int,
+                ranks: int | None = None) -> Terms:
+    """``activation_terms`` of stage ``stage`` of ``stages`` under ``schedule`` with ``chunks``
+    micro-batches; ``interleaved1f1b`` needs the number of ``ranks`` the stages cycle over."""
+    if schedule == "interleaved1f1b":
+        w = stages if ranks is None else ranks
+        ops = [op for op in rank_order(schedule, stage % w, w, chunks, stages // w) if op[0] == stage]
+    else:
+        ops = stage_order(schedule, stage, stages, chunks)
+    return activation_terms(ops, recomputed)
 
 
 def state_bytes(param_bytes: Amount, buffer_bytes: Amount, optimizer: str) -> Amount:
@@ -166,27 +250,64 @@ def resolve_devices(
 
 @dataclass(frozen=True)
 class CostOptions:
+    """How stages run: micro-batches, recomputation (one mode, or one per stage), optimizer state,
+    bandwidth between stages, tied parameters and the pipeline schedule."""
+
     chunks: int = 8
-    checkpoint: str = "except_last"
+    checkpoint: str | Sequence[str] = "except_last"  # a list becomes a tuple
     optimizer: str = "adam"
     bandwidth: float | None = 10e9
     ties: str = "share"
+    schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise PartitionError(f"chunks={self.chunks!r}: need an integer number of micro-batches >= 1")
-        if self.checkpoint not in CHECKPOINT_MODES:
+        if not isinstance(self.checkpoint, str | tuple):
+            object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
+        if isinstance(self.checkpoint, str) and self.checkpoint not in CHECKPOINT_MODES:
             raise PartitionError(f"checkpoint={self.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
+        if not isinstance(self.checkpoint, str):
+            self.modes(len(self.checkpoint))  # each entry a mode
         if self.optimizer not in OPTIMIZER_FACTOR:
             raise PartitionError(f"optimizer={self.optimizer!r}: choose one of {list(OPTIMIZER_FACTOR)}")
         if self.ties not in ("share", "colocate"):
             raise PartitionError(f"ties={self.ties!r}: choose 'share' or 'colocate'")
         if self.bandwidth is not None and self.bandwidth < 0:
             raise PartitionError(f"bandwidth={self.bandwidth}: need bytes/s >= 0 (0 or None = free)")
+        if self.schedule not in SCHEDULES:
+            raise PartitionError(f"schedule={self.schedule!r}: choose one of {list(SCHEDULES)}")
 
     @property
     def ms_per_byte(self) -> float:
         return 0.0 if not self.bandwidth else 1000.0 / self.bandwidth
+
+    def modes(self, stages: int) -> list[str]:
+        """Each stage's checkpoint mode ([Note: per-stage recomputation] in executor/spec.py)."""
+        try:
+            return check_stage_checkpoints(self.checkpoint, stages)
+        except ValueError as err:
+            raise PartitionError(str(err)) from None
+
+    def recomputed(self, stages: int) -> list[int]:
+        """How many micro-batches each stage recomputes."""
+        return [recomputed_microbatches(mode, self.chunks) for mode in self.modes(stages)]
+
+    def terms(self, stages: int, ranks: int | None = None) -> list[Terms]:
+        """Each stage's activation terms ([Note: stage memory]) under this schedule."""
+        return [stage_terms(self.schedule, s, stages, self.chunks, r, ranks)
+                for s, r in enumerate(self.recomputed(stages))]
+
+
+def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
+    """The ranks ``interleaved1f1b`` cycles its stages over (the distinct device names), else
+    None; PartitionError when the devices do not take the stages in turn."""
+    if schedule != "interleaved1f1b":
+        return None
+    try:
+        return rank_layout([d.name for d in devices])[0]
+    except ValueError as err:
+        raise PartitionError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -289,7 +410,8 @@ def stage_costs(
     if stage.shape != (len(costs),):
         raise PartitionError(f"assignment has {stage.size} entries for {len(costs)} layers")
     m = options.chunks
-    rec_n = recomputed_microbatches(options.checkpoint, m)
+    recomputed = options.recomputed(k)
+    terms = options.terms(k, schedule_ranks(options.schedule, devices))
     cut = np.zeros(max(k - 1, 0), dtype=np.int64)  # bytes crossing cut s (between s and s+1)
     for u, users in enumerate(costs.consumers):
         if users:
@@ -310,10 +432,10 @@ def stage_costs(
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
-            recompute_ms=recompute_ms(fwd, rec_n, m),
+            recompute_ms=recompute_ms(fwd, recomputed[s], m),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte),
             param_bytes=state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer),
-            activation_bytes=activation_bytes(cut_in, saved, rec_n, m),
+            activation_bytes=int(activation_bytes(cut_in, saved, terms[s])),
             input_bytes=cut_in,
             output_bytes=cut_out,
             saved_bytes=saved,

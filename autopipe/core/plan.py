@@ -3,7 +3,17 @@
 A Plan is a frozen, JSON-serialisable value. The partitioners return one; ``autopipe build``
 reads one and calls :meth:`Plan.check` against the traced graph before splitting the model.
 Everything numeric in it comes from ``autopipe.core.cost`` (per-stage time and memory) and
-``autopipe.core.simulator`` (iteration time, bubble, per-stage peak memory under GPipe).
+``autopipe.core.simulator`` (iteration time, bubble, per-stage and per-device peak memory under
+the plan's schedule); ``autopipe.core.plan_text`` puts it in words.
+
+[Note: plan fields over time] ``autopipe-plan/1`` only ever gains optional fields, so every
+older plan loads: ``checkpoint`` is one mode or, since per-stage recomputation, a list with one
+mode per stage (a plan whose stages all share a mode stores the single mode, as before);
+``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
+``device_memory`` were added with the automatic search. A plan made for another micro-batch
+than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
+full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
+:meth:`Plan.check` compares the structure and the micro-batch rows instead.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from autopipe.core import plan_text
 from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
@@ -30,11 +41,10 @@ from autopipe.core.cost import (
 from autopipe.core.files import atomic_write_text
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
-from autopipe.core.units import format_bytes
 from autopipe.errors import AutopipeError, PlanError
 from executor.spec import recomputed_microbatches
 
-__all__ = ["Plan", "SolverInfo", "PLAN_FORMAT", "assign_stages"]
+__all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
 
 PLAN_FORMAT = "autopipe-plan/1"
 
@@ -51,6 +61,22 @@ class SolverInfo:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A configuration a search weighed against the chosen one: its stage count, micro-batches,
+    schedule and recomputation, simulated iteration (ms), bottleneck (ms), the highest device
+    peak (bytes) and, when it was not a contender, why (``note``)."""
+
+    stages: int
+    chunks: int
+    schedule: str
+    checkpoint: str | list[str]
+    iteration_time: float
+    bottleneck: float
+    memory: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     """A partition of a profile's layers into pipeline stages, with its predicted cost.
 
@@ -58,12 +84,13 @@ class Plan:
     runs. Times are ms per micro-batch (``stage_times``, ``bottleneck``, ``lower_bound``) or per
     iteration (``iteration_time``, simulated GPipe); memory is bytes. ``breakdown[s]`` splits
     stage s's time into forward, backward, recompute and transfer (for stacked bar plots).
+    ``checkpoint`` is one mode, or one per stage (``stage_checkpoints`` always gives the list).
     """
 
     stages: list[list[str]]
     devices: list[DeviceSpec]
     chunks: int
-    checkpoint: str
+    checkpoint: str | list[str]
     method: str
     stage_times: list[float]
     stage_memory: list[int]
@@ -79,8 +106,11 @@ class Plan:
     bandwidth: float | None = 10e9
     ties: str = "share"
     largest_layer: tuple[str, float] = ("", 0.0)
-    batch_size: int | None = None  # the profile's batch and micro-batch rows, when recorded
+    batch_size: int | None = None  # the batch and the micro-batch rows, when recorded
     micro_batch_size: int | None = None
+    schedule: str = "gpipe"
+    alternatives: list[Alternative] = field(default_factory=list)
+    device_memory: dict[str, int] = field(default_factory=dict)  # peak per device, all its stages
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -91,34 +121,40 @@ class Plan:
         *,
         devices: Sequence[DeviceSpec | str] | None = None,
         chunks: int = 8,
-        checkpoint: str = "except_last",
+        checkpoint: str | Sequence[str] = "except_last",
         optimizer: str = "adam",
         bandwidth: float | None = 10e9,
         ties: str = "share",
         memory_limit: int | str | None = None,
         method: str = "manual",
         solver: SolverInfo | None = None,
+        schedule: str = "gpipe",
+        alternatives: Sequence[Alternative] = (),
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
-        Raises PlanError when ``stages`` does not cover every layer exactly once, a stage is
-        empty, or an edge of the graph runs from a later stage back to an earlier one.
+        ``checkpoint`` is one mode or a list of one mode per stage; ``schedule`` one of
+        executor.spec.SCHEDULES (``interleaved1f1b`` cycles the stages over the distinct device
+        names). Raises PlanError when ``stages`` does not cover every layer exactly once, a
+        stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
-        options = CostOptions(chunks, checkpoint, optimizer, bandwidth, ties)
         specs = resolve_devices(len(stages), devices, memory_limit)
+        modes = CostOptions(chunks, _one(checkpoint), optimizer, bandwidth, ties, schedule).modes(len(stages))
+        options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule)
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
         costs = LayerCosts.from_profile(profile)
         breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
-        sim = simulate_stages(breakdown, chunks=chunks, checkpoint=checkpoint,
+        sim = simulate_stages(breakdown, chunks=chunks, checkpoint=modes, schedule=schedule,
                               ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs])
-        work = layer_work(costs.fwd, costs.bwd, recomputed_microbatches(checkpoint, chunks), chunks)
+        least = min(recomputed_microbatches(mode, chunks) for mode in modes)
+        work = layer_work(costs.fwd, costs.bwd, least, chunks)
         big = int(np.argmax(work))
         lower = lower_bound(work, [d.speed for d in specs])
         times = [c.time_ms for c in breakdown]
         ordered = [[n for n in layers if where[n] == s] for s in range(len(stages))]
         return cls(
-            stages=ordered, devices=specs, chunks=chunks, checkpoint=checkpoint, method=method,
+            stages=ordered, devices=specs, chunks=chunks, checkpoint=_one(modes), method=method,
             stage_times=times, stage_memory=[c.memory_bytes for c in breakdown],
             bottleneck=max(times), iteration_time=sim.iteration_time, lower_bound=lower,
             bubble_fraction=sim.bubble_fraction, peak_memory=sim.peak_memory,
@@ -127,6 +163,7 @@ class Plan:
             largest_layer=(layers[big], float(work[big])),
             batch_size=_int_or_none(profile.meta.get("batch_size")),
             micro_batch_size=_int_or_none(profile.meta.get("micro_batch_size")),
+            schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -134,12 +171,28 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def stage_checkpoints(self) -> list[str]:
+        """Each stage's checkpoint mode ([Note: per-stage recomputation] in executor/spec.py)."""
+        return [self.checkpoint] * self.num_stages if isinstance(self.checkpoint, str) else list(self.checkpoint)
+
+    @property
+    def cost_options(self) -> CostOptions:
+        """The options every cost of this plan was computed with."""
+        return CostOptions(self.chunks, _one(self.checkpoint), self.optimizer, self.bandwidth,
+                           self.ties, self.schedule)
+
     def check(self, layers: Sequence[str], fingerprint: str | None, *,
               micro_batch_size: int | None = None) -> None:
         """Raise PlanError unless this plan was made for a graph with these layers; a fingerprint
         mismatch says whether the model or the micro-batch shape differs (``micro_batch_size``:
         the rows of the graph's micro-batch, named in the message when given)."""
         differs = fingerprint_mismatch(self.fingerprint, fingerprint)
+        if self.fingerprint is not None and self.fingerprint.startswith("*.") and fingerprint:
+            mine, theirs = self.fingerprint[2:], fingerprint.partition(".")[2]  # structure only
+            differs = None if not theirs or theirs == mine else "model"
+            if differs is None and micro_batch_size not in (None, self.micro_batch_size):
+                differs = "shape"
         head = f"plan was made for graph fingerprint {self.fingerprint} but this graph has {fingerprint}"
         if differs == "model":
             raise PlanError(f"{head}: the plan is for another model (its layers or parameter shapes "
@@ -162,74 +215,17 @@ class Plan:
         _check_layers({n for names in self.stages for n in names}, list(layers), "the graph")
 
     def explain(self) -> str:
-        """One paragraph: the bottleneck, how far it is from the lower bound, and what limits it."""
-        k = self.num_stages
-        s = int(np.argmax(self.stage_times))
-        names = self.stages[s]
-        total = sum(self.stage_times)
-        span = self.spans()[s]
-        big_name, big_ms = self.largest_layer
-        parts = [
-            f"{k} stage(s) by {self.method}: stage {s} ({span}, {len(names)} layers on "
-            f"{self.devices[s].name}) is the bottleneck at {self.bottleneck:.3f} ms per micro-batch, "
-            f"{100 * self.stage_times[s] / total:.0f}% of the summed stage time; the lower bound "
-            f"max(T/K, largest layer) is {self.lower_bound:.3f} ms (largest layer {big_name!r}: "
-            f"{big_ms:.3f} ms), so the plan is {100 * (self.bottleneck / self.lower_bound - 1):.1f}% "
-            f"above it." if self.lower_bound > 0 else
-            f"{k} stage(s) by {self.method}: every layer costs 0 ms.",
-            f"Simulated GPipe iteration with {self.chunks} micro-batches: {self.iteration_time:.3f} ms "
-            f"({100 * self.bubble_fraction:.0f}% bubble).",
-        ]
-        parts.append(f"Limited by {self._limit(s)}.")
-        if self.solver.gap is not None:
-            parts.append(f"Solver status {self.solver.status}, gap {100 * self.solver.gap:.2f}%.")
-        return " ".join(parts)
-
-    def _limit(self, s: int) -> str:
-        b = self.breakdown[s]
-        over = [i for i, (mem, d) in enumerate(zip(self.stage_memory, self.devices, strict=True))
-                if d.memory is not None and mem > d.memory]
-        if over:
-            i = over[0]
-            return (f"memory: stage {i} needs {format_bytes(self.stage_memory[i])} but "
-                    f"{self.devices[i].name} has {format_bytes(self.devices[i].memory)}")
-        if self.bottleneck <= 1.005 * self.lower_bound:
-            return "nothing but the total work: the split is balanced; add stages or faster devices"
-        if self.largest_layer[1] / max(d.speed for d in self.devices) >= 0.9 * self.bottleneck:
-            return (f"the big layer {self.largest_layer[0]!r}: no split can go below it; "
-                    f"split that layer or use fewer stages")
-        if b.transfer_ms > 0.1 * b.time_ms:
-            return (f"transfers: {b.transfer_ms:.3f} ms ({100 * b.transfer_ms / b.time_ms:.0f}%) of "
-                    f"stage {s} is sending activations and gradients; raise bandwidth or cut at "
-                    f"thinner activations")
-        tight = [i for i, (mem, d) in enumerate(zip(self.stage_memory, self.devices, strict=True))
-                 if d.memory is not None and mem > 0.9 * d.memory]
-        if tight:
-            return (f"memory: stage {tight[0]} uses {100 * self.stage_memory[tight[0]] / (self.devices[tight[0]].memory or 1):.0f}% "
-                    f"of its device, which keeps layers off it")
-        return "layer granularity: whole layers cannot be balanced more evenly"
+        """What was chosen, the bottleneck against the lower bound, what limits the plan (memory
+        or time) and, after a search, the next best alternatives with their predicted times."""
+        return plan_text.explain(self)
 
     def spans(self) -> list[str]:
         """Each stage's layers as ``first .. last`` (whole names, never cut)."""
         return [names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}" for names in self.stages]
 
     def table(self) -> str:
-        """A per-stage table: layers, time, memory and share of the summed time."""
-        total = sum(self.stage_times) or 1.0
-        spans = self.spans()
-        wide = max(len("first .. last"), *(len(x) for x in spans))
-        dev = max(len("device"), *(len(d.name) for d in self.devices))
-        rows = [f"{'stage':>5}  {'device':<{dev}} {'layers':>6}  {'first .. last':<{wide}} {'time ms':>9} "
-                f"{'fwd':>8} {'bwd':>8} {'recomp':>8} {'xfer':>8} {'memory':>10}  {'share':>5}"]
-        for s, names in enumerate(self.stages):
-            b = self.breakdown[s]
-            rows.append(
-                f"{s:>5}  {self.devices[s].name:<{dev}} {len(names):>6}  {spans[s]:<{wide}} "
-                f"{self.stage_times[s]:>9.3f} {b.fwd_ms:>8.3f} {b.bwd_ms:>8.3f} {b.recompute_ms:>8.3f} "
-                f"{b.transfer_ms:>8.3f} {format_bytes(self.stage_memory[s]):>10}  "
-                f"{100 * self.stage_times[s] / total:>4.0f}%"
-            )
-        return "\n".join(rows)
+        """A per-stage table: layers, time, memory, share of the summed time, recomputation."""
+        return plan_text.table(self)
 
     # --- disk -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -264,7 +260,8 @@ class Plan:
             raise PlanError(f"{where} is not an autopipe plan (expected format {PLAN_FORMAT!r}); "
                             f"re-run `autopipe partition ...`")
         names = [f.name for f in fields(cls)]
-        optional = ("solver", "largest_layer", "batch_size", "micro_batch_size")  # older plans lack them
+        optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
+                    "alternatives", "device_memory")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -274,6 +271,8 @@ class Plan:
             kw["breakdown"] = [StageCost(**b) for b in data["breakdown"]]
             kw["solver"] = SolverInfo(**data.get("solver", {}))
             kw["largest_layer"] = tuple(data.get("largest_layer", ("", 0.0)))
+            kw["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
+            kw["device_memory"] = dict(data.get("device_memory", {}))
             plan = cls(**kw)
             _check_types(plan)
         except (TypeError, ValueError, AttributeError) as err:
@@ -300,7 +299,19 @@ def _check_types(plan: Plan) -> None:
         value = getattr(plan, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise TypeError(f"{name!r} must be an integer >= 1 or null, got {value!r}")
-    CostOptions(plan.chunks, plan.checkpoint, plan.optimizer, plan.bandwidth, plan.ties)
+    if not isinstance(plan.checkpoint, str | list):
+        raise TypeError(f"'checkpoint' must be a mode or a list of modes, got {plan.checkpoint!r}")
+    plan.cost_options.modes(k)
+    if not all(isinstance(v, int) for v in plan.device_memory.values()):
+        raise TypeError("'device_memory' must map device names to bytes")
+
+
+def _one(checkpoint: str | Sequence[str]) -> str | list[str]:
+    """One mode when every stage has it (the form older plans and readers know), else the list."""
+    if isinstance(checkpoint, str):
+        return checkpoint
+    modes = list(checkpoint)
+    return modes[0] if modes and all(m == modes[0] for m in modes) else modes
 
 
 def _int_or_none(value: Any) -> int | None:

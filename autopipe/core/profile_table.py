@@ -38,6 +38,14 @@ inputs are not layers and have no edges). ``meta`` records how the profile was m
 dtype, micro_batch_size, batch_size, chunks, torch_version, fingerprint, repeats, warmup, date,
 model.
 
+Several micro-batch sizes: the columns above hold the measurements at ``meta["micro_batch_size"]``
+rows; measurements at other sizes R are extra columns ``fwd_ms@R``, ``bwd_ms@R``,
+``saved_bytes@R`` and ``output_bytes@R`` (the row-dependent ones; parameters and buffers are the
+same at every size), with ``meta["micro_batch_sizes"]`` listing every measured size (the base
+one included) and, optionally, ``meta["fingerprints"] = {"R": fingerprint}`` the graph's
+fingerprint at each. Edges keep the base size's bytes. ``autopipe.core.scaling.profile_at``
+reads them ([Note: micro-batch scaling]); a profile of one size scales in proportion to the rows.
+
 On disk a profile is ``NAME.csv`` (the table) with ``NAME.json`` beside it (edges + meta).
 """
 

@@ -1,19 +1,22 @@
 """Event simulation of a pipeline schedule: per-stage timeline, iteration time, peak memory.
 
-Each stage runs one operation at a time, in the order its schedule fixes:
+Each device runs one operation at a time, in the order its schedule fixes ([Note: schedule
+orders] in autopipe/core/schedules.py, torch.distributed.pipelining's own orders):
 
-    gpipe  F0 F1 ... F(M-1)  B(M-1) ... B0                 (fill, then drain; torchgpipe)
-    1f1b   min(K-1-s, M) warm-up forwards, then one forward / one backward, then the rest
+    gpipe            F0 F1 ... F(M-1)  B0 B1 ... B(M-1)             (ScheduleGPipe)
+    1f1b             min(M, K-s) warm-up forwards, then one backward / one forward, then the rest
+    interleaved1f1b  V stages per rank, stage s on rank s % W, torch's interleaved order
 
 A forward of micro-batch m on stage s waits for stage s-1's forward of m and its transfer; a
 backward waits for stage s+1's backward of m and the gradient's transfer. A checkpointed
-micro-batch (see [Note: stage memory] in autopipe.core.cost) is recomputed right before its backward,
-once the gradient has arrived. After a forward the stage sends its output activations, after a
-backward its input gradients; sends occupy the sender ([Note: transfer cost]).
+micro-batch (see [Note: stage memory] in autopipe.core.cost) is recomputed right before its
+backward, once the gradient has arrived. After a forward the stage sends its output activations,
+after a backward its input gradients; sends occupy the sender ([Note: transfer cost]).
 
-Memory: a stage holds its parameter state throughout; a micro-batch's activations are held from
-its forward to the end of its backward: the full ``saved`` bytes, or only the stage input while
-checkpointed plus ``saved`` again from its recomputation on.
+Memory: a stage holds its parameter state throughout, and its activations as the cost model's
+walk over the operations its device ran, in the order it ran them (``cost.activation_peak``), so
+the peaks are the cost model's, exactly. ``device_memory`` is each device's peak with all of its
+stages together (an interleaved rank's stages, or stages sharing one device).
 
 The events are executor.spec.TimelineEvent, the value the executor measures, so a predicted and a
 measured timeline can be drawn on one plot.
@@ -22,12 +25,14 @@ measured timeline can be drawn on one plot.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autopipe.core.cost import CostOptions, LayerCosts, StageCost, stage_costs
+from autopipe.core.cost import LayerCosts, StageCost, activation_peak, stage_costs
+from autopipe.core.scaling import profile_at
+from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PlanError
-from executor.spec import TimelineEvent, recomputed_microbatches
+from executor.spec import SCHEDULES, TimelineEvent, check_stage_checkpoints, recomputed_microbatches
 
 if TYPE_CHECKING:
     from autopipe.core.plan import Plan
@@ -35,8 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SIMULATED_SCHEDULES", "SimulationResult", "simulate", "simulate_stages"]
 
-# The runtime's schedules (executor.spec.SCHEDULES) that this simulator models.
-SIMULATED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+# The runtime's schedules (executor.spec.SCHEDULES): the simulator models every one of them.
+SIMULATED_SCHEDULES: tuple[str, ...] = SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class SimulationResult:
     schedule: str
     timeline: list[TimelineEvent]
     iteration_time: float  # ms
-    bubble_fraction: float  # idle share of K x iteration_time
+    bubble_fraction: float  # idle share of devices x iteration_time
     peak_memory: list[int]  # bytes per stage
+    device_memory: dict[str, int] = field(default_factory=dict)  # peak bytes per device
 
     def summary(self) -> str:
         """A few lines: iteration time, bubble and each stage's busy time and peak memory."""
@@ -64,36 +70,41 @@ class SimulationResult:
         return "\n".join(lines)
 
 
-def _order(schedule: str, s: int, k: int, m: int) -> list[tuple[str, int]]:
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-    warm = min(k - 1 - s, m)
-    ops = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        ops += [("F", warm + i), ("B", i)]
-    return ops + [("B", i) for i in range(m - warm, m)]
+def _clock(op: Op, k: int, m: int) -> tuple[int, int]:
+    """Fill-drain priority of an operation among stages that share a device: backwards first
+    (they free memory), each wave in clock-cycle order (micro-batch + distance travelled)."""
+    s, kind, i = op
+    return (i + s, s) if kind == "F" else (i + (k - 1 - s) - 2 * (k + m), -s)
 
 
-def _clock(op: tuple[str, int], s: int) -> tuple[int, int]:
-    """Fill-drain priority of an operation: forwards by clock cycle (micro-batch + stage), then
-    stage; backwards in the reverse order, which is the order autograd runs them."""
-    kind, i = op
-    return (i + s, s) if kind == "F" else (-(i + s), -s)
+def _queues(schedule: str, names: list[str], m: int) -> tuple[list[list[Op]], list[int], list[int]]:
+    """The operation queues, the device (resource) each runs on, and each stage's device."""
+    k = len(names)
+    if schedule == "interleaved1f1b":
+        try:
+            w, rank_of = rank_layout(names)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+        return [rank_order(schedule, r, w, m, k // w) for r in range(w)], list(range(w)), rank_of
+    device = [names.index(n) for n in names]
+    return [stage_order(schedule, s, k, m) for s in range(k)], device, device
 
 
 def simulate_stages(
     stages: Sequence[StageCost],
     *,
     chunks: int,
-    checkpoint: str,
+    checkpoint: str | Sequence[str],
     ms_per_byte: float,
     schedule: str = "gpipe",
     devices: Sequence[str] | None = None,
 ) -> SimulationResult:
     """Simulate one training iteration of stages with the given per-micro-batch costs.
 
-    ``devices`` names each stage's device; stages with the same name share it and never run at
-    the same time (see [Note: shared devices]). Default: every stage on its own device.
+    ``checkpoint`` is one mode or one per stage. ``devices`` names each stage's device; stages
+    with the same name share it and never run at the same time (see [Note: shared devices]);
+    under ``interleaved1f1b`` the names are the ranks, taken in turn. Default: every stage on
+    its own device.
     """
     if schedule not in SIMULATED_SCHEDULES:
         raise PlanError(f"schedule={schedule!r} is not simulated; choose one of {list(SIMULATED_SCHEDULES)}")
@@ -101,87 +112,105 @@ def simulate_stages(
     names = list(devices) if devices is not None else [f"stage{s}" for s in range(k)]
     if len(names) != k:
         raise PlanError(f"{len(names)} devices for {k} stages: give one device per stage")
-    resource = [names.index(name) for name in names]  # stages on one device share a clock
-    rec_n = recomputed_microbatches(checkpoint, m)
-    fwd_ready: dict[tuple[int, int], float] = {(0, i): 0.0 for i in range(m)}
-    bwd_ready: dict[tuple[int, int], float] = {}
-    orders = [_order(schedule, s, k, m) for s in range(k)]
-    pos, free = [0] * k, [0.0] * k
+    try:
+        rec = [recomputed_microbatches(mode, m) for mode in check_stage_checkpoints(checkpoint, k)]
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    queues, resource, device_of = _queues(schedule, names, m)
+    n_res = max(resource) + 1
+    ready: dict[tuple[str, int, int], float] = {("F", 0, i): 0.0 for i in range(m)}
+    pos, free = [0] * len(queues), [0.0] * n_res
+    ran: list[list[Op]] = [[] for _ in range(n_res)]
     timeline: list[TimelineEvent] = []
-    held: list[list[tuple[float, int]]] = [[] for _ in range(k)]  # (time, +/- bytes)
 
-    def run(s: int, i: int, phase: str, start: float, dur: float) -> float:
+    def emit(s: int, i: int, phase: str, start: float, dur: float) -> float:
         if dur > 0 or phase != "transfer":
             timeline.append(TimelineEvent(s, i, phase, start, start + dur))
-        free[resource[s]] = start + dur
         return start + dur
 
-    def ready(s: int) -> float | None:
-        op, i = orders[s][pos[s]]
-        when = (fwd_ready if op == "F" else bwd_ready).get((s, i))
-        return None if when is None else max(free[resource[s]], when)
-
-    # [Note: shared devices] List scheduling: repeatedly run the ready operation that can start
-    # first (ties in fill-drain clock order, reversed for backward as autograd runs it; see
-    # _clock). With one device
-    # per stage this gives the same times as running each stage's order independently; stages
-    # on one device (executor.GPipe with devices=["cpu", "cpu"]) take turns, as they do there.
-    while True:
-        candidates = [
-            (start, _clock(orders[s][pos[s]], s), s)
-            for s in range(k)
-            if pos[s] < len(orders[s]) and (start := ready(s)) is not None
-        ]
-        if not candidates:
-            break
-        start, _, s = min(candidates)
+    def execute(q: int, start: float) -> None:
+        op = queues[q][pos[q]]
+        s, kind, i = op
         st = stages[s]
-        op, i = orders[s][pos[s]]
-        ckpt = i < rec_n
-        if op == "F":
-            end = run(s, i, "forward", start, st.fwd_ms)
-            held[s].append((end, st.input_bytes if ckpt else st.saved_bytes))
+        if kind == "F":
+            end = emit(s, i, "forward", start, st.fwd_ms)
             if s == k - 1:
-                bwd_ready[s, i] = end
+                ready["B", s, i] = end
             else:
-                fwd_ready[s + 1, i] = run(s, i, "transfer", end, st.output_bytes * ms_per_byte)
+                end = ready["F", s + 1, i] = emit(s, i, "transfer", end, st.output_bytes * ms_per_byte)
         else:
-            if ckpt:
-                held[s].append((start, st.saved_bytes))
-                start = run(s, i, "recompute", start, st.fwd_ms)
-            end = run(s, i, "backward", start, st.bwd_ms)
-            held[s].append((end, -(st.input_bytes + st.saved_bytes) if ckpt
-                            else -st.saved_bytes))
+            if i < rec[s]:
+                start = emit(s, i, "recompute", start, st.fwd_ms)
+            end = emit(s, i, "backward", start, st.bwd_ms)
             if s > 0:
-                bwd_ready[s - 1, i] = run(s, i, "transfer", end, st.input_bytes * ms_per_byte)
-        pos[s] += 1
-    if any(p < len(o) for p, o in zip(pos, orders, strict=True)):  # pragma: no cover - a bug
+                end = ready["B", s - 1, i] = emit(s, i, "transfer", end, st.input_bytes * ms_per_byte)
+        free[resource[q]] = end
+        ran[resource[q]].append(op)
+        pos[q] += 1
+
+    def start_of(q: int) -> float | None:
+        if pos[q] >= len(queues[q]):
+            return None
+        s, kind, i = queues[q][pos[q]]
+        when = ready.get((kind, s, i))
+        return None if when is None else max(free[resource[q]], when)
+
+    if len(set(resource)) == len(resource):  # one queue per device: each runs its own order
+        progress = True
+        while progress:
+            progress = False
+            for q in range(len(queues)):
+                while (start := start_of(q)) is not None:
+                    execute(q, start)
+                    progress = True
+    else:
+        # [Note: shared devices] List scheduling: repeatedly run the ready operation that can
+        # start first (ties in fill-drain clock order, _clock). With one device per stage this
+        # gives the same times as running each stage's order independently; stages on one
+        # device (executor.GPipe with devices=["cpu", "cpu"]) take turns, as they do there.
+        while True:
+            candidates = [(start, _clock(queues[q][pos[q]], k, m), q)
+                          for q in range(len(queues)) if (start := start_of(q)) is not None]
+            if not candidates:
+                break
+            start, _, q = min(candidates)
+            execute(q, start)
+    if any(p < len(o) for p, o in zip(pos, queues, strict=True)):  # pragma: no cover - a bug
         raise RuntimeError("schedule deadlocked")
     total = max((e.end_ms for e in timeline), default=0.0)
     busy = sum(e.end_ms - e.start_ms for e in timeline)
-    peaks = []
-    for s, st in enumerate(stages):
-        level = peak = 0
-        for _, delta in sorted(held[s], key=lambda x: (x[0], x[1])):  # frees before allocs at a tie
-            level += delta
-            peak = max(peak, level)
-        peaks.append(st.param_bytes + peak)
-    bubble = 1.0 - busy / (k * total) if total > 0 else 0.0
+    recomputed = dict(enumerate(rec))
+    inputs = {s: float(st.input_bytes) for s, st in enumerate(stages)}
+    saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}
+    peaks = [st.param_bytes + int(activation_peak([op for op in ran[device_of[s]] if op[0] == s],
+                                                  recomputed, inputs, saved))
+             for s, st in enumerate(stages)]
+    device_memory: dict[str, int] = {}
+    for r, ops in enumerate(ran):
+        owners = [s for s in range(k) if device_of[s] == r]
+        device_memory[names[owners[0]]] = (sum(stages[s].param_bytes for s in owners)
+                                           + int(activation_peak(ops, recomputed, inputs, saved)))
+    bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))
-    return SimulationResult(schedule, timeline, total, bubble, peaks)
+    return SimulationResult(schedule, timeline, total, bubble, peaks, device_memory)
 
 
-def simulate(plan: Plan, profile: Profile | None = None, schedule: str = "gpipe") -> SimulationResult:
-    """Predict ``plan``'s training iteration under ``schedule`` ("gpipe" or "1f1b").
+def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = None) -> SimulationResult:
+    """Predict ``plan``'s training iteration under ``schedule`` (default: the plan's own).
 
     With a ``profile`` the stage costs are recomputed from it (after checking the plan matches
-    it); without one the plan's own per-stage breakdown is used.
+    it, and scaled to the plan's micro-batch when the plan records another one: [Note:
+    micro-batch scaling]); without one the plan's own per-stage breakdown is used.
     """
-    options = CostOptions(plan.chunks, plan.checkpoint, plan.optimizer, plan.bandwidth, plan.ties)
+    schedule = plan.schedule if schedule is None else schedule
+    options = plan.cost_options
     if profile is None:
         stages = list(plan.breakdown)
     else:
         plan.check(profile.layers, profile.fingerprint)
+        rows = plan.micro_batch_size
+        if rows is not None and profile.meta.get("micro_batch_size") not in (None, rows):
+            profile = profile_at(profile, rows, batch_size=plan.batch_size, chunks=plan.chunks)
         where = {name: s for s, names in enumerate(plan.stages) for name in names}
         stages = stage_costs(LayerCosts.from_profile(profile), [where[n] for n in profile.layers],
                              plan.devices, options)

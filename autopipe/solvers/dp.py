@@ -2,20 +2,20 @@
 
 ``solve_dp`` minimises the bottleneck stage time (autopipe.core.cost's ``stage_time``: compute /
 device speed + transfers at the stage's cuts) subject to each device's memory limit, tie groups and
-non-empty stages. It is the classic O(K N^2) dynamic program::
-
-    best[k][j] = min over i < j of max(best[k-1][i], time_k(layers i..j-1))
-
-with every (i, j) column block evaluated at once in numpy, so N = 2000 layers into K = 16
-stages takes well under two seconds. Stage costs are not monotone in the stage's extent
-(cutting through a wide activation costs more than cutting next to it), so the shortcut of a
-binary search with a greedy feasibility test would not be exact; the DP is.
+non-empty stages, with the checkpoint mode(s) of its options. It is the classic O(K N^2) dynamic
+program, run by autopipe.solvers.stage_dp ([Note: per-stage mode DP]) with every (i, j) column
+block evaluated at once in numpy, so N = 2000 layers into K = 16 stages takes about two seconds.
+Stage costs are not monotone in the stage's extent (cutting through a wide activation costs more
+than cutting next to it), so the shortcut of a binary search with a greedy feasibility test
+would not be exact; the DP is. When no split fits, ``memory_error`` says why in one line, with
+the fix that applies; its hints (fewest stages, another mode) use the first stage's memory
+terms, exact for ``gpipe`` and the most a stage holds under ``1f1b``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,13 +24,17 @@ from autopipe.core.cost import (
     DeviceSpec,
     FloatArray,
     LayerCosts,
+    Terms,
     activation_bytes,
     layer_work,
+    schedule_ranks,
+    stage_terms,
     stage_time,
     state_bytes,
 )
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
+from autopipe.solvers.stage_dp import solve_split
 from executor.spec import recomputed_microbatches
 
 __all__ = ["DPResult", "solve_dp", "RangeCosts"]
@@ -42,17 +46,29 @@ _BLOCK = 256  # columns per numpy block: bounds memory to (N + 1) x 256 floats p
 class DPResult:
     assignment: list[int]  # stage of each layer
     bottleneck: float  # ms
+    modes: list[str] = field(default_factory=list)  # each stage's checkpoint mode
+
+
+def first_stage_terms(options: CostOptions, k: int, mode: str | None = None) -> Terms:
+    """Memory terms of stage 0 of ``k`` (the most a stage holds under 1F1B) in ``mode`` (default:
+    the options' first stage's)."""
+    mode = options.modes(k)[0] if mode is None else mode
+    ranks = k if options.schedule == "interleaved1f1b" else None
+    return stage_terms(options.schedule, 0, k, options.chunks,
+                       recomputed_microbatches(mode, options.chunks), ranks)
 
 
 class RangeCosts:
-    """Time and memory of a contiguous stage ``layers[i:j]`` for whole blocks of (i, j)."""
+    """Time and memory of a contiguous stage ``layers[i:j]`` for whole blocks of (i, j), in one
+    checkpoint ``mode`` with one set of memory ``terms`` (for the messages of memory_error)."""
 
-    def __init__(self, costs: LayerCosts, options: CostOptions) -> None:
+    def __init__(self, costs: LayerCosts, options: CostOptions, mode: str, terms: Terms) -> None:
         n = len(costs)
         self.n = n
         self.names = costs.names
         m = options.chunks
-        rec_n = recomputed_microbatches(options.checkpoint, m)
+        rec_n = recomputed_microbatches(mode, m)
+        self.terms = terms
         zero = np.zeros(1)
         work = layer_work(costs.fwd, costs.bwd, rec_n, m)
         self.compute = np.concatenate([zero, np.cumsum(work)])
@@ -97,7 +113,7 @@ class RangeCosts:
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
         saved = s[None, j0:j1] - s[:, None]
         out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer)
-                           + activation_bytes(self.cut[:, None], saved, self.rec_n, self.m))
+                           + activation_bytes(self.cut[:, None], saved, self.terms))
         return out
 
 
@@ -140,8 +156,18 @@ def solve_dp(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOpti
     """The optimal contiguous split; PartitionError says which constraint makes it infeasible."""
     n, k = len(costs), len(devices)
     check_stage_count(n, k)
-    rc = RangeCosts(costs, options)
-    has_limit = any(d.memory is not None for d in devices)
+    schedule_ranks(options.schedule, devices)  # interleaved devices must take turns
+    split = solve_split(costs, devices, options)
+    if split is not None:
+        return DPResult(split.assignment, split.bottleneck, split.modes)
+    mode = options.modes(k)[0]
+    rc = RangeCosts(costs, options, mode, first_stage_terms(options, k))
+    if rc.forbidden[1:n].sum() > n - 1 - (k - 1):
+        raise PartitionError(
+            f"ties='colocate' keeps tie groups whole, which leaves {n - 1 - int(rc.forbidden[1:n].sum())} "
+            f"places to cut but {k} stages need {k - 1}; use fewer stages or ties='share'"
+        )
+    assert any(d.memory is not None for d in devices), "a split without memory limits is always feasible"
     mem_cache: dict[tuple[int, int], FloatArray] = {}
 
     def memory(j0: int, j1: int) -> FloatArray:
@@ -149,23 +175,6 @@ def solve_dp(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOpti
             mem_cache[(j0, j1)] = rc.memory(j0, j1)
         return mem_cache[(j0, j1)]
 
-    def time_cost(s: int, j0: int, j1: int) -> FloatArray:
-        t = rc.time(j0, j1, devices[s].speed)
-        ok = rc.valid(j0, j1)
-        limit = devices[s].memory
-        if limit is not None:
-            ok &= memory(j0, j1) <= limit
-        return np.where(ok, t, np.inf)
-
-    value, starts = minmax_dp(n, k, time_cost)
-    if starts:
-        return DPResult(_assignment(n, starts), value)
-    if rc.forbidden[1:n].sum() > n - 1 - (k - 1):
-        raise PartitionError(
-            f"ties='colocate' keeps tie groups whole, which leaves {n - 1 - int(rc.forbidden[1:n].sum())} "
-            f"places to cut but {k} stages need {k - 1}; use fewer stages or ties='share'"
-        )
-    assert has_limit, "a split without memory limits is always feasible"
     raise memory_error(costs, rc, devices, options, memory)
 
 
@@ -188,7 +197,7 @@ def memory_error(
     roomiest = max(limits)
     state, params = layer_state_bytes(rc, options.optimizer)
     big = int(np.argmax(state))
-    setting = f"checkpoint={options.checkpoint!r}, optimizer={options.optimizer!r}"
+    setting = f"checkpoint={_mode_text(options.checkpoint)}, optimizer={options.optimizer!r}"
     if state[big] > roomiest:
         return PartitionError(
             f"layer {rc.names[big]!r} alone needs {format_bytes(state[big])} for its parameters "
@@ -202,7 +211,7 @@ def memory_error(
         return PartitionError(
             f"stage memory exceeds some device's limit by at least {100 * (need - 1):.1f}% with "
             f"{setting} and these {k} devices; give them more memory"
-            + (" or use checkpoint='except_last'" if options.checkpoint == "never" else "")
+            + (" or use checkpoint='except_last'" if "never" in options.modes(k) else "")
         )
     limit = limits[0]
     need, _ = minmax_dp(n, k, _ratio(rc, devices, memory))
@@ -212,7 +221,8 @@ def memory_error(
     fewest = fewest_stages(rc, memory, limit)
     if fewest is not None:
         fixes.append(f"{fewest} stages are the fewest that fit (--stages {fewest} / stages={fewest})")
-    others = {mode: RangeCosts(costs, replace(options, checkpoint=mode))
+    others = {mode: RangeCosts(costs, replace(options, checkpoint=mode), mode,
+                               first_stage_terms(options, k, mode))
               for mode in ("except_last", "always") if mode != options.checkpoint}
     for mode, other in others.items():  # recomputation keeps fewer activations than 'never'
         if minmax_dp(n, k, _ratio(other, devices, other.memory))[0] <= 1.0:
@@ -232,6 +242,10 @@ def memory_error(
                      f"{format_bytes(least_memory(rc, memory))}; raise the limit to that "
                      f"(--memory / memory_limit=)")
     return PartitionError(f"{head}; {'; or '.join(fixes)}")
+
+
+def _mode_text(checkpoint: str | Sequence[str]) -> str:
+    return repr(checkpoint) if isinstance(checkpoint, str) else repr(list(checkpoint))
 
 
 def _ratio(rc: RangeCosts, devices: Sequence[DeviceSpec], memory: Callable[[int, int], FloatArray]) -> BlockCost:

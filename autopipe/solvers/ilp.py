@@ -9,7 +9,9 @@ cut s iff ``y[u, s] = 1`` and some consumer has ``y[v, s] = 0``: continuous
 values at every cut they cross ([Note: transfer cost] in autopipe.core.cost). This is far tighter for
 CBC than one-hot assignment with ``stage(u) <= stage(v)`` written through stage indices.
 
-The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` for every stage,
+The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` for every stage
+(one memory constraint per activation term of the stage's schedule and checkpoint mode: the
+peak is a maximum of linear terms, [Note: stage memory]),
 with autopipe.core.cost's formulas applied to PuLP expressions, tie groups shared (a member anywhere charges the group's
 bytes to that stage) or colocated (members' y rows equal), and non-empty stages. CBC is
 warm-started from the exact DP split, so it never returns worse than the DP. CBC runs through
@@ -35,13 +37,13 @@ from autopipe.core.cost import (
     activation_bytes,
     layer_work,
     lower_bound,
+    schedule_ranks,
     stage_costs,
     stage_time,
     state_bytes,
 )
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
-from executor.spec import recomputed_microbatches
 
 __all__ = ["ILPResult", "solve_ilp"]
 
@@ -93,10 +95,11 @@ def _solve(
         (c,) = stage_costs(costs, [0] * n, devices, options)
         return ILPResult([0] * n, c.time_ms, c.time_ms, 0.0, "optimal", 0.0)
     m = options.chunks
-    rec_n = recomputed_microbatches(options.checkpoint, m)
+    recomputed = options.recomputed(k)
+    terms = options.terms(k, schedule_ranks(options.schedule, devices))
     cuts = range(k - 1)
-    work_array = layer_work(costs.fwd, costs.bwd, rec_n, m)
-    work = [float(w) for w in work_array]
+    work_array = layer_work(costs.fwd, costs.bwd, min(recomputed), m)
+    stage_work = [layer_work(costs.fwd, costs.bwd, r, m) for r in recomputed]
 
     prob = pulp.LpProblem("autopipe_partition", pulp.LpMinimize)
     y = [[pulp.LpVariable(f"y_{v}_{s}", cat="Binary") for s in cuts] for v in range(n)]
@@ -145,7 +148,7 @@ def _solve(
 
     for s, dev in enumerate(devices):
         prob += pulp.lpSum(x(v, s) for v in range(n)) >= 1
-        prob += t >= stage_time(total(work, s), dev.speed, crossing(s - 1), crossing(s),
+        prob += t >= stage_time(total(stage_work[s], s), dev.speed, crossing(s - 1), crossing(s),
                                 options.ms_per_byte)
         if dev.memory is not None:
             if options.ties == "share":
@@ -153,9 +156,9 @@ def _solve(
             else:
                 tied = pulp.lpSum(nbytes * x(members[0], s) for members, nbytes in costs.tie_groups)
             params = total(costs.params, s) + tied
-            memory = (state_bytes(params, total(costs.buffers, s), options.optimizer)
-                      + activation_bytes(crossing(s - 1), total(costs.saved, s), rec_n, m))
-            prob += memory <= dev.memory
+            state = state_bytes(params, total(costs.buffers, s), options.optimizer)
+            for term in terms[s]:  # the peak is the largest term: each must fit
+                prob += state + activation_bytes(crossing(s - 1), total(costs.saved, s), (term,)) <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

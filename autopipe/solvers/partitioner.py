@@ -1,6 +1,8 @@
 """Balance a profile's layers into pipeline stages: ``autopipe.partition(profile, stages=K)``.
 
-    dp.py         exact min-max split of the layers' topological order (memory, speeds, ties)
+    search.py     the automatic search over stages, chunks, recomputation and schedule
+    stage_dp.py   exact min-max split with a checkpoint mode per stage (memory, speeds, ties)
+    dp.py         the DP for one configuration, and why nothing fits
     ilp.py        PuLP/CBC over the whole DAG, warm-started from the DP
     cbc_log.py    CBC's log read as it is written: bound, incumbent and gap, live
     baselines.py  equal layer counts, DeepSpeed's parameter balance, torchgpipe's blockpartition
@@ -24,9 +26,11 @@ from autopipe.core.cost import (
     LayerCosts,
     layer_work,
     resolve_devices,
+    schedule_ranks,
 )
 from autopipe.core.plan import Plan, SolverInfo
 from autopipe.core.profile_table import Profile
+from autopipe.core.scaling import measured_sizes, profile_at, rows_for
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
     blockpartition_sizes,
@@ -37,11 +41,14 @@ from autopipe.solvers.baselines import (
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import solve_ilp
-from executor.spec import recomputed_microbatches
+from autopipe.solvers.search import Setting, chunk_candidates, search
+from autopipe.solvers.stage_dp import budget_devices
+from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
 
 __all__ = ["METHODS", "partition", "is_chain"]
 
 METHODS: tuple[str, ...] = ("auto", "dp", "ilp", "uniform", "params", "blockpartition")
+MAX_AUTO_CHUNKS = 64  # chunks="auto" tries at most this many micro-batches
 
 
 def is_chain(profile: Profile) -> bool:
@@ -53,36 +60,52 @@ def is_chain(profile: Profile) -> bool:
 def partition(
     profile: Profile,
     *,
-    stages: int | None = None,
+    stages: int | str | None = None,
     devices: Sequence[DeviceSpec | str] | None = None,
     method: str = "auto",
-    chunks: int | None = None,
-    checkpoint: str = "except_last",
+    chunks: int | str | None = None,
+    checkpoint: str | Sequence[str] = "except_last",
+    schedule: str = "gpipe",
+    batch_size: int | None = None,
     memory_limit: int | str | None = None,
     optimizer: str = "adam",
-    time_limit: float = 60,
+    time_limit: float | None = None,
     ties: str = "share",
     bandwidth: float | None = 10e9,
     progress: bool | None = None,
+    max_chunks: int = MAX_AUTO_CHUNKS,
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
     Minimises the bottleneck stage time (forward + backward + recompute, over the device's
     relative speed, plus transfers at its cuts; see autopipe.core.cost) subject to each device's
-    memory (``DeviceSpec.memory`` or ``memory_limit``, e.g. ``"16GiB"``).
+    memory (``DeviceSpec.memory`` or ``memory_limit``, e.g. ``"16GiB"``), for the given
+    ``chunks``, ``checkpoint`` (one mode, or a list with one per stage) and ``schedule``
+    (``gpipe``, ``1f1b``, ``interleaved1f1b``: stage s on device s % ranks).
+
+    Any of ``stages``, ``chunks``, ``checkpoint``, ``schedule`` may be ``"auto"``: the plan is
+    then the configuration with the shortest SIMULATED iteration that fits memory ([Note:
+    automatic search] in autopipe/solvers/search.py): ``stages="auto"`` tries 1 .. len(devices)
+    devices (``devices`` required; ``interleaved1f1b`` runs two stages on each), ``chunks="auto"``
+    the divisors of ``batch_size`` (default: the profile's) up to ``max_chunks``, with the
+    profile scaled to each micro-batch ([Note: micro-batch scaling]), ``checkpoint="auto"`` a
+    mode per stage, ``schedule="auto"`` each schedule. ``plan.explain()`` then lists the next
+    best alternatives. ``batch_size`` with a fixed ``chunks`` plans micro-batches of
+    ``ceil(batch_size / chunks)`` rows.
 
     method: ``dp`` (exact over the topological order), ``ilp`` (exact over the DAG, PuLP/CBC,
-    bounded by ``time_limit`` seconds), ``auto`` (DP for chains, ILP otherwise, keeping the DP
-    split if the ILP does not beat it in time), or a baseline: ``uniform``, ``params``,
-    ``blockpartition`` (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage
-    using it, ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
+    bounded by ``time_limit`` seconds, default 60; in a search 2), ``auto`` (DP for chains, ILP
+    otherwise, keeping the DP split if the ILP does not beat it in time; a search runs the ILP
+    only where it can gain), or a baseline: ``uniform``, ``params``, ``blockpartition``
+    (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
+    ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free). ``chunks`` defaults to the number of micro-batches
     the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
     profiled micro-batch's, so that is the pipeline it fits. Given ``stages`` and no ``devices``,
     each stage gets its own device of the kind the profile was measured on (``cpu:0``,
-    ``cpu:1``, ...; ``stage0``, ... when the profile does not say). ``progress``: the ILP's best split,
-    bound and gap on stderr as they improve; None (default) shows them when stderr is a terminal,
-    True always, False never. Raises PartitionError when no split fits.
+    ``cpu:1``, ...; ``stage0``, ... when the profile does not say). ``progress``: the search's
+    and the ILP's progress on stderr; None (default) shows it when stderr is a terminal, True
+    always, False never. Raises PartitionError when no split fits.
     """
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
@@ -92,18 +115,106 @@ def partition(
     if progress is not None and not isinstance(progress, bool):
         raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
                              f"terminal), got {progress!r}")
+    _check_choices(stages, chunks, checkpoint, schedule, batch_size, max_chunks)
+    if batch_size is None and chunks == "auto":
+        batch_size = _int(profile.meta.get("batch_size"))
+        if batch_size is None:
+            raise PartitionError("chunks='auto' needs the mini-batch size: pass batch_size=B "
+                                 "(--batch-size B); the profile does not record one")
     if chunks is None:
         chunks = int(profile.meta.get("chunks") or 8)
-    options = CostOptions(chunks, checkpoint, optimizer, bandwidth, ties)
+    if isinstance(chunks, int) and batch_size is not None and chunks > batch_size:
+        raise PartitionError(f"chunks={chunks} > batch_size={batch_size}: micro-batches would be "
+                             f"empty; use chunks <= {batch_size}")
     kind = profile.meta.get("device_type")
     if devices is None and kind and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
         devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
+    if "auto" in (stages, chunks, checkpoint, schedule):
+        if method in ("uniform", "params", "blockpartition"):
+            raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "
+                                 f"choices use method='auto', 'dp' or 'ilp'")
+        return _search(profile, stages, devices, chunks, checkpoint, schedule, batch_size,
+                       memory_limit, optimizer, ties, bandwidth, method, time_limit, progress,
+                       max_chunks)
+    assert isinstance(chunks, int) and isinstance(stages, int | None)
+    if batch_size is not None and measured_sizes(profile):
+        profile = profile_at(profile, rows_for(batch_size, chunks), batch_size=batch_size, chunks=chunks)
+    return _fixed(profile, stages, devices, chunks, checkpoint, schedule, memory_limit, optimizer,
+                  ties, bandwidth, method, 60.0 if time_limit is None else time_limit, progress)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _check_choices(stages: Any, chunks: Any, checkpoint: Any, schedule: Any, batch_size: Any,
+                   max_chunks: Any) -> None:
+    """One line for each bad value, before any work."""
+    if stages is not None and stages != "auto" and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise PartitionError(f"stages={stages!r}: need an integer K >= 1 or 'auto'")
+    if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise PartitionError(f"chunks={chunks!r}: need an integer number of micro-batches >= 1 or 'auto'")
+    if not (checkpoint == "auto" or (isinstance(checkpoint, str) and checkpoint in CHECKPOINT_MODES)
+            or (isinstance(checkpoint, list | tuple) and checkpoint
+                and all(isinstance(c, str) and c in CHECKPOINT_MODES for c in checkpoint))):
+        raise PartitionError(f"checkpoint={checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}, "
+                             f"a list with one per stage, or 'auto'")
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise PartitionError(f"schedule={schedule!r}: choose one of {list(SCHEDULES)} or 'auto'")
+    if batch_size is not None and _int(batch_size) is None:
+        raise PartitionError(f"batch_size={batch_size!r}: need an integer number of rows >= 1")
+    if _int(max_chunks) is None:
+        raise PartitionError(f"max_chunks={max_chunks!r}: need an integer >= 1")
+
+
+def _search(profile: Profile, stages: int | str | None, devices: Sequence[DeviceSpec | str] | None,
+            chunks: int | str, checkpoint: str | Sequence[str], schedule: str,
+            batch_size: int | None, memory_limit: int | str | None, optimizer: str, ties: str,
+            bandwidth: float | None, method: str, time_limit: float | None,
+            progress: bool | None, max_chunks: int) -> Plan:
+    if devices is None:
+        if stages == "auto":
+            raise PartitionError("stages='auto' chooses up to one stage per device: pass "
+                                 "devices=[...] (--devices N or names) to say how many there are")
+        devices = [f"stage{s}" for s in range(int(stages or 0))] if stages else None
+    pool = resolve_devices(None, devices, memory_limit)
+    if isinstance(stages, int) and stages > len(pool):
+        raise PartitionError(f"stages={stages} but only {len(pool)} devices given; use stages <= "
+                             f"{len(pool)} or 'auto'")
+    ranks = list(range(1, len(pool) + 1)) if stages == "auto" else [int(stages or len(pool))]
+    if isinstance(chunks, int):
+        counts = [chunks]
+    else:
+        assert batch_size is not None
+        counts = chunk_candidates(batch_size, max_chunks)
+    modes: list[str | tuple[str, ...]] = [checkpoint if isinstance(checkpoint, str) else tuple(checkpoint)]
+    setting = Setting(ranks, counts, list(SCHEDULES) if schedule == "auto" else [schedule], modes,
+                      batch_size, optimizer, bandwidth, ties)
+    CostOptions(counts[0], "never", optimizer, bandwidth, ties)  # one line for a bad option
+    return search(profile, pool, setting, method=method, time_limit=time_limit, progress=progress)
+
+
+def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | str] | None,
+           chunks: int, checkpoint: str | Sequence[str], schedule: str,
+           memory_limit: int | str | None, optimizer: str, ties: str, bandwidth: float | None,
+           method: str, time_limit: float, progress: bool | None) -> Plan:
+    """One given configuration: the DP, the ILP or a baseline."""
     specs = resolve_devices(stages, devices, memory_limit)
+    options = CostOptions(chunks, checkpoint if isinstance(checkpoint, str) else tuple(checkpoint),
+                          optimizer, bandwidth, ties, schedule)
     costs = LayerCosts.from_profile(profile)
     n, k = len(costs), len(specs)
     check_stage_count(n, k)
-    common: dict[str, Any] = dict(devices=specs, chunks=chunks, checkpoint=checkpoint,
-                                  optimizer=optimizer, bandwidth=bandwidth, ties=ties)
+    modes = options.modes(k)
+    ranks = schedule_ranks(schedule, specs)
+    if schedule != "gpipe":
+        try:
+            check_schedule(schedule, k, ranks or k, chunks)
+        except ValueError as err:
+            raise PartitionError(str(err)) from None
+    bounded = budget_devices(specs, schedule)  # [Note: interleaved memory]
+    common: dict[str, Any] = dict(devices=specs, chunks=chunks, checkpoint=modes, optimizer=optimizer,
+                                  bandwidth=bandwidth, ties=ties, schedule=schedule)
 
     def plan(assignment: Sequence[int], name: str, solver: SolverInfo | None = None) -> Plan:
         split = [[profile.layers[v] for v in range(n) if assignment[v] == s] for s in range(k)]
@@ -115,22 +226,23 @@ def partition(
         elif method == "params":
             sizes = params_sizes(_param_counts(costs), k)
         else:
-            rec_n = recomputed_microbatches(checkpoint, chunks)
-            sizes = blockpartition_sizes(list(layer_work(costs.fwd, costs.bwd, rec_n, chunks)), k)
+            work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), chunks)
+            sizes = blockpartition_sizes(list(work), k)
         return plan(sizes_to_assignment(sizes), method)
 
     start = time.perf_counter()
-    dp = solve_dp(costs, specs, options)
-    dp_info = SolverInfo("optimal (over the topological order)" if method == "dp" or is_chain(profile)
+    dp = solve_dp(costs, bounded, options)
+    chain = is_chain(profile)
+    dp_info = SolverInfo("optimal (over the topological order)" if method == "dp" or chain
                          else "optimal over the topological order", dp.bottleneck, None, None,
                          time.perf_counter() - start)
-    if method == "dp" or (method == "auto" and is_chain(profile)):
-        if is_chain(profile):
+    if method == "dp" or (method == "auto" and chain):
+        if chain:
             dp_info = SolverInfo("optimal", dp.bottleneck, dp.bottleneck, 0.0, dp_info.seconds)
         return plan(dp.assignment, "dp", dp_info)
     line = ProgressLine(time_limit, progress)  # [Note: progress on a terminal]
     try:
-        ilp = solve_ilp(costs, specs, options, warm_start=dp.assignment, time_limit=time_limit,
+        ilp = solve_ilp(costs, bounded, options, warm_start=dp.assignment, time_limit=time_limit,
                         on_progress=line if line.enabled else None)
     finally:
         line.close()
@@ -146,4 +258,3 @@ def _param_counts(costs: LayerCosts) -> list[int]:
     for members, nbytes in costs.tie_groups:
         counts[members[0]] += nbytes  # DeepSpeed counts a tied weight once, at its first use
     return [int(c) for c in np.asarray(counts)]
-

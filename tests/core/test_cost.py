@@ -7,10 +7,15 @@ from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
     LayerCosts,
+    activation_bytes,
+    activation_peak,
+    activation_terms,
     resolve_devices,
     stage_costs,
+    stage_terms,
 )
 from autopipe.core.profile_table import Profile
+from autopipe.core.schedules import stage_order
 from autopipe.errors import PartitionError
 
 
@@ -76,7 +81,7 @@ def test_stage_costs_hand_computed() -> None:
 
 @pytest.mark.parametrize(
     ("checkpoint", "recompute", "act1"),
-    [("always", 3.0, 4 * 400 + 6000), ("except_last", 3.0 * 3 / 4, 3 * 400 + 6000), ("never", 0.0, 4 * 6000)],
+    [("always", 3.0, 4 * 400 + 6000), ("except_last", 3.0 * 3 / 4, 3 * 400 + 2 * 6000), ("never", 0.0, 4 * 6000)],
 )
 def test_checkpoint_modes(checkpoint: str, recompute: float, act1: int) -> None:
     lc = LayerCosts.from_profile(_diamond())
@@ -96,3 +101,56 @@ def test_tied_bytes_charged_to_every_holder() -> None:
     assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
     (single,) = stage_costs(lc, [0, 0, 0, 0], devs[:1], opts)
     assert single.param_bytes == 50 + 20 + 30
+
+
+@pytest.mark.parametrize(("mode", "recomputed"), [("never", 0), ("except_last", 5), ("always", 6)])
+def test_gpipe_activation_terms_in_closed_form(mode: str, recomputed: int) -> None:
+    # ScheduleGPipe holds every micro-batch after the forwards; its first backward (B0) then
+    # recomputes micro-batch 0 next to the un-checkpointed rest: R inputs + (M - R + 1) saved
+    m = 6
+    expected = ((0, m),) if recomputed == 0 else ((recomputed, m - recomputed + 1),)
+    assert stage_terms("gpipe", 2, 4, m, recomputed) == expected
+    assert activation_bytes(10, 1000, expected) == expected[0][0] * 10 + expected[0][1] * 1000
+
+
+def test_1f1b_holds_at_most_k_minus_s_micro_batches() -> None:
+    for s in range(4):
+        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s),)  # never: K - s saved
+        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1),)  # always: inputs + one recompute
+    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 2),)  # fewer micro-batches than stages
+
+
+def test_peak_is_the_walk_over_the_order() -> None:
+    # one stage's peak from its terms equals walking its operations with the bytes themselves
+    for schedule in ("gpipe", "1f1b"):
+        for r in (0, 3, 4):
+            ops = stage_order(schedule, 1, 3, 4)
+            for inp, saved in ((10, 1000), (1000, 10), (0, 7)):
+                walked = activation_peak(ops, {1: r}, {1: inp}, {1: saved})
+                assert walked == activation_bytes(inp, saved, activation_terms(ops, r))
+
+
+def test_per_stage_modes() -> None:
+    lc = LayerCosts.from_profile(_diamond())
+    devs = [DeviceSpec("x"), DeviceSpec("y")]
+    mixed = CostOptions(chunks=4, checkpoint=["always", "never"], optimizer="sgd", bandwidth=None)
+    assert mixed.checkpoint == ("always", "never") and mixed.recomputed(2) == [4, 0]
+    s0, s1 = stage_costs(lc, [0, 1, 0, 1], devs, mixed)
+    a0, _ = stage_costs(lc, [0, 1, 0, 1], devs, CostOptions(4, "always", "sgd", None))
+    _, n1 = stage_costs(lc, [0, 1, 0, 1], devs, CostOptions(4, "never", "sgd", None))
+    assert (s0, s1) == (a0, n1)  # each stage exactly as if every stage ran its mode
+    with pytest.raises(PartitionError, match=r"checkpoint lists 2 mode\(s\) for 3 stage\(s\)"):
+        stage_costs(lc, [0, 1, 2, 2], devs + [DeviceSpec("z")], mixed)
+    with pytest.raises(PartitionError, match=r"checkpoint\[1\]='sometimes' is not a checkpoint mode"):
+        CostOptions(checkpoint=["never", "sometimes"])
+    with pytest.raises(PartitionError, match="schedule='zigzag'"):
+        CostOptions(schedule="zigzag")
+
+
+def test_interleaved_devices_take_turns() -> None:
+    lc = LayerCosts.from_profile(_diamond())
+    opts = CostOptions(chunks=2, schedule="interleaved1f1b", bandwidth=None)
+    costs = stage_costs(lc, [0, 1, 2, 3], [DeviceSpec(n) for n in ("r0", "r1", "r0", "r1")], opts)
+    assert len(costs) == 4
+    with pytest.raises(PartitionError, match="stage s on rank s % ranks"):
+        stage_costs(lc, [0, 1, 2, 3], [DeviceSpec(n) for n in ("r0", "r0", "r1", "r1")], opts)

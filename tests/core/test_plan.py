@@ -175,3 +175,59 @@ def test_a_one_part_fingerprint_still_names_the_micro_batches() -> None:
                        r"in 4 chunks\), this one's 8 rows\); use the plan's batch size and chunks, or re-run "
                        r"autopipe profile and autopipe partition for this model/batch$"):
         plan.check(prof.layers, "bbbb.s1", micro_batch_size=8)
+
+
+def test_per_stage_checkpoint_roundtrips_and_one_mode_stays_a_string(tmp_path: Path) -> None:
+    prof = random_chain(6, 2)
+    mixed = Plan.from_stages(prof, [prof.layers[:2], prof.layers[2:4], prof.layers[4:]],
+                             checkpoint=["always", "never", "never"], chunks=4, schedule="1f1b")
+    assert mixed.checkpoint == ["always", "never", "never"] and mixed.schedule == "1f1b"
+    assert [b.recompute_ms > 0 for b in mixed.breakdown] == [True, False, False]
+    mixed.save(tmp_path / "mixed.json")
+    assert Plan.load(tmp_path / "mixed.json") == mixed
+    same = Plan.from_stages(prof, mixed.stages, checkpoint=["never"] * 3, chunks=4)
+    assert same.checkpoint == "never" and same.stage_checkpoints == ["never"] * 3
+    assert "never" in same.table().splitlines()[1]
+    data = mixed.to_dict()
+    (tmp_path / "bad.json").write_text(json.dumps({**data, "checkpoint": ["always", "never"]}))
+    with pytest.raises(PlanError, match=r"malformed field: checkpoint lists 2 mode\(s\) for 3 stage\(s\)"):
+        Plan.load(tmp_path / "bad.json")
+
+
+def test_plans_saved_before_schedules_still_load(tmp_path: Path) -> None:
+    data = _plan().to_dict()
+    for key in ("schedule", "alternatives", "device_memory"):
+        del data[key]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "old.json")
+    assert old.schedule == "gpipe" and old.alternatives == [] and old.device_memory == {}
+    assert "Next best" not in old.explain() and old.stages == _plan().stages
+
+
+def test_a_plan_for_another_micro_batch_checks_structure_and_rows() -> None:
+    prof = random_chain(6, 2)
+    prof.meta.update(fingerprint="aaaa.s1", micro_batch_size=8, batch_size=32, chunks=4)
+    from autopipe.core.scaling import profile_at
+
+    plan = Plan.from_stages(profile_at(prof, 4, batch_size=32, chunks=8),
+                            [prof.layers[:3], prof.layers[3:]], chunks=8)
+    assert plan.fingerprint == "*.s1" and (plan.micro_batch_size, plan.batch_size) == (4, 32)
+    layers = prof.layers
+    plan.check(layers, "cccc.s1", micro_batch_size=4)  # the graph traced at 4 rows
+    plan.check(layers, "cccc.s1")
+    with pytest.raises(PlanError, match="the plan is for another model"):
+        plan.check(layers, "cccc.s2")
+    with pytest.raises(PlanError, match=r"same model, another micro-batch shape \(the plan's micro-batch is "
+                       r"4 rows \(batch 32 in 8 chunks\), this one's 8 rows"):
+        plan.check(layers, "aaaa.s1", micro_batch_size=8)
+
+
+def test_explain_says_memory_binds_and_where() -> None:
+    prof = chain_profile([1.0] * 4, param_bytes=[0] * 4, output_bytes=1, saved_bytes=1 << 20)
+    # stage 0 keeps 4 micro-batches x 3 MiB without recomputation; stage 1 fits them (4 x 1 MiB)
+    plan = Plan.from_stages(prof, [["l0", "l1", "l2"], ["l3"]], chunks=4, checkpoint=["always", "never"],
+                            memory_limit=6 << 20, optimizer="none")
+    text = plan.explain()
+    assert "recomputation always, never" in text
+    assert ("Limited by memory: stage 0 recomputes (always) because without it it needs 12.0 MiB "
+            "and stage0 has 6.0 MiB; stages that fit run without recomputation.") in text

@@ -1,4 +1,5 @@
-"""The planner (Profile -> partition -> simulate -> Plan JSON) runs on a machine without torch."""
+"""The planner (Profile -> partition -> simulate -> Plan JSON) runs on a machine without torch,
+the automatic search (stages, chunks, recomputation per stage, schedule) included."""
 
 from __future__ import annotations
 
@@ -22,10 +23,20 @@ _PLAN_WITHOUT_TORCH = textwrap.dedent("""
         plan = autopipe.partition(profile, stages=3, chunks=4, memory_limit="1TiB", method=method)
         sim = autopipe.simulate(plan, profile, schedule="1f1b")
         assert sim.iteration_time > 0 and len(sim.peak_memory) == 3
-    plan.save(sys.argv[1] + "/plan.json")
-    again = autopipe.Plan.load(sys.argv[1] + "/plan.json")
-    assert again == plan, "a plan survives JSON unchanged"
-    json.dumps(again.to_dict())
+    prof.meta.update(micro_batch_size=4, batch_size=16, chunks=4)
+    auto = autopipe.partition(prof, stages="auto", devices=["a", "b", "c"], chunks="auto",
+                              checkpoint="auto", schedule="auto", memory_limit="64MiB")
+    assert auto.alternatives and "Next best" in auto.explain()
+    for schedule in ("gpipe", "1f1b", "interleaved1f1b"):
+        sim = autopipe.simulate(auto, prof, schedule=schedule) if schedule == auto.schedule else None
+        assert sim is None or sim.iteration_time > 0
+    mixed = autopipe.partition(prof, stages=2, chunks=4, checkpoint=["always", "never"],
+                               schedule="1f1b")
+    for plan in (auto, mixed):
+        plan.save(sys.argv[1] + "/plan.json", overwrite=True)
+        again = autopipe.Plan.load(sys.argv[1] + "/plan.json")
+        assert again == plan, "a plan survives JSON unchanged"
+        json.dumps(again.to_dict())
     print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """)
 

@@ -1,0 +1,171 @@
+"""A Plan in words: the per-stage table, what limits it, and the alternatives the search weighed.
+
+``Plan.table()`` and ``Plan.explain()`` call these; nothing here computes a cost that
+autopipe.core.cost does not (the memory a stage would need without recomputation is
+``cost.activation_bytes`` with the ``never`` terms of its schedule).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopipe.core.cost import activation_bytes, schedule_ranks, stage_terms
+from autopipe.core.units import format_bytes
+
+if TYPE_CHECKING:
+    from autopipe.core.plan import Alternative, Plan
+
+__all__ = ["explain", "table", "alternatives_table", "checkpoint_text", "memory_forced"]
+
+
+def checkpoint_text(checkpoint: str | list[str]) -> str:
+    """``except_last``, or a per-stage list run-length coded: ``always x2, never x2``."""
+    if isinstance(checkpoint, str):
+        return checkpoint
+    runs: list[list[object]] = []
+    for mode in checkpoint:
+        if runs and runs[-1][0] == mode:
+            runs[-1][1] = int(str(runs[-1][1])) + 1
+        else:
+            runs.append([mode, 1])
+    return ", ".join(f"{m} x{n}" if n != 1 else str(m) for m, n in runs)
+
+
+def memory_forced(plan: Plan) -> list[tuple[int, int]]:
+    """Stages that recompute because they would not fit without it: (stage, bytes needed with
+    ``never``), for stages whose device has a memory limit."""
+    k = plan.num_stages
+    ranks = schedule_ranks(plan.schedule, plan.devices)
+    out = []
+    for s, mode in enumerate(plan.stage_checkpoints):
+        dev, b = plan.devices[s], plan.breakdown[s]
+        if mode == "never" or dev.memory is None:
+            continue
+        never = stage_terms(plan.schedule, s, k, plan.chunks, 0, ranks)
+        need = b.param_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never))
+        share = dev.memory // (k // ranks) if ranks else dev.memory  # [Note: interleaved memory]
+        if need > share:
+            out.append((s, need))
+    return out
+
+
+def _limit(plan: Plan, s: int) -> str:
+    b = plan.breakdown[s]
+    over_stage = [i for i, (mem, d) in enumerate(zip(plan.stage_memory, plan.devices, strict=True))
+                  if d.memory is not None and mem > d.memory]
+    if over_stage:
+        i = over_stage[0]
+        return (f"memory: stage {i} needs {format_bytes(plan.stage_memory[i])} but "
+                f"{plan.devices[i].name} has {format_bytes(plan.devices[i].memory)}")
+    over = [name for name, mem in plan.device_memory.items()
+            if (limit := _memory_of(plan, name)) is not None and mem > limit]
+    if over:  # stages that share a device (an interleaved rank's) together
+        name = over[0]
+        return (f"memory: {name} needs {format_bytes(plan.device_memory[name])} for its stages "
+                f"together but has {format_bytes(_memory_of(plan, name))}")
+    forced = memory_forced(plan)
+    if forced:
+        i, need = forced[0]
+        more = f" (and {len(forced) - 1} more stage(s))" if len(forced) > 1 else ""
+        return (f"memory: stage {i} recomputes ({plan.stage_checkpoints[i]}) because without it "
+                f"it needs {format_bytes(need)} and {plan.devices[i].name} has "
+                f"{format_bytes(plan.devices[i].memory)}{more}; stages that fit run without "
+                f"recomputation")
+    if plan.bottleneck <= 1.005 * plan.lower_bound:
+        return "time: the split is balanced; add stages or faster devices"
+    if plan.largest_layer[1] / max(d.speed for d in plan.devices) >= 0.9 * plan.bottleneck:
+        return (f"time: the big layer {plan.largest_layer[0]!r}; no split can go below it; "
+                f"split that layer or use fewer stages")
+    if b.transfer_ms > 0.1 * b.time_ms:
+        return (f"time: transfers, {b.transfer_ms:.3f} ms ({100 * b.transfer_ms / b.time_ms:.0f}%) "
+                f"of stage {s} is sending activations and gradients; raise bandwidth or cut at "
+                f"thinner activations")
+    tight = [i for i, (mem, d) in enumerate(zip(plan.stage_memory, plan.devices, strict=True))
+             if d.memory is not None and mem > 0.9 * d.memory]
+    if tight:
+        i = tight[0]
+        return (f"memory: stage {i} uses {100 * plan.stage_memory[i] / (plan.devices[i].memory or 1):.0f}% "
+                f"of its device, which keeps layers off it")
+    return "time: layer granularity; whole layers cannot be balanced more evenly"
+
+
+def _memory_of(plan: Plan, name: str) -> int | None:
+    limits = [d.memory for d in plan.devices if d.name == name]
+    return limits[0] if limits else None
+
+
+def explain(plan: Plan) -> str:
+    """What was chosen, what limits it (memory or time), and the next best alternatives."""
+    k = plan.num_stages
+    s = int(np.argmax(plan.stage_times))
+    total = sum(plan.stage_times)
+    rows = f" of {plan.micro_batch_size} rows" if plan.micro_batch_size else ""
+    parts = [
+        f"{k} stage(s) by {plan.method}, schedule {plan.schedule}, {plan.chunks} micro-batches"
+        f"{rows}, recomputation {checkpoint_text(plan.checkpoint)}: simulated iteration "
+        f"{plan.iteration_time:.3f} ms ({100 * plan.bubble_fraction:.0f}% bubble).",
+    ]
+    if plan.lower_bound > 0:
+        big_name, big_ms = plan.largest_layer
+        parts.append(
+            f"The bottleneck is stage {s} ({plan.spans()[s]}, {len(plan.stages[s])} layers on "
+            f"{plan.devices[s].name}) at {plan.bottleneck:.3f} ms per micro-batch, "
+            f"{100 * plan.stage_times[s] / total:.0f}% of the summed stage time; the lower bound "
+            f"max(T/K, largest layer) is {plan.lower_bound:.3f} ms (largest layer {big_name!r}: "
+            f"{big_ms:.3f} ms), so the plan is "
+            f"{100 * (plan.bottleneck / plan.lower_bound - 1):.1f}% above it.")
+    else:
+        parts.append("Every layer costs 0 ms.")
+    parts.append(f"Limited by {_limit(plan, s)}.")
+    if plan.solver.gap is not None:
+        parts.append(f"Solver status {plan.solver.status}, gap {100 * plan.solver.gap:.2f}%.")
+    text = " ".join(parts)
+    if plan.alternatives:
+        text += "\n\nNext best alternatives searched:\n" + alternatives_table(plan)
+    return text
+
+
+def alternatives_table(plan: Plan) -> str:
+    """A small markdown table: the chosen plan, then the alternatives the search weighed."""
+    head = ("| stages | chunks | schedule | recomputation | iteration ms | vs chosen | "
+            "bottleneck ms | peak memory | note |\n|---:|---:|---|---|---:|---:|---:|---:|---|")
+    chosen = max(plan.device_memory.values(), default=max(plan.peak_memory))
+    rows = [_row(plan.num_stages, plan.chunks, plan.schedule, plan.checkpoint, plan.iteration_time,
+                 plan.iteration_time, plan.bottleneck, chosen, "chosen")]
+    rows += [_row(a.stages, a.chunks, a.schedule, a.checkpoint, a.iteration_time,
+                  plan.iteration_time, a.bottleneck, a.memory, a.note) for a in plan.alternatives]
+    return "\n".join([head, *rows])
+
+
+def _row(k: int, m: int, schedule: str, checkpoint: str | list[str], t: float, best: float,
+         bottleneck: float, memory: int, note: str) -> str:
+    versus = "" if t == best else f"{100 * (t / best - 1):+.1f}%"
+    return (f"| {k} | {m} | {schedule} | {checkpoint_text(checkpoint)} | {t:.3f} | {versus} | "
+            f"{bottleneck:.3f} | {format_bytes(memory)} | {note} |")
+
+
+def table(plan: Plan) -> str:
+    """A per-stage table: layers, time, memory, recomputation and share of the summed time."""
+    total = sum(plan.stage_times) or 1.0
+    spans = plan.spans()
+    wide = max(len("first .. last"), *(len(x) for x in spans))
+    dev = max(len("device"), *(len(d.name) for d in plan.devices))
+    rows = [f"{'stage':>5}  {'device':<{dev}} {'layers':>6}  {'first .. last':<{wide}} {'time ms':>9} "
+            f"{'fwd':>8} {'bwd':>8} {'recomp':>8} {'xfer':>8} {'memory':>10}  {'share':>5}  {'checkpoint':<11}"]
+    for s, names in enumerate(plan.stages):
+        b = plan.breakdown[s]
+        rows.append(
+            f"{s:>5}  {plan.devices[s].name:<{dev}} {len(names):>6}  {spans[s]:<{wide}} "
+            f"{plan.stage_times[s]:>9.3f} {b.fwd_ms:>8.3f} {b.bwd_ms:>8.3f} {b.recompute_ms:>8.3f} "
+            f"{b.transfer_ms:>8.3f} {format_bytes(plan.stage_memory[s]):>10}  "
+            f"{100 * plan.stage_times[s] / total:>4.0f}%  {plan.stage_checkpoints[s]:<11}"
+        )
+    return "\n".join(rows)
+
+
+def describe(a: Alternative) -> str:
+    """One alternative in a few words (for progress and error messages)."""
+    return (f"{a.stages} stages, {a.chunks} micro-batches, {a.schedule}, "
+            f"{checkpoint_text(a.checkpoint)}: {a.iteration_time:.3f} ms")

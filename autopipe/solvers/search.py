@@ -1,0 +1,373 @@
+"""The automatic search: stages, micro-batches, recomputation and schedule, by simulated time.
+
+[Note: automatic search] ``partition(stages="auto", chunks="auto", checkpoint="auto",
+schedule="auto")`` (any of them) picks the configuration whose SIMULATED iteration
+(autopipe.core.simulator, the schedule's own order) is shortest among those that fit every
+device's memory. The bottleneck stays a reported figure, not the target. A configuration is
+
+    ranks W      devices used: 1 .. len(devices) for stages="auto" (the W fastest, then
+                 roomiest, in the given order); ``gpipe`` / ``1f1b`` run W stages, one per
+                 rank, ``interleaved1f1b`` runs INTERLEAVED_PER_RANK stages on each (W >= 2)
+    chunks M     micro-batches per mini-batch: the divisors of batch_size up to max_chunks for
+                 chunks="auto" (equal micro-batches, which every runtime accepts), with the
+                 profile scaled to ceil(B / M) rows ([Note: micro-batch scaling])
+    schedule     gpipe, 1f1b, interleaved1f1b; only counts the runtime accepts
+                 (executor.spec.check_schedule)
+    checkpoint   per stage: the per-stage DP ([Note: per-stage mode DP]) with every mode
+                 allowed, AND each single mode for all stages, so the result is never slower
+                 (simulated) than any single-mode plan it searched
+
+Each configuration's split is the exact min-max DP over the topological order; the simulator
+then times it. A lower bound on the iteration of every configuration, from totals only
+(``config_bound``), orders the work and prunes: configurations are solved from the most
+promising on, and the search stops when the next bound is no better than the best simulated
+time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
+in one DP pass (``stage_dp.solve_counts``). The ILP refines only the winner, only for a DAG
+whose DP split is more than its gap above the lower bound, and only when it is small enough to
+build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on 300-800-layer DAGs it ran
+40-105 s to improve the DP by 0-0.4%.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from tqdm import tqdm
+
+from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, lower_bound, stage_costs
+from autopipe.core.plan import Alternative, Plan, SolverInfo
+from autopipe.core.profile_table import Profile
+from autopipe.core.scaling import profile_at, rows_for
+from autopipe.core.simulator import simulate_stages
+from autopipe.errors import PartitionError
+from autopipe.solvers.bounds import config_bound, split_bound
+from autopipe.solvers.cbc_log import ProgressLine
+from autopipe.solvers.dp import solve_dp
+from autopipe.solvers.ilp import solve_ilp
+from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
+from executor.spec import CHECKPOINT_MODES, check_schedule
+
+__all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates",
+           "is_chain_costs"]
+
+INTERLEAVED_PER_RANK = 2  # stages per rank under interleaved1f1b (the runtime's default)
+ILP_MAX_VARIABLES = 1500  # layers x (stages - 1) the search's ILP may have
+ILP_SECONDS = 2.0  # the search's ILP budget unless time_limit is given
+ALTERNATIVES = 5
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the search may choose from (each list has one entry when fixed)."""
+
+    ranks: list[int]
+    chunks: list[int]
+    schedules: list[str]
+    checkpoints: list[str | tuple[str, ...]]  # "auto" (per stage), a mode, or one per stage
+    batch_size: int | None
+    optimizer: str = "adam"
+    bandwidth: float | None = 10e9
+    ties: str = "share"
+
+
+@dataclass(frozen=True)
+class _Config:
+    schedule: str
+    ranks: int
+    chunks: int
+    bound: float
+
+
+@dataclass(frozen=True)
+class _Result:
+    config: _Config
+    checkpoint: str | tuple[str, ...]  # the variant searched
+    split: Split
+    time: float
+    memory: int  # the highest device peak
+
+
+def chunk_candidates(batch_size: int, max_chunks: int) -> list[int]:
+    """Micro-batch counts that cut ``batch_size`` rows into equal micro-batches, at most
+    ``max_chunks`` of them."""
+    return [m for m in range(1, min(batch_size, max_chunks) + 1) if batch_size % m == 0]
+
+
+def _pick(pool: Sequence[DeviceSpec], w: int) -> list[DeviceSpec]:
+    """The ``w`` fastest devices (then roomiest), in the pool's order."""
+    if w == len(pool):
+        return list(pool)
+    rank = sorted(range(len(pool)), key=lambda i: (-pool[i].speed, -(pool[i].memory or math.inf), i))
+    keep = set(rank[:w])
+    return [d for i, d in enumerate(pool) if i in keep]
+
+
+def _plan_devices(schedule: str, ranks: list[DeviceSpec]) -> list[DeviceSpec]:
+    if schedule != "interleaved1f1b":
+        return ranks
+    return [ranks[s % len(ranks)] for s in range(INTERLEAVED_PER_RANK * len(ranks))]
+
+
+class _Search:
+    def __init__(self, profile: Profile, pool: list[DeviceSpec], setting: Setting,
+                 progress: bool | None) -> None:
+        self.profile, self.pool, self.setting = profile, pool, setting
+        self.progress = progress
+        self.n = len(profile)
+        self._profiles: dict[int, tuple[Profile, LayerCosts]] = {}
+        self._blocks: dict[tuple[int, str], StageBlocks] = {}
+        self.results: list[_Result] = []
+        self.floor: dict[_Config, float] = {}  # M x the per-stage DP's bottleneck
+        self.solved = 0
+
+    def at(self, m: int) -> tuple[Profile, LayerCosts]:
+        """The profile (and its costs) at the micro-batch of M micro-batches."""
+        b = self.setting.batch_size
+        rows = rows_for(b, m) if b is not None else -1
+        if rows not in self._profiles:
+            prof = self.profile if b is None else profile_at(self.profile, rows, batch_size=b, chunks=m)
+            self._profiles[rows] = (prof, LayerCosts.from_profile(prof))
+        return self._profiles[rows]
+
+    def options(self, schedule: str, m: int, checkpoint: str | tuple[str, ...]) -> CostOptions:
+        st = self.setting
+        mode = "never" if checkpoint == "auto" else checkpoint
+        return CostOptions(m, mode, st.optimizer, st.bandwidth, st.ties, schedule)
+
+    def configs(self) -> list[_Config]:
+        out = []
+        distinct = len({d.name for d in self.pool}) == len(self.pool)
+        for schedule in self.setting.schedules:
+            for w in self.setting.ranks:
+                k = w * (INTERLEAVED_PER_RANK if schedule == "interleaved1f1b" else 1)
+                if k > self.n or (schedule == "interleaved1f1b" and (w < 2 or not distinct)):
+                    continue
+                speeds = [d.speed for d in _pick(self.pool, w)]
+                for m in self.setting.chunks:
+                    try:
+                        check_schedule(schedule, k, w, m)
+                    except ValueError:
+                        continue
+                    bound = config_bound(schedule, self.at(m)[1], speeds, m)
+                    out.append(_Config(schedule, w, m, bound))
+        return sorted(out, key=lambda c: (c.bound, c.schedule, c.ranks, c.chunks))
+
+    def best_time(self) -> float:
+        return min((r.time for r in self.results), default=math.inf)
+
+    def run(self) -> None:
+        """Two passes over the configurations, most promising first: the per-stage search (or
+        the given checkpoint), then each single mode where it can still win: its bottleneck is
+        no lower than the per-stage DP's, so M x that is a bound on its iteration."""
+        configs = self.configs()
+        auto = "auto" in self.setting.checkpoints
+        bar = tqdm(total=len(configs) * (2 if auto else 1), desc="search", file=sys.stderr,
+                   leave=False, disable=None if self.progress is None else not self.progress)
+        try:
+            given = [cp for cp in self.setting.checkpoints if cp != "auto"]
+            self._pass(configs, ["auto"] if auto else given, bar)
+            if auto:
+                self._pass(configs, [*CHECKPOINT_MODES, *given], bar)
+        finally:
+            bar.close()
+
+    def _live(self, c: _Config, cp: str | tuple[str, ...]) -> bool:
+        best = self.best_time()
+        if c.bound >= best:
+            return False
+        if cp != "auto" and "auto" in self.setting.checkpoints:
+            if cp == "never" and all(d.memory is None for d in self.pool):
+                return False  # without limits 'never' is every stage's fastest: the same DP
+            return self.floor.get(c, math.inf) < best
+        return True
+
+    def _pass(self, configs: list[_Config], variants: list[str | tuple[str, ...]], bar: tqdm) -> None:  # type: ignore[type-arg]
+        homogeneous = len({(d.speed, d.memory) for d in self.pool}) == 1
+        grouped: set[tuple[str, int]] = set()
+        for c in configs:
+            if c.bound >= self.best_time():
+                break  # every later configuration is bounded no better
+            bar.update(1)
+            if homogeneous and c.schedule in ("gpipe", "1f1b"):
+                if (c.schedule, c.chunks) in grouped:
+                    continue
+                grouped.add((c.schedule, c.chunks))
+                same = [x for x in configs if (x.schedule, x.chunks) == (c.schedule, c.chunks)]
+                for cp in variants:
+                    if isinstance(cp, str):
+                        self.solve_counts(same, cp)
+                    else:
+                        for x in same:
+                            self.solve_one(x, cp)
+            else:
+                for cp in variants:
+                    self.solve_one(c, cp)
+            bar.set_postfix_str(f"best {self.best_time():.3f} ms", refresh=False)
+
+    def variants(self, k: int) -> list[str | tuple[str, ...]]:
+        out: list[str | tuple[str, ...]] = []
+        for cp in self.setting.checkpoints:
+            if cp == "auto":
+                out += ["auto", *CHECKPOINT_MODES]
+            elif isinstance(cp, str) or len(cp) == k:
+                out.append(cp)
+        return out
+
+    def blocks(self, schedule: str, m: int) -> StageBlocks:
+        key = (m, schedule)
+        if key not in self._blocks:
+            self._blocks[key] = StageBlocks(self.at(m)[1], self.options(schedule, m, "never"))
+        return self._blocks[key]
+
+    def solve_counts(self, same: list[_Config], cp: str) -> None:
+        """Every stage count of one (schedule, chunks) on identical devices, in one DP pass."""
+        live = [c for c in same if self._live(c, cp)]
+        if not live:
+            return
+        c0 = live[0]
+        splits = solve_counts(self.at(c0.chunks)[1], self.pool[0],
+                              self.options(c0.schedule, c0.chunks, cp), max(c.ranks for c in live),
+                              modes=cp, blocks=self.blocks(c0.schedule, c0.chunks))
+        self.solved += 1
+        for c in live:
+            self.found(c, cp, splits.get(c.ranks))
+
+    def solve_one(self, c: _Config, cp: str | tuple[str, ...]) -> None:
+        devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
+        if not isinstance(cp, str) and len(cp) != len(devices):
+            return  # a per-stage list fixes the stage count
+        if not self._live(c, cp):
+            return
+        split = solve_split(self.at(c.chunks)[1], budget_devices(devices, c.schedule),
+                            self.options(c.schedule, c.chunks, cp),
+                            modes="auto" if cp == "auto" else None,
+                            blocks=self.blocks(c.schedule, c.chunks))
+        self.solved += 1
+        self.found(c, cp, split)
+
+    def found(self, c: _Config, cp: str | tuple[str, ...], split: Split | None) -> None:
+        if cp == "auto":  # no single mode beats the per-stage DP's bottleneck
+            self.floor[c] = math.inf if split is None else c.chunks * split.bottleneck
+        if split is not None:
+            self.evaluate(c, cp, split)
+
+    def evaluate(self, c: _Config, cp: str | tuple[str, ...], split: Split) -> None:
+        costs = self.at(c.chunks)[1]
+        devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
+        opts = replace(self.options(c.schedule, c.chunks, cp), checkpoint=tuple(split.modes))
+        stages = stage_costs(costs, split.assignment, devices, opts)
+        if split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks) >= self.best_time():
+            return  # cannot beat the best: no need to simulate it
+        sim = simulate_stages(stages, chunks=c.chunks, checkpoint=split.modes, schedule=c.schedule,
+                              ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices])
+        self.results.append(_Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values())))
+
+    def infeasible(self) -> PartitionError:
+        """No configuration fits: the one-line memory error of the roomiest one searched."""
+        c = max(self.configs(), key=lambda x: (x.schedule != "interleaved1f1b", x.ranks, x.chunks),
+                default=None)
+        if c is None:
+            return PartitionError(
+                f"no configuration to search: {self.n} layers, stages {self.setting.ranks}, chunks "
+                f"{self.setting.chunks}, schedules {self.setting.schedules} (each schedule's "
+                f"stage and micro-batch rules: executor.spec.check_schedule); widen the choices")
+        devices = budget_devices(_plan_devices(c.schedule, _pick(self.pool, c.ranks)), c.schedule)
+        try:
+            solve_dp(self.at(c.chunks)[1], devices, self.options(c.schedule, c.chunks, "always"))
+        except PartitionError as err:
+            return PartitionError(f"no searched configuration fits the memory; with {c.ranks} "
+                                  f"device(s), {c.chunks} micro-batches, {c.schedule}: {err}")
+        return PartitionError("no searched configuration fits the memory limits; raise them")
+
+
+def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method: str,
+           time_limit: float | None, progress: bool | None) -> Plan:
+    """The fastest (simulated) configuration of ``setting`` on ``pool``: see [Note: automatic
+    search]. Raises PartitionError in one line when nothing fits."""
+    start = time.perf_counter()
+    s = _Search(profile, pool, setting, progress)
+    s.run()
+    if not s.results:
+        raise s.infeasible()
+    ranked = sorted(s.results, key=lambda r: (r.time, r.config.ranks, r.config.chunks))
+    best = ranked[0]
+    c = best.config
+    prof, costs = s.at(c.chunks)
+    devices = _plan_devices(c.schedule, _pick(pool, c.ranks))
+    assignment, name, info = best.split.assignment, "dp", None
+    gain = _refine(costs, devices, best, setting, method, time_limit, progress)
+    if gain is not None:
+        assignment, name, info = gain
+    alternatives = _alternatives(ranked[1:], best)
+    layers = prof.layers
+    stages = [[layers[v] for v in range(len(assignment)) if assignment[v] == st]
+              for st in range(len(devices))]
+    seconds = time.perf_counter() - start
+    info = info or SolverInfo(f"best of {len(s.results)} simulated configurations "
+                              f"({s.solved} DP solves)", best.split.bottleneck, None, None, seconds)
+    return Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, checkpoint=best.split.modes,
+                            optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
+                            method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
+                            alternatives=alternatives)
+
+
+def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting: Setting,
+            method: str, time_limit: float | None, progress: bool | None
+            ) -> tuple[list[int], str, SolverInfo] | None:
+    """The ILP on the winner's configuration, where it can gain ([Note: automatic search])."""
+    c = best.config
+    k = len(devices)
+    if method not in ("auto", "ilp") or k == 1 or is_chain_costs(costs):
+        return None
+    opts = CostOptions(c.chunks, tuple(best.split.modes), setting.optimizer, setting.bandwidth,
+                       setting.ties, c.schedule)
+    work = costs.fwd + costs.bwd
+    if best.split.bottleneck <= 1.005 * lower_bound(work, [d.speed for d in devices]):
+        return None  # within the ILP's gap of a bound no split beats
+    if method == "auto" and len(costs) * (k - 1) > ILP_MAX_VARIABLES:
+        return None
+    budget = ILP_SECONDS if time_limit is None else time_limit
+    line = ProgressLine(budget, progress)
+    try:
+        ilp = solve_ilp(costs, budget_devices(devices, c.schedule), opts,
+                        warm_start=best.split.assignment, time_limit=budget,
+                        on_progress=line if line.enabled else None)
+    finally:
+        line.close()
+    info = SolverInfo(ilp.status, ilp.objective, ilp.bound, ilp.gap, ilp.seconds)
+    if ilp.objective >= best.split.bottleneck * (1 - 1e-9):
+        return best.split.assignment, "dp", info
+    stages = stage_costs(costs, ilp.assignment, devices, opts)
+    sim = simulate_stages(stages, chunks=c.chunks, checkpoint=best.split.modes, schedule=c.schedule,
+                          ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices])
+    if sim.iteration_time < best.time:
+        return ilp.assignment, "ilp", info
+    return best.split.assignment, "dp", info
+
+
+def is_chain_costs(costs: LayerCosts) -> bool:
+    """True when every layer feeds only the next one: the DP is then exact over the graph."""
+    return all(set(users) <= {i + 1} for i, users in enumerate(costs.consumers))
+
+
+def _alternatives(ranked: list[_Result], best: _Result) -> list[Alternative]:
+    out: list[Alternative] = []
+    seen = {(best.config, tuple(best.split.modes))}
+    for r in ranked:
+        key = (r.config, tuple(r.split.modes))
+        if key in seen:
+            continue
+        seen.add(key)
+        c = r.config
+        k = len(r.split.modes)
+        modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
+        note = "per-stage search" if r.checkpoint == "auto" else "one mode for all stages"
+        out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note))
+        if len(out) == ALTERNATIVES:
+            break
+    return out
+
