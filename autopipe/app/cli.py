@@ -117,14 +117,25 @@ def _partition(args: argparse.Namespace) -> int:
     from autopipe.solvers.partitioner import partition
 
     config: PartitionConfig = from_namespace(PartitionConfig, args)
+    stages = _count_or_auto("--stages", config.stages)
+    chunks = None if config.chunks is None else _count_or_auto("--chunks", config.chunks)
+    modes = config.checkpoint.split(",") if "," in config.checkpoint else config.checkpoint
     if os.path.exists(config.out) and not config.force:  # fail before solving, not after
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
     profile = Profile.load(config.profile)
+    devices: list[str] | None = config.devices
+    if devices is not None and len(devices) == 1 and devices[0].isdigit():  # --devices N
+        kind = profile.meta.get("device_type") or "stage"
+        count = _count_or_auto("--devices", devices[0])
+        devices = [f"{kind}:{s}" for s in range(count if isinstance(count, int) else 0)]
+    if chunks is None:
+        chunks = resolve(None, profile.meta.get("chunks"), default=DEFAULT_CHUNKS)
     plan: Plan = partition(
-        profile, stages=config.stages, method=config.method,
-        chunks=resolve(config.chunks, profile.meta.get("chunks"), default=DEFAULT_CHUNKS), checkpoint=config.checkpoint, memory_limit=config.memory,
-        optimizer=config.optimizer, time_limit=config.time_limit, ties=config.ties,
-        bandwidth=config.bandwidth or None, progress=False if config.no_progress else None,
+        profile, stages=stages, devices=devices, method=config.method, chunks=chunks,
+        checkpoint=modes, schedule=config.schedule, batch_size=config.batch_size,
+        memory_limit=config.memory, optimizer=config.optimizer, time_limit=config.time_limit,
+        ties=config.ties, bandwidth=config.bandwidth or None,
+        progress=False if config.no_progress else None,
     )
     plan.save(config.out, overwrite=config.force)
     print(plan.table())
@@ -132,6 +143,17 @@ def _partition(args: argparse.Namespace) -> int:
     print(plan.explain())
     print(f"wrote {config.out}")
     return 0
+
+
+def _count_or_auto(flag: str, value: str) -> int | str:
+    """``auto`` or a whole number >= 1, else one line naming the flag."""
+    from autopipe.errors import PartitionError
+
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise PartitionError(f"{flag} {value!r}: give a whole number >= 1 or auto")
+    return int(value)
 
 
 @_register

@@ -47,6 +47,7 @@ Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
 Ties = Literal["share", "colocate"]
 SimulatedSchedule = Literal["gpipe", "1f1b"]
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
+ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "auto"]
 Figure = Literal["balance", "timeline", "layers"]
 ProfileMode = Literal["auto", "whole", "layers"]
 
@@ -121,18 +122,33 @@ class ProfileConfig:
 @dataclass(frozen=True)
 class PartitionConfig:
     profile: str = _pos("profiles/NAME.csv (with NAME.json beside it)")
-    stages: int = _opt(None, "number of pipeline stages K", required=True)
+    stages: str = _opt(None, "number of pipeline stages K, or auto: the fastest simulated "
+                             "iteration with up to one stage per --devices", required=True,
+                       metavar="K|auto")
+    devices: list[str] | None = _opt(None, "the devices stages may use: a count N (N of the "
+                                           "profiled kind) or names (cuda:0 cuda:1 ...); "
+                                           "--stages auto needs it", nargs="+", metavar="DEVICE")
     method: Method = _opt("auto", "partition method (default auto: DP for chains, ILP for DAGs)")
     memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
-    chunks: int | None = _opt(None, _chunks("the profile's"))
-    checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
+    chunks: str | None = _opt(None, _chunks("the profile's"), metavar="M|auto")
+    batch_size: int | None = _opt(None, "mini-batch size B: --chunks M plans micro-batches of "
+                                        "ceil(B/M) rows, --chunks auto the fastest divisor M of B "
+                                        "(default: the profile's)")
+    checkpoint: str = _opt("except_last", "recomputation: always, except_last, never, auto (a "
+                                          "mode per stage, only where memory binds), or one mode "
+                                          "per stage, comma-separated (default except_last)",
+                           metavar="MODE|auto|M1,M2,..")
+    schedule: ScheduleChoice = _opt("gpipe", "pipeline schedule, or auto: the fastest simulated "
+                                             "(default gpipe)")
     optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
     ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
     bandwidth: float = _opt(10e9, "bytes/s between stages, 0 = free (default 1e10)")
-    time_limit: float = _opt(60.0, "ILP time limit in seconds (default 60)")
+    time_limit: float | None = _opt(None, "ILP time limit in seconds (default 60; 2 in a search "
+                                          "with an auto choice)")
     out: str = _opt(None, "plans/NAME.json", required=True)
     force: bool = _opt(False, "overwrite --out if it exists")
-    no_progress: bool = _opt(False, "no ILP progress on stderr (default: shown when stderr is a terminal)")
+    no_progress: bool = _opt(False, "no search or ILP progress on stderr (default: shown when "
+                                    "stderr is a terminal)")
 
 
 @dataclass(frozen=True)
