@@ -13,6 +13,9 @@ name directly: it imports it from here, where
   :func:`prefetch_support` checks each of their signatures against the ones the override was
   written for (torch 2.13); on any difference the executor runs torch's public
   ``ScheduleGPipe`` instead and warns once, in one line, saying why;
+- :func:`symbol_source` names a symbolic size for fake tensors (``torch._dynamo.source``,
+  which torch.export itself uses): only where a fake run at symbolic sizes is tried, which
+  falls back to fixed sizes on any error;
 - :func:`is_communication_error` tells a dead or silent peer from this rank's own error:
   by exception type where torch has the ``DistError`` classes, else by the messages gloo and
   NCCL put on a plain RuntimeError.
@@ -51,9 +54,19 @@ __all__ = [
     "sorted_batch_p2p",
     "wait_batch_p2p",
     "is_communication_error",
+    "symbol_source",
 ]
 
 BatchNormBase = _BatchNorm
+
+
+def symbol_source(name: str) -> Any:
+    """A name for a symbolic size (``torch._dynamo.source.ConstantSource``), as fake tensors with
+    symbolic sizes need one (executor/symbolic.py); imported here, lazily: dynamo is heavy."""
+    from torch._dynamo.source import ConstantSource
+
+    return ConstantSource(name)
+
 
 # The parameters (after self) of each private method the receive-ahead schedule overrides or
 # calls, as in torch 2.13. Exact names and order: a renamed or inserted parameter means the

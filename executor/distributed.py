@@ -3,9 +3,20 @@
     pipe = DistributedPipeline([stage], [rank], world, loss_fn=F.cross_entropy, chunks=8,
                                wires=wires, device=torch.device("cpu"))
     loss = pipe.step(x, target=y)      # the mini-batch loss on the last rank, None elsewhere
+    val = pipe.eval_step(x, target=y)  # forward only, dropout off: the loss on the last rank
+    out = pipe.eval_step(x)            # ... or the model's output for the batch
 
 Every rank calls ``step`` with the same arguments; only the first stage reads the inputs and
-only the last reads the target. Gradients accumulate in the stages' parameters exactly as
+only the last reads the target. Inputs of other sizes than the example's (another sequence
+length, another batch) run too: see [Note: one schedule per input size] in executor/sized.py.
+
+[Note: train, eval and evaluation] ``pipe.train()`` / ``pipe.eval()`` set this rank's stages'
+modes as ``nn.Module.train`` / ``eval`` do (the traced graphs read them: dropout, BatchNorm),
+and ``step`` runs in whichever mode is set, like a plain model's forward and backward.
+``eval_step`` is the evaluation a user expects: forward only (torch's ``schedule.eval``: no
+backward, no gradients, under ``torch.no_grad``), with every stage in eval mode for the call
+and put back afterwards, returning the mean micro-batch loss when given a target, else the
+model's output for the whole batch (micro-batch outputs concatenated, as executor.GPipe does). Gradients accumulate in the stages' parameters exactly as
 ``mean(loss_fn(stage_chain(x_i), y_i) for each micro-batch i).backward()`` would leave them,
 so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_module`.
 
@@ -48,7 +59,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -58,8 +68,9 @@ from executor._torch_compat import is_communication_error, prefetch_support, war
 from executor.checkpoint import checkpoint_stop
 from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
+from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import SCHEDULES, check_stage_checkpoints
-from executor.wire import Wire, WireStage, infer_wires, wire_metas
+from executor.wire import Wire, WireStage, infer_wires
 
 __all__ = [
     "schedule_class",
@@ -96,22 +107,6 @@ _GRACE_S = 5.0
 
 class PipelineFailure(RuntimeError):
     """A peer rank died, hung or failed mid-step (a runtime fault, not bad input)."""
-
-
-class _Stage(PipelineStage):
-    """PipelineStage that tells its WireStage which micro-batches to recompute."""
-
-    def __init__(self, submodule: WireStage, stop: int, *args: Any, **kwargs: Any) -> None:
-        super().__init__(submodule, *args, **kwargs)
-        self._stop = stop
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        wire: WireStage = self.submod  # type: ignore[assignment]
-        wire.recompute = fwd_chunk_id < self._stop
-        try:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        finally:
-            wire.recompute = False
 
 
 # --- the pipeline -----------------------------------------------------------------------------
@@ -182,18 +177,21 @@ class DistributedPipeline:
             WireStage(s, wires[i], wires[i + 1], last=i == num_stages - 1, device=self.device)
             for s, i in zip(self.stages, self.indices, strict=True)
         ]
-        self.pipeline_stages = [  # static metadata: no inference run on the first step
-            _Stage(w, checkpoint_stop(self.checkpoints[i], chunks), i, num_stages, self.device,
-                   input_args=wire_metas(w.inputs), output_args=wire_metas(w.outputs),
-                   group=self.group)
-            for w, i in zip(self.wire_stages, self.indices, strict=True)
-        ]
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
-        if schedule == "interleaved1f1b":
-            self._schedule = kind(self.pipeline_stages, chunks, loss_fn=self._loss, scale_grads=False)
-        else:
-            self._schedule = kind(self.pipeline_stages[0], chunks, loss_fn=self._loss, scale_grads=False)
+        self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
+        self.wires = [tuple(cut) for cut in wires]
+
+        def make_schedule(stages: list[Any]) -> Any:
+            if schedule == "interleaved1f1b":
+                return kind(stages, chunks, loss_fn=self._loss, scale_grads=False)
+            return kind(stages[0], chunks, loss_fn=self._loss, scale_grads=False)
+
+        self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
+                                     stops=[checkpoint_stop(self.checkpoints[i], chunks) for i in self.indices],
+                                     device=self.device,
+                                     group=self.group)
+        self._schedule = self._sized.get(self._sized.example)
         self._ties = [(dist.new_group(ranks=sorted(r), timeout=timedelta), p) for r, p in ties]
 
     @property
@@ -231,31 +229,105 @@ class DistributedPipeline:
             "num_stages": self.num_stages, "steps": self._steps}})
         return out
 
+    @property
+    def training(self) -> bool:
+        """Whether this rank's stages are in train mode (see [Note: train, eval and evaluation])."""
+        return all(s.training for s in self.stages)
+
+    def train(self, mode: bool = True) -> DistributedPipeline:
+        """Set this rank's stages to train (or eval) mode, as ``nn.Module.train`` does."""
+        for stage in self.stages:
+            stage.train(mode)
+        return self
+
+    def eval(self) -> DistributedPipeline:
+        """Set this rank's stages to eval mode (dropout off), as ``nn.Module.eval`` does."""
+        return self.train(False)
+
     def _loss(self, output: Any, target: Any) -> Tensor:
+        if self._no_target:  # eval_step(x): torch's schedule computes a loss per micro-batch
+            return torch.zeros((), device=self.device)
         assert self._last is not None
         return self._loss_fn(self._last.unflatten(output), target)
 
-    def step(self, *inputs: Any, target: Any = None) -> Tensor | None:
-        """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank."""
+    def _prepare(self, inputs: tuple[Any, ...], target: Any, *, need_target: bool) -> Any:
+        """Check this step's inputs, agree on their sizes, and pick the schedule for them."""
+        problem, sizes = "", None
         if self.is_first:
-            self._check_batch(inputs, "inputs")
-        if self.is_last:
+            try:
+                self._check_batch(inputs, "inputs")
+                sizes = microbatch_sizes_of(inputs, self.chunks)
+            except DistributedError as err:
+                problem = str(err)
+            if not inputs:
+                problem = "rank 0 runs stage 0 and needs the inputs: step(*inputs, target=y) on every rank"
+        if self.is_last and need_target:
             if target is None:
                 raise DistributedError("the last rank needs target=...: step(*inputs, target=y) on every rank")
             self._check_batch((target,), "target")
+        self._schedule = self._sized.get(self._sized.agree(sizes, problem))
+        return self._schedule
+
+    def step(self, *inputs: Any, target: Any = None) -> Tensor | None:
+        """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank."""
         self._steps += 1
         losses: list[Tensor] = []
-        with self._watchdog():
-            try:
-                self._schedule.step(*(inputs if self.is_first else ()),
-                                    target=target if self.is_last else None,
-                                    losses=losses if self.is_last else None, return_outputs=False)
-                self._finish_grads()
-            except RuntimeError as err:
-                if not is_communication_error(err):
-                    raise  # this rank's own bug (a shape error, out of memory): not a peer's fault
-                raise PipelineFailure(self._failure(str(err).strip().splitlines()[0])) from err
+        with self._watchdog(), self._peer_failures():
+            schedule = self._prepare(inputs, target, need_target=True)
+            schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
+                          losses=losses if self.is_last else None, return_outputs=False)
+            self._finish_grads()
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+
+    def eval_step(self, *inputs: Any, target: Any = None) -> Any:
+        """Forward only, in eval mode, without gradients (see [Note: train, eval and evaluation]).
+
+        On the last rank: the mean micro-batch loss when ``target`` is given, else the model's
+        output for the whole batch; None on the other ranks. Call it on every rank.
+        """
+        zero_dim = [k for k, w in enumerate(self.wires[-1]) if w.kind == "tensor" and not w.shape]
+        if zero_dim:  # torch's schedule.eval gathers the outputs, whatever the target
+            raise DistributedError(
+                f"output leaf {zero_dim[0]} is a 0-dim tensor: eval_step gathers outputs over "
+                "micro-batches and cannot concatenate it; return per-sample values (shape "
+                "(batch, ...)) and reduce after the pipeline"
+            )
+        modes = [(m, m.training) for s in self.stages for m in s.modules()]
+        losses: list[Tensor] = []
+        self._steps += 1
+        try:
+            self.eval()
+            self._no_target = target is None
+            with self._watchdog(), self._peer_failures(), torch.no_grad():
+                schedule = self._prepare(inputs, target, need_target=False)
+                dummy = torch.zeros(self.chunks, device=self.device)  # split per micro-batch, unread
+                out = schedule.eval(*(inputs if self.is_first else ()),
+                                    target=(dummy if target is None else target) if self.is_last else None,
+                                    losses=losses if self.is_last else None)
+        finally:
+            self._no_target = False
+            for m, mode in modes:
+                m.training = mode
+        if not self.is_last:
+            return None
+        if target is not None:
+            return torch.stack(losses).mean()
+        assert self._last is not None
+        return self._last.unflatten(out if isinstance(out, tuple) else (out,))
+
+    @contextmanager
+    def _peer_failures(self) -> Iterator[None]:
+        """A communication error is a peer's failure: PipelineFailure, naming this step. A stage's
+        own one-line error on bad input (a ValueError: the traced graph's input or mode check)
+        is raised as itself, not inside the multi-line RuntimeError PipelineStage wraps it in."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err.__cause__, ValueError):
+                raise err.__cause__ from None
+            if not is_communication_error(err):
+                raise  # this rank's own bug (a shape error, out of memory): not a peer's fault
+            raise PipelineFailure(self._failure(str(err).strip().splitlines()[0])) from err
 
     def _check_batch(self, values: Sequence[Any], what: str) -> None:
         for v in values:

@@ -12,13 +12,21 @@ that depend on the micro-batch stay exact; anything else (``None``, a dtype, a s
 constant baked into both sides and never sent, and the sender checks that it did not change.
 The last stage's output (any pytree, e.g. a HuggingFace ModelOutput) is flattened to its
 tensor leaves for the schedule and rebuilt before ``loss_fn`` sees it.
+
+[Note: wires at other sizes] PipelineStage receives into buffers allocated from the wires'
+shapes, so a pipeline built on one sequence length would only run that one. :func:`infer_wires`
+therefore also runs the chain once at symbolic input sizes ([Note: symbolic sizes] in
+executor/symbolic.py) and keeps each tensor wire's shape as formulas over the inputs'
+sizes (tensors are sent contiguous, so the shape gives the stride); :meth:`Wire.at` evaluates
+them for the micro-batch at hand. Input dimensions the chain fixes stay numbers, and :func:`check_sizes` refuses other values for them in one line.
+Where the symbolic run is not possible the formulas are None and only the example's sizes run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,8 +35,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from executor._torch_compat import TreeSpec, tree_flatten, tree_unflatten
 from executor.errors import DistributedError
+from executor.symbolic import SymbolicRun, evaluate, symbolic_run
 
-__all__ = ["Wire", "WireStage", "infer_wires", "wire_metas"]
+__all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "Sizes", "input_sizes", "check_sizes"]
+
+Sizes = tuple[tuple[int, ...] | None, ...]  # each model input's shape (None: not a tensor)
 
 
 @dataclass(frozen=True)
@@ -46,11 +57,13 @@ class Wire:
     stride: tuple[int, ...] = ()
     dtype: torch.dtype = torch.int64
     requires_grad: bool = False
+    # the shape as formulas of the input sizes ([Note: wires at other sizes]), or None
+    shape_formula: tuple[Any, ...] | None = None
 
     @staticmethod
     def of(value: Any) -> Wire:
         if isinstance(value, Tensor):
-            return Wire("tensor", None, None, tuple(value.shape), tuple(value.stride()), value.dtype,
+            return Wire("tensor", None, None, tuple(value.shape), _contiguous(value.shape), value.dtype,
                         value.requires_grad)
         if isinstance(value, (bool, int, float)):
             return Wire("scalar", type(value), dtype=torch.float64 if isinstance(value, float) else torch.int64)
@@ -60,12 +73,28 @@ class Wire:
             return Wire("ints", type(value), shape=(len(value),), stride=(1,))
         return Wire("const", None, value)
 
+    def at(self, sizes: Sizes) -> Wire:
+        """This wire for model inputs of ``sizes`` (itself when it has no formulas)."""
+        if self.shape_formula is None:
+            return self
+        shape = tuple(evaluate(f, sizes) for f in self.shape_formula)
+        return replace(self, shape=shape, stride=_contiguous(shape))
+
     def meta(self) -> Tensor | None:
         """An example of the tensor on the wire (meta device), or None for a constant."""
         if self.kind == "const":
             return None
         t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
         return t.requires_grad_(self.requires_grad)
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what is sent: see ``_encode``)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
 
 
 def wire_metas(wires: Sequence[Wire]) -> tuple[Tensor, ...]:
@@ -79,7 +108,7 @@ def _encode(values: Sequence[Any], wires: Sequence[Wire], device: torch.device) 
     out: list[Tensor] = []
     for k, (value, wire) in enumerate(zip(values, wires, strict=True)):
         if wire.kind == "tensor":
-            out.append(value)
+            out.append(value.contiguous())  # what gloo and NCCL send; the buffers match it
         elif wire.kind == "scalar":
             out.append(torch.tensor(value, dtype=wire.dtype, device=device))
         elif wire.kind == "ints":
@@ -122,37 +151,87 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 @contextmanager
 def _probing(stages: Sequence[nn.Module]) -> Iterator[None]:
-    """Eval mode (no BatchNorm statistic updates) and a forked RNG, restored afterwards."""
-    modes = [(m, m.training) for s in stages for m in s.modules()]
+    """A probe run that leaves no trace: buffers (BatchNorm statistics) and the RNG of every
+    device the stages use restored afterwards. The stages keep their mode: a graph that holds
+    one mode only refuses the other, so it is probed in the mode it is in."""
+    buffers = [(b, b.detach().clone()) for s in stages for b in s.buffers()]
+    cuda = sorted({int(t.device.index or 0) for s in stages for t in [*s.parameters(), *s.buffers()]
+                   if t.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            for s in stages:
-                s.eval()
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
             yield
     finally:
-        for m, training in modes:
-            m.training = training
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
 
 
 def infer_wires(stages: Sequence[nn.Module], example_inputs: tuple[Any, ...]) -> list[tuple[Wire, ...]]:
     """The wires of every cut from one probe run of the chain (with autograd, so that
     ``requires_grad`` is known): cut 0 is the model's inputs, cut ``i`` stage ``i``'s inputs,
-    and the extra last cut the tensor leaves of the model's output (what the loss receives)."""
+    and the extra last cut the tensor leaves of the model's output (what the loss receives).
+    Tensor wires carry formulas for other input sizes where a symbolic run of the chain is
+    possible ([Note: wires at other sizes])."""
     bad = [k for k, v in enumerate(example_inputs) if not isinstance(v, Tensor)]
     if bad:
         raise DistributedError(
             f"model inputs {bad} are not tensors; torch.distributed.pipelining feeds the first "
             "stage tensors only: pass non-tensor arguments as constants of the model instead"
         )
-    wires: list[tuple[Wire, ...]] = []
-    values: tuple[Any, ...] = tuple(example_inputs)
     with _probing(stages):
-        for i, stage in enumerate(stages):
-            wires.append(tuple(Wire.of(v) for v in values))
-            out = stage(*values)
-            values = _as_tuple(out) if i < len(stages) - 1 else tuple(tree_flatten(out)[0])
-        wires.append(tuple(Wire.of(v) for v in values if isinstance(v, Tensor)))
-    return wires
+        cuts = _chain(stages, tuple(example_inputs))
+        wires = [tuple(Wire.of(v) for v in values) for values in cuts]
+        try:
+            run = symbolic_run(lambda *xs: _chain(stages, xs), example_inputs)
+            return [tuple(_with_formulas(w, v, run) for w, v in zip(cut, values, strict=True))
+                    for cut, values in zip(wires, run.outputs, strict=True)]
+        except Exception:  # noqa: BLE001 - no formulas: the example's sizes only
+            return wires
+
+
+def _chain(stages: Sequence[nn.Module], inputs: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """The values at every cut of one run of the chain (see :func:`infer_wires`)."""
+    cuts: list[tuple[Any, ...]] = []
+    values: tuple[Any, ...] = inputs
+    for i, stage in enumerate(stages):
+        cuts.append(values)
+        out = stage(*values)
+        values = _as_tuple(out) if i < len(stages) - 1 else tuple(tree_flatten(out)[0])
+    cuts.append(tuple(v for v in values if isinstance(v, Tensor)))
+    return cuts
+
+
+def _with_formulas(wire: Wire, value: Any, run: SymbolicRun) -> Wire:
+    if wire.kind != "tensor" or not isinstance(value, Tensor):
+        return wire
+    return replace(wire, shape_formula=tuple(run.formula(n) for n in value.shape))
+
+
+def input_sizes(inputs: Sequence[Any]) -> Sizes:
+    """The sizes :meth:`Wire.at` takes: each input's shape (None for a non-tensor)."""
+    return tuple(tuple(int(n) for n in x.shape) if isinstance(x, Tensor) else None for x in inputs)
+
+
+def check_sizes(inputs: Sequence[Wire], sizes: Sizes, names: Sequence[str] = ()) -> str:
+    """"" when the chain runs inputs of ``sizes`` (cut 0's wires: ``inputs``, named ``names``
+    where known), else one line naming the first input dimension the chain fixes otherwise."""
+    for i, (wire, shape) in enumerate(zip(inputs, sizes, strict=False)):
+        if wire.kind != "tensor" or shape is None:
+            continue
+        name = f"input '{names[i]}'" if i < len(names) else f"model input {i}"
+        if len(shape) != len(wire.shape):
+            return (f"{name} has {len(shape)} dimensions but the pipeline was built for "
+                    f"{len(wire.shape)} ({list(wire.shape)}); pass inputs shaped like the example")
+        fixed = wire.shape_formula or wire.shape
+        for d, (want, got) in enumerate(zip(fixed, shape, strict=True)):
+            if isinstance(want, int) and want != got:
+                how = ("its stages fix it" if wire.shape_formula is not None else
+                       "it was built for the example's sizes only (no symbolic run of its stages)")
+                if want < 2 and wire.shape_formula is not None:
+                    how = "it was built with that size (torch fixes sizes 0 and 1): build with >= 2"
+                return (f"dimension {d} of {name} is {got}, but the pipeline runs {want} there: "
+                        f"{how}; pass inputs with {want} in dimension {d}")
+    return ""
 
 
 class WireStage(nn.Module):

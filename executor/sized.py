@@ -1,0 +1,133 @@
+"""A distributed pipeline at any input size: one set of PipelineStages and a schedule per size.
+
+[Note: one schedule per input size] A PipelineStage allocates its receive buffers from the
+static shapes it is given, so the stages and schedule built for the example micro-batch run
+that size only. :class:`SizedSchedules` builds them again for each input size a pipeline meets,
+from the wires at that size ([Note: wires at other sizes] in executor/wire.py), and keeps the
+last few (their buffers cost memory). Which size a step has is decided by rank 0, which holds
+stage 0 and so is the one rank that must be given the inputs, and broadcast on the pipeline's
+group before the step (one small int64 tensor): every rank then picks or builds the same
+schedule, or refuses the inputs with the same one-line error, instead of one rank raising while
+its peers wait for it until the timeout.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.pipelining import PipelineStage
+
+from executor.errors import DistributedError
+from executor.wire import Sizes, Wire, WireStage, check_sizes, wire_metas
+
+__all__ = ["SizedSchedules", "microbatch_sizes_of"]
+
+_KEEP = 4  # sizes whose stages and schedule are kept
+
+
+class _Stage(PipelineStage):
+    """PipelineStage that tells its WireStage which micro-batches to recompute."""
+
+    def __init__(self, submodule: WireStage, stop: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self._stop = stop
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        wire: WireStage = self.submod  # type: ignore[assignment]
+        wire.recompute = fwd_chunk_id < self._stop
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            wire.recompute = False
+
+
+def microbatch_sizes_of(inputs: Sequence[Any], chunks: int) -> Sizes:
+    """The sizes of one micro-batch of ``inputs`` (batch divisible by ``chunks``)."""
+    return tuple(
+        ((int(x.shape[0]) // chunks, *map(int, x.shape[1:])) if x.dim() else ())
+        if isinstance(x, Tensor) else None
+        for x in inputs
+    )
+
+
+def _input_names(stage: torch.nn.Module) -> list[str]:
+    """The names of stage 0's parameters (a traced stage's are the model's inputs), or []."""
+    try:
+        parameters = inspect.signature(stage.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+class SizedSchedules:
+    """This rank's schedule for each input size (see [Note: one schedule per input size])."""
+
+    def __init__(
+        self,
+        wire_stages: Sequence[WireStage],
+        indices: Sequence[int],
+        num_stages: int,
+        wires: Sequence[Sequence[Wire]],
+        make_schedule: Callable[[list[_Stage]], Any],
+        *,
+        stops: Sequence[int],  # per wire stage: its micro-batches 0 .. stop-1 are recomputed
+        device: torch.device,
+        group: dist.ProcessGroup,
+    ) -> None:
+        self.wire_stages, self.indices, self.num_stages = list(wire_stages), list(indices), num_stages
+        self.wires = [tuple(cut) for cut in wires]
+        self.make_schedule, self.stops, self.device, self.group = make_schedule, list(stops), device, group
+        self.example: Sizes = tuple(tuple(w.shape) if w.kind == "tensor" else None for w in self.wires[0])
+        self._built: OrderedDict[Sizes, tuple[list[_Stage], Any]] = OrderedDict()
+        self.get(self.example)
+
+    def get(self, sizes: Sizes) -> Any:
+        """The schedule for micro-batches of ``sizes``, built on first use."""
+        if sizes in self._built:
+            self._built.move_to_end(sizes)
+            return self._built[sizes][1]
+        try:
+            at = [tuple(w.at(sizes) for w in cut) for cut in self.wires]
+        except ValueError as err:
+            raise DistributedError(f"cannot size the pipeline's cuts for inputs {list(sizes)}: {err}; "
+                                   "pass inputs shaped like the example") from None
+        stages = [  # static metadata: no inference run on the first step
+            _Stage(w, stop, i, self.num_stages, self.device, input_args=wire_metas(at[i]),
+                   output_args=wire_metas(at[i + 1]), group=self.group)
+            for w, stop, i in zip(self.wire_stages, self.stops, self.indices, strict=True)
+        ]
+        schedule = self.make_schedule(stages)
+        self._built[sizes] = (stages, schedule)
+        while len(self._built) > _KEEP:
+            self._built.popitem(last=False)
+        return schedule
+
+    def agree(self, sizes: Sizes | None, problem: str) -> Sizes:
+        """Rank 0's micro-batch ``sizes`` on every rank, or DistributedError on every rank when
+        rank 0 found a ``problem`` with its inputs (it raises that; the others say so)."""
+        if not problem and sizes is not None:
+            problem = check_sizes(self.wires[0], sizes, _input_names(self.wire_stages[0].stage))
+        if dist.get_world_size(self.group) == 1:
+            if problem or sizes is None:
+                raise DistributedError(problem or "no inputs were given")
+            return sizes
+        spec = [len(w.shape) if w.kind == "tensor" else -1 for w in self.wires[0]]
+        buffer = torch.zeros(1 + sum(max(n, 0) for n in spec), dtype=torch.int64, device=self.device)
+        if dist.get_rank() == 0:
+            if problem or sizes is None:
+                buffer[0] = 1
+            elif buffer.numel() > 1:
+                buffer[1:] = torch.tensor([n for shape in sizes if shape is not None for n in shape])
+        dist.broadcast(buffer, src=0, group=self.group)
+        if int(buffer[0]):
+            raise DistributedError(problem if dist.get_rank() == 0 else
+                                   "rank 0 refused this step's inputs (its error says why); every "
+                                   "rank stops the step")
+        values = iter(int(v) for v in buffer[1:].tolist())
+        return tuple(tuple(next(values) for _ in range(n)) if n >= 0 else None for n in spec)
