@@ -41,7 +41,7 @@ from autopipe.solvers.baselines import (
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import solve_ilp
-from autopipe.solvers.search import Setting, chunk_candidates, search
+from autopipe.solvers.search import INTERLEAVED_PER_RANK, Setting, chunk_candidates, search
 from autopipe.solvers.stage_dp import budget_devices
 from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
 
@@ -103,7 +103,8 @@ def partition(
     the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
     profiled micro-batch's, so that is the pipeline it fits. Given ``stages`` and no ``devices``,
     each stage gets its own device of the kind the profile was measured on (``cpu:0``,
-    ``cpu:1``, ...; ``stage0``, ... when the profile does not say). ``progress``: the search's
+    ``cpu:1``, ...; ``stage0``, ... when the profile does not say), or under
+    ``interleaved1f1b`` every two stages share one (``cpu:0, cpu:1, cpu:0, cpu:1``). ``progress``: the search's
     and the ILP's progress on stderr; None (default) shows it when stderr is a terminal, True
     always, False never. Raises PartitionError when no split fits.
     """
@@ -127,9 +128,18 @@ def partition(
         raise PartitionError(f"chunks={chunks} > batch_size={batch_size}: micro-batches would be "
                              f"empty; use chunks <= {batch_size}")
     kind = profile.meta.get("device_type")
-    if devices is None and kind and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
-        devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
-    if "auto" in (stages, chunks, checkpoint, schedule):
+    searching = "auto" in (stages, chunks, checkpoint, schedule)
+    if devices is None and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
+        if schedule == "interleaved1f1b" and not searching:  # two stages a rank, as the runtime
+            if stages % INTERLEAVED_PER_RANK:
+                raise PartitionError(f"schedule='interleaved1f1b' runs {INTERLEAVED_PER_RANK} stages on "
+                                     f"each rank: give an even stages (not {stages}) or "
+                                     f"devices=[...] with the ranks' devices in turn")
+            ranks = stages // INTERLEAVED_PER_RANK
+            devices = [f"{kind or 'rank'}:{s % ranks}" for s in range(stages)]
+        elif kind:
+            devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
+    if searching:
         if method in ("uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "
                                  f"choices use method='auto', 'dp' or 'ilp'")
@@ -178,6 +188,9 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
                                  "devices=[...] (--devices N or names) to say how many there are")
         devices = [f"stage{s}" for s in range(int(stages or 0))] if stages else None
     pool = resolve_devices(None, devices, memory_limit)
+    if schedule == "interleaved1f1b" and len({d.name for d in pool}) < len(pool):
+        raise PartitionError("a search takes devices as the pool to choose ranks from, each "
+                             "listed once; interleaved1f1b then runs two stages on each")
     if isinstance(stages, int) and stages > len(pool):
         raise PartitionError(f"stages={stages} but only {len(pool)} devices given; use stages <= "
                              f"{len(pool)} or 'auto'")
@@ -189,7 +202,8 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
         counts = chunk_candidates(batch_size, max_chunks)
     modes: list[str | tuple[str, ...]] = [checkpoint if isinstance(checkpoint, str) else tuple(checkpoint)]
     setting = Setting(ranks, counts, list(SCHEDULES) if schedule == "auto" else [schedule], modes,
-                      batch_size, optimizer, bandwidth, ties)
+                      batch_size, optimizer, bandwidth, ties,
+                      stages=stages if isinstance(stages, int) else None)
     CostOptions(counts[0], "never", optimizer, bandwidth, ties)  # one line for a bad option
     return search(profile, pool, setting, method=method, time_limit=time_limit, progress=progress)
 

@@ -7,7 +7,8 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
 
     ranks W      devices used: 1 .. len(devices) for stages="auto" (the W fastest, then
                  roomiest, in the given order); ``gpipe`` / ``1f1b`` run W stages, one per
-                 rank, ``interleaved1f1b`` runs INTERLEAVED_PER_RANK stages on each (W >= 2)
+                 rank, ``interleaved1f1b`` runs INTERLEAVED_PER_RANK stages on each (W >= 2);
+                 a fixed stages=K is K stages under every schedule (K / 2 ranks interleaved)
     chunks M     micro-batches per mini-batch: the divisors of batch_size up to max_chunks for
                  chunks="auto" (equal micro-batches, which every runtime accepts), with the
                  profile scaled to ceil(B / M) rows ([Note: micro-batch scaling])
@@ -64,7 +65,7 @@ ALTERNATIVES = 5
 class Setting:
     """What the search may choose from (each list has one entry when fixed)."""
 
-    ranks: list[int]
+    ranks: list[int]  # devices used (one stage each, or INTERLEAVED_PER_RANK under interleaved)
     chunks: list[int]
     schedules: list[str]
     checkpoints: list[str | tuple[str, ...]]  # "auto" (per stage), a mode, or one per stage
@@ -72,6 +73,7 @@ class Setting:
     optimizer: str = "adam"
     bandwidth: float | None = 10e9
     ties: str = "share"
+    stages: int | None = None  # a fixed stage count: interleaved then uses stages / 2 ranks
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,11 @@ class _Search:
         out = []
         distinct = len({d.name for d in self.pool}) == len(self.pool)
         for schedule in self.setting.schedules:
-            for w in self.setting.ranks:
+            ranks = self.setting.ranks
+            if schedule == "interleaved1f1b" and self.setting.stages is not None:
+                fixed = self.setting.stages
+                ranks = [fixed // INTERLEAVED_PER_RANK] if fixed % INTERLEAVED_PER_RANK == 0 else []
+            for w in ranks:
                 k = w * (INTERLEAVED_PER_RANK if schedule == "interleaved1f1b" else 1)
                 if k > self.n or (schedule == "interleaved1f1b" and (w < 2 or not distinct)):
                     continue
@@ -208,15 +214,6 @@ class _Search:
                     self.solve_one(c, cp)
             bar.set_postfix_str(f"best {self.best_time():.3f} ms", refresh=False)
 
-    def variants(self, k: int) -> list[str | tuple[str, ...]]:
-        out: list[str | tuple[str, ...]] = []
-        for cp in self.setting.checkpoints:
-            if cp == "auto":
-                out += ["auto", *CHECKPOINT_MODES]
-            elif isinstance(cp, str) or len(cp) == k:
-                out.append(cp)
-        return out
-
     def blocks(self, schedule: str, m: int) -> StageBlocks:
         key = (m, schedule)
         if key not in self._blocks:
@@ -255,12 +252,33 @@ class _Search:
         if split is not None:
             self.evaluate(c, cp, split)
 
-    def evaluate(self, c: _Config, cp: str | tuple[str, ...], split: Split) -> None:
+    def other_schedules(self) -> None:
+        """For the alternatives table: each schedule the pruning left unsimulated, at its most
+        promising configuration (one more DP each, nothing that changes the choice)."""
+        shown = {r.config.schedule for r in self.results}
+        first = "auto" if "auto" in self.setting.checkpoints else self.setting.checkpoints[0]
+        for schedule in self.setting.schedules:
+            configs = [c for c in self.configs() if c.schedule == schedule]
+            if schedule in shown or not configs:
+                continue
+            c = configs[0]  # the lowest bound
+            devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
+            if not isinstance(first, str) and len(first) != len(devices):
+                continue
+            split = solve_split(self.at(c.chunks)[1], budget_devices(devices, c.schedule),
+                                self.options(c.schedule, c.chunks, first),
+                                modes="auto" if first == "auto" else None,
+                                blocks=self.blocks(c.schedule, c.chunks))
+            if split is not None:
+                self.evaluate(c, first, split, always=True)
+
+    def evaluate(self, c: _Config, cp: str | tuple[str, ...], split: Split, always: bool = False) -> None:
         costs = self.at(c.chunks)[1]
         devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
         opts = replace(self.options(c.schedule, c.chunks, cp), checkpoint=tuple(split.modes))
         stages = stage_costs(costs, split.assignment, devices, opts)
-        if split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks) >= self.best_time():
+        bound = split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks)
+        if bound >= self.best_time() and not always:
             return  # cannot beat the best: no need to simulate it
         sim = simulate_stages(stages, chunks=c.chunks, checkpoint=split.modes, schedule=c.schedule,
                               ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices])
@@ -293,6 +311,7 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     s.run()
     if not s.results:
         raise s.infeasible()
+    s.other_schedules()
     ranked = sorted(s.results, key=lambda r: (r.time, r.config.ranks, r.config.chunks))
     best = ranked[0]
     c = best.config

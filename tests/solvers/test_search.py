@@ -174,3 +174,20 @@ def test_search_speed_800_layers_16_devices() -> None:
     elapsed = time.perf_counter() - start
     assert _fits(plan)
     assert elapsed < 30.0  # target 10 s on 2 cores (benchmarks/auto_plan.py reports the real number)
+
+
+def test_interleaved_with_a_stage_count_puts_two_stages_on_each_rank() -> None:
+    prof = random_chain(12, 2)
+    prof.meta["device_type"] = "cuda"
+    plan = partition(prof, stages=4, chunks=4, schedule="interleaved1f1b")
+    assert [d.name for d in plan.devices] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert set(plan.device_memory) == {"cuda:0", "cuda:1"}
+    with pytest.raises(PartitionError, match=r"runs 2 stages on each rank: give an even stages \(not 3\)"):
+        partition(prof, stages=3, chunks=4, schedule="interleaved1f1b")
+    # in a search, stages=4 is four stages under every schedule: two ranks of two when interleaved
+    both = partition(prof, stages=4, chunks=4, schedule="interleaved1f1b", checkpoint="auto",
+                     devices=["a", "b", "c", "d"], progress=False)
+    assert both.num_stages == 4 and len(both.device_memory) == 2
+    with pytest.raises(PartitionError, match="each listed once"):
+        partition(prof, stages=4, chunks=4, schedule="interleaved1f1b", checkpoint="auto",
+                  devices=["a", "b", "a", "b"], progress=False)
