@@ -1,0 +1,154 @@
+"""Models that are never whole in one place: built on meta, stages loaded from weights files.
+
+Memory is the process's peak anonymous resident memory ([Note: RssAnon]), each case in fresh
+processes: the pages of a memory-mapped weights file do not count, every real copy does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+
+from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.examples import TinyGPT
+from autopipe.frontend.process_memory import PeakRss, rss_anon
+from tests.test_assemble_ranks import _ok, spawn
+
+# 28 blocks of 12 x 1536^2 parameters plus a 8000-token tied embedding: 3.2 GB in fp32
+GIANT = {"vocab": 8000, "dim": 1536, "heads": 12, "layers": 28, "max_len": 64}
+CHUNKS = 2
+
+
+def _loss(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+
+
+# --- a small model across 2 ranks: same numbers as one process --------------------------------
+def _small_weights(folder: Path) -> tuple[dict[str, Tensor], Path]:
+    torch.manual_seed(0)
+    real = TinyGPT(layers=2)
+    state = {k: v.detach().clone() for k, v in real.state_dict().items() if k != "head.weight"}
+    save_file(state, str(folder / "model.safetensors"))
+    return real.state_dict(), folder / "model.safetensors"
+
+
+def _rank_from_weights(rank: int, weights: str) -> dict[str, Any]:
+    with torch.device("meta"):
+        model = TinyGPT(layers=2)
+    ids, target = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1)), \
+        torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    pipe = distributed_pipeline(model, (ids,), loss_fn=_loss, chunks=CHUNKS, method="uniform",
+                                weights=weights, timeout=30)
+    loss = pipe.step(ids, target=target)
+    return {"loss": loss, "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()},
+            "state": pipe.state_dict()}
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_load_only_their_stage_and_match_one_process(tmp_path: Path) -> None:
+    state, path = _small_weights(tmp_path)
+    values = _ok(spawn(_rank_from_weights, str(path)))
+    ref = TinyGPT(layers=2)
+    ref.load_state_dict(state)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    want = torch.stack([_loss(ref(x), y) for x, y in zip(ids.tensor_split(CHUNKS),
+                                                         target.tensor_split(CHUNKS), strict=True)])
+    want.mean().backward()
+    torch.testing.assert_close(values[-1]["loss"], want.mean())
+    grads = dict(ref.named_parameters(remove_duplicate=False))  # head.weight is tok.weight
+    seen = set()
+    for v in values:
+        for name, grad in v["grads"].items():
+            torch.testing.assert_close(grad, grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+            seen.add(name)
+        for key, value in v["state"].items():
+            torch.testing.assert_close(value, state[key])
+    assert seen >= set(dict(ref.named_parameters()))  # every parameter lives on some rank
+
+
+# --- a 3.2 GB model: peak memory of building it from a file -----------------------------------
+def _write_giant_weights(folder: Path) -> Path:
+    # One shard per ~400 MB, written as it is made, so no process ever holds the whole model.
+    code = textwrap.dedent("""
+        import json, sys, torch
+        from safetensors.torch import save_file
+        from autopipe.examples import TinyGPT
+        with torch.device("meta"):
+            model = TinyGPT(**eval(sys.argv[2]))
+        folder, shards, part, size, weight_map = sys.argv[1], [], {}, 0, {}
+        def flush():
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(part, f"{folder}/{name}")
+            weight_map.update(dict.fromkeys(part, name))
+            shards.append(name)
+        for key, t in model.state_dict().items():
+            if key == "head.weight":
+                continue
+            part[key] = torch.randn(t.shape) * 0.02
+            size += part[key].numel() * 4
+            if size > 400 * 2**20:
+                flush()
+                part, size = {}, 0
+        flush()
+        with open(f"{folder}/model.safetensors.index.json", "w") as f:
+            json.dump({"weight_map": weight_map}, f)
+    """)
+    subprocess.run([sys.executable, "-c", code, str(folder), repr(GIANT)], check=True, timeout=300)
+    return folder / "model.safetensors.index.json"
+
+
+_BUILD_ONE_PROCESS = textwrap.dedent("""
+    import sys, torch, autopipe
+    from autopipe.examples import TinyGPT
+    from autopipe.frontend.process_memory import PeakRss
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = TinyGPT(**eval(sys.argv[2]))
+    ids = torch.randint(0, 8000, (2, 32))
+    with PeakRss() as rss:
+        pipe = autopipe.pipeline(model, (ids,), devices=["cpu", "cpu"], chunks=2,
+                                 weights=sys.argv[1], method="uniform")
+        with torch.no_grad():
+            out = pipe(ids)
+    assert out.shape == (2, 32, 8000) and torch.isfinite(out).all()
+    print(sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes)
+""")
+
+
+def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = TinyGPT(**GIANT)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(0, 8000, (2, 32), generator=torch.Generator().manual_seed(0))
+    with PeakRss() as rss:
+        pipe = distributed_pipeline(model, (ids,), loss_fn=_loss, chunks=CHUNKS, method="uniform",
+                                    weights=weights, timeout=120)
+        pipe.step(ids, target=ids)
+    assert rss.bytes is not None
+    return size, rss.bytes
+
+
+@pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
+@pytest.mark.timeout(400)
+def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:
+    index = _write_giant_weights(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _BUILD_ONE_PROCESS, str(index), repr(GIANT)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    size, peak = map(int, out.stdout.split())
+    assert size >= 3e9
+    assert peak <= 1.5 * size, f"one process: peak {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB model"
+    ranks = _ok(spawn(_rank_peak, str(index), timeout=240))
+    for rank, (size, peak) in enumerate(ranks):
+        assert peak <= 0.8 * size, f"rank {rank}: peak {peak / 2**30:.2f} GiB of {size / 2**30:.2f} GiB"
