@@ -180,7 +180,8 @@ class TrainConfig:
     chunks: int | None = _opt(None, _chunks("the --plan's, else the --profile's"))
     batch_size: int | None = _opt(None, _batch("the --plan's, else the --profile's"))
     steps: int = _opt(5, "training steps (default 5)")
-    checkpoint: Checkpoint = _opt("except_last", "recomputation (default except_last)")
+    checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, per stage, "
+                                               "else except_last)")
     devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")
     method: Method = _opt("auto", "partition method (default auto)")
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")

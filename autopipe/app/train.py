@@ -138,7 +138,7 @@ def train_example(
     chunks: int | None = None,
     batch_size: int | None = None,
     steps: int = 5,
-    checkpoint: str = "except_last",
+    checkpoint: str | None = None,
     devices: Sequence[str] | None = None,
     method: str = "auto",
     plan: Plan | str | None = None,
@@ -148,7 +148,8 @@ def train_example(
 ) -> TrainReport:
     """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
     returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
-    ``batch_size`` default to the plan's or profile's, else 2, 4 and 32."""
+    ``batch_size`` default to the plan's or profile's, else 2, 4 and 32; ``checkpoint`` to the
+    plan's (one mode per stage), else except_last."""
     if steps < 1:
         raise AutopipeError(f"steps={steps} < 1: train at least one step (--steps 1 or more)")
     loaded_plan = Plan.load(plan) if isinstance(plan, str) else plan
