@@ -384,7 +384,7 @@ def _alternatives(ranked: list[_Result], best: _Result) -> list[Alternative]:
         c = r.config
         k = len(r.split.modes)
         modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
-        note = "per-stage search" if r.checkpoint == "auto" else "one mode for all stages"
+        note = "" if r.checkpoint == "auto" else "one mode for all stages"
         out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note))
         if len(out) == ALTERNATIVES:
             break
