@@ -117,6 +117,8 @@ class ProfileConfig:
                                      "memory (default auto)")
     meta: bool = _opt(False, "build the model on the meta device (no memory for its weights) and "
                              "profile it layer by layer")
+    micro_batch_sizes: str | None = _opt(None, "more micro-batch sizes to measure, e.g. 1,2,4,8, "
+                                               "for `partition --chunks auto`")
 
 
 @dataclass(frozen=True)

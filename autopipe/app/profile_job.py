@@ -107,6 +107,17 @@ def _csv_json(out: str | os.PathLike[str]) -> tuple[Path, Path]:
     return base.with_name(base.name + ".csv"), base.with_name(base.name + ".json")
 
 
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(r < 1 for r in sizes):
+        raise ProfileError(f"--micro-batch-sizes {text!r}: give row counts >= 1 separated by "
+                           "commas, e.g. 1,2,4,8")
+    return sizes
+
+
 def profile_to_file(
     model: str,
     *,
@@ -124,6 +135,7 @@ def profile_to_file(
     progress: bool = True,
     mode: str = "auto",
     meta: bool = False,
+    micro_batch_sizes: str | None = None,
 ) -> tuple[Profile, Path]:
     """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
 
@@ -136,6 +148,7 @@ def profile_to_file(
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
     shape = parse_shape(input_shape) if input_shape is not None else None
+    sizes = _parse_sizes(micro_batch_sizes) if micro_batch_sizes is not None else None
     loaded = load_model(model, batch_size, input_shape=shape, meta=meta)
     csv_path, json_path = _csv_json(out if out is not None else Path("profiles") / f"{loaded.name}.csv")
     existing = [str(p) for p in (csv_path, json_path) if p.exists()]
@@ -157,7 +170,7 @@ def profile_to_file(
             loaded.model, loaded.inputs, device=device, chunks=resolve(chunks, default=DEFAULT_CHUNKS),
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
-            name=loaded.name, progress=progress, mode=mode, **kwargs,
+            name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes, **kwargs,
         )
     finally:
         torch.set_num_threads(before)

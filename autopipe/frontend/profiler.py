@@ -35,6 +35,7 @@ from torch import fx, nn
 from tqdm import tqdm
 
 from autopipe.core.profile_table import Profile
+from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.core.units import parse_bytes
 from autopipe.errors import AutopipeError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
@@ -53,6 +54,7 @@ from autopipe.frontend.preserve import preserved
 from autopipe.frontend.process_memory import PeakRss
 from autopipe.frontend.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.timing import Timer, memory_meter_for, timer_for
+from executor._torch_compat import tree_map_only
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
@@ -176,6 +178,64 @@ def _choose_mode(mode: str, model: nn.Module, dev: torch.device,
     return "layers" if budget is not None and _state_bytes(model) > budget else "whole"
 
 
+def _measure_at(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    graph: LayerGraph | None,
+    chosen: str,
+    dev: torch.device,
+    timer: Timer,
+    repeats: int,
+    warmup: int,
+    progress: bool | None,
+    dedupe: bool,
+    trace_kwargs: dict[str, Any],
+) -> tuple[LayerGraph, list[dict[str, Any]], tuple[float, float]]:
+    """Trace one micro-batch (unless ``graph``) and measure every layer, whole or layer by layer."""
+    if chosen == "whole":
+        with preserved(model, dev):
+            args = to_device(inputs, dev)
+            g = graph if graph is not None else trace(model, args, **trace_kwargs)
+            home = _home(g.gm)  # a caller's graph goes back where it was
+            try:
+                g.gm.to(dev)
+                rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
+                                       warmup, progress)
+            finally:
+                if home is not None and graph is not None:
+                    g.gm.to(home)
+        return g, rows, extra
+    # the model is never moved or run: see [Note: layer by layer]
+    with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
+        g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
+        rows, extra = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
+                               repeats, warmup, progress)
+    return g, rows, extra
+
+
+def _other_sizes(sizes: Sequence[int] | None, micro: int) -> list[int]:
+    if sizes is None:
+        return []
+    bad = [r for r in sizes if isinstance(r, bool) or not isinstance(r, int) or r < 1]
+    if bad or isinstance(sizes, str):
+        raise ProfileError(f"micro_batch_sizes must be row counts >= 1, got {sizes!r}; "
+                           "pass e.g. [1, 2, 4, 8]")
+    return sorted(set(sizes) - {micro})
+
+
+def _with_rows(example_inputs: Any, rows: int) -> tuple[Any, ...]:
+    """Every batched tensor of the example inputs at ``rows`` rows (repeated when it has fewer)."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        times = -(-rows // t.shape[0])
+        return torch.cat([t] * times)[:rows].clone() if times > 1 else t[:rows].clone()
+
+    return tuple(tree_map_only(torch.Tensor, cut, inputs))
+
+
 def profile(
     model: nn.Module,
     example_inputs: Any,
@@ -191,6 +251,7 @@ def profile(
     mode: str = "auto",
     dedupe: bool = True,
     memory_budget: int | str | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
     **trace_kwargs: Any,
 ) -> Profile:
     """Measure every layer of ``model`` on one micro-batch of ``example_inputs``.
@@ -216,6 +277,10 @@ def profile(
             the ``measured_as`` column names the layer whose measurement a row reuses.
         memory_budget: bytes (or "16GiB") the model's tensors may take on the device before
             ``auto`` goes layer by layer (default on CUDA: its free memory).
+        micro_batch_sizes: more micro-batch sizes (rows) to measure, besides the one
+            ``chunks`` makes: their times and bytes go into columns ``fwd_ms@R`` ... and
+            ``meta["micro_batch_sizes"]``, from which ``partition(chunks="auto")``
+            interpolates ([Note: micro-batch scaling]). Rows beyond the example batch repeat it.
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
 
     Raises:
@@ -237,28 +302,28 @@ def profile(
         _check_graph(graph, inputs, micro, chunks)
     chosen = _choose_mode(mode, model, dev, memory_budget)
     timer = timer or timer_for(dev)
-    cuda = [int(dev.index or 0)] if dev.type == "cuda" else []
+    others = _other_sizes(micro_batch_sizes, micro)
+
+    def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> tuple[
+            LayerGraph, list[dict[str, Any]], tuple[float, float]]:
+        return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
+                           dedupe, trace_kwargs)
+
     with PeakRss() as rss:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        if chosen == "whole":
-            with preserved(model, dev):
-                args = to_device(inputs, dev)
-                g = graph if graph is not None else trace(model, args, **trace_kwargs)
-                home = _home(g.gm)  # a caller's graph goes back where it was
-                try:
-                    g.gm.to(dev)
-                    rows, (fwd_extra, bwd_extra) = _measure(
-                        g, _whole_model_runs(model, g, args), timer, dev, repeats, warmup, progress)
-                finally:
-                    if home is not None and graph is not None:
-                        g.gm.to(home)
-        else:  # the model is never moved or run: see [Note: layer by layer]
-            with torch.random.fork_rng(devices=cuda):
-                g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
-                rows, (fwd_extra, bwd_extra) = _measure(
-                    g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev, repeats,
-                    warmup, progress)
+        g, rows, (fwd_extra, bwd_extra) = measure_at(inputs, graph)
+        frame = pd.DataFrame(rows)
+        fingerprints = {str(micro): g.fingerprint}
+        for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
+            g_r, rows_r, _ = measure_at(_with_rows(example_inputs, r), None)
+            if g_r.layers != g.layers:
+                raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
+                                   f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
+                                   "its own (micro_batch_sizes=None)")
+            for column in SCALED_COLUMNS:
+                frame[f"{column}@{r}"] = [row[column] for row in rows_r]
+            fingerprints[str(r)] = g_r.fingerprint
     peak = (int(torch.cuda.max_memory_allocated(dev)), "cuda max_memory_allocated") \
         if dev.type == "cuda" else (rss.bytes, "RssAnon of the process")
     meta = {
@@ -282,9 +347,11 @@ def profile(
         "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
         "peak_memory_bytes": peak[0],
         "peak_memory_of": peak[1],
+        **({"micro_batch_sizes": sorted([micro, *others]), "fingerprints": fingerprints}
+           if others else {}),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return Profile(pd.DataFrame(rows), g.edges(), meta)
+    return Profile(frame, g.edges(), meta)
 
 
 def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,

@@ -113,3 +113,20 @@ def test_giant_benchmark_runs_tiny() -> None:
                                         "partition into 2 stages"]
     assert all(p.seconds > 0 for p in phases)
     assert "layers measured, layers" in phases[2].note and "bottleneck" in phases[3].note
+
+
+def test_several_micro_batch_sizes_feed_chunks_auto() -> None:
+    model = Chain()
+    x = torch.randn(8, 8)
+    prof = autopipe.profile(model, (x,), chunks=4, micro_batch_sizes=[1, 2, 16], **FAST)
+    assert prof.meta["micro_batch_size"] == 2 and prof.meta["micro_batch_sizes"] == [1, 2, 16]
+    for r in (1, 16):  # 16 rows: the example batch of 8, twice
+        for column in ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes"):
+            assert f"{column}@{r}" in prof.df.columns
+    # activations are per row: exactly 8x the 2-row micro-batch's at 16 rows
+    assert (prof.df["output_bytes@16"] == 8 * prof.df["output_bytes"]).all()
+    assert set(prof.meta["fingerprints"]) == {"1", "2", "16"}
+    plan = autopipe.partition(prof, stages=2, chunks="auto", batch_size=32)
+    assert 1 <= plan.chunks <= 32
+    with pytest.raises(ProfileError, match="micro_batch_sizes must be row counts >= 1"):
+        autopipe.profile(model, (x,), chunks=4, micro_batch_sizes=[0, 2], **FAST)
