@@ -19,6 +19,7 @@ from torch.testing import assert_close
 from autopipe import TraceError
 from autopipe.assemble import microbatch_inputs
 from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.core.plan import Plan
 from autopipe.frontend.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.distributed import DistributedError, DistributedPipeline
@@ -41,12 +42,15 @@ def ids(batch: int, length: int, seed: int) -> Tensor:
     return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def build(model: nn.Module, example: Tensor, chunks: int = CHUNKS, **kwargs: Any) -> DistributedPipeline:
-    """A 2-stage pipeline of ``model`` from made-up costs (no profiling on rank 0)."""
+def plan_for(model: nn.Module, example: Tensor, chunks: int = CHUNKS) -> dict[str, Any]:
+    """A 2-stage plan from made-up costs, made once in the parent: the ranks only trace once."""
     graph = trace(model, microbatch_inputs((example,), chunks))
-    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=chunks)
-    return distributed_pipeline(model, (example,), loss_fn=lm_loss, plan=plan, chunks=chunks,
-                                timeout=30, **kwargs)
+    return partition(cost_profile(graph), stages=2, method="dp", chunks=chunks).to_dict()
+
+
+def build(model: nn.Module, example: Tensor, plan: dict[str, Any], **kwargs: Any) -> DistributedPipeline:
+    return distributed_pipeline(model, (example,), loss_fn=lm_loss, plan=Plan.from_dict(plan),
+                                chunks=CHUNKS, timeout=30, **kwargs)
 
 
 def reference_step(model: nn.Module, x: Tensor, y: Tensor, chunks: int = CHUNKS) -> Tensor:
@@ -74,12 +78,12 @@ def assert_grads_match(values: list[dict[str, Any]], key: Any, model: nn.Module)
 
 
 # --- other lengths -------------------------------------------------------------------------------
-def _lengths(rank: int) -> dict[str, Any]:
+def _lengths(rank: int, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in ("gpt2", "llama", "bert"):
-            pipe = build(hf_model(name), ids(4, 8, 0), schedule="1f1b")
+            pipe = build(hf_model(name), ids(4, 8, 0), plans[name], schedule="1f1b")
             for length in LENGTHS:
                 for p in pipe.stage_module.parameters():
                     p.grad = None
@@ -97,7 +101,10 @@ def _lengths(rank: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)
 def test_two_ranks_run_other_lengths_like_one_process() -> None:
-    values = _ok(spawn(_lengths, timeout=170))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = {name: plan_for(hf_model(name), ids(4, 8, 0)) for name in ("gpt2", "llama", "bert")}
+    values = _ok(spawn(_lengths, plans, timeout=170))
     for name in ("gpt2", "llama", "bert"):
         model = hf_model(name)
         for length in LENGTHS:
@@ -115,11 +122,11 @@ def test_two_ranks_run_other_lengths_like_one_process() -> None:
 
 
 # --- eval_step, train() and eval() -----------------------------------------------------------
-def _modes(rank: int) -> dict[str, Any]:
+def _modes(rank: int, plan: dict[str, Any]) -> dict[str, Any]:
     x, y = ids(4, 8, 1), ids(4, 8, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = build(gpt2_with_dropout(), ids(4, 8, 0))
+        pipe = build(gpt2_with_dropout(), ids(4, 8, 0), plan)
         out: dict[str, Any] = {"outputs": [pipe.eval_step(x) for _ in range(2)],
                                "eval_loss": pipe.eval_step(x, target=y),
                                "training_after_eval_step": pipe.training}
@@ -139,7 +146,10 @@ def _modes(rank: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 def test_two_ranks_eval_step_and_modes_match_the_model() -> None:
-    values = _ok(spawn(_modes, timeout=110))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_for(gpt2_with_dropout(), ids(4, 8, 0))
+    values = _ok(spawn(_modes, plan, timeout=110))
     model = gpt2_with_dropout().eval()
     x, y = ids(4, 8, 1), ids(4, 8, 2)
     with torch.no_grad():
