@@ -294,8 +294,7 @@ class DistributedPipeline:
             )
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
         losses: list[Tensor] = []
-        self._steps += 1
-        try:
+        try:  # not counted in _steps: checkpoint parts record training steps
             self.eval()
             self._no_target = target is None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
