@@ -83,11 +83,12 @@ def plan_for_devices(plan: Plan, devices: Sequence[str | torch.device | int]) ->
     if len(names) != len(plan.devices):
         raise BuildError(f"the plan has {len(plan.devices)} stages but {len(names)} devices were "
                          f"given; pass one device per stage")
-    if [d.name for d in plan.devices] == names:
+    if [d.name for d in plan.devices] == names and plan.schedule == "gpipe":
         return plan
-    placed = dataclasses.replace(plan, devices=[dataclasses.replace(d, name=n)
-                                                for d, n in zip(plan.devices, names, strict=True)])
-    sim = simulate(placed)
+    # executor.GPipe runs fill-drain: a plan made for another schedule is predicted as gpipe
+    placed = dataclasses.replace(plan, schedule="gpipe", devices=[
+        dataclasses.replace(d, name=n) for d, n in zip(plan.devices, names, strict=True)])
+    sim = simulate(placed, schedule="gpipe")
     return dataclasses.replace(placed, iteration_time=sim.iteration_time,
                                bubble_fraction=sim.bubble_fraction, peak_memory=sim.peak_memory)
 
@@ -95,8 +96,10 @@ def plan_for_devices(plan: Plan, devices: Sequence[str | torch.device | int]) ->
 def _placement_warning(plan: Plan, placed: Plan) -> str:
     now = [d.name for d in placed.devices]
     shared = len(set(now)) < len(now)
-    return (f"autopipe: the plan was made for devices {[d.name for d in plan.devices]} but the "
-            f"pipeline runs on {now}{' (stages on one device take turns)' if shared else ''}: "
+    other = f" and schedule {plan.schedule!r} (executor.GPipe runs 'gpipe')" \
+        if plan.schedule != "gpipe" else ""
+    return (f"autopipe: the plan was made for devices {[d.name for d in plan.devices]}{other} but "
+            f"the pipeline runs on {now}{' (stages on one device take turns)' if shared else ''}: "
             f"pipe.plan is re-evaluated for them, {placed.iteration_time:.3f} ms per iteration "
             f"instead of the plan's {plan.iteration_time:.3f} ms; partition with these devices "
             f"for a plan balanced for them")

@@ -101,6 +101,16 @@ def test_plan_for_the_devices_used_is_kept_as_is() -> None:
     assert pipe.plan is plan
 
 
+def test_a_plan_for_another_schedule_is_predicted_as_the_gpipe_it_runs() -> None:
+    ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"], schedule="1f1b")
+    assert plan.schedule == "1f1b"
+    with pytest.warns(UserWarning, match=r"and schedule '1f1b' \(executor.GPipe runs 'gpipe'\)"):
+        pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan,
+                        graph=graph)
+    assert pipe.plan.schedule == "gpipe" and pipe.plan.stages == plan.stages
+    assert pipe.plan.iteration_time == autopipe.simulate(plan, schedule="gpipe").iteration_time
+
+
 def test_partitioning_names_devices_as_the_runtime_does() -> None:
     ex, graph, prof, _ = _mlp_plan(stages=2)
     with warnings.catch_warnings():

@@ -45,7 +45,6 @@ Checkpoint = Literal["always", "except_last", "never"]
 Method = Literal["auto", "dp", "ilp", "uniform", "params", "blockpartition"]
 Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
 Ties = Literal["share", "colocate"]
-SimulatedSchedule = Literal["gpipe", "1f1b"]
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
 ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "auto"]
 Figure = Literal["balance", "timeline", "layers"]
@@ -157,7 +156,7 @@ class PartitionConfig:
 class SimulateConfig:
     plan: str = _pos("plans/NAME.json")
     profile: str | None = _opt(None, "profiles/NAME.csv to recompute stage costs from")
-    schedule: SimulatedSchedule = _opt("gpipe", "schedule to simulate (default gpipe)")
+    schedule: Schedule | None = _opt(None, "schedule to simulate (default: the plan's)")
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ class PlotConfig:
         "--timeline": ("timeline", "the simulated pipeline timeline instead of the balance bars"),
         "--layers": ("layers", "per-layer time and memory with the plan's cuts (needs --profile)"),
     })
-    schedule: SimulatedSchedule = _opt("gpipe", "schedule of --timeline (default gpipe)")
+    schedule: Schedule | None = _opt(None, "schedule of --timeline (default: the plan's)")
     out: str = _opt(None, "image file: .png, .svg or .pdf", required=True)
     force: bool = _opt(False, "overwrite --out if it exists")
 
@@ -202,7 +201,7 @@ class RunConfig:
     steps: int = _opt(10, "training steps (default 10)")
     batch_size: int | None = _opt(None, _batch("the --plan's"))
     chunks: int | None = _opt(None, _chunks("the --plan's"))
-    schedule: Schedule = _opt("gpipe", "pipeline schedule (default gpipe)")
+    schedule: Schedule | None = _opt(None, "pipeline schedule (default: the plan's, else gpipe)")
     checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
     timeout: float = _opt(60.0, "seconds before a silent rank is an error (default 60)")
@@ -228,7 +227,8 @@ class RunConfig:
             raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
         if not self.timeout > 0:
             raise BuildError(f"--timeout {self.timeout} must be > 0 seconds, e.g. --timeout 60")
-        _check_choice("--schedule", self.schedule, Schedule)
+        if self.schedule is not None:
+            _check_choice("--schedule", self.schedule, Schedule)
         if self.checkpoint is not None:
             _check_choice("--checkpoint", self.checkpoint, Checkpoint)
 

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, Checkpoint, RunConfig, resolve
+from autopipe.app.config import (
+    DEFAULT_BATCH,
+    DEFAULT_CHUNKS,
+    Checkpoint,
+    RunConfig,
+    Schedule,
+    resolve,
+)
 from autopipe.app.model_spec import load_model
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
@@ -90,6 +97,8 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
 
     config.check()
     plan = Plan.load(config.plan) if config.plan else None
+    # one schedule from here on: the flag's, else the plan's, else gpipe
+    config = dataclasses.replace(config, schedule=config.schedule or cast(Schedule, plan.schedule if plan else "gpipe"))
     chunks = resolve(config.chunks, plan.chunks if plan else None, default=DEFAULT_CHUNKS)
     batch = resolve(config.batch_size, plan.batch_size if plan else None, default=DEFAULT_BATCH)
     checkpoint = config.checkpoint or cast(Checkpoint, plan.checkpoint if plan else "except_last")

@@ -51,10 +51,11 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     chunks = config.chunks or (plan.chunks if plan else DEFAULT_CHUNKS)
     batch = config.batch_size or DEFAULT_BATCH
     checkpoint = config.checkpoint or (plan.checkpoint if plan else "except_last")
+    schedule = config.schedule or (plan.schedule if plan else "gpipe")
     ex = load_model(config.model, batch, for_training="autopipe run")  # same seed on every rank
     assert ex.loss_fn is not None
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan, chunks=chunks,
-                                checkpoint=checkpoint, schedule=config.schedule, timeout=config.timeout)
+                                checkpoint=checkpoint, schedule=schedule, timeout=config.timeout)
     inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in ex.inputs)
     target = ex.target.to(pipe.device) if isinstance(ex.target, torch.Tensor) else ex.target
     opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=config.lr)
@@ -73,7 +74,7 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     elapsed = time.perf_counter() - start
     timed = max(config.steps - 1, 1)
     if pipe.is_last:
-        print(f"{config.model}: {pipe.world} ranks x {len(pipe.stages)} stage(s), {config.schedule}, "
+        print(f"{config.model}: {pipe.world} ranks x {len(pipe.stages)} stage(s), {schedule}, "
               f"chunks={chunks}, batch {batch}: {timed * batch / elapsed:.1f} samples/s", flush=True)
     return losses
 

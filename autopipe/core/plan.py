@@ -182,6 +182,18 @@ class Plan:
         return CostOptions(self.chunks, _one(self.checkpoint), self.optimizer, self.bandwidth,
                            self.ties, self.schedule)
 
+    def profile_for(self, profile: Profile) -> Profile:
+        """``profile`` checked against this plan and, when the plan was made for another
+        micro-batch size, scaled to it ([Note: micro-batch scaling]): what the plan's costs are
+        recomputed from."""
+        from autopipe.core.scaling import profile_at
+
+        self.check(profile.layers, profile.fingerprint)
+        rows = self.micro_batch_size
+        if rows is not None and profile.meta.get("micro_batch_size") not in (None, rows):
+            return profile_at(profile, rows, batch_size=self.batch_size, chunks=self.chunks)
+        return profile
+
     def check(self, layers: Sequence[str], fingerprint: str | None, *,
               micro_batch_size: int | None = None) -> None:
         """Raise PlanError unless this plan was made for a graph with these layers; a fingerprint

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autopipe.core.cost import LayerCosts, StageCost, activation_peak, stage_costs
-from autopipe.core.scaling import profile_at
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PlanError
 from executor.spec import SCHEDULES, TimelineEvent, check_stage_checkpoints, recomputed_microbatches
@@ -207,10 +206,7 @@ def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = 
     if profile is None:
         stages = list(plan.breakdown)
     else:
-        plan.check(profile.layers, profile.fingerprint)
-        rows = plan.micro_batch_size
-        if rows is not None and profile.meta.get("micro_batch_size") not in (None, rows):
-            profile = profile_at(profile, rows, batch_size=plan.batch_size, chunks=plan.chunks)
+        profile = plan.profile_for(profile)
         where = {name: s for s, names in enumerate(plan.stages) for name in names}
         stages = stage_costs(LayerCosts.from_profile(profile), [where[n] for n in profile.layers],
                              plan.devices, options)

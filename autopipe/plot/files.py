@@ -42,13 +42,14 @@ def plot_plan_file(
     *,
     profile: str | os.PathLike[str] | None = None,
     figure: str = "balance",
-    schedule: str = "gpipe",
+    schedule: str | None = None,
     force: bool = False,
 ) -> Path:
     """Draw a saved plan and write the image: ``autopipe plot PLAN --out FILE``.
 
     figure: ``balance`` (:func:`plot_balance`), ``layers`` (:func:`plot_profile` with the
-    plan's cuts; needs ``profile``) or ``timeline`` (the simulated ``schedule``). With a
+    plan's cuts; needs ``profile``) or ``timeline`` (the simulated ``schedule``, default the
+    plan's own). With a
     ``profile`` the plan is checked against it and its stage costs are recomputed from it.
     Raises PlotError, PlanError or ProfileError with a one-line reason.
     """
@@ -58,11 +59,11 @@ def plot_plan_file(
     loaded = Plan.load(plan)
     prof = None if profile is None else Profile.load(profile)
     if prof is not None:
-        loaded.check(prof.layers, prof.fingerprint)
         loaded = Plan.from_stages(
-            prof, loaded.stages, devices=loaded.devices, chunks=loaded.chunks,
+            loaded.profile_for(prof), loaded.stages, devices=loaded.devices, chunks=loaded.chunks,
             checkpoint=loaded.checkpoint, optimizer=loaded.optimizer, bandwidth=loaded.bandwidth,
-            ties=loaded.ties, method=loaded.method, solver=loaded.solver)
+            ties=loaded.ties, method=loaded.method, solver=loaded.solver,
+            schedule=loaded.schedule, alternatives=loaded.alternatives)
     if figure == "balance":
         fig = plot_balance(loaded)
     elif figure == "layers":
@@ -73,7 +74,7 @@ def plot_plan_file(
         from autopipe.core.simulator import simulate
 
         result = simulate(loaded, prof, schedule=schedule)
-        fig = plot_timeline(result.timeline, labels=[f"predicted ({schedule})"])
+        fig = plot_timeline(result.timeline, labels=[f"predicted ({result.schedule})"])
     return save_figure(fig, out, force=force)
 
 

@@ -78,3 +78,16 @@ def test_partition_names_devices_and_chunks_like_train(tmp_path: Path, capsys: p
     rows = capsys.readouterr().out.split("wrote " + str(tmp_path / "a.json"))[1].splitlines()
     assert [r.split()[:2] for r in rows[2:4]] == [["0", "cpu:0"], ["1", "cpu:1"]]
     assert Plan.load(tmp_path / "b.json").chunks == 2  # the profile's
+
+
+def test_simulate_and_plot_default_to_the_plans_schedule(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    profile_csv = random_chain(12).save(tmp_path / "chain.csv")
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(profile_csv), "--stages", "2", "--chunks", "4", "--schedule",
+                 "1f1b", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("schedule 1f1b:")
+    assert main(["simulate", str(out), "--schedule", "gpipe"]) == 0
+    assert capsys.readouterr().out.startswith("schedule gpipe:")

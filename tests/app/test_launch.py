@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -220,3 +221,17 @@ def test_user_script_under_torchrun_trains_and_merges(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("loss") == 2 and "merged 2 stage checkpoints" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+def test_run_takes_the_plans_schedule_unless_told(plans: dict[str, Path], tmp_path: Path) -> None:
+    from autopipe.app.launch import prepare
+    from autopipe.core.plan import Plan
+
+    one_f = Plan.load(plans["mlp2"])
+    path = dataclasses.replace(one_f, schedule="1f1b").save(tmp_path / "mlp2_1f1b.json")
+    resolved, _, _ = prepare(RunConfig("mlp", plan=str(path), nproc=2), tmp_path)
+    assert resolved.schedule == "1f1b"
+    resolved, _, _ = prepare(RunConfig("mlp", plan=str(path), nproc=2, schedule="gpipe"), tmp_path)
+    assert resolved.schedule == "gpipe"
+    resolved, _, _ = prepare(RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2), tmp_path)
+    assert resolved.schedule == "gpipe"
