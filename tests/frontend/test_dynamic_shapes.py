@@ -52,7 +52,8 @@ def loss_of(out: Any) -> Tensor:
 
 def build(model: nn.Module, inputs: tuple[Tensor, ...], stages: int = 3) -> Pipeline:
     graph = trace(model, microbatch_inputs(inputs, CHUNKS))
-    plan = partition(cost_profile(graph), stages=stages, method="dp", chunks=CHUNKS)
+    plan = partition(cost_profile(graph), stages=stages, method="dp", chunks=CHUNKS,
+                     devices=["cpu"] * stages)
     return pipeline(model, inputs, devices=["cpu"] * stages, chunks=CHUNKS, plan=plan, graph=graph)
 
 

@@ -35,7 +35,8 @@ def gpt2_with_dropout() -> nn.Module:
 
 def build(model: nn.Module, inputs: tuple[Tensor, ...], chunks: int, stages: int = 2) -> Pipeline:
     graph = trace(model, microbatch_inputs(inputs, chunks))
-    plan = partition(cost_profile(graph), stages=stages, method="dp", chunks=chunks)
+    plan = partition(cost_profile(graph), stages=stages, method="dp", chunks=chunks,
+                     devices=["cpu"] * stages)
     return pipeline(model, inputs, devices=["cpu"] * stages, chunks=chunks, plan=plan, graph=graph)
 
 
