@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where each layer is profiled (cuda: peak "
+                        "max_memory_allocated is reported in the profile's metadata)")
     args = parser.parse_args(argv)
     import transformers
 
@@ -78,9 +80,12 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     graph = _timed("trace", lambda: autopipe.trace(model, (micro,)), phases)
     prof = _timed("profile (layer by layer)", lambda: autopipe.profile(
         model, (ids,), chunks=args.chunks, graph=graph, repeats=args.repeats, warmup=1,
-        progress=False), phases)
+        progress=False, device=args.device), phases)
+    peak = prof.meta.get("peak_memory_bytes")
     phases[-1].note = (f"{prof.meta['measured_layers']} of {len(prof)} layers measured, "
-                       f"{prof.meta['mode']}")
+                       f"{prof.meta['mode']} on {args.device}; peak "
+                       f"{format_bytes(peak) if peak is not None else 'n/a'} "
+                       f"({prof.meta.get('peak_memory_of')})")
     plan = _timed(f"partition into {args.stages} stages", lambda: autopipe.partition(
         prof, stages=args.stages, chunks=args.chunks, progress=False), phases)
     phases[-1].note = f"{plan.method}, bottleneck {plan.bottleneck:.1f} ms, {plan.solver.status}"

@@ -1,13 +1,18 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-skip_if_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def skip_if_no_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
+    """A CUDA test: marked ``cuda`` (``pytest -m cuda`` runs just these, as
+    benchmarks/gpu_check.sh does) and skipped cleanly on a machine without CUDA."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 # Keep the suite fast and deterministic on a 2-core machine.
 torch.set_num_threads(1)
