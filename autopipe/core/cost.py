@@ -4,9 +4,23 @@ Everything the partitioners optimise and the Plan reports is computed here, so t
 the baselines and ``Plan.from_stages`` agree to the last byte.
 
 [Note: stage time] A stage's time is its average work per micro-batch: forward + backward +
-recompute (a second forward, for the micro-batches that are checkpointed) divided by the device's
-relative speed, plus the transfers it sends (see [Note: transfer cost]). ``M x stage time`` is
+recompute (a second forward, for the micro-batches that are checkpointed, times the measured
+``recompute_ratio``) divided by the device's relative speed, plus the fixed cost of one stage
+call and the transfers it sends (see [Note: measured overheads], [Note: transfer cost]). ``M x stage time`` is
 the stage's busy time per iteration; the slowest stage (the bottleneck) sets the pipeline's pace.
+
+[Note: measured overheads] Two things the per-layer profile leaves out, measured by the profiler
+(autopipe/frontend/overheads.py) and kept in the profile's metadata; a profile without them
+(older ones, synthetic ones) gets today's model: no fixed cost and a ratio of 1.
+- ``stage_call_fwd_ms`` / ``stage_call_bwd_ms``: the fixed cost of running ONE micro-batch
+  through ONE stage module, forward and backward, whatever its layers (the module's call, the
+  runtime's per-task bookkeeping, the autograd engine's per-stage work, the micro-batch split
+  and join spread over the calls). It is host time, so it is added to a stage's time as is,
+  not divided by the device's ``speed``; every stage pays it once per micro-batch.
+- ``recompute_ratio``: what recomputing a checkpointed micro-batch really costs, as a multiple
+  of the layers' profiled forward. Recomputation is not one extra forward: the checkpointed
+  forward itself runs without autograd (cheaper), the recompute runs with it, and the
+  checkpoint saves and restores RNG state. ``recompute_ms`` scales by it.
 
 [Note: transfer cost] A value (a layer's output, ``bytes`` = its largest outgoing edge) lives
 from the stage that produces it up to the last stage that consumes it; it crosses every cut in
@@ -96,15 +110,17 @@ Amount = Any
 # its arguments, so one definition serves all of them. Change a formula here, and only here.
 
 
-def recompute_ms(fwd: Amount, recomputed: int, chunks: int) -> Amount:
-    """Average recomputation per micro-batch: a second forward for R of the M micro-batches."""
-    return fwd * (recomputed / chunks)
+def recompute_ms(fwd: Amount, recomputed: int, chunks: int, ratio: float = 1.0) -> Amount:
+    """Average recomputation per micro-batch: ``ratio`` x the forward for R of the M
+    micro-batches ([Note: measured overheads]; 1 = exactly a second forward)."""
+    return fwd * (ratio * recomputed / chunks)
 
 
-def layer_work(fwd: Amount, bwd: Amount, recomputed: int, chunks: int) -> Amount:
+def layer_work(fwd: Amount, bwd: Amount, recomputed: int, chunks: int,
+               ratio: float = 1.0) -> Amount:
     """Compute per micro-batch of a layer (or a sum of layers) on the profiled device, in ms:
     forward + backward + recompute ([Note: stage time])."""
-    return fwd + recompute_ms(fwd, recomputed, chunks) + bwd
+    return fwd + recompute_ms(fwd, recomputed, chunks, ratio) + bwd
 
 
 def transfer_ms(input_bytes: Amount, output_bytes: Amount, ms_per_byte: float) -> Amount:
@@ -114,11 +130,13 @@ def transfer_ms(input_bytes: Amount, output_bytes: Amount, ms_per_byte: float) -
 
 
 def stage_time(
-    work: Amount, speed: float, input_bytes: Amount, output_bytes: Amount, ms_per_byte: float
+    work: Amount, speed: float, input_bytes: Amount, output_bytes: Amount, ms_per_byte: float,
+    call_ms: float = 0.0,
 ) -> Amount:
-    """A stage's time per micro-batch: its work on a device of relative ``speed``, plus the
+    """A stage's time per micro-batch: its work on a device of relative ``speed``, the fixed
+    cost of one stage call (host time, not scaled: [Note: measured overheads]), plus the
     transfers at both of its cuts ([Note: stage time])."""
-    return work / speed + transfer_ms(input_bytes, output_bytes, ms_per_byte)
+    return work / speed + call_ms + transfer_ms(input_bytes, output_bytes, ms_per_byte)
 
 
 Terms = tuple[tuple[int, int], ...]  # (a, b): a x input_bytes + b x saved_bytes
@@ -202,11 +220,12 @@ def state_bytes(param_bytes: Amount, buffer_bytes: Amount, optimizer: str) -> Am
     return param_bytes * OPTIMIZER_FACTOR[optimizer] + buffer_bytes
 
 
-def lower_bound(work: FloatArray, speeds: Sequence[float]) -> float:
-    """No split's bottleneck is below max(total work / total speed, largest layer / fastest)."""
+def lower_bound(work: FloatArray, speeds: Sequence[float], call_ms: float = 0.0) -> float:
+    """No split's bottleneck is below max(total work / total speed, largest layer / fastest),
+    plus the fixed cost every stage pays per call ([Note: measured overheads])."""
     if len(work) == 0:
         return 0.0
-    return max(float(work.sum()) / sum(speeds), float(work.max()) / max(speeds))
+    return max(float(work.sum()) / sum(speeds), float(work.max()) / max(speeds)) + call_ms
 
 
 @dataclass(frozen=True)
@@ -310,6 +329,15 @@ def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
         raise PartitionError(str(err)) from None
 
 
+def _meta_float(profile: Profile, key: str, default: float) -> float:
+    """A measured overhead from the metadata, ``default`` when absent or not a number >= 0."""
+    try:
+        value = float(profile.meta.get(key, default))
+    except (TypeError, ValueError):
+        return default
+    return value if np.isfinite(value) and value >= 0 else default
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """A Profile as numpy arrays in layer (topological) order; what the solvers read."""
@@ -324,6 +352,15 @@ class LayerCosts:
     consumers: tuple[tuple[int, ...], ...]
     last_use: IntArray  # index of the last consumer (the layer itself when none)
     tie_groups: tuple[tuple[tuple[int, ...], int], ...]  # (member indices, shared bytes)
+    # [Note: measured overheads]: absent from a profile's metadata = today's model
+    call_fwd_ms: float = 0.0
+    call_bwd_ms: float = 0.0
+    recompute_ratio: float = 1.0
+
+    @property
+    def call_ms(self) -> float:
+        """The fixed cost of one stage call per micro-batch, forward + backward."""
+        return self.call_fwd_ms + self.call_bwd_ms
 
     @classmethod
     def from_profile(cls, profile: Profile) -> LayerCosts:
@@ -358,6 +395,9 @@ class LayerCosts:
             consumers=tuple(tuple(sorted(set(c))) for c in consumers),
             last_use=last,
             tie_groups=tuple(ties),
+            call_fwd_ms=_meta_float(profile, "stage_call_fwd_ms", 0.0),
+            call_bwd_ms=_meta_float(profile, "stage_call_bwd_ms", 0.0),
+            recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
         )
 
     def __len__(self) -> int:
@@ -387,11 +427,16 @@ class StageCost:
     input_bytes: int
     output_bytes: int
     saved_bytes: int  # one micro-batch's activations kept for backward
-
+    # [Note: measured overheads]; defaults = today's model, so older plans load unchanged
+    call_fwd_ms: float = 0.0
+    call_bwd_ms: float = 0.0
+    recompute_ratio: float = 1.0
 
     @property
     def time_ms(self) -> float:
-        return self.fwd_ms + self.bwd_ms + self.recompute_ms + self.transfer_ms
+        # = stage_time(layer_work(...), ...) with the parts kept apart
+        return (self.fwd_ms + self.bwd_ms + self.recompute_ms + self.call_fwd_ms
+                + self.call_bwd_ms + self.transfer_ms)
 
     @property
     def memory_bytes(self) -> int:
@@ -432,12 +477,15 @@ def stage_costs(
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
-            recompute_ms=recompute_ms(fwd, recomputed[s], m),
+            recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte),
             param_bytes=state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer),
             activation_bytes=int(activation_bytes(cut_in, saved, terms[s])),
             input_bytes=cut_in,
             output_bytes=cut_out,
             saved_bytes=saved,
+            call_fwd_ms=costs.call_fwd_ms,
+            call_bwd_ms=costs.call_bwd_ms,
+            recompute_ratio=costs.recompute_ratio,
         ))
     return result

@@ -148,9 +148,9 @@ class Plan:
         sim = simulate_stages(breakdown, chunks=chunks, checkpoint=modes, schedule=schedule,
                               ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs])
         least = min(recomputed_microbatches(mode, chunks) for mode in modes)
-        work = layer_work(costs.fwd, costs.bwd, least, chunks)
+        work = layer_work(costs.fwd, costs.bwd, least, chunks, costs.recompute_ratio)
         big = int(np.argmax(work))
-        lower = lower_bound(work, [d.speed for d in specs])
+        lower = lower_bound(work, [d.speed for d in specs], costs.call_ms)
         times = [c.time_ms for c in breakdown]
         ordered = [[n for n in layers if where[n] == s] for s in range(len(stages))]
         return cls(

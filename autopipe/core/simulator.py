@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autopipe.core.cost import LayerCosts, StageCost, activation_peak, stage_costs
+from autopipe.core.cost import LayerCosts, StageCost, activation_peak, recompute_ms, stage_costs
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PlanError
 from executor.spec import SCHEDULES, TimelineEvent, check_stage_checkpoints, recomputed_microbatches
@@ -132,15 +132,15 @@ def simulate_stages(
         s, kind, i = op
         st = stages[s]
         if kind == "F":
-            end = emit(s, i, "forward", start, st.fwd_ms)
+            end = emit(s, i, "forward", start, st.fwd_ms + st.call_fwd_ms)
             if s == k - 1:
                 ready["B", s, i] = end
             else:
                 end = ready["F", s + 1, i] = emit(s, i, "transfer", end, st.output_bytes * ms_per_byte)
         else:
             if i < rec[s]:
-                start = emit(s, i, "recompute", start, st.fwd_ms)
-            end = emit(s, i, "backward", start, st.bwd_ms)
+                start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio))
+            end = emit(s, i, "backward", start, st.bwd_ms + st.call_bwd_ms)
             if s > 0:
                 end = ready["B", s - 1, i] = emit(s, i, "transfer", end, st.input_bytes * ms_per_byte)
         free[resource[q]] = end

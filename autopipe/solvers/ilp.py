@@ -98,8 +98,9 @@ def _solve(
     recomputed = options.recomputed(k)
     terms = options.terms(k, schedule_ranks(options.schedule, devices))
     cuts = range(k - 1)
-    work_array = layer_work(costs.fwd, costs.bwd, min(recomputed), m)
-    stage_work = [layer_work(costs.fwd, costs.bwd, r, m) for r in recomputed]
+    ratio = costs.recompute_ratio
+    work_array = layer_work(costs.fwd, costs.bwd, min(recomputed), m, ratio)
+    stage_work = [layer_work(costs.fwd, costs.bwd, r, m, ratio) for r in recomputed]
 
     prob = pulp.LpProblem("autopipe_partition", pulp.LpMinimize)
     y = [[pulp.LpVariable(f"y_{v}_{s}", cat="Binary") for s in cuts] for v in range(n)]
@@ -140,7 +141,7 @@ def _solve(
             return pulp.lpSum([])
         return pulp.lpSum(int(costs.value_bytes[u]) * z[u, s] for u in senders)
 
-    lower = lower_bound(work_array, [d.speed for d in devices])
+    lower = lower_bound(work_array, [d.speed for d in devices], costs.call_ms)
     prob += t >= lower
 
     def total(values: Sequence[float] | npt.NDArray[Any], s: int) -> pulp.LpAffineExpression:
@@ -149,7 +150,7 @@ def _solve(
     for s, dev in enumerate(devices):
         prob += pulp.lpSum(x(v, s) for v in range(n)) >= 1
         prob += t >= stage_time(total(stage_work[s], s), dev.speed, crossing(s - 1), crossing(s),
-                                options.ms_per_byte)
+                                options.ms_per_byte, costs.call_ms)
         if dev.memory is not None:
             if options.ties == "share":
                 tied = pulp.lpSum(nbytes * h[g, s] for g, (_, nbytes) in enumerate(costs.tie_groups))

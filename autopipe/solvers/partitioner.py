@@ -240,7 +240,8 @@ def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | 
         elif method == "params":
             sizes = params_sizes(_param_counts(costs), k)
         else:
-            work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), chunks)
+            work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), chunks,
+                              costs.recompute_ratio)
             sizes = blockpartition_sizes(list(work), k)
         return plan(sizes_to_assignment(sizes), method)
 

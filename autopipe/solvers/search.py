@@ -345,7 +345,7 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     opts = CostOptions(c.chunks, tuple(best.split.modes), setting.optimizer, setting.bandwidth,
                        setting.ties, c.schedule)
     work = costs.fwd + costs.bwd
-    if best.split.bottleneck <= 1.005 * lower_bound(work, [d.speed for d in devices]):
+    if best.split.bottleneck <= 1.005 * lower_bound(work, [d.speed for d in devices], costs.call_ms):
         return None  # within the ILP's gap of a bound no split beats
     if method == "auto" and len(costs) * (k - 1) > ILP_MAX_VARIABLES:
         return None

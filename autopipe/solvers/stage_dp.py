@@ -63,6 +63,7 @@ class StageBlocks:
     def __init__(self, costs: LayerCosts, options: CostOptions) -> None:
         n = len(costs)
         self.n, self.m, self.options = n, options.chunks, options
+        self.ratio, self.call_ms = costs.recompute_ratio, costs.call_ms
         zero = np.zeros(1)
         self.fwd = np.concatenate([zero, np.cumsum(costs.fwd)])
         self.bwd = np.concatenate([zero, np.cumsum(costs.bwd)])
@@ -105,10 +106,11 @@ class StageBlocks:
     def time(self, j0: int, j1: int, recomputed: int, speed: float) -> FloatArray:
         f, b, cut = self.fwd, self.bwd, self.cut
         work = self._cached(("work", j0, recomputed), lambda: layer_work(
-            f[None, j0:j1] - f[:j1, None], b[None, j0:j1] - b[:j1, None], recomputed, self.m))
+            f[None, j0:j1] - f[:j1, None], b[None, j0:j1] - b[:j1, None], recomputed, self.m,
+            self.ratio))
         xfer = self._cached(("xfer", j0), lambda: stage_time(
-            0.0, 1.0, cut[:j1, None], cut[None, j0:j1], self.options.ms_per_byte))
-        out: FloatArray = work / speed + xfer  # cost.stage_time, with the transfers cached
+            0.0, 1.0, cut[:j1, None], cut[None, j0:j1], self.options.ms_per_byte, self.call_ms))
+        out: FloatArray = work / speed + xfer  # cost.stage_time, transfers + call cost cached
         return out
 
     def state(self, j0: int, j1: int) -> FloatArray:
