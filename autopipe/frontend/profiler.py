@@ -50,6 +50,7 @@ from autopipe.frontend.layer_timing import (
 )
 from autopipe.frontend.layerwise import LayerRun, layer_by_layer
 from autopipe.frontend.materialize import has_meta_tensors
+from autopipe.frontend.overheads import RecomputeSampler, overhead_meta
 from autopipe.frontend.preserve import preserved
 from autopipe.frontend.process_memory import PeakRss
 from autopipe.frontend.replay import graph_args, layer_calls, record_values
@@ -61,6 +62,8 @@ __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
+# the graph, every layer's row, (harness forward ms, harness backward ms, recompute ratio)
+Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float]]
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -92,10 +95,8 @@ def _state_pointers(model: nn.Module, g: LayerGraph) -> set[int]:
 
 
 def _dtype(model: nn.Module) -> str:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return str(p.dtype).replace("torch.", "")
-    return str(torch.get_default_dtype()).replace("torch.", "")
+    floats = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return str(next(floats, torch.get_default_dtype())).replace("torch.", "")
 
 
 def _device_name(dev: torch.device) -> str:
@@ -123,10 +124,11 @@ def _measure(
     repeats: int,
     warmup: int,
     progress: bool | None,
-) -> tuple[list[dict[str, Any]], tuple[float, float]]:
-    """Every layer's row, and the harness overhead subtracted from each time."""
+) -> tuple[list[dict[str, Any]], tuple[float, float, float]]:
+    """Every layer's row, the harness overhead subtracted, the recompute ratio (overheads.py)."""
     meter = memory_meter_for(dev)
     fwd_extra, bwd_extra = harness_overhead(timer, dev)
+    sampler = RecomputeSampler(timer, repeats, warmup)
     rows: list[dict[str, Any]] = []
     measured: dict[str, tuple[float, float, int, int | None]] = {}
     # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
@@ -139,9 +141,10 @@ def _measure(
             fwd_ms = max(0.0, fwd_ms - fwd_extra)
             bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
             measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak)
+            sampler.offer(run.call, run.values, fwd_ms, bwd_ms)
         source = run.reuse_of or run.call.name
         rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
-    return rows, (fwd_extra, bwd_extra)
+    return rows, (fwd_extra, bwd_extra, sampler.ratio())
 
 
 MODES = ("auto", "whole", "layers")
@@ -190,7 +193,7 @@ def _measure_at(
     progress: bool | None,
     dedupe: bool,
     trace_kwargs: dict[str, Any],
-) -> tuple[LayerGraph, list[dict[str, Any]], tuple[float, float]]:
+) -> Measured:
     """Trace one micro-batch (unless ``graph``) and measure every layer, whole or layer by layer."""
     if chosen == "whole":
         with preserved(model, dev):
@@ -304,15 +307,14 @@ def profile(
     timer = timer or timer_for(dev)
     others = _other_sizes(micro_batch_sizes, micro)
 
-    def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> tuple[
-            LayerGraph, list[dict[str, Any]], tuple[float, float]]:
+    def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> Measured:
         return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
                            dedupe, trace_kwargs)
 
     with PeakRss() as rss:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        g, rows, (fwd_extra, bwd_extra) = measure_at(inputs, graph)
+        g, rows, (fwd_extra, bwd_extra, ratio) = measure_at(inputs, graph)
         frame = pd.DataFrame(rows)
         fingerprints = {str(micro): g.fingerprint}
         for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
@@ -341,6 +343,7 @@ def profile(
         "fingerprint": g.fingerprint,
         "harness_fwd_ms": round(fwd_extra, 6),
         "harness_bwd_ms": round(bwd_extra, 6),
+        **overhead_meta(timer, dev, chunks, ratio),  # [Note: measured overheads]
         "source": g.source,
         "mode": chosen,
         "dedupe": bool(dedupe) if chosen == "layers" else False,

@@ -20,6 +20,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.examples import get_example
 from autopipe.frontend.graph import trace
 from autopipe.frontend.inputs import micro_batch
+from autopipe.frontend.overheads import CALL_REPEATS, CALL_WARMUP
 from autopipe.frontend.profiler import DEFAULT_REPEATS, profile, time_model
 from autopipe.frontend.timing import Timer
 from tests.conftest import skip_if_no_cuda
@@ -233,10 +234,13 @@ def test_repeats_warmup_and_harness_subtraction_with_a_fake_timer() -> None:
     timer = CountingTimer()
     prof = profile(model, (x,), repeats=4, warmup=3, timer=timer)
     calibration = 2 * (50 + 2)  # the empty layer: forward + backward per run
+    calibration += 2 * (CALL_REPEATS + CALL_WARMUP)  # the empty stage call: [Note: measured overheads]
     assert timer.calls == calibration + len(prof) * 2 * (4 + 3)
     # every call "takes" 1 ms, exactly what the empty layer takes: nothing is left
     assert prof.meta["harness_fwd_ms"] == prof.meta["harness_bwd_ms"] == 1.0
     assert (prof.df["fwd_ms"] == 0).all() and (prof.df["bwd_ms"] == 0).all()
+    # no layer left with a forward to recompute: the ratio stays today's
+    assert prof.meta["recompute_ratio"] == 1.0
 
 
 def test_time_model_measures_forward_and_backward() -> None:
