@@ -1,8 +1,11 @@
 """Measured executor.GPipe iteration time vs the simulator's prediction for the same plan.
 
-For each bundled example: profile one micro-batch, partition for ``--stages`` CPU stages (one
-device, so the simulator serialises them: [Note: shared devices]), build the pipeline, and time
-full training iterations (forward + backward over the mini-batch). Also times the same
+For each bundled example: profile one micro-batch (once per model), then for every checkpoint
+mode partition for ``--stages`` CPU stages (one device, so the simulator serialises them:
+[Note: shared devices]), build the pipeline, and time full training iterations (forward +
+backward over the mini-batch). The prediction includes the overheads the profiler measures
+([Note: measured overheads] in autopipe/core/cost.py); ``--no-overheads`` drops them from the
+profile, which gives the prediction of the model without them. Also times the same
 micro-batches run through the same stage modules by a plain Python loop, which separates the
 cost of micro-batching itself from the runtime's scheduling overhead. Prints a markdown table
 of medians and ratios (measured / predicted; target within 10%).
@@ -20,7 +23,8 @@ import torch
 
 import autopipe
 from autopipe.app.train import median_ms
-from autopipe.examples import get_example
+from autopipe.core.profile_table import Profile
+from autopipe.examples import Example, get_example
 
 __all__ = ["Row", "main"]
 
@@ -34,16 +38,32 @@ class Row:
     predicted_ms: float
     measured_ms: float
     loop_ms: float  # the same micro-batches through the same stages, by a plain loop
+    before_ms: float  # the same plan predicted without the measured overheads
+
+    @property
+    def before_ratio(self) -> float:
+        return self.measured_ms / self.before_ms
 
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.predicted_ms
 
 
-def measure(name: str, batch: int, chunks: int, checkpoint: str, stages: int,
-            repeats: int) -> Row:
+OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "recompute_ratio")
+
+
+def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str], stages: int,
+                  repeats: int, overheads: bool = True) -> list[Row]:
+    """Every checkpoint mode of one example, on one profile of it."""
     ex = get_example(name, batch_size=batch)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2))
+    if not overheads:
+        prof = Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in OVERHEADS})
+    return [measure(name, ex, prof, chunks, c, stages, repeats) for c in checkpoints]
+
+
+def measure(name: str, ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: int,
+            repeats: int) -> Row:
     plan = autopipe.partition(prof, devices=["cpu"] * stages, chunks=chunks,
                               checkpoint=checkpoint)
     pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * stages, chunks=chunks,
@@ -61,8 +81,12 @@ def measure(name: str, batch: int, chunks: int, checkpoint: str, stages: int,
                 out = stage(*out) if isinstance(out, tuple) else stage(out)
             ex.loss_fn(out, target).backward()  # type: ignore[arg-type]
 
-    return Row(name, batch, chunks, checkpoint, plan.iteration_time,
-               median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2))
+    bare = Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in OVERHEADS})
+    before = autopipe.Plan.from_stages(bare, plan.stages, devices=["cpu"] * stages, chunks=chunks,
+                                       checkpoint=checkpoint)
+    return Row(name, int(ex.inputs[0].shape[0]), chunks, checkpoint, plan.iteration_time,
+               median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2),
+               before.iteration_time)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
@@ -71,21 +95,32 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--checkpoints", nargs="+", default=["never", "except_last"])
+    parser.add_argument("--checkpoints", nargs="+", default=["never", "except_last", "always"])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-overheads", action="store_true",
+                        help="predict without the measured overheads (the model before them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [measure(m, args.batch, args.chunks, c, args.stages, args.repeats)
-            for m in args.models for c in args.checkpoints]
-    print("| model | batch | chunks | checkpoint | predicted ms | measured ms | "
-          "measured / predicted | plain loop ms | executor / loop |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r.model} | {r.batch} | {r.chunks} | {r.checkpoint} | {r.predicted_ms:.2f} | "
-              f"{r.measured_ms:.2f} | {r.ratio:.2f} | {r.loop_ms:.2f} | "
-              f"{r.measured_ms / r.loop_ms:.2f} |")
+    rows = [r for m in args.models
+            for r in measure_model(m, args.batch, args.chunks, args.checkpoints, args.stages,
+                                   args.repeats, overheads=not args.no_overheads)]
+    print(table(rows))
     return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The markdown table; ``before`` = the same plan predicted without the measured overheads."""
+    lines = ["| model | batch | chunks | checkpoint | predicted ms | measured ms | "
+             "measured / predicted | before: predicted ms | before: measured / predicted | "
+             "plain loop ms | executor / loop |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.batch} | {r.chunks} | {r.checkpoint} | "
+                     f"{r.predicted_ms:.3f} | {r.measured_ms:.3f} | {r.ratio:.3f} | "
+                     f"{r.before_ms:.3f} | {r.before_ratio:.3f} | {r.loop_ms:.3f} | "
+                     f"{r.measured_ms / r.loop_ms:.3f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
