@@ -53,26 +53,31 @@ OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "recompute_ratio")
 
 
 def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str], stages: int,
-                  repeats: int, overheads: bool = True) -> list[Row]:
-    """Every checkpoint mode of one example, on one profile of it."""
+                  repeats: int, overheads: bool = True, device: str = "cpu") -> list[Row]:
+    """Every checkpoint mode of one example, on one profile of it (on ``device``)."""
     ex = get_example(name, batch_size=batch)
-    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2))
+    ex = Example(ex.name, ex.model, tuple(x.to(device) for x in ex.inputs), ex.target.to(device),
+                 ex.loss_fn)
+    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
+                            device=device)
     if not overheads:
         prof = Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in OVERHEADS})
-    return [measure(name, ex, prof, chunks, c, stages, repeats) for c in checkpoints]
+    return [measure(name, ex, prof, chunks, c, stages, repeats, device) for c in checkpoints]
 
 
 def measure(name: str, ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: int,
-            repeats: int) -> Row:
-    plan = autopipe.partition(prof, devices=["cpu"] * stages, chunks=chunks,
-                              checkpoint=checkpoint)
-    pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * stages, chunks=chunks,
+            repeats: int, device: str = "cpu") -> Row:
+    devices = [device] * stages  # one device: the stages take turns ([Note: shared devices])
+    plan = autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=checkpoint)
+    pipe = autopipe.pipeline(ex.model, ex.inputs, devices=devices, chunks=chunks,
                              checkpoint=checkpoint, plan=plan)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     pieces = list(zip(*(torch.tensor_split(x, chunks) for x in ex.inputs), strict=True))
     targets = torch.tensor_split(ex.target, chunks)
 
     def step() -> None:
         ex.loss_fn(pipe(*ex.inputs), ex.target).backward()
+        sync()
 
     def loop() -> None:
         for inputs, target in zip(pieces, targets, strict=True):
@@ -80,9 +85,10 @@ def measure(name: str, ex: Example, prof: Profile, chunks: int, checkpoint: str,
             for stage in pipe.stages:
                 out = stage(*out) if isinstance(out, tuple) else stage(out)
             ex.loss_fn(out, target).backward()  # type: ignore[arg-type]
+        sync()
 
     bare = Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in OVERHEADS})
-    before = autopipe.Plan.from_stages(bare, plan.stages, devices=["cpu"] * stages, chunks=chunks,
+    before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
                                        checkpoint=checkpoint)
     return Row(name, int(ex.inputs[0].shape[0]), chunks, checkpoint, plan.iteration_time,
                median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2),
@@ -98,13 +104,14 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--checkpoints", nargs="+", default=["never", "except_last", "always"])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the stages run")
     parser.add_argument("--no-overheads", action="store_true",
                         help="predict without the measured overheads (the model before them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [r for m in args.models
             for r in measure_model(m, args.batch, args.chunks, args.checkpoints, args.stages,
-                                   args.repeats, overheads=not args.no_overheads)]
+                                   args.repeats, overheads=not args.no_overheads, device=args.device)]
     print(table(rows))
     return rows
 
