@@ -41,7 +41,7 @@ from autopipe.errors import (
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.assemble import pipeline
     from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
-    from autopipe.core.cost import DeviceSpec
+    from autopipe.core.devices import DeviceSpec
     from autopipe.core.plan import Plan
     from autopipe.core.profile_table import Profile
     from autopipe.core.simulator import simulate
@@ -95,7 +95,7 @@ _LAZY: dict[str, str] = {
     "partition": "autopipe.solvers.partitioner",
     "Plan": "autopipe.core.plan",
     "simulate": "autopipe.core.simulator",
-    "DeviceSpec": "autopipe.core.cost",
+    "DeviceSpec": "autopipe.core.devices",
     "plot_balance": "autopipe.plot",
     "plot_profile": "autopipe.plot",
     "plot_timeline": "autopipe.plot",

@@ -22,7 +22,6 @@ import numpy as np
 from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
-    FloatArray,
     LayerCosts,
     Terms,
     activation_bytes,
@@ -32,6 +31,7 @@ from autopipe.core.cost import (
     stage_time,
     state_bytes,
 )
+from autopipe.core.layer_costs import FloatArray
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.stage_dp import solve_split

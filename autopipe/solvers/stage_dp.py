@@ -31,7 +31,6 @@ import numpy.typing as npt
 from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
-    FloatArray,
     LayerCosts,
     Terms,
     activation_bytes,
@@ -41,6 +40,7 @@ from autopipe.core.cost import (
     stage_time,
     state_bytes,
 )
+from autopipe.core.layer_costs import FloatArray
 from executor.spec import CHECKPOINT_MODES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]

@@ -1,0 +1,100 @@
+"""A Profile as numpy arrays in layer order: what the cost model and the solvers read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from autopipe.core.profile_table import Profile
+
+__all__ = ["FloatArray", "IntArray", "LayerCosts"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+def _meta_float(profile: Profile, key: str, default: float) -> float:
+    """A measured overhead from the metadata, ``default`` when absent or not a number >= 0."""
+    try:
+        value = float(profile.meta.get(key, default))
+    except (TypeError, ValueError):
+        return default
+    return value if np.isfinite(value) and value >= 0 else default
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """A Profile as numpy arrays in layer (topological) order; what the solvers read."""
+
+    names: tuple[str, ...]
+    fwd: FloatArray
+    bwd: FloatArray
+    params: IntArray  # untied parameter bytes (tied ones live in ``tie_groups``)
+    buffers: IntArray
+    saved: IntArray
+    value_bytes: IntArray  # bytes of each layer's output value as sent across a cut
+    consumers: tuple[tuple[int, ...], ...]
+    last_use: IntArray  # index of the last consumer (the layer itself when none)
+    tie_groups: tuple[tuple[tuple[int, ...], int], ...]  # (member indices, shared bytes)
+    # [Note: measured overheads]: absent from a profile's metadata = today's model
+    call_fwd_ms: float = 0.0
+    call_bwd_ms: float = 0.0
+    recompute_ratio: float = 1.0
+
+    @property
+    def call_ms(self) -> float:
+        """The fixed cost of one stage call per micro-batch, forward + backward."""
+        return self.call_fwd_ms + self.call_bwd_ms
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> LayerCosts:
+        df = profile.df
+        names = tuple(profile.layers)
+        index = {name: i for i, name in enumerate(names)}
+        n = len(names)
+        value = np.zeros(n, dtype=np.int64)
+        consumers: list[list[int]] = [[] for _ in range(n)]
+        for src, dst, nbytes in profile.edges:
+            u, v = index[src], index[dst]
+            value[u] = max(value[u], nbytes)
+            consumers[u].append(v)
+        last = np.array([max(c, default=i) for i, c in enumerate(consumers)], dtype=np.int64)
+        params = df["param_bytes"].to_numpy(dtype=np.int64).copy()
+        groups: dict[str, list[int]] = {}
+        for i, g in enumerate(df["tie_group"]):
+            if g:
+                groups.setdefault(str(g), []).append(i)
+        ties = []
+        for members in groups.values():
+            ties.append((tuple(members), int(params[members].max())))
+            params[members] = 0
+        return cls(
+            names=names,
+            fwd=df["fwd_ms"].to_numpy(dtype=np.float64),
+            bwd=df["bwd_ms"].to_numpy(dtype=np.float64),
+            params=params,
+            buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
+            saved=df["saved_bytes"].to_numpy(dtype=np.int64),
+            value_bytes=value,
+            consumers=tuple(tuple(sorted(set(c))) for c in consumers),
+            last_use=last,
+            tie_groups=tuple(ties),
+            call_fwd_ms=_meta_float(profile, "stage_call_fwd_ms", 0.0),
+            call_bwd_ms=_meta_float(profile, "stage_call_bwd_ms", 0.0),
+            recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
+        )
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def cut_bytes(self) -> IntArray:
+        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
+        n = len(self)
+        diff = np.zeros(n + 2, dtype=np.int64)
+        for u in range(n):
+            if self.last_use[u] > u:
+                diff[u + 1] += self.value_bytes[u]
+                diff[self.last_use[u] + 1] -= self.value_bytes[u]
+        return np.cumsum(diff)[: n + 1]
