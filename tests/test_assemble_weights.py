@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from autopipe.examples import TinyGPT
 from autopipe.frontend.weights import WeightsError, save_sharded
 
 CHUNKS = 4
+DEVICES = ["cpu"] * 3  # the plans are made for where the tests run them: no placement warning
 
 
 def _loss(out: Tensor, target: Tensor) -> Tensor:
@@ -36,7 +38,7 @@ def case() -> tuple[TinyGPT, Tensor, Tensor, Plan]:
     real = TinyGPT(layers=2)
     ids, target = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
     prof = autopipe.profile(real, (ids,), chunks=CHUNKS, repeats=1, warmup=0, progress=False)
-    return real, ids, target, autopipe.partition(prof, stages=3, chunks=CHUNKS)
+    return real, ids, target, autopipe.partition(prof, devices=DEVICES, chunks=CHUNKS)
 
 
 def _weights(real: nn.Module, fmt: str, folder: Path) -> Any:
@@ -59,11 +61,13 @@ def test_meta_model_with_weights_equals_the_plain_model(
     case: tuple[TinyGPT, Tensor, Tensor, Plan], tmp_path: Path, fmt: str, checkpoint: str
 ) -> None:
     real, ids, target, plan = case
+    plan = dataclasses.replace(plan, checkpoint=checkpoint)  # the same split, run in this mode
     ref = TinyGPT(layers=2)
     ref.load_state_dict(real.state_dict())
     meta = _meta()
-    pipe = autopipe.pipeline(meta, (ids,), devices=["cpu"] * 3, chunks=CHUNKS, plan=plan,
-                             checkpoint=checkpoint, weights=_weights(real, fmt, tmp_path))
+    pipe = autopipe.pipeline(meta, (ids,), devices=DEVICES, chunks=CHUNKS, plan=plan,
+                             weights=_weights(real, fmt, tmp_path))
+    assert pipe.checkpoints == [checkpoint] * 3
     assert not any(t.is_meta for t in (*meta.parameters(), *meta.buffers()))
     assert meta.head.weight is meta.tok.weight
     loss = _loss(pipe(ids), target)
@@ -88,7 +92,7 @@ def test_a_real_model_takes_its_weights_from_the_file(
     torch.manual_seed(1)
     other = TinyGPT(layers=2)  # another initialisation: the file must overwrite it
     assert not torch.equal(other.tok.weight, real.tok.weight)
-    pipe = autopipe.pipeline(other, (ids,), devices=["cpu"] * 3, chunks=CHUNKS, plan=plan,
+    pipe = autopipe.pipeline(other, (ids,), devices=DEVICES, chunks=CHUNKS, plan=plan,
                              weights=_weights(real, "safetensors", tmp_path))
     torch.testing.assert_close(pipe(ids), real(ids))
 
@@ -106,12 +110,12 @@ def test_without_weights_the_pipeline_says_it_initialised(
 
     with pytest.warns(UserWarning, match=r"the model is on the meta device and no weights= were "
                                          r"given: \d+ module\(s\) were initialised"):
-        pipe = autopipe.pipeline(_meta(), (ids,), devices=["cpu"] * 3, chunks=CHUNKS, plan=plan,
+        pipe = autopipe.pipeline(_meta(), (ids,), devices=DEVICES, chunks=CHUNKS, plan=plan,
                                  init=init)
     assert torch.isfinite(pipe(ids)).all()
     with pytest.raises(BuildError, match=r"module '<model>' \(TinyGPT\) has tensors on the meta "
                                          r"device and no reset_parameters\(\); pass init=fn"):
-        autopipe.pipeline(_meta(), (ids,), devices=["cpu"] * 3, chunks=CHUNKS, plan=plan)
+        autopipe.pipeline(_meta(), (ids,), devices=DEVICES, chunks=CHUNKS, plan=plan)
 
 
 @pytest.mark.parametrize(("other", "match"), [
@@ -128,7 +132,7 @@ def test_weights_of_another_model_are_refused_in_one_line(
     meta = _meta()
     with pytest.raises(WeightsError, match=match) as err, warnings.catch_warnings():
         warnings.simplefilter("error")
-        autopipe.pipeline(meta, (ids,), devices=["cpu"] * 3, chunks=CHUNKS, plan=plan,
+        autopipe.pipeline(meta, (ids,), devices=DEVICES, chunks=CHUNKS, plan=plan,
                           weights=tmp_path / "other.safetensors")
     assert "\n" not in str(err.value)
     assert all(p.is_meta for p in meta.parameters())  # refused before anything was allocated
