@@ -197,6 +197,9 @@ def _save_llama_parts(rank: int, out: str) -> dict[str, str]:
     other = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, chunks=CHUNKS,
                                  schedule="interleaved1f1b", method="uniform", timeout=20)
     torch.save(other.state_dict(), paths["four"])
+    # Nothing collective follows the second pipeline's group creation: without this barrier
+    # rank 0 (which hosts the rendezvous store) could exit while rank 1 still uses the store.
+    torch.distributed.barrier()
     return paths
 
 
