@@ -57,8 +57,8 @@ class TensorIndex:
 
     holders: dict[int, list[_Holder]] = field(default_factory=dict)
     keys: dict[int, list[str]] = field(default_factory=dict)  # the model's state_dict keys
+    # (a tensor with keys is one the model saves: a persistent buffer or a parameter)
     owner_names: dict[int, str] = field(default_factory=dict)  # first module holding it, by name
-    persistent: set[int] = field(default_factory=set)
     loaded: set[int] = field(default_factory=set)  # real tensors already overwritten from weights
 
     @classmethod
@@ -66,7 +66,6 @@ class TensorIndex:
         index = cls()
         for key, t in model.state_dict(keep_vars=True).items():
             index.keys.setdefault(id(t), []).append(key)
-            index.persistent.add(id(t))
         for root in (model, *stages):
             for path, module in root.named_modules(remove_duplicate=False):
                 for name, t in module._parameters.items():
@@ -145,7 +144,7 @@ def materialize(
     # with weights, every tensor the model saves is loaded: a meta one is replaced, a real one
     # (a model built normally, or a tie an earlier stage loaded) is overwritten in place
     from_file = {id(t): index.keys[id(t)][0] for t in tensors
-                 if weights is not None and id(t) in index.persistent and index.keys.get(id(t))
+                 if weights is not None and id(t) in index.keys
                  and id(t) not in index.loaded}
     if weights is not None and from_file:
         assert key_map is not None
