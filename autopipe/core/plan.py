@@ -10,7 +10,8 @@ the plan's schedule); ``autopipe.core.plan_text`` puts it in words.
 older plan loads: ``checkpoint`` is one mode or, since per-stage recomputation, a list with one
 mode per stage (a plan whose stages all share a mode stores the single mode, as before);
 ``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
-``device_memory`` were added with the automatic search. A plan made for another micro-batch
+``device_memory`` were added with the automatic search; ``data_parallel`` (replicas of the
+pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -111,6 +112,8 @@ class Plan:
     schedule: str = "gpipe"
     alternatives: list[Alternative] = field(default_factory=list)
     device_memory: dict[str, int] = field(default_factory=dict)  # peak per device, all its stages
+    data_parallel: int = 1  # replicas of this pipeline ([Note: pipeline x data parallel])
+    dp_mode: str = "ddp"  # how replicas share gradients: "ddp" (all-reduce) or "fsdp" (sharded)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -273,7 +276,7 @@ class Plan:
                             f"re-run `autopipe partition ...`")
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
-                    "alternatives", "device_memory")  # older plans lack them
+                    "alternatives", "device_memory", "data_parallel", "dp_mode")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -316,6 +319,10 @@ def _check_types(plan: Plan) -> None:
     plan.cost_options.modes(k)
     if not all(isinstance(v, int) for v in plan.device_memory.values()):
         raise TypeError("'device_memory' must map device names to bytes")
+    if not isinstance(plan.data_parallel, int) or isinstance(plan.data_parallel, bool) or plan.data_parallel < 1:
+        raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
+    if plan.dp_mode not in ("ddp", "fsdp"):
+        raise TypeError(f"'dp_mode' must be 'ddp' or 'fsdp', got {plan.dp_mode!r}")
 
 
 def _one(checkpoint: str | Sequence[str]) -> str | list[str]:
