@@ -7,6 +7,7 @@ sizes of executor.spec.microbatch_sizes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from autopipe.errors import AutopipeError, ProfileError
 from executor._torch_compat import tree_leaves, tree_map_only
 from executor.spec import check_chunks, microbatch_sizes
 
-__all__ = ["micro_batch", "target_device", "to_device"]
+__all__ = ["micro_batch", "other_sizes", "target_device", "to_device", "with_rows"]
 
 
 def micro_batch(
@@ -81,3 +82,27 @@ def target_device(device: str | torch.device) -> torch.device:
 
 def to_device(value: Any, device: torch.device) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def other_sizes(sizes: Sequence[int] | None, micro: int) -> list[int]:
+    """The extra micro-batch sizes of ``profile(micro_batch_sizes=)``, checked, without ``micro``."""
+    if sizes is None:
+        return []
+    bad = [r for r in sizes if isinstance(r, bool) or not isinstance(r, int) or r < 1]
+    if bad or isinstance(sizes, str):
+        raise ProfileError(f"micro_batch_sizes must be row counts >= 1, got {sizes!r}; "
+                           "pass e.g. [1, 2, 4, 8]")
+    return sorted(set(sizes) - {micro})
+
+
+def with_rows(example_inputs: Any, rows: int) -> tuple[Any, ...]:
+    """Every batched tensor of the example inputs at ``rows`` rows (repeated when it has fewer)."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        times = -(-rows // t.shape[0])
+        return torch.cat([t] * times)[:rows].clone() if times > 1 else t[:rows].clone()
+
+    return tuple(tree_map_only(torch.Tensor, cut, inputs))

@@ -24,6 +24,9 @@ timed alone misses two costs a pipeline pays:
 
 Both go into the profile's metadata (``stage_call_fwd_ms``, ``stage_call_bwd_ms``,
 ``recompute_ratio``); a profile without them is read as today's model (no call cost, ratio 1).
+When the model runs whole, the ratio is measured on the whole graph through executor.GPipe
+instead, and the layers' times are scaled to the graph's: [Note: layers in sequence] in
+autopipe/frontend/in_sequence.py. The sampler's ratio remains for layer-by-layer profiles.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.core.units import parse_bytes
 from autopipe.errors import AutopipeError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
-from autopipe.frontend.inputs import micro_batch, target_device, to_device
+from autopipe.frontend.in_sequence import SequenceScales, measure_sequence, scale_rows
+from autopipe.frontend.inputs import micro_batch, other_sizes, target_device, to_device, with_rows
 from autopipe.frontend.layer_timing import (
     fresh,
     harness_overhead,
@@ -55,15 +56,14 @@ from autopipe.frontend.preserve import preserved
 from autopipe.frontend.process_memory import PeakRss
 from autopipe.frontend.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.timing import Timer, memory_meter_for, timer_for
-from executor._torch_compat import tree_map_only
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-# the graph, every layer's row, (harness forward ms, harness backward ms, recompute ratio)
-Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float]]
+# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales
+Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales]
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -204,39 +204,19 @@ def _measure_at(
                 g.gm.to(dev)
                 rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
                                        warmup, progress)
+                seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,
+                                       warmup, extra[:2])  # [Note: layers in sequence]
+                rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:
                     g.gm.to(home)
-        return g, rows, extra
+        return g, rows, extra, seq
     # the model is never moved or run: see [Note: layer by layer]
     with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
         g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
         rows, extra = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
                                repeats, warmup, progress)
-    return g, rows, extra
-
-
-def _other_sizes(sizes: Sequence[int] | None, micro: int) -> list[int]:
-    if sizes is None:
-        return []
-    bad = [r for r in sizes if isinstance(r, bool) or not isinstance(r, int) or r < 1]
-    if bad or isinstance(sizes, str):
-        raise ProfileError(f"micro_batch_sizes must be row counts >= 1, got {sizes!r}; "
-                           "pass e.g. [1, 2, 4, 8]")
-    return sorted(set(sizes) - {micro})
-
-
-def _with_rows(example_inputs: Any, rows: int) -> tuple[Any, ...]:
-    """Every batched tensor of the example inputs at ``rows`` rows (repeated when it has fewer)."""
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        times = -(-rows // t.shape[0])
-        return torch.cat([t] * times)[:rows].clone() if times > 1 else t[:rows].clone()
-
-    return tuple(tree_map_only(torch.Tensor, cut, inputs))
+    return g, rows, extra, SequenceScales()
 
 
 def profile(
@@ -305,7 +285,7 @@ def profile(
         _check_graph(graph, inputs, micro, chunks)
     chosen = _choose_mode(mode, model, dev, memory_budget)
     timer = timer or timer_for(dev)
-    others = _other_sizes(micro_batch_sizes, micro)
+    others = other_sizes(micro_batch_sizes, micro)
 
     def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> Measured:
         return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
@@ -314,11 +294,11 @@ def profile(
     with PeakRss() as rss:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        g, rows, (fwd_extra, bwd_extra, ratio) = measure_at(inputs, graph)
+        g, rows, (fwd_extra, bwd_extra, ratio), scales = measure_at(inputs, graph)
         frame = pd.DataFrame(rows)
         fingerprints = {str(micro): g.fingerprint}
         for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
-            g_r, rows_r, _ = measure_at(_with_rows(example_inputs, r), None)
+            g_r, rows_r, _, _ = measure_at(with_rows(example_inputs, r), None)
             if g_r.layers != g.layers:
                 raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
                                    f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
@@ -343,7 +323,7 @@ def profile(
         "fingerprint": g.fingerprint,
         "harness_fwd_ms": round(fwd_extra, 6),
         "harness_bwd_ms": round(bwd_extra, 6),
-        **overhead_meta(timer, dev, chunks, ratio),  # [Note: measured overheads]
+        **overhead_meta(timer, dev, chunks, ratio), **scales.meta(),  # [Note: measured overheads]
         "source": g.source,
         "mode": chosen,
         "dedupe": bool(dedupe) if chosen == "layers" else False,

@@ -1,0 +1,121 @@
+"""The layers run in sequence: what timing each one alone gets wrong, measured on the whole graph.
+
+[Note: layers in sequence] A layer timed alone, over and over on the same copy of its inputs,
+finds its weights and inputs in the CPU's caches (or the GPU's L2) and pays nothing for the
+layer before it; in the pipeline the same layer runs after the others, on activations that
+were just written and weights that were just evicted. On these examples that moves the sum of
+the layers' times by -25% to +60% against the same micro-batch through the whole traced graph
+(a CNN's forward is the worst: its convolutions stream activations larger than the cache). And
+recomputation in the runtime is not the sampled layers' ratio either: it is executor.GPipe's
+checkpoint pair around a whole stage.
+
+So, when the model runs whole (``mode="whole"``), the profiler times the traced graph itself
+(``g.gm``: all layers in sequence, on the recorded micro-batch), forward and backward, with the
+harness's own cost subtracted once ([Note: harness overhead] in layer_timing.py), and scales
+every layer's forward by ``whole forward / sum of the layers' forwards`` and every backward
+likewise. The scales are kept in the metadata (``sequence_fwd_scale``, ``sequence_bwd_scale``);
+dividing by them gives the layers' times alone. The relative weights of the layers, which the
+partitioner balances, are the ones measured alone; only their sum is the sequence's.
+
+It then runs the same graph as ONE stage of executor.GPipe (one micro-batch) with
+``checkpoint="never"`` and ``"always"``: the extra time of the second over the whole forward is
+``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/overheads.py), which
+replaces the ratio sampled on layers alone. A graph GPipe cannot run as one stage keeps the
+sampled ratio. Layer by layer (``mode="layers"``) there is no whole run: scales are 1.
+Timings are noisy, so each scale is clamped to ``SCALE_RANGE``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from autopipe.frontend.layer_timing import fresh, time_runs
+from autopipe.frontend.overheads import RATIO_RANGE
+from autopipe.frontend.timing import Timer
+from executor.gpipe import GPipe
+
+__all__ = ["SCALE_RANGE", "SequenceScales", "measure_sequence", "scale_rows"]
+
+SCALE_RANGE = (0.5, 2.5)  # outside it, a measurement is noise: clamp
+
+
+@dataclass(frozen=True)
+class SequenceScales:
+    """Whole-graph time / sum of layer times, forward and backward; the runtime's recompute
+    ratio (None: keep the sampled one)."""
+
+    fwd: float = 1.0
+    bwd: float = 1.0
+    recompute_ratio: float | None = None
+
+    def meta(self) -> dict[str, float]:
+        return {"sequence_fwd_scale": round(self.fwd, 4), "sequence_bwd_scale": round(self.bwd, 4)}
+
+
+def _clamped(value: float, bounds: tuple[float, float]) -> float:
+    return min(bounds[1], max(bounds[0], value))
+
+
+def _scale(whole_ms: float, layers_ms: float) -> float:
+    if layers_ms <= 0 or whole_ms <= 0:
+        return 1.0
+    return _clamped(whole_ms / layers_ms, SCALE_RANGE)
+
+
+def _flat(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph called with flat positional arguments (a torch.export graph unflattens its
+    (args, kwargs) otherwise, and checks their keywords), in train mode as layers are measured
+    (the graph's own flag: [Note: train and eval in one graph] in modes.py)."""
+    graph = copy.deepcopy(gm.graph)
+    graph.set_codegen(fx.graph.CodeGen())
+    flat = fx.GraphModule(gm, graph, "WholeGraph")
+    flat.training = True
+    return flat
+
+
+def _runtime_ratio(gm: fx.GraphModule, args: Sequence[Any], device: torch.device, timer: Timer,
+                   repeats: int, warmup: int, forward_ms: float) -> float | None:
+    """executor.GPipe's recompute cost over the whole graph as one stage, / its forward."""
+    if forward_ms <= 0:
+        return None
+    totals = {}
+    for mode in ("never", "always"):
+        try:
+            pipe = GPipe([gm], [device], chunks=1, checkpoint=mode)
+
+            def make_forward(p: GPipe = pipe) -> Callable[[], Any]:
+                return functools.partial(p, *fresh(list(args)))
+
+            totals[mode] = sum(time_runs(timer, make_forward, repeats, warmup))
+        except (RuntimeError, TypeError, ValueError):  # outputs GPipe cannot gather, ...
+            return None
+    return _clamped((totals["always"] - totals["never"]) / forward_ms, RATIO_RANGE)
+
+
+def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dict[str, Any]],
+                     device: torch.device, timer: Timer, repeats: int, warmup: int,
+                     harness: tuple[float, float]) -> SequenceScales:
+    """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone)."""
+    gm = _flat(gm)
+
+    def make_forward() -> Callable[[], Any]:
+        return functools.partial(gm, *fresh(list(args)))
+
+    fwd_ms, bwd_ms = time_runs(timer, make_forward, repeats, warmup)
+    fwd_ms, bwd_ms = max(0.0, fwd_ms - harness[0]), max(0.0, bwd_ms - harness[1])
+    ratio = _runtime_ratio(gm, args, device, timer, repeats, warmup, fwd_ms)
+    return SequenceScales(_scale(fwd_ms, sum(float(r["fwd_ms"]) for r in rows)),
+                          _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio)
+
+
+def scale_rows(rows: list[dict[str, Any]], scales: SequenceScales) -> list[dict[str, Any]]:
+    """The rows with every layer's forward and backward scaled to the sequence's sum."""
+    return [{**r, "fwd_ms": round(float(r["fwd_ms"]) * scales.fwd, 6),
+             "bwd_ms": round(float(r["bwd_ms"]) * scales.bwd, 6)} for r in rows]

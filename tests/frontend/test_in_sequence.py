@@ -1,0 +1,87 @@
+"""[Note: layers in sequence]: layer times scaled to the whole graph's, the runtime's recompute ratio."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+import torch
+
+import autopipe
+from autopipe.frontend.graph import trace
+from autopipe.frontend.in_sequence import SCALE_RANGE, SequenceScales, measure_sequence, scale_rows
+from autopipe.frontend.overheads import RATIO_RANGE
+from autopipe.frontend.timing import Timer
+from tests.models import Chain
+
+T = TypeVar("T")
+
+
+class ScriptedTimer(Timer):
+    """Reports the next of ``times`` (ms) per call, cycling."""
+
+    def __init__(self, times: list[float]) -> None:
+        self.times, self.calls = times, 0
+
+    def __call__(self, fn: Callable[[], T]) -> tuple[T, float]:
+        ms = self.times[self.calls % len(self.times)]
+        self.calls += 1
+        return fn(), ms
+
+
+ROWS = [{"layer": "a", "fwd_ms": 1.0, "bwd_ms": 2.0}, {"layer": "b", "fwd_ms": 3.0, "bwd_ms": 2.0}]
+
+
+def _graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    x = torch.randn(4, 8, requires_grad=True)
+    return trace(Chain((8, 8, 8)), (x,)).gm, [x]
+
+
+def test_scales_are_whole_over_sum_less_the_harness_once() -> None:
+    gm, args = _graph()
+    # every forward 7 ms, every backward 9 ms; the harness costs 1 / 1 ms
+    timer = ScriptedTimer([7.0, 9.0])
+    s = measure_sequence(gm, args, ROWS, torch.device("cpu"), timer, repeats=3, warmup=1,
+                         harness=(1.0, 1.0))
+    assert (s.fwd, s.bwd) == (6.0 / 4.0, 8.0 / 4.0)
+    # GPipe "always" costs what "never" costs here: no recomputation measured -> the lower clamp
+    assert s.recompute_ratio == RATIO_RANGE[0]
+    scaled = scale_rows(ROWS, s)
+    assert [r["fwd_ms"] for r in scaled] == [1.5, 4.5] and [r["bwd_ms"] for r in scaled] == [4.0, 4.0]
+    assert ROWS[0]["fwd_ms"] == 1.0  # the caller's rows are not modified
+    assert s.meta() == {"sequence_fwd_scale": 1.5, "sequence_bwd_scale": 2.0}
+
+
+def test_noise_is_clamped_and_empty_layers_keep_scale_one() -> None:
+    gm, args = _graph()
+    big = measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([1000.0, 0.5]),
+                           repeats=1, warmup=0, harness=(0.0, 0.0))
+    assert (big.fwd, big.bwd) == (SCALE_RANGE[1], SCALE_RANGE[0])
+    zero = [{**r, "fwd_ms": 0.0, "bwd_ms": 0.0} for r in ROWS]
+    none = measure_sequence(gm, args, zero, torch.device("cpu"), ScriptedTimer([5.0]),
+                            repeats=1, warmup=0, harness=(0.0, 0.0))
+    assert (none.fwd, none.bwd) == (1.0, 1.0)
+
+
+def test_a_real_profile_records_its_scales_and_layers_mode_has_none() -> None:
+    model, x = Chain(), torch.randn(16, 8)
+    whole = autopipe.profile(model, (x,), chunks=2, repeats=3, warmup=1, progress=False)
+    lo, hi = SCALE_RANGE
+    assert lo <= whole.meta["sequence_fwd_scale"] <= hi and lo <= whole.meta["sequence_bwd_scale"] <= hi
+    assert RATIO_RANGE[0] <= whole.meta["recompute_ratio"] <= RATIO_RANGE[1]
+    layers = autopipe.profile(model, (x,), chunks=2, mode="layers", repeats=1, warmup=0,
+                              progress=False)
+    assert layers.meta["sequence_fwd_scale"] == layers.meta["sequence_bwd_scale"] == 1.0
+
+
+def test_a_graph_gpipe_cannot_run_keeps_the_sampled_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    gm, args = _graph()
+
+    def refuse(*_: object, **__: object) -> None:
+        raise RuntimeError("cannot gather these outputs")
+
+    monkeypatch.setattr("autopipe.frontend.in_sequence.GPipe", refuse)
+    s = measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([3.0]), repeats=1,
+                         warmup=0, harness=(0.0, 0.0))
+    assert s.recompute_ratio is None and SequenceScales().recompute_ratio is None
