@@ -4,6 +4,8 @@
     check_stage_checkpoints()                     one checkpoint mode per stage
     microbatch_sizes()                            how a batch is cut into micro-batches
     PHASES, TimelineEvent                         the spans of a (predicted or measured) timeline
+    DATA_PARALLEL_MODES, DATA_PARALLEL_PHASES     how replicas of a pipeline share gradients, and
+                                                  the collectives' timeline phases
     SCHEDULES, check_schedule()                   the pipeline schedules the runtime runs, and
                                                   the stage / micro-batch counts each accepts
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "DATA_PARALLEL_MODES",
+    "DATA_PARALLEL_PHASES",
     "PHASES",
     "SCHEDULES",
     "TimelineEvent",
@@ -32,8 +36,16 @@ __all__ = [
 
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
 
+# How replicas of a pipeline keep a stage's parameters equal: "ddp" (DistributedDataParallel,
+# an all-reduce of the gradients) or "fsdp" (FSDP2 fully_shard: sharded parameters, gradients and
+# optimizer state). [Note: pipeline x data parallel] in autopipe/core/replicas.py.
+DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
+
+# The data-parallel collectives of a stage, as timeline phases.
+DATA_PARALLEL_PHASES: tuple[str, ...] = ("allgather", "allreduce", "reducescatter")
+
 # Phases of a timeline, in drawing order (bottom to top of a stacked bar).
-PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "transfer")
+PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "transfer", *DATA_PARALLEL_PHASES)
 
 # Schedules of the distributed runtime; executor.GPipe (one process) always runs "gpipe".
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved1f1b")

@@ -50,6 +50,10 @@ at most ``min(M, K - s)`` micro-batches. executor.GPipe (one process) drains B(M
 with ``except_last`` it needs one ``saved_bytes`` less than this: the prediction is safe for it.
 The simulator walks the order it ran, so its peaks equal these (tests/core/test_simulator.py).
 
+Replicas of the pipeline (``data_parallel``) change a stage's state bytes and add its
+collectives (per iteration, not per micro-batch): autopipe/core/replicas.py, [Note: pipeline x
+data parallel].
+
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
 member (the executor shares or replicates them); ``ties="colocate"`` forces the whole group onto
@@ -67,6 +71,7 @@ import numpy as np
 
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import FloatArray, LayerCosts
+from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PartitionError
 from executor.spec import (
@@ -212,9 +217,11 @@ def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed:
     return activation_terms(ops, recomputed)
 
 
-def state_bytes(param_bytes: Amount, buffer_bytes: Amount, optimizer: str) -> Amount:
-    """Parameters with their gradients and optimizer state (``OPTIMIZER_FACTOR``), plus buffers."""
-    return param_bytes * OPTIMIZER_FACTOR[optimizer] + buffer_bytes
+def state_bytes(param_bytes: Amount, buffer_bytes: Amount, optimizer: str, data_parallel: int = 1,
+                dp_mode: str = "ddp") -> Amount:
+    """Parameters with their gradients and optimizer state (``OPTIMIZER_FACTOR``; sharded over
+    replicas under ``fsdp``: [Note: pipeline x data parallel]), plus buffers."""
+    return param_bytes * state_factor(OPTIMIZER_FACTOR[optimizer], data_parallel, dp_mode) + buffer_bytes
 
 
 def lower_bound(work: FloatArray, speeds: Sequence[float], call_ms: float = 0.0) -> float:
@@ -228,7 +235,7 @@ def lower_bound(work: FloatArray, speeds: Sequence[float], call_ms: float = 0.0)
 @dataclass(frozen=True)
 class CostOptions:
     """How stages run: micro-batches, recomputation (one mode, or one per stage), optimizer state,
-    bandwidth between stages, tied parameters and the pipeline schedule."""
+    bandwidth between stages, tied parameters, the pipeline schedule and its replicas."""
 
     chunks: int = 8
     checkpoint: str | Sequence[str] = "except_last"  # a list becomes a tuple
@@ -236,6 +243,8 @@ class CostOptions:
     bandwidth: float | None = 10e9
     ties: str = "share"
     schedule: str = "gpipe"
+    data_parallel: int = 1  # [Note: pipeline x data parallel]
+    dp_mode: str = "ddp"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
@@ -254,6 +263,7 @@ class CostOptions:
             raise PartitionError(f"bandwidth={self.bandwidth}: need bytes/s >= 0 (0 or None = free)")
         if self.schedule not in SCHEDULES:
             raise PartitionError(f"schedule={self.schedule!r}: choose one of {list(SCHEDULES)}")
+        check_data_parallel(self.data_parallel, self.dp_mode)
 
     @property
     def ms_per_byte(self) -> float:
@@ -304,6 +314,9 @@ class StageCost:
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
     recompute_ratio: float = 1.0
+    # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
+    grad_sync_ms: float = 0.0  # after the stage's last backward
+    param_gather_ms: float = 0.0  # before its first forward (fsdp)
 
     @property
     def time_ms(self) -> float:
@@ -330,6 +343,7 @@ def stage_costs(
     m = options.chunks
     recomputed = options.recomputed(k)
     terms = options.terms(k, schedule_ranks(options.schedule, devices))
+    replicas = (options.data_parallel, options.dp_mode, options.ms_per_byte)
     cut = np.zeros(max(k - 1, 0), dtype=np.int64)  # bytes crossing cut s (between s and s+1)
     for u, users in enumerate(costs.consumers):
         if users:
@@ -352,7 +366,8 @@ def stage_costs(
             bwd_ms=bwd,
             recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte),
-            param_bytes=state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer),
+            param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
+                                        options.data_parallel, options.dp_mode)),
             activation_bytes=int(activation_bytes(cut_in, saved, terms[s])),
             input_bytes=cut_in,
             output_bytes=cut_out,
@@ -360,5 +375,7 @@ def stage_costs(
             call_fwd_ms=costs.call_fwd_ms,
             call_bwd_ms=costs.call_bwd_ms,
             recompute_ratio=costs.recompute_ratio,
+            grad_sync_ms=grad_sync_ms(params, *replicas),
+            param_gather_ms=param_gather_ms(params, *replicas),
         ))
     return result

@@ -43,7 +43,7 @@ from autopipe.core.files import atomic_write_text
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, PlanError
-from executor.spec import recomputed_microbatches
+from executor.spec import DATA_PARALLEL_MODES, recomputed_microbatches
 
 __all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
 
@@ -75,6 +75,7 @@ class Alternative:
     bottleneck: float
     memory: int
     note: str = ""
+    data_parallel: int = 1  # replicas of the pipeline ([Note: pipeline x data parallel])
 
 
 @dataclass(frozen=True)
@@ -133,17 +134,22 @@ class Plan:
         solver: SolverInfo | None = None,
         schedule: str = "gpipe",
         alternatives: Sequence[Alternative] = (),
+        data_parallel: int = 1,
+        dp_mode: str = "ddp",
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
         ``checkpoint`` is one mode or a list of one mode per stage; ``schedule`` one of
         executor.spec.SCHEDULES (``interleaved1f1b`` cycles the stages over the distinct device
-        names). Raises PlanError when ``stages`` does not cover every layer exactly once, a
+        names). ``data_parallel`` replicas of it, synced as ``dp_mode`` says, each run
+        ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/replicas.py).
+        Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
         specs = resolve_devices(len(stages), devices, memory_limit)
         modes = CostOptions(chunks, _one(checkpoint), optimizer, bandwidth, ties, schedule).modes(len(stages))
-        options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule)
+        options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule,
+                              data_parallel, dp_mode)
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
         costs = LayerCosts.from_profile(profile)
@@ -156,6 +162,7 @@ class Plan:
         lower = lower_bound(work, [d.speed for d in specs], costs.call_ms)
         times = [c.time_ms for c in breakdown]
         ordered = [[n for n in layers if where[n] == s] for s in range(len(stages))]
+        replica_batch = _int_or_none(profile.meta.get("batch_size"))
         return cls(
             stages=ordered, devices=specs, chunks=chunks, checkpoint=_one(modes), method=method,
             stage_times=times, stage_memory=[c.memory_bytes for c in breakdown],
@@ -164,9 +171,10 @@ class Plan:
             breakdown=breakdown, solver=solver or SolverInfo(), fingerprint=profile.fingerprint,
             optimizer=optimizer, bandwidth=bandwidth, ties=ties,
             largest_layer=(layers[big], float(work[big])),
-            batch_size=_int_or_none(profile.meta.get("batch_size")),
+            batch_size=None if replica_batch is None else replica_batch * data_parallel,
             micro_batch_size=_int_or_none(profile.meta.get("micro_batch_size")),
             schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
+            data_parallel=data_parallel, dp_mode=dp_mode,
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -183,7 +191,7 @@ class Plan:
     def cost_options(self) -> CostOptions:
         """The options every cost of this plan was computed with."""
         return CostOptions(self.chunks, _one(self.checkpoint), self.optimizer, self.bandwidth,
-                           self.ties, self.schedule)
+                           self.ties, self.schedule, self.data_parallel, self.dp_mode)
 
     def profile_for(self, profile: Profile) -> Profile:
         """``profile`` checked against this plan and, when the plan was made for another
@@ -321,8 +329,8 @@ def _check_types(plan: Plan) -> None:
         raise TypeError("'device_memory' must map device names to bytes")
     if not isinstance(plan.data_parallel, int) or isinstance(plan.data_parallel, bool) or plan.data_parallel < 1:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
-    if plan.dp_mode not in ("ddp", "fsdp"):
-        raise TypeError(f"'dp_mode' must be 'ddp' or 'fsdp', got {plan.dp_mode!r}")
+    if plan.dp_mode not in DATA_PARALLEL_MODES:
+        raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
 
 
 def _one(checkpoint: str | Sequence[str]) -> str | list[str]:

@@ -91,6 +91,20 @@ def _limit(plan: Plan, s: int) -> str:
     return "time: layer granularity; whole layers cannot be balanced more evenly"
 
 
+def _collectives(plan: Plan) -> str:
+    """The data-parallel collectives in one sentence ([Note: pipeline x data parallel])."""
+    d, b = plan.data_parallel, plan.breakdown
+    s = max(range(plan.num_stages), key=lambda i: b[i].grad_sync_ms)
+    sync = "reduce-scatter" if plan.dp_mode == "fsdp" else "all-reduce"
+    gather = (f", after an all-gather of up to {max(c.param_gather_ms for c in b):.3f} ms before "
+              f"its first forward" if plan.dp_mode == "fsdp" else "")
+    batch = (f"{plan.batch_size // d} of the {plan.batch_size} rows of the global batch"
+             if plan.batch_size else "its own batch")
+    return (f"Each replica trains {batch}; a stage's gradient {sync} starts after its last "
+            f"backward and overlaps the other stages' backwards{gather}: up to "
+            f"{b[s].grad_sync_ms:.3f} ms (stage {s}).")
+
+
 def _memory_of(plan: Plan, name: str) -> int | None:
     limits = [d.memory for d in plan.devices if d.name == name]
     return limits[0] if limits else None
@@ -102,11 +116,15 @@ def explain(plan: Plan) -> str:
     s = int(np.argmax(plan.stage_times))
     total = sum(plan.stage_times)
     rows = f" of {plan.micro_batch_size} rows" if plan.micro_batch_size else ""
+    d = plan.data_parallel
+    replicas = f"{d} replicas ({plan.dp_mode}) x " if d > 1 else ""
     parts = [
-        f"{k} stage(s) by {plan.method}, schedule {plan.schedule}, {plan.chunks} micro-batches"
-        f"{rows}, recomputation {checkpoint_text(plan.checkpoint)}: simulated iteration "
-        f"{plan.iteration_time:.3f} ms ({100 * plan.bubble_fraction:.0f}% bubble).",
+        f"{replicas}{k} stage(s) by {plan.method}, schedule {plan.schedule}, {plan.chunks} "
+        f"micro-batches{rows}, recomputation {checkpoint_text(plan.checkpoint)}: simulated "
+        f"iteration {plan.iteration_time:.3f} ms ({100 * plan.bubble_fraction:.0f}% bubble).",
     ]
+    if d > 1:
+        parts.append(_collectives(plan))
     if plan.lower_bound > 0:
         big_name, big_ms = plan.largest_layer
         parts.append(
@@ -129,20 +147,26 @@ def explain(plan: Plan) -> str:
 
 def alternatives_table(plan: Plan) -> str:
     """A small markdown table: the chosen plan, then the alternatives the search weighed."""
-    head = ("| stages | chunks | schedule | recomputation | iteration ms | vs chosen | "
-            "bottleneck ms | peak memory | note |\n|---:|---:|---|---|---:|---:|---:|---:|---|")
+    # a replicas column once any row has replicas ([Note: pipeline x data parallel])
+    wide = plan.data_parallel > 1 or any(a.data_parallel > 1 for a in plan.alternatives)
+    head = (("| replicas " if wide else "") + "| stages | chunks | schedule | recomputation | "
+            "iteration ms | vs chosen | bottleneck ms | peak memory | note |\n"
+            + ("|---:" if wide else "") + "|---:|---:|---|---|---:|---:|---:|---:|---|")
     chosen = max(plan.device_memory.values(), default=max(plan.peak_memory))
     rows = [_row(plan.num_stages, plan.chunks, plan.schedule, plan.checkpoint, plan.iteration_time,
-                 plan.iteration_time, plan.bottleneck, chosen, "chosen")]
+                 plan.iteration_time, plan.bottleneck, chosen, "chosen",
+                 plan.data_parallel if wide else None)]
     rows += [_row(a.stages, a.chunks, a.schedule, a.checkpoint, a.iteration_time,
-                  plan.iteration_time, a.bottleneck, a.memory, a.note) for a in plan.alternatives]
+                  plan.iteration_time, a.bottleneck, a.memory, a.note,
+                  a.data_parallel if wide else None) for a in plan.alternatives]
     return "\n".join([head, *rows])
 
 
 def _row(k: int, m: int, schedule: str, checkpoint: str | list[str], t: float, best: float,
-         bottleneck: float, memory: int, note: str) -> str:
+         bottleneck: float, memory: int, note: str, replicas: int | None) -> str:
     versus = "" if t == best else f"{100 * (t / best - 1):+.1f}%"
-    return (f"| {k} | {m} | {schedule} | {checkpoint_text(checkpoint)} | {t:.3f} | {versus} | "
+    first = "" if replicas is None else f"| {replicas} "
+    return (f"{first}| {k} | {m} | {schedule} | {checkpoint_text(checkpoint)} | {t:.3f} | {versus} | "
             f"{bottleneck:.3f} | {format_bytes(memory)} | {note} |")
 
 
@@ -167,5 +191,6 @@ def table(plan: Plan) -> str:
 
 def describe(a: Alternative) -> str:
     """One alternative in a few words (for progress and error messages)."""
-    return (f"{a.stages} stages, {a.chunks} micro-batches, {a.schedule}, "
+    replicas = f"{a.data_parallel} replicas x " if a.data_parallel > 1 else ""
+    return (f"{replicas}{a.stages} stages, {a.chunks} micro-batches, {a.schedule}, "
             f"{checkpoint_text(a.checkpoint)}: {a.iteration_time:.3f} ms")

@@ -13,6 +13,13 @@ micro-batch (see [Note: stage memory] in autopipe.core.cost) is recomputed right
 backward, once the gradient has arrived. After a forward the stage sends its output activations,
 after a backward its input gradients; sends occupy the sender ([Note: transfer cost]).
 
+Replicas ([Note: pipeline x data parallel] in autopipe/core/replicas.py): a stage with a
+``param_gather_ms`` all-gathers its parameters right before its first forward, on its device;
+its ``grad_sync_ms`` collective (all-reduce, or reduce-scatter after a gather) starts when its
+last backward's compute ends, on the device's communication stream (one collective at a time
+per device), while the device computes on. The iteration ends with the last event of any kind;
+collectives are not busy time in the bubble.
+
 Memory: a stage holds its parameter state throughout, and its activations as the cost model's
 walk over the operations its device ran, in the order it ran them (``cost.activation_peak``), so
 the peaks are the cost model's, exactly. ``device_memory`` is each device's peak with all of its
@@ -29,9 +36,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autopipe.core.cost import LayerCosts, StageCost, activation_peak, recompute_ms, stage_costs
+from autopipe.core.replicas import sync_phase
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PlanError
-from executor.spec import SCHEDULES, TimelineEvent, check_stage_checkpoints, recomputed_microbatches
+from executor.spec import (
+    DATA_PARALLEL_PHASES,
+    SCHEDULES,
+    TimelineEvent,
+    check_stage_checkpoints,
+    recomputed_microbatches,
+)
 
 if TYPE_CHECKING:
     from autopipe.core.plan import Plan
@@ -60,11 +74,13 @@ class SimulationResult:
         lines = [f"schedule {self.schedule}: iteration {self.iteration_time:.3f} ms, "
                  f"bubble {100 * self.bubble_fraction:.1f}% over {k} stages"]
         for s in range(k):
-            events = [e for e in self.timeline if e.stage == s]
+            events = [e for e in self.timeline if e.stage == s and e.phase not in DATA_PARALLEL_PHASES]
             busy = sum(e.end_ms - e.start_ms for e in events)
             first = min((e.start_ms for e in events), default=0.0)
             last = max((e.end_ms for e in events), default=0.0)
-            lines.append(f"  stage {s}: busy {busy:.3f} ms from {first:.3f} to {last:.3f} ms, "
+            comm = "".join(f", {e.phase} {e.start_ms:.3f} .. {e.end_ms:.3f} ms" for e in self.timeline
+                           if e.stage == s and e.phase in DATA_PARALLEL_PHASES)
+            lines.append(f"  stage {s}: busy {busy:.3f} ms from {first:.3f} to {last:.3f} ms{comm}, "
                          f"peak memory {format_bytes(self.peak_memory[s])}")
         return "\n".join(lines)
 
@@ -119,6 +135,8 @@ def simulate_stages(
     n_res = max(resource) + 1
     ready: dict[tuple[str, int, int], float] = {("F", 0, i): 0.0 for i in range(m)}
     pos, free = [0] * len(queues), [0.0] * n_res
+    comm_free = [0.0] * n_res  # each device's collectives, one at a time
+    forwards, backwards = [0] * k, [0] * k  # done per stage
     ran: list[list[Op]] = [[] for _ in range(n_res)]
     timeline: list[TimelineEvent] = []
 
@@ -132,6 +150,9 @@ def simulate_stages(
         s, kind, i = op
         st = stages[s]
         if kind == "F":
+            if forwards[s] == 0 and st.param_gather_ms > 0:  # fsdp: gathered once, not prefetched
+                start = comm_free[resource[q]] = emit(s, i, "allgather", start, st.param_gather_ms)
+            forwards[s] += 1
             end = emit(s, i, "forward", start, st.fwd_ms + st.call_fwd_ms)
             if s == k - 1:
                 ready["B", s, i] = end
@@ -141,6 +162,10 @@ def simulate_stages(
             if i < rec[s]:
                 start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio))
             end = emit(s, i, "backward", start, st.bwd_ms + st.call_bwd_ms)
+            backwards[s] += 1
+            if backwards[s] == m and st.grad_sync_ms > 0:  # after the last backward's compute
+                at = max(end, comm_free[resource[q]])
+                comm_free[resource[q]] = emit(s, i, sync_phase(st.param_gather_ms), at, st.grad_sync_ms)
             if s > 0:
                 end = ready["B", s - 1, i] = emit(s, i, "transfer", end, st.input_bytes * ms_per_byte)
         free[resource[q]] = end
@@ -177,7 +202,7 @@ def simulate_stages(
     if any(p < len(o) for p, o in zip(pos, queues, strict=True)):  # pragma: no cover - a bug
         raise RuntimeError("schedule deadlocked")
     total = max((e.end_ms for e in timeline), default=0.0)
-    busy = sum(e.end_ms - e.start_ms for e in timeline)
+    busy = sum(e.end_ms - e.start_ms for e in timeline if e.phase not in DATA_PARALLEL_PHASES)
     recomputed = dict(enumerate(rec))
     inputs = {s: float(st.input_bytes) for s, st in enumerate(stages)}
     saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}

@@ -30,6 +30,9 @@ PHASE_COLORS: dict[str, str] = {
     "backward": "#DD8452",
     "recompute": "#8172B3",
     "transfer": "#937860",
+    "allgather": "#55A868",  # the data-parallel collectives ([Note: pipeline x data parallel])
+    "allreduce": "#64B5CD",
+    "reducescatter": "#DA8BC3",
 }
 LIMIT_COLOR = "#C44E52"
 BOUND_COLOR = "#222222"

@@ -7,8 +7,10 @@ predicted and the executor's measured ``TimelineEvent``s go through the same cod
 
 One row per stage, one box per (micro-batch, phase) labelled with the micro-batch number;
 transfers are drawn as a thin strip under the compute, since a measured copy may overlap it,
-and are named in the legend only when one is wide enough to see (zero-length ones, as with
-``bandwidth=None``, are not drawn at all).
+and the data-parallel collectives (all-gather, all-reduce, reduce-scatter: [Note: pipeline x
+data parallel]) as one above it; strips are named in the legend only when one is wide enough
+to see (zero-length ones, as with ``bandwidth=None``, are not drawn at all), and collectives
+are not busy time in the bubble.
 White space in a row is a bubble; a box much longer than its peers (over twice the median of
 its stage and phase) is outlined as a straggler.
 """
@@ -26,13 +28,16 @@ from matplotlib.figure import Figure
 
 from autopipe.errors import PlotError
 from autopipe.plot.style import LIMIT_COLOR, PHASE_COLORS, new_figure
-from executor.spec import PHASES
+from executor.spec import DATA_PARALLEL_PHASES, PHASES
 
 __all__ = ["plot_timeline", "bubble_fraction"]
 
 _STRAGGLER = 2.0  # a span longer than this x its peers' median is a straggler
 _VISIBLE = 1e-3  # share of the time axis, about a pixel: a shorter transfer gets no legend entry
 _FIELDS = ("stage", "microbatch", "phase", "start_ms", "end_ms")
+# Thin strips beside the compute, at these offsets: transfers below it, the data-parallel
+# collectives ([Note: pipeline x data parallel]) above it, since they overlap other work.
+_STRIPS = {"transfer": 0.3, **{p: -0.3 for p in DATA_PARALLEL_PHASES}}
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,8 @@ def _bubble(spans: list[_Span]) -> float:
     stages = sorted({s.stage for s in spans})
     if t1 <= t0:
         return 0.0
-    busy = sum(_union([(s.start, s.end) for s in spans if s.stage == j]) for j in stages)
+    busy = sum(_union([(s.start, s.end) for s in spans if s.stage == j
+                       and s.phase not in DATA_PARALLEL_PHASES]) for j in stages)
     return 1.0 - busy / (len(stages) * (t1 - t0))
 
 
@@ -103,11 +109,11 @@ def _draw(ax: Axes, spans: list[_Span], name: str | None) -> None:
                for key in {(s.stage, s.phase) for s in spans}}
     counts = {key: sum(1 for s in spans if (s.stage, s.phase) == key) for key in medians}
     for phase in PHASES:
-        thin = phase == "transfer"
+        thin = phase in _STRIPS
         mine = [s for s in spans if s.phase == phase and (s.end > s.start or not thin)]
         if not mine:
             continue
-        y = [s.stage + (0.3 if thin else 0.0) for s in mine]
+        y = [s.stage + _STRIPS.get(phase, 0.0) for s in mine]
         # a legend entry only for what shows: transfers far below a pixel are drawn, unlabelled
         seen = not thin or any(s.end - s.start >= _VISIBLE * width for s in mine)
         ax.barh(y, [s.end - s.start for s in mine], left=[s.start for s in mine],

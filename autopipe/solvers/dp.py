@@ -76,6 +76,7 @@ class RangeCosts:
         self.cut = costs.cut_bytes().astype(np.float64)
         self.ms_per_byte = options.ms_per_byte
         self.optimizer = options.optimizer
+        self.replicas = (options.data_parallel, options.dp_mode)  # [Note: pipeline x data parallel]
         self.params = np.concatenate([zero, np.cumsum(costs.params.astype(np.float64))])
         self.buffers = np.concatenate([zero, np.cumsum(costs.buffers.astype(np.float64))])
         self.saved = np.concatenate([zero, np.cumsum(costs.saved.astype(np.float64))])
@@ -113,7 +114,7 @@ class RangeCosts:
             last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
         saved = s[None, j0:j1] - s[:, None]
-        out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer)
+        out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
                            + activation_bytes(self.cut[:, None], saved, self.terms))
         return out
 
@@ -265,7 +266,7 @@ def layer_state_bytes(rc: RangeCosts, optimizer: str) -> tuple[FloatArray, Float
     params = np.diff(rc.params)
     for members, nbytes in rc.ties:
         params[list(members)] += nbytes
-    state: FloatArray = state_bytes(params, np.diff(rc.buffers), optimizer)
+    state: FloatArray = state_bytes(params, np.diff(rc.buffers), optimizer, *rc.replicas)
     return state, params
 
 

@@ -157,7 +157,8 @@ def _solve(
             else:
                 tied = pulp.lpSum(nbytes * x(members[0], s) for members, nbytes in costs.tie_groups)
             params = total(costs.params, s) + tied
-            state = state_bytes(params, total(costs.buffers, s), options.optimizer)
+            state = state_bytes(params, total(costs.buffers, s), options.optimizer,
+                                options.data_parallel, options.dp_mode)
             for term in terms[s]:  # the peak is the largest term: each must fit
                 prob += state + activation_bytes(crossing(s - 1), total(costs.saved, s), (term,)) <= dev.memory
 

@@ -30,6 +30,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.plan import Plan, SolverInfo
 from autopipe.core.profile_table import Profile
+from autopipe.core.replicas import check_data_parallel, replica_devices
 from autopipe.core.scaling import measured_sizes, profile_at, rows_for
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
@@ -41,6 +42,7 @@ from autopipe.solvers.baselines import (
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import solve_ilp
+from autopipe.solvers.replicas_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.search import INTERLEAVED_PER_RANK, Setting, chunk_candidates, search
 from autopipe.solvers.stage_dp import budget_devices
 from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
@@ -61,7 +63,7 @@ def partition(
     profile: Profile,
     *,
     stages: int | str | None = None,
-    devices: Sequence[DeviceSpec | str] | None = None,
+    devices: Sequence[DeviceSpec | str] | int | None = None,
     method: str = "auto",
     chunks: int | str | None = None,
     checkpoint: str | Sequence[str] = "except_last",
@@ -74,6 +76,8 @@ def partition(
     bandwidth: float | None = 10e9,
     progress: bool | None = None,
     max_chunks: int = MAX_AUTO_CHUNKS,
+    data_parallel: int | str = 1,
+    dp_mode: str = "ddp",
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
@@ -106,7 +110,13 @@ def partition(
     ``cpu:1``, ...; ``stage0``, ... when the profile does not say), or under
     ``interleaved1f1b`` every two stages share one (``cpu:0, cpu:1, cpu:0, cpu:1``). ``progress``: the search's
     and the ILP's progress on stderr; None (default) shows it when stderr is a terminal, True
-    always, False never. Raises PartitionError when no split fits.
+    always, False never. ``devices=N``: N devices of the profiled kind. ``data_parallel=D``
+    runs D replicas of a pipeline on N / D devices each, every replica on ``batch_size / D``
+    rows of the global ``batch_size`` (default: the profile's), their gradients synced as
+    ``dp_mode`` says (``ddp``: all-reduce, ``fsdp``: sharded state); ``data_parallel="auto"``
+    tries every divisor D of N by simulated time per global batch ([Note: pipeline x data
+    parallel] in autopipe/core/replicas.py, autopipe/solvers/replicas_search.py). Raises
+    PartitionError when no split fits.
     """
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
@@ -117,6 +127,48 @@ def partition(
         raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
                              f"terminal), got {progress!r}")
     _check_choices(stages, chunks, checkpoint, schedule, batch_size, max_chunks)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise PartitionError(f"devices={devices}: need at least one device, or a list of names")
+        kind = profile.meta.get("device_type")
+        devices = [f"{kind}:{i}" if kind else f"stage{i}" for i in range(devices)]
+    args: dict[str, Any] = dict(
+        stages=stages, devices=devices, method=method, chunks=chunks, checkpoint=checkpoint,
+        schedule=schedule, batch_size=batch_size, memory_limit=memory_limit, optimizer=optimizer,
+        time_limit=time_limit, ties=ties, bandwidth=bandwidth, progress=progress,
+        max_chunks=max_chunks)
+    if data_parallel != 1:
+        return _replicated(profile, data_parallel, dp_mode, args)
+    check_data_parallel(data_parallel, dp_mode)
+    return _pipeline(profile, **args, data_parallel=1, dp_mode=dp_mode)
+
+
+def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:
+    """D replicas of a pipeline, or the fastest D: see autopipe/solvers/replicas_search.py."""
+    check_data_parallel(1 if data_parallel == "auto" else data_parallel, dp_mode)
+    devices = args["devices"]
+    pool = None if devices is None else resolve_devices(None, devices, args["memory_limit"])
+    if pool is None and (data_parallel == "auto" or not isinstance(args["stages"], int)):
+        raise PartitionError(f"data_parallel={data_parallel!r} shares devices among replicas: pass "
+                             f"devices=N (--devices N or names), or stages=K with data_parallel=D")
+    batch = global_batch(profile, args["batch_size"], data_parallel)
+    counts = replica_counts(data_parallel, None if pool is None else len(pool), batch, args["chunks"])
+
+    def solve(d: int) -> Plan:
+        replica = {"devices": None if pool is None else replica_devices(pool, d),
+                   "batch_size": None if batch is None else batch // d}
+        return _pipeline(profile, **{**args, **replica}, data_parallel=d, dp_mode=dp_mode)
+
+    return search_replicas(counts, solve)
+
+
+def _pipeline(profile: Profile, *, stages: int | str | None,
+              devices: Sequence[DeviceSpec | str] | None, method: str, chunks: int | str | None,
+              checkpoint: str | Sequence[str], schedule: str, batch_size: int | None,
+              memory_limit: int | str | None, optimizer: str, time_limit: float | None, ties: str,
+              bandwidth: float | None, progress: bool | None, max_chunks: int,
+              data_parallel: int, dp_mode: str) -> Plan:
+    """One replica's pipeline (all of it when ``data_parallel`` is 1): a search or one solve."""
     if batch_size is None and chunks == "auto":
         batch_size = _int(profile.meta.get("batch_size"))
         if batch_size is None:
@@ -145,12 +197,13 @@ def partition(
                                  f"choices use method='auto', 'dp' or 'ilp'")
         return _search(profile, stages, devices, chunks, checkpoint, schedule, batch_size,
                        memory_limit, optimizer, ties, bandwidth, method, time_limit, progress,
-                       max_chunks)
+                       max_chunks, data_parallel, dp_mode)
     assert isinstance(chunks, int) and isinstance(stages, int | None)
     if batch_size is not None and measured_sizes(profile):
         profile = profile_at(profile, rows_for(batch_size, chunks), batch_size=batch_size, chunks=chunks)
     return _fixed(profile, stages, devices, chunks, checkpoint, schedule, memory_limit, optimizer,
-                  ties, bandwidth, method, 60.0 if time_limit is None else time_limit, progress)
+                  ties, bandwidth, method, 60.0 if time_limit is None else time_limit, progress,
+                  data_parallel, dp_mode)
 
 
 def _int(value: Any) -> int | None:
@@ -181,7 +234,7 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
             chunks: int | str, checkpoint: str | Sequence[str], schedule: str,
             batch_size: int | None, memory_limit: int | str | None, optimizer: str, ties: str,
             bandwidth: float | None, method: str, time_limit: float | None,
-            progress: bool | None, max_chunks: int) -> Plan:
+            progress: bool | None, max_chunks: int, data_parallel: int, dp_mode: str) -> Plan:
     if devices is None:
         if stages == "auto":
             raise PartitionError("stages='auto' chooses up to one stage per device: pass "
@@ -203,7 +256,8 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
     modes: list[str | tuple[str, ...]] = [checkpoint if isinstance(checkpoint, str) else tuple(checkpoint)]
     setting = Setting(ranks, counts, list(SCHEDULES) if schedule == "auto" else [schedule], modes,
                       batch_size, optimizer, bandwidth, ties,
-                      stages=stages if isinstance(stages, int) else None)
+                      stages=stages if isinstance(stages, int) else None,
+                      data_parallel=data_parallel, dp_mode=dp_mode)
     CostOptions(counts[0], "never", optimizer, bandwidth, ties)  # one line for a bad option
     return search(profile, pool, setting, method=method, time_limit=time_limit, progress=progress)
 
@@ -211,11 +265,12 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
 def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | str] | None,
            chunks: int, checkpoint: str | Sequence[str], schedule: str,
            memory_limit: int | str | None, optimizer: str, ties: str, bandwidth: float | None,
-           method: str, time_limit: float, progress: bool | None) -> Plan:
+           method: str, time_limit: float, progress: bool | None, data_parallel: int,
+           dp_mode: str) -> Plan:
     """One given configuration: the DP, the ILP or a baseline."""
     specs = resolve_devices(stages, devices, memory_limit)
     options = CostOptions(chunks, checkpoint if isinstance(checkpoint, str) else tuple(checkpoint),
-                          optimizer, bandwidth, ties, schedule)
+                          optimizer, bandwidth, ties, schedule, data_parallel, dp_mode)
     costs = LayerCosts.from_profile(profile)
     n, k = len(costs), len(specs)
     check_stage_count(n, k)
@@ -228,7 +283,8 @@ def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | 
             raise PartitionError(str(err)) from None
     bounded = budget_devices(specs, schedule)  # [Note: interleaved memory]
     common: dict[str, Any] = dict(devices=specs, chunks=chunks, checkpoint=modes, optimizer=optimizer,
-                                  bandwidth=bandwidth, ties=ties, schedule=schedule)
+                                  bandwidth=bandwidth, ties=ties, schedule=schedule,
+                                  data_parallel=data_parallel, dp_mode=dp_mode)
 
     def plan(assignment: Sequence[int], name: str, solver: SolverInfo | None = None) -> Plan:
         split = [[profile.layers[v] for v in range(n) if assignment[v] == s] for s in range(k)]

@@ -74,6 +74,8 @@ class Setting:
     bandwidth: float | None = 10e9
     ties: str = "share"
     stages: int | None = None  # a fixed stage count: interleaved then uses stages / 2 ranks
+    data_parallel: int = 1  # replicas, each on its own pool ([Note: pipeline x data parallel])
+    dp_mode: str = "ddp"
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class _Search:
     def options(self, schedule: str, m: int, checkpoint: str | tuple[str, ...]) -> CostOptions:
         st = self.setting
         mode = "never" if checkpoint == "auto" else checkpoint
-        return CostOptions(m, mode, st.optimizer, st.bandwidth, st.ties, schedule)
+        return CostOptions(m, mode, st.optimizer, st.bandwidth, st.ties, schedule, st.data_parallel,
+                           st.dp_mode)
 
     def configs(self) -> list[_Config]:
         out = []
@@ -321,7 +324,7 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     gain = _refine(costs, devices, best, setting, method, time_limit, progress)
     if gain is not None:
         assignment, name, info = gain
-    alternatives = _alternatives(ranked[1:], best)
+    alternatives = _alternatives(ranked[1:], best, setting.data_parallel)
     layers = prof.layers
     stages = [[layers[v] for v in range(len(assignment)) if assignment[v] == st]
               for st in range(len(devices))]
@@ -331,7 +334,8 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     return Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, checkpoint=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
                             method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
-                            alternatives=alternatives)
+                            alternatives=alternatives, data_parallel=setting.data_parallel,
+                            dp_mode=setting.dp_mode)
 
 
 def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting: Setting,
@@ -343,7 +347,7 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     if method not in ("auto", "ilp") or k == 1 or is_chain_costs(costs):
         return None
     opts = CostOptions(c.chunks, tuple(best.split.modes), setting.optimizer, setting.bandwidth,
-                       setting.ties, c.schedule)
+                       setting.ties, c.schedule, setting.data_parallel, setting.dp_mode)
     work = costs.fwd + costs.bwd
     if best.split.bottleneck <= 1.005 * lower_bound(work, [d.speed for d in devices], costs.call_ms):
         return None  # within the ILP's gap of a bound no split beats
@@ -373,7 +377,7 @@ def is_chain_costs(costs: LayerCosts) -> bool:
     return all(set(users) <= {i + 1} for i, users in enumerate(costs.consumers))
 
 
-def _alternatives(ranked: list[_Result], best: _Result) -> list[Alternative]:
+def _alternatives(ranked: list[_Result], best: _Result, replicas: int) -> list[Alternative]:
     out: list[Alternative] = []
     seen = {(best.config, tuple(best.split.modes))}
     for r in ranked:
@@ -385,7 +389,8 @@ def _alternatives(ranked: list[_Result], best: _Result) -> list[Alternative]:
         k = len(r.split.modes)
         modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
         note = "" if r.checkpoint == "auto" else "one mode for all stages"
-        out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note))
+        out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note,
+                               replicas))
         if len(out) == ALTERNATIVES:
             break
     return out

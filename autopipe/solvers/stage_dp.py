@@ -127,7 +127,8 @@ class StageBlocks:
             pos = np.searchsorted(idx, cols, side="left") - 1
             last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
             params = params + nbytes * (rows[:, None] <= last[None, :])
-        out: FloatArray = state_bytes(params, b[None, j0:j1] - b[:j1, None], self.options.optimizer)
+        out: FloatArray = state_bytes(params, b[None, j0:j1] - b[:j1, None], self.options.optimizer,
+                                      self.options.data_parallel, self.options.dp_mode)
         return self._store(key, out)
 
     def memory(self, j0: int, j1: int, terms: Terms) -> FloatArray:
