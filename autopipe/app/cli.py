@@ -117,8 +117,9 @@ def _partition(args: argparse.Namespace) -> int:
     from autopipe.solvers.partitioner import partition
 
     config: PartitionConfig = from_namespace(PartitionConfig, args)
-    stages = _count_or_auto("--stages", config.stages)
+    stages = None if config.stages is None else _count_or_auto("--stages", config.stages)
     chunks = None if config.chunks is None else _count_or_auto("--chunks", config.chunks)
+    data_parallel = _count_or_auto("--data-parallel", config.data_parallel)
     modes = config.checkpoint.split(",") if "," in config.checkpoint else config.checkpoint
     if os.path.exists(config.out) and not config.force:  # fail before solving, not after
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
@@ -135,7 +136,8 @@ def _partition(args: argparse.Namespace) -> int:
         checkpoint=modes, schedule=config.schedule, batch_size=config.batch_size,
         memory_limit=config.memory, optimizer=config.optimizer, time_limit=config.time_limit,
         ties=config.ties, bandwidth=config.bandwidth or None,
-        progress=False if config.no_progress else None,
+        progress=False if config.no_progress else None, data_parallel=data_parallel,
+        dp_mode=config.dp_mode,
     )
     plan.save(config.out, overwrite=config.force)
     print(plan.table())

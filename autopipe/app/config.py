@@ -123,9 +123,10 @@ class ProfileConfig:
 @dataclass(frozen=True)
 class PartitionConfig:
     profile: str = _pos("profiles/NAME.csv (with NAME.json beside it)")
-    stages: str = _opt(None, "number of pipeline stages K, or auto: the fastest simulated "
-                             "iteration with up to one stage per --devices", required=True,
-                       metavar="K|auto")
+    stages: str | None = _opt(None, "number of pipeline stages K, or auto: the fastest simulated "
+                                    "iteration with up to one stage per --devices (default: one "
+                                    "stage per --devices, per replica with --data-parallel)",
+                              metavar="K|auto")
     devices: list[str] | None = _opt(None, "the devices stages may use: a count N (N of the "
                                            "profiled kind) or names (cuda:0 cuda:1 ...); "
                                            "--stages auto needs it", nargs="+", metavar="DEVICE")
@@ -150,6 +151,11 @@ class PartitionConfig:
     force: bool = _opt(False, "overwrite --out if it exists")
     no_progress: bool = _opt(False, "no search or ILP progress on stderr (default: shown when "
                                     "stderr is a terminal)")
+    data_parallel: str = _opt("1", "replicas D of the pipeline, each on N / D of --devices and "
+                                   "B / D rows of --batch-size, or auto: the divisor of N with the "
+                                   "fastest simulated step (default 1)", metavar="D|auto")
+    dp_mode: Literal["ddp", "fsdp"] = _opt("ddp", "how replicas sync: ddp (gradient all-reduce) "
+                                                  "or fsdp (sharded state) (default ddp)")
 
 
 @dataclass(frozen=True)

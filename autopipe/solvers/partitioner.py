@@ -132,6 +132,8 @@ def partition(
             raise PartitionError(f"devices={devices}: need at least one device, or a list of names")
         kind = profile.meta.get("device_type")
         devices = [f"{kind}:{i}" if kind else f"stage{i}" for i in range(devices)]
+    if chunks is None:
+        chunks = int(profile.meta.get("chunks") or 8)
     args: dict[str, Any] = dict(
         stages=stages, devices=devices, method=method, chunks=chunks, checkpoint=checkpoint,
         schedule=schedule, batch_size=batch_size, memory_limit=memory_limit, optimizer=optimizer,
@@ -151,8 +153,19 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
     if pool is None and (data_parallel == "auto" or not isinstance(args["stages"], int)):
         raise PartitionError(f"data_parallel={data_parallel!r} shares devices among replicas: pass "
                              f"devices=N (--devices N or names), or stages=K with data_parallel=D")
+    stages = args["stages"]
+    if data_parallel == "auto" and isinstance(stages, int):
+        raise PartitionError(f"data_parallel='auto' sets each replica's stages (N / D): drop "
+                             f"stages={stages} or pass stages='auto', or give data_parallel=D "
+                             f"with D x {stages} = the number of devices")
     batch = global_batch(profile, args["batch_size"], data_parallel)
     counts = replica_counts(data_parallel, None if pool is None else len(pool), batch, args["chunks"])
+    interleaved = args["schedule"] == "interleaved1f1b"
+    ranks = stages // INTERLEAVED_PER_RANK if interleaved and isinstance(stages, int) else stages
+    if isinstance(ranks, int) and pool is not None and ranks > len(pool) // counts[0]:
+        raise PartitionError(f"stages={stages} with data_parallel={counts[0]} needs "
+                             f"{counts[0] * ranks} devices, got {len(pool)}; give more devices or "
+                             f"stages <= {len(pool) // counts[0]}")
 
     def solve(d: int) -> Plan:
         replica = {"devices": None if pool is None else replica_devices(pool, d),
@@ -163,7 +176,7 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
 
 
 def _pipeline(profile: Profile, *, stages: int | str | None,
-              devices: Sequence[DeviceSpec | str] | None, method: str, chunks: int | str | None,
+              devices: Sequence[DeviceSpec | str] | None, method: str, chunks: int | str,
               checkpoint: str | Sequence[str], schedule: str, batch_size: int | None,
               memory_limit: int | str | None, optimizer: str, time_limit: float | None, ties: str,
               bandwidth: float | None, progress: bool | None, max_chunks: int,
@@ -174,8 +187,6 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
         if batch_size is None:
             raise PartitionError("chunks='auto' needs the mini-batch size: pass batch_size=B "
                                  "(--batch-size B); the profile does not record one")
-    if chunks is None:
-        chunks = int(profile.meta.get("chunks") or 8)
     if isinstance(chunks, int) and batch_size is not None and chunks > batch_size:
         raise PartitionError(f"chunks={chunks} > batch_size={batch_size}: micro-batches would be "
                              f"empty; use chunks <= {batch_size}")

@@ -94,7 +94,8 @@ def search_replicas(counts: list[int], solve: Callable[[int], Plan]) -> Plan:
     if not plans:
         d = min(failed)
         if len(counts) == 1:
-            raise failed[d]
+            raise PartitionError(f"data_parallel={d}: {failed[d]}; fewer replicas leave more "
+                                 f"devices to each") from None
         raise PartitionError(f"no replica count among {counts} fits; with data_parallel={d}: "
                              f"{failed[d]}")
     if len(counts) == 1:

@@ -91,3 +91,22 @@ def test_simulate_and_plot_default_to_the_plans_schedule(tmp_path: Path,
     assert capsys.readouterr().out.startswith("schedule 1f1b:")
     assert main(["simulate", str(out), "--schedule", "gpipe"]) == 0
     assert capsys.readouterr().out.startswith("schedule gpipe:")
+
+
+def test_partition_with_replicas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = random_chain(12, 5)
+    prof.meta.update(micro_batch_size=2, batch_size=16, chunks=4)
+    csv = prof.save(tmp_path / "profiles" / "replicas")
+    out = tmp_path / "replicas.json"
+    assert main(["partition", str(csv), "--devices", "4", "--data-parallel", "auto", "--dp-mode",
+                 "fsdp", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.data_parallel * plan.num_stages == 4 and plan.dp_mode == "fsdp"
+    assert "| replicas | stages |" in capsys.readouterr().out
+    for extra, match in ((["--data-parallel", "3"], "data_parallel=3 does not divide the 4 devices"),
+                         (["--data-parallel", "two"], "--data-parallel 'two': give a whole number"),
+                         (["--data-parallel", "2", "--dp-mode", "zero"], "dp_mode='zero': choose one of")):
+        assert main(["partition", str(csv), "--devices", "4", *extra, "--out",
+                     str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err
+        assert match in err and err.count("\n") == 1, err

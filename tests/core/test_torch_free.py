@@ -32,7 +32,9 @@ _PLAN_WITHOUT_TORCH = textwrap.dedent("""
         assert sim is None or sim.iteration_time > 0
     mixed = autopipe.partition(prof, stages=2, chunks=4, checkpoint=["always", "never"],
                                schedule="1f1b")
-    for plan in (auto, mixed):
+    replicas = autopipe.partition(prof, devices=4, data_parallel="auto", dp_mode="fsdp", chunks=2)
+    assert any(a.data_parallel != replicas.data_parallel for a in replicas.alternatives)
+    for plan in (auto, mixed, replicas):
         plan.save(sys.argv[1] + "/plan.json", overwrite=True)
         again = autopipe.Plan.load(sys.argv[1] + "/plan.json")
         assert again == plan, "a plan survives JSON unchanged"

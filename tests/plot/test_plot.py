@@ -408,3 +408,17 @@ def test_readme_images(tmp_path: Path) -> None:
     paths = readme_images(tmp_path / "img", profile=prof, stages=3, chunks=4)
     assert [p.name for p in paths] == ["balance.png", "timeline.png"]
     assert all(p.read_bytes().startswith(PNG) for p in paths)
+
+
+def test_timeline_draws_the_data_parallel_collectives() -> None:
+    # [Note: pipeline x data parallel]: 2 FSDP replicas; gathers and reduce-scatters as strips
+    prof = chain_profile([1.0, 1.0], param_bytes=[1 << 20, 5 << 20])
+    plan = Plan.from_stages(prof, [["l0"], ["l1"]], chunks=2, checkpoint="never", bandwidth=1e9,
+                            data_parallel=2, dp_mode="fsdp")
+    result = simulate(plan)
+    ax = plot_timeline(result).axes[0]
+    assert len(bars(ax)) == len(result.timeline)
+    assert len([b for b in bars(ax) if b.get_height() < 0.2]) == 4  # 2 gathers, 2 reduce-scatters
+    assert {"allgather", "reducescatter"} <= set(legend_labels(ax))
+    assert bubble_fraction(result.timeline) == pytest.approx(result.bubble_fraction)
+    assert len(bars(plot_balance(plan).axes[0])) == 4 * 2  # per micro-batch phases only
