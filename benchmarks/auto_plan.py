@@ -19,13 +19,37 @@ Memory limits are fractions of what the fastest never-recompute GPipe split at t
 micro-batches needs on its fullest device, so they bind. The Llama-1B-class profile is measured
 layer by layer on a model built on the meta device (``autopipe.profile(..., mode="layers")``),
 which needs torch and transformers; the DAG is autopipe.solvers.synthetic's.
+
+    python benchmarks/auto_plan.py --measured           # bundled examples, run and timed on CPU
+    python benchmarks/auto_plan.py --measured --examples gpt --steps 20
+
+``--measured`` runs plans instead of simulating them: for each bundled example
+(autopipe.examples) a profile measured here (1 thread, at several micro-batch sizes so that
+``chunks="auto"`` sees the cost of a micro-batch), 2 devices of a memory limit that binds (a
+``--fraction`` of the way from what the GPipe recipe needs on its fullest device to the least
+that any split never recomputing at M = 8 needs), and three plans:
+
+- auto: ``partition(stages="auto", chunks="auto", checkpoint="auto", schedule="auto")``;
+- the GPipe paper's recipe: K = 2 devices, M = 4K = 8, recompute everywhere, equal layer counts;
+- the best single-mode plan of the auto plan's K, M and schedule.
+
+Each runs on two runtimes. One process (``autopipe.pipeline(..., devices=["cpu"] * K)``,
+executor.GPipe, 1 thread): it runs only gpipe, so there the auto plan is searched with
+``schedule="gpipe"``; its stages share one CPU and take turns, so besides the plan's own
+prediction (2 devices) the table gives ``pipe.plan``'s, re-simulated for one shared device.
+Two gloo ranks x 1 thread (``distributed_pipeline(..., plan=)``, the plan's schedule): the
+devices the plan was made for, when the machine has two idle cores. Times are the median,
+min and max of ``--steps`` steps after ``--warmup`` (on 2 ranks, per step the slower rank's).
+The memory limit binds in the planner only: on CPU nothing enforces it, and peak memory is
+not measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +61,7 @@ from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import transformer_dag
 from executor.spec import CHECKPOINT_MODES
 
-__all__ = ["main", "Row"]
+__all__ = ["main", "Row", "Plans", "Timed", "measured_plans", "measured_profile", "measure"]
 
 
 @dataclass
@@ -122,8 +146,14 @@ def _single(prof: Profile, auto: Plan) -> Plan | None:
     return best
 
 
+def _peak(plan: Plan) -> int:
+    """What a plan needs of each device's memory: its fullest device's simulated peak, or a
+    stage's modelled peak where that is higher (what partition's memory limit checks)."""
+    return max([*plan.device_memory.values(), *plan.stage_memory])
+
+
 def _fits(plan: Plan, limit: int) -> bool:
-    return max(plan.device_memory.values()) <= limit and max(plan.stage_memory) <= limit
+    return _peak(plan) <= limit
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -146,6 +176,272 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+# --- measured: bundled examples run on CPU, one process and 2 gloo ranks ----------------------
+MEASURED_BATCH = {"mlp": 1024, "gpt": 32, "cnn": 64, "unet": 32}
+RECIPE_DEVICES = 2  # the GPipe paper's recipe: K = devices, M = 4K, always, uniform
+
+
+@dataclass
+class Plans:
+    """One example's plans (``auto_gpipe`` is ``auto`` when the search chose gpipe anyway)."""
+
+    example: str
+    batch: int
+    limit: int
+    auto: Plan
+    auto_gpipe: Plan
+    recipe: Plan
+    single: Plan | None  # best single mode at auto's K, M and schedule
+    single_gpipe: Plan | None
+    binds: bool  # never recomputing at M = 8 needs more than the recipe: the limit lies between
+    recompute_ratio: float  # the profile's recompute / forward ([Note: measured overheads])
+
+    @property
+    def label(self) -> str:
+        label = f"{self.example}, B={self.batch}, r={self.recompute_ratio:.2f}"
+        return label if self.binds else label + " (never at M=8 fits in the recipe's memory)"
+
+
+@dataclass
+class Timed:
+    """One plan run on one runtime: predicted (plan's devices, and as run) and measured ms."""
+
+    example: str  # Plans.label
+    limit: int
+    runtime: str  # "1 process" or "2 ranks"
+    name: str  # "auto", "recipe", "single"
+    plan: Plan
+    as_run_ms: float
+    times: list[float]  # per step, ms; empty when not run
+    note: str = ""
+
+
+def measured_profile(example: str, batch: int, repeats: int) -> Profile:
+    """The example profiled here, one thread, at M = 8 and at every power-of-two micro-batch."""
+    import torch
+
+    from autopipe.examples import get_example
+    from autopipe.frontend.profiler import profile
+
+    torch.set_num_threads(1)
+    ex = get_example(example, batch_size=batch)
+    sizes = [1 << i for i in range(batch.bit_length()) if 1 << i <= batch]
+    return profile(ex.model, ex.inputs, chunks=4 * RECIPE_DEVICES, repeats=repeats, warmup=1,
+                   micro_batch_sizes=sizes, progress=False)
+
+
+def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
+    """The auto plan, the GPipe recipe and the best single mode under a limit that binds."""
+    batch = int(prof.meta["batch_size"])
+    pool = [f"cpu:{i}" for i in range(RECIPE_DEVICES)]
+    m = 4 * RECIPE_DEVICES
+    recipe = partition(prof, devices=pool, chunks=m, batch_size=batch, checkpoint="always",
+                       method="uniform", progress=False)
+    low, high = _peak(recipe), never_needs(prof, pool, m)
+    limit = int(low + fraction * (high - low)) if high > low else low
+    recipe = partition(prof, devices=pool, chunks=m, batch_size=batch, checkpoint="always",
+                       method="uniform", memory_limit=limit, progress=False)
+
+    def auto(schedule: str) -> Plan:
+        return partition(prof, devices=pool, memory_limit=limit, stages="auto", chunks="auto",
+                         batch_size=batch, checkpoint="auto", schedule=schedule, progress=False)
+
+    best = auto("auto")
+    gpipe = best if best.schedule == "gpipe" else auto("gpipe")
+    single = _single(prof, best)
+    return Plans(example, batch, limit, best, gpipe, recipe, single,
+                 single if gpipe is best else _single(prof, gpipe), high > low,
+                 float(prof.meta.get("recompute_ratio", 1.0)))
+
+
+def never_needs(prof: Profile, pool: Sequence[str], chunks: int) -> int:
+    """The least memory per device (bytes, within 0.1%) at which some split never recomputing
+    at ``chunks`` micro-batches fits (bisection: the DP finds a split whenever one fits)."""
+    batch = int(prof.meta["batch_size"])
+
+    def fits(limit: int) -> bool:
+        try:
+            partition(prof, devices=pool, chunks=chunks, batch_size=batch, checkpoint="never",
+                      method="dp", memory_limit=limit, progress=False)
+        except AutopipeError:
+            return False
+        return True
+
+    high = _peak(partition(prof, devices=pool, chunks=chunks, batch_size=batch, checkpoint="never",
+                           method="dp", progress=False))
+    low = 0
+    while high - low > max(1, high // 1000):
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def _key(plan: Plan) -> tuple[object, ...]:
+    return (str(plan.stages), plan.chunks, str(plan.checkpoint), plan.schedule)
+
+
+def _steps(step: Callable[[], object], steps: int, warmup: int) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def one_process(example: str, batch: int, plan: Plan, steps: int, warmup: int) -> tuple[float, list[float]]:
+    """``plan`` run by autopipe.pipeline with every stage on the one CPU: the prediction for
+    that placement (pipe.plan) and the step times."""
+    import warnings
+
+    import torch
+
+    import autopipe
+    from autopipe.examples import get_example
+
+    torch.set_num_threads(1)
+    ex = get_example(example, batch_size=batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the placement warning this table shows
+        pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * plan.num_stages,
+                                 chunks=plan.chunks, plan=plan)
+
+    def step() -> None:
+        ex.loss_fn(pipe(*ex.inputs), ex.target).backward()
+
+    return pipe.plan.iteration_time, _steps(step, steps, warmup)
+
+
+def _rank_steps(rank: int, example: str, batch: int, plans: list[dict[str, object]], steps: int,
+                warmup: int) -> list[list[float]]:
+    import torch.distributed as dist
+
+    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.examples import get_example
+
+    out = []
+    for data in plans:
+        plan = Plan.from_dict(data)
+        ex = get_example(example, batch_size=batch)
+        pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan,
+                                    chunks=plan.chunks, schedule=plan.schedule)
+        dist.barrier()
+        out.append(_steps(functools.partial(pipe.step, *ex.inputs, target=ex.target), steps, warmup))
+    return out
+
+
+def _rank_entry(rank: int, port: int, out: str, args: tuple[object, ...]) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=120))
+    times = _rank_steps(rank, *args)  # type: ignore[arg-type]
+    dist.barrier()
+    torch.save(times, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def two_ranks(example: str, batch: int, plans: Sequence[Plan], steps: int, warmup: int) -> list[list[float]]:
+    """Each plan run on 2 gloo ranks x 1 thread (one process group for them all): per step, the
+    slower rank's time."""
+    import socket
+    import tempfile
+
+    import torch
+    from torch.multiprocessing.spawn import start_processes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    args = (example, batch, [p.to_dict() for p in plans], steps, warmup)
+    with tempfile.TemporaryDirectory() as out:
+        start_processes(_rank_entry, args=(port, out, args), nprocs=2, start_method="spawn")
+        per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
+    return [[max(a, b) for a, b in zip(x, y, strict=True)] for x, y in zip(*per_rank, strict=True)]
+
+
+def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True) -> list[Timed]:
+    """Every plan of ``plans`` on one process and (``ranks``) on 2 ranks; a plan equal to one
+    already run is not run again."""
+    rows: list[Timed] = []
+    ex, b, lim = plans.example, plans.batch, plans.limit
+    done: dict[tuple[object, ...], tuple[float, list[float]]] = {}
+    for name, plan in (("auto", plans.auto_gpipe), ("recipe", plans.recipe), ("single", plans.single_gpipe)):
+        if plan is None:
+            continue
+        note = "= auto" if name == "single" and _key(plan) == _key(plans.auto_gpipe) else ""
+        if _key(plan) not in done:
+            done[_key(plan)] = one_process(ex, b, plan, steps, warmup)
+        rows.append(Timed(plans.label, lim, "1 process", name, plan, *done[_key(plan)], note=note))
+    if not ranks:
+        return rows
+    named = [(n, p) for n, p in (("auto", plans.auto), ("recipe", plans.recipe), ("single", plans.single))
+             if p is not None]
+    runnable = [p for _, p in named if p.num_stages % 2 == 0]
+    unique = list({_key(p): p for p in runnable}.values())
+    times = dict(zip([_key(p) for p in unique], two_ranks(ex, b, unique, steps, warmup), strict=True))
+    for name, plan in named:
+        note = "= auto" if name == "single" and _key(plan) == _key(plans.auto) else ""
+        if plan.num_stages % 2:
+            note = f"{plan.num_stages} stage(s): not run on 2 ranks"
+        rows.append(Timed(plans.label, lim, "2 ranks", name, plan, plan.iteration_time,
+                          times.get(_key(plan), []), note=note))
+    return rows
+
+
+def _modes(plan: Plan) -> str:
+    if isinstance(plan.checkpoint, str):
+        return plan.checkpoint
+    return ",".join(m[0] for m in plan.checkpoint)  # a = always, e = except_last, n = never
+
+
+def measured_table(rows: Sequence[Timed]) -> str:
+    import statistics
+
+    lines = ["| example | memory limit | run on | plan | stages, M x rows, schedule, recomputation | "
+             "predicted ms: plan / as run | measured ms: median (min-max) | measured / predicted | "
+             "auto faster by: measured (predicted) |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|"]
+    auto: dict[tuple[str, str], Timed] = {(r.example, r.runtime): r for r in rows if r.name == "auto"}
+    for r in rows:
+        p = r.plan
+        config = (f"{p.num_stages}, {p.chunks} x {p.micro_batch_size}, {p.schedule}, {_modes(p)}"
+                  + (f" ({r.note})" if r.note else ""))
+        fits = "" if _fits(p, r.limit) else " (over the limit)"
+        med = statistics.median(r.times) if r.times else None
+        measured = f"{med:.1f} ({min(r.times):.1f}-{max(r.times):.1f})" if med is not None else "-"
+        ratio = f"{med / r.as_run_ms:.2f}" if med is not None else "-"
+        a = auto[(r.example, r.runtime)]
+        gain = "-"
+        if r.name != "auto" and med is not None and a.times:
+            gain = (f"{med / statistics.median(a.times):.2f}x ({r.as_run_ms / a.as_run_ms:.2f}x)")
+        lines.append(f"| {r.example} | {format_bytes(r.limit)} | {r.runtime} | {r.name}{fits} | {config} | "
+                     f"{p.iteration_time:.1f} / {r.as_run_ms:.1f} | {measured} | {ratio} | {gain} |")
+    return "\n".join(lines)
+
+
+def measured_main(args: argparse.Namespace) -> str:
+    rows: list[Timed] = []
+    for example in args.examples:
+        batch = args.measured_batch or MEASURED_BATCH[example]
+        prof = measured_profile(example, batch, args.profile_repeats)
+        plans = measured_plans(example, prof, args.fraction)
+        rows += measure(plans, args.steps, args.warmup, ranks=not args.no_ranks)
+    head = (f"Measured on CPU: 1 thread per process, {args.steps} steps after {args.warmup}; "
+            f"memory limit {args.fraction:.2f} of the way from the GPipe recipe's peak to never-"
+            f"recompute's at M = {4 * RECIPE_DEVICES}. 1 process runs gpipe only, its stages "
+            "taking turns on one CPU (\"as run\": pipe.plan re-simulated for it). B: rows per "
+            "mini-batch; r: the profile's measured recompute / forward time.")
+    out = head + "\n\n" + measured_table(rows)
+    print(out)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--devices", type=int, default=8)
@@ -166,7 +462,21 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--measured", action="store_true",
+                        help="run the bundled examples' plans on CPU instead (see the docstring)")
+    parser.add_argument("--examples", nargs="+", default=["mlp", "gpt", "cnn"],
+                        choices=sorted(MEASURED_BATCH))
+    parser.add_argument("--batch-size", dest="measured_batch", type=int, default=0,
+                        help="--measured: rows per mini-batch (default per example)")
+    parser.add_argument("--fraction", type=float, default=0.3,
+                        help="--measured: the limit, from the recipe's peak (0) to never's at M = 8 (1)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-ranks", action="store_true", help="--measured: one process only")
+    parser.add_argument("--profile-repeats", type=int, default=5, help="--measured: timed runs per layer")
     args = parser.parse_args(argv)
+    if args.measured:
+        return measured_main(args)
     rows = compare(f"transformer DAG, {8 * args.dag_blocks + 2} layers",
                    dag_profile(args.dag_blocks, args.dag_batch, args.dag_chunks), args.devices, args.fractions)
     if not args.no_llama:

@@ -33,3 +33,46 @@ def test_auto_plan_benchmark_runs_tiny(tmp_path: Path) -> None:
     assert (tmp_path / "llama.csv").exists()  # profiled once, read back the next time
     again = _module().main(argv).splitlines()
     assert [line.split("|")[1:4] for line in again] == [line.split("|")[1:4] for line in lines]
+
+
+
+def _check_plans(ap, plans, prof, batch: int) -> None:  # type: ignore[no-untyped-def]
+    recipe = plans.recipe
+    assert (recipe.num_stages, recipe.chunks, recipe.checkpoint, recipe.method) == (2, 8, "always", "uniform")
+    assert ap._fits(recipe, plans.limit)  # recompute everywhere fits the limit ...
+    if plans.binds:  # ... and no split never recomputing at M = 8 does
+        with pytest.raises(ap.AutopipeError):
+            ap.partition(prof, devices=["cpu:0", "cpu:1"], chunks=8, batch_size=batch, checkpoint="never",
+                         method="dp", memory_limit=plans.limit, progress=False)
+    else:  # memory mostly parameters (a tiny batch): then the limit is the recipe's
+        assert plans.limit == ap._peak(recipe)
+    for auto, single in ((plans.auto, plans.single), (plans.auto_gpipe, plans.single_gpipe)):
+        assert ap._fits(auto, plans.limit) and auto.batch_size == batch
+        assert single is not None and isinstance(single.checkpoint, str)
+        assert (single.num_stages, single.chunks, single.schedule) == (auto.num_stages, auto.chunks, auto.schedule)
+        assert auto.iteration_time <= single.iteration_time * (1 + 1e-9)
+    assert plans.auto_gpipe.schedule == "gpipe"
+
+
+def test_measured_plans_where_memory_binds() -> None:
+    """--measured's plan-making on a synthetic DAG whose activations dominate: the limit lies
+    between the recipe's peak and the least a never-recompute split at M = 8 needs."""
+    ap = _module()
+    prof = ap.dag_profile(2, 16, 8)
+    plans = ap.measured_plans("dag", prof, 0.3)
+    assert plans.binds and ap._peak(plans.recipe) < plans.limit
+    _check_plans(ap, plans, prof, 16)
+
+
+def test_measured_one_process_run_tiny() -> None:
+    """--measured on a tiny MLP, one process, one step (the 2-rank run spawns processes: left
+    to the benchmark itself)."""
+    ap = _module()
+    prof = ap.measured_profile("mlp", 16, repeats=1)
+    plans = ap.measured_plans("mlp", prof, 0.3)
+    _check_plans(ap, plans, prof, 16)
+    rows = ap.measure(plans, steps=1, warmup=0, ranks=False)
+    assert [r.name for r in rows] == ["auto", "recipe", "single"]
+    assert all(len(r.times) == 1 and r.as_run_ms > 0 for r in rows)
+    table = ap.measured_table(rows).splitlines()
+    assert len(table) == 5 and table[2].startswith("| mlp, B=16, r=")
