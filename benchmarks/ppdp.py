@@ -120,7 +120,10 @@ def simulated_rows(name: str, prof: Profile, devices: Sequence[int], fractions: 
 
 
 def _shape(plan: Plan) -> str:
-    return f"{plan.data_parallel} x {plan.num_stages}, M={plan.chunks}, {plan.schedule}"
+    """``D x K``: replicas x devices each; an interleaved plan's stages follow in brackets."""
+    ranks = len({d.name for d in plan.devices})
+    stages = f" ({plan.num_stages} stages)" if plan.num_stages != ranks else ""
+    return f"{plan.data_parallel} x {ranks}{stages}, M={plan.chunks}, {plan.schedule}"
 
 
 def _versus(other: Plan | None, planned: Plan) -> str:
