@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.assemble import microbatch_inputs, partition_checkpoint, runtime_checkpoint
+from autopipe.assemble_mesh import replicas_of, replicated_pipeline
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError, first_line
 from autopipe.frontend.graph import trace
@@ -106,6 +107,8 @@ def distributed_pipeline(
     checkpoint: str | Sequence[str] | None = None,
     schedule: str = "gpipe",
     stages_per_rank: int | None = None,
+    data_parallel: int | str | None = None,
+    dp_mode: str | None = None,
     device: str | torch.device | None = None,
     timeout: float = 60.0,
     weights: Weights | None = None,
@@ -119,13 +122,22 @@ def distributed_pipeline(
             others' parameters and buffers are freed, so ``model`` itself is no longer usable).
         example_inputs: one mini-batch of positional inputs (tensors).
         loss_fn: ``loss_fn(model_output, target)`` for one micro-batch.
-        plan: a Plan with ``world_size * stages_per_rank`` stages; default: rank 0 partitions.
+        plan: a Plan with ``world_size / data_parallel * stages_per_rank`` stages; default:
+            rank 0 partitions.
         method: the partitioner's method when no plan is given.
         chunks: micro-batches per mini-batch.
         checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
             (see :func:`autopipe.assemble.runtime_checkpoint`), ``"except_last"`` to partition.
         schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank).
-        stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / world).
+        stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / ranks
+            per replica).
+        data_parallel: D replicas of a pipeline of world / D ranks, on a (dp, pp) DeviceMesh
+            ([Note: replicas on a mesh] in executor/replicas.py); default: the plan's (1
+            without a plan). Each replica's ``example_inputs`` and ``step`` inputs are its own
+            local batch. ``"auto"``: the plan's (made with ``partition(..., devices=N,
+            batch_size=B, data_parallel="auto")``: D is chosen for one global batch B).
+        dp_mode: how replicas share gradients: ``ddp`` (DistributedDataParallel) or ``fsdp``
+            (FSDP2 ``fully_shard``); default: the plan's (``ddp`` without a plan).
         device: default ``cuda:LOCAL_RANK`` under NCCL, else CPU.
         timeout: seconds a rank waits for a silent peer before failing with PipelineFailure.
         weights: the model's weights file (or mapping), read by every rank for its own stage(s)
@@ -146,16 +158,19 @@ def distributed_pipeline(
                          "torch.distributed.init_process_group(...) on every rank first")
     if schedule not in SCHEDULES:
         raise BuildError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, everyone = dist.get_rank(), dist.get_world_size()
+    replicas, dp = replicas_of(plan, data_parallel, dp_mode, everyone)
+    world = everyone // replicas  # ranks of one pipeline
     per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
                                    else 2 if schedule == "interleaved1f1b" else 1)
     k = max(per_rank, 1) * world
     if plan is not None and len(plan.stages) != k:
         n = len(plan.stages)
         each = f"{per_rank} stage(s) each" if stages_per_rank else "the same number of stages each"
-        raise BuildError(f"the plan has {n} stages but {world} ranks need {each} ({k} in all); start "
-                         f"{n} ranks (torchrun --nproc_per_node {n}) or make a plan of {k} stages "
-                         f"(`autopipe partition --stages {k}`)")
+        per = f" per replica (of {replicas})" if replicas > 1 else ""
+        raise BuildError(f"the plan has {n} stages but {world} ranks{per} need {each} ({k} in all); "
+                         f"start {n * replicas} ranks (torchrun --nproc_per_node {n * replicas}) or make "
+                         f"a plan of {k} stages (`autopipe partition --stages {k}`)")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = microbatch_inputs(inputs, chunks)
     given = checkpoint if plan is not None else None  # else the plan is made with it
@@ -170,7 +185,7 @@ def distributed_pipeline(
     stages = build(model, plan, graph)
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
     wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
-    mine = list(range(rank, k, world))
+    mine = list(range(rank % world, k, world))  # [Note: replicas on a mesh]: rank = dp x K + pp
     here = _device(device)
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
@@ -183,10 +198,10 @@ def distributed_pipeline(
     ties = [(ranks, local.get(pid)) for pid, ranks in owners.items() if len(ranks) > 1]
     aliases = _aliases(model)
     _free_others(model, [stages[i] for i in mine])
-    return DistributedPipeline(
-        [stages[i] for i in mine], mine, k, loss_fn=loss_fn, chunks=chunks, checkpoint=modes,
-        schedule=schedule, wires=wires, ties=ties, key_aliases=aliases, device=here,
-        timeout=timeout,
+    return replicated_pipeline(
+        [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp, loss_fn=loss_fn,
+        chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
+        key_aliases=aliases, device=here, timeout=timeout,
     )
 
 

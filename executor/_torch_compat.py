@@ -18,11 +18,16 @@ name directly: it imports it from here, where
   falls back to fixed sizes on any error;
 - :func:`is_communication_error` tells a dead or silent peer from this rank's own error:
   by exception type where torch has the ``DistError`` classes, else by the messages gloo and
-  NCCL put on a plain RuntimeError.
+  NCCL put on a plain RuntimeError;
+- :func:`mesh_group_options` gives a DeviceMesh dimension's process groups a timeout:
+  ``init_device_mesh(backend_override=...)`` takes backend options and reads their
+  ``_timeout`` (torch's own code does); for other backends than gloo and NCCL it gives None,
+  the default timeout, and the pipeline's watchdog still ends a hung step.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import warnings
@@ -55,6 +60,7 @@ __all__ = [
     "wait_batch_p2p",
     "is_communication_error",
     "symbol_source",
+    "mesh_group_options",
 ]
 
 BatchNormBase = _BatchNorm
@@ -177,6 +183,7 @@ _COMMUNICATION_MARKERS = (
     "connection reset by peer",
     "broken pipe",
     "timed out",
+    "timeout caused pair closure",  # gloo, a send or receive waited past the group's timeout
 )
 
 
@@ -188,3 +195,20 @@ def is_communication_error(err: BaseException) -> bool:
         return True
     text = str(err).lower()
     return any(marker in text for marker in _COMMUNICATION_MARKERS)
+
+
+def mesh_group_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Options giving a DeviceMesh dimension's groups ``timeout`` (see the module's docstring)."""
+    kinds = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available}
+    if backend not in kinds or not kinds[backend]():
+        return None
+    kind: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+    try:
+        try:
+            options = kind.Options()
+        except TypeError:  # gloo's is torch's Backend.Options(backend, timeout=...)
+            options = kind.Options(backend)
+        options._timeout = timeout
+    except (AttributeError, TypeError):
+        return None
+    return options

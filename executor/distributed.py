@@ -41,7 +41,9 @@ does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Peers then see the connection dro
 [Note: tied parameters across ranks] A Parameter used by stages on different ranks (a GPT's
 tied embedding and head) exists once per rank. After each step the owners all-reduce (sum) its
 gradient on a group of just those ranks, so every copy holds the full gradient and identical
-optimizer steps keep the copies equal.
+optimizer steps keep the copies equal. Replicas of a pipeline (executor/replicas.py) pass each
+tie's group of their own replica, and an FSDP-sharded copy all-reduces its local shard (the
+copies are sharded alike across replicas, so shard i meets shard i).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor
 
 from executor._torch_compat import is_communication_error, prefetch_support, warn_no_prefetch
 from executor.checkpoint import checkpoint_stop
@@ -124,10 +127,15 @@ class DistributedPipeline:
         schedule: one of executor.spec.SCHEDULES.
         wires: the wires of every cut, from :func:`infer_wires` (the same on every rank).
         ties: one ``(ranks, parameter or None)`` per parameter held by several ranks, in the
-            same order on every rank: the ranks holding a copy, and this rank's copy.
+            same order on every rank: the ranks holding a copy (or a process group of them,
+            None where this rank holds none), and this rank's copy.
         key_aliases: a state_dict key -> every key of the original model naming that tensor.
         device: where this rank's stages run. timeout: seconds before a silent peer is an error.
+        group: the pipeline's process group (a mesh's "pp" group, created with ``timeout``);
+            default: a new group of every rank.
     """
+
+    dp_rank, dp_size = 0, 1  # one replica; executor.replicas.ReplicatedPipeline has more
 
     def __init__(
         self,
@@ -140,10 +148,11 @@ class DistributedPipeline:
         checkpoint: str | Sequence[str] = "except_last",
         schedule: str = "gpipe",
         wires: Sequence[Sequence[Wire]],
-        ties: Sequence[tuple[Sequence[int], nn.Parameter | None]] = (),
+        ties: Sequence[tuple[Sequence[int] | dist.ProcessGroup | None, nn.Parameter | None]] = (),
         key_aliases: dict[str, list[str]] | None = None,
         device: torch.device | str = "cpu",
         timeout: float = 60.0,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized; call "
@@ -163,7 +172,8 @@ class DistributedPipeline:
             self.checkpoints = check_stage_checkpoints(checkpoint, num_stages)  # every stage's
         except ValueError as err:
             raise DistributedError(str(err)) from None
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)  # in the pipeline
+        self.pp_rank, self.pp_size = self.rank, self.world
         self.indices = list(indices)
         self.num_stages, self.chunks, self.schedule_name = num_stages, chunks, schedule
         self.timeout = timeout
@@ -171,12 +181,15 @@ class DistributedPipeline:
         self.key_aliases = key_aliases or {}
         self._steps = 0
         timedelta = datetime.timedelta(seconds=timeout)
-        self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta)
+        self.group = group if group is not None else dist.new_group(backend=dist.get_backend(), timeout=timedelta)
         self.stages = [s.to(self.device) for s in stages]
         self.wire_stages = [
             WireStage(s, wires[i], wires[i + 1], last=i == num_stages - 1, device=self.device)
             for s, i in zip(self.stages, self.indices, strict=True)
         ]
+        where = {id(p): (k, n) for k, s in enumerate(self.stages) for n, p in s.named_parameters()}
+        tied_at = [None if p is None else where[id(p)] for _, p in ties]
+        modules = [self._replicate(w) for w in self.wire_stages]  # FSDP may replace parameters
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
@@ -190,9 +203,15 @@ class DistributedPipeline:
         self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
                                      stops=[checkpoint_stop(self.checkpoints[i], chunks) for i in self.indices],
                                      device=self.device,
-                                     group=self.group)
+                                     group=self.group, modules=modules)
         self._schedule = self._sized.get(self._sized.example)
-        self._ties = [(dist.new_group(ranks=sorted(r), timeout=timedelta), p) for r, p in ties]
+        self._ties = [(dist.new_group(ranks=sorted(r), timeout=timedelta) if isinstance(r, Sequence) else r,
+                       None if at is None else self.stages[at[0]].get_parameter(at[1]))
+                      for (r, _), at in zip(ties, tied_at, strict=True)]
+
+    def _replicate(self, wire: WireStage) -> nn.Module:
+        """What PipelineStage runs for ``wire``: itself here, a data-parallel wrapper in replicas."""
+        return wire
 
     @property
     def is_first(self) -> bool:
@@ -324,9 +343,11 @@ class DistributedPipeline:
         except RuntimeError as err:
             if isinstance(err.__cause__, ValueError):
                 raise err.__cause__ from None
-            if not is_communication_error(err):
+            # PipelineStage wraps errors of a stage's forward (DDP's collectives) in its own
+            peer = next((e for e in (err, err.__cause__) if e is not None and is_communication_error(e)), None)
+            if peer is None:
                 raise  # this rank's own bug (a shape error, out of memory): not a peer's fault
-            raise PipelineFailure(self._failure(str(err).strip().splitlines()[0])) from err
+            raise PipelineFailure(self._failure(str(peer).strip().splitlines()[0])) from err
 
     def _check_batch(self, values: Sequence[Any], what: str) -> None:
         for v in values:
@@ -349,10 +370,14 @@ class DistributedPipeline:
                 continue
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(tied.grad, group=group)
+            grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
+            dist.all_reduce(grad, group=group)
+
+    def _who(self) -> str:
+        return f"rank {self.rank}/{self.world}"
 
     def _failure(self, cause: str) -> str:
-        return (f"rank {self.rank}/{self.world}: pipeline step {self._steps} ({self.schedule_name}, "
+        return (f"{self._who()}: pipeline step {self._steps} ({self.schedule_name}, "
                 f"stages {self.indices}) failed: a peer rank died, hung or failed ({cause}); "
                 "see that rank's log")
 

@@ -4,10 +4,10 @@
 static shapes it is given, so the stages and schedule built for the example micro-batch run
 that size only. :class:`SizedSchedules` builds them again for each input size a pipeline meets,
 from the wires at that size ([Note: wires at other sizes] in executor/wire.py), and keeps the
-last few (their buffers cost memory). Which size a step has is decided by rank 0, which holds
-stage 0 and so is the one rank that must be given the inputs, and broadcast on the pipeline's
-group before the step (one small int64 tensor): every rank then picks or builds the same
-schedule, or refuses the inputs with the same one-line error, instead of one rank raising while
+last few (their buffers cost memory). Which size a step has is decided by the pipeline's rank 0
+(group rank 0 of a mesh's pp group), which holds stage 0 and so is the one rank that must be
+given the inputs, and broadcast on the pipeline's group before the step (one small int64
+tensor): every rank then picks or builds the same schedule, or refuses the inputs with the same one-line error, instead of one rank raising while
 its peers wait for it until the timeout.
 """
 
@@ -32,14 +32,16 @@ _KEEP = 4  # sizes whose stages and schedule are kept
 
 
 class _Stage(PipelineStage):
-    """PipelineStage that tells its WireStage which micro-batches to recompute."""
+    """PipelineStage that tells its WireStage which micro-batches to recompute. ``submodule`` is
+    the WireStage itself, or the DistributedDataParallel wrapping it (executor/replicas.py)."""
 
-    def __init__(self, submodule: WireStage, stop: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, submodule: torch.nn.Module, wire: WireStage, stop: int, *args: Any,
+                 **kwargs: Any) -> None:
         super().__init__(submodule, *args, **kwargs)
-        self._stop = stop
+        self._wire, self._stop = wire, stop
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        wire: WireStage = self.submod  # type: ignore[assignment]
+        wire = self._wire
         wire.recompute = fwd_chunk_id < self._stop
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -79,8 +81,10 @@ class SizedSchedules:
         stops: Sequence[int],  # per wire stage: its micro-batches 0 .. stop-1 are recomputed
         device: torch.device,
         group: dist.ProcessGroup,
-    ) -> None:
+        modules: Sequence[torch.nn.Module] | None = None,  # what PipelineStage runs: the wire
+    ) -> None:                                              # stages, or their DDP wrappers
         self.wire_stages, self.indices, self.num_stages = list(wire_stages), list(indices), num_stages
+        self.modules = list(modules) if modules is not None else list(wire_stages)
         self.wires = [tuple(cut) for cut in wires]
         self.make_schedule, self.stops, self.device, self.group = make_schedule, list(stops), device, group
         self.example: Sizes = tuple(tuple(w.shape) if w.kind == "tensor" else None for w in self.wires[0])
@@ -98,9 +102,9 @@ class SizedSchedules:
             raise DistributedError(f"cannot size the pipeline's cuts for inputs {list(sizes)}: {err}; "
                                    "pass inputs shaped like the example") from None
         stages = [  # static metadata: no inference run on the first step
-            _Stage(w, stop, i, self.num_stages, self.device, input_args=wire_metas(at[i]),
+            _Stage(m, w, stop, i, self.num_stages, self.device, input_args=wire_metas(at[i]),
                    output_args=wire_metas(at[i + 1]), group=self.group)
-            for w, stop, i in zip(self.wire_stages, self.stops, self.indices, strict=True)
+            for m, w, stop, i in zip(self.modules, self.wire_stages, self.stops, self.indices, strict=True)
         ]
         schedule = self.make_schedule(stages)
         self._built[sizes] = (stages, schedule)
@@ -119,14 +123,15 @@ class SizedSchedules:
             return sizes
         spec = [len(w.shape) if w.kind == "tensor" else -1 for w in self.wires[0]]
         buffer = torch.zeros(1 + sum(max(n, 0) for n in spec), dtype=torch.int64, device=self.device)
-        if dist.get_rank() == 0:
+        lead = dist.get_rank(self.group) == 0  # the pipeline's first rank (a mesh's pp group's)
+        if lead:
             if problem or sizes is None:
                 buffer[0] = 1
             elif buffer.numel() > 1:
                 buffer[1:] = torch.tensor([n for shape in sizes if shape is not None for n in shape])
-        dist.broadcast(buffer, src=0, group=self.group)
+        dist.broadcast(buffer, group=self.group, group_src=0)
         if int(buffer[0]):
-            raise DistributedError(problem if dist.get_rank() == 0 else
+            raise DistributedError(problem if lead else
                                    "rank 0 refused this step's inputs (its error says why); every "
                                    "rank stops the step")
         values = iter(int(v) for v in buffer[1:].tolist())

@@ -1,0 +1,69 @@
+"""Replicas of a distributed pipeline: how many, how they share gradients, and which runtime.
+
+:func:`autopipe.distributed_pipeline` with ``data_parallel=D`` runs D replicas of a pipeline of
+world / D ranks on a (dp, pp) DeviceMesh ([Note: replicas on a mesh] in executor/replicas.py);
+D = 1 is the plain :class:`executor.DistributedPipeline`, as before replicas existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopipe.core.plan import Plan
+from autopipe.errors import BuildError
+from executor.distributed import DistributedPipeline
+from executor.replicas import ReplicatedPipeline, pipeline_mesh
+from executor.spec import DATA_PARALLEL_MODES
+
+__all__ = ["replicas_of", "replicated_pipeline"]
+
+
+def replicas_of(plan: Plan | None, data_parallel: int | str | None, dp_mode: str | None,
+                world: int) -> tuple[int, str]:
+    """The number of replicas and the dp mode for ``world`` ranks, or a one-line BuildError."""
+    if dp_mode is not None and dp_mode not in DATA_PARALLEL_MODES:
+        raise BuildError(f"dp_mode={dp_mode!r} is unknown; use one of {list(DATA_PARALLEL_MODES)}")
+    if plan is not None and dp_mode is not None and plan.data_parallel > 1 and dp_mode != plan.dp_mode:
+        raise BuildError(f"the plan was made for dp_mode={plan.dp_mode!r} but dp_mode={dp_mode!r} "
+                         f"was given; leave dp_mode out or make the plan with `autopipe partition "
+                         f"--dp-mode {dp_mode}`")
+    mode = dp_mode or (plan.dp_mode if plan is not None else "ddp")
+    if data_parallel is None or data_parallel == "auto":
+        if data_parallel == "auto" and plan is None:
+            raise BuildError("data_parallel='auto' picks D for one global batch, which a rank's local "
+                             "example does not give; pass plan=partition(profile, devices=N, "
+                             "batch_size=B, data_parallel='auto') (each rank then feeds B / "
+                             "plan.data_parallel rows) or data_parallel=D")
+        replicas = plan.data_parallel if plan is not None else 1
+    elif isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise BuildError(f"data_parallel={data_parallel!r} is not a number of replicas; pass an "
+                         "integer >= 1, 'auto' or None (the plan's)")
+    else:
+        replicas = data_parallel
+        if plan is not None and plan.data_parallel != replicas:
+            raise BuildError(f"the plan was made for data_parallel={plan.data_parallel} but "
+                             f"data_parallel={replicas} was given; leave it out (the plan's) or make "
+                             f"the plan with `autopipe partition --data-parallel {replicas}`")
+    if world % replicas:
+        raise BuildError(f"{world} ranks do not split into data_parallel={replicas} replicas; start "
+                         f"a multiple of {replicas} ranks (torchrun --nproc_per_node "
+                         f"{replicas} x stages) or pass a data_parallel that divides {world}")
+    return replicas, mode
+
+
+def replicated_pipeline(
+    stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, *, replicas: int,
+    dp_mode: str, device: torch.device, timeout: float, **kwargs: Any,
+) -> DistributedPipeline:
+    """This rank's pipeline: one of ``replicas`` on a mesh, or the only one."""
+    if replicas == 1:
+        return DistributedPipeline(stages, indices, num_stages, device=device, timeout=timeout, **kwargs)
+    from torch.distributed import get_world_size
+
+    mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device, timeout=timeout)
+    return ReplicatedPipeline(stages, indices, num_stages, mesh=mesh, dp_mode=dp_mode, device=device,
+                              timeout=timeout, **kwargs)

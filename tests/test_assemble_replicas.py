@@ -1,0 +1,199 @@
+"""distributed_pipeline(data_parallel=2): 2 replicas x 2 stages on 4 gloo ranks vs one process.
+
+One spawn of 4 ranks runs every case in turn (starting 4 processes costs more than a case).
+Each replica steps on its own half of the global batch; at each step the mean of the replicas'
+losses must equal one process's loss over the whole batch (the mean over all D x M
+micro-batches, [Note: loss of a pipeline]) and, after two SGD steps, every rank's parameters
+the reference's, under DDP and FSDP, with per-stage recomputation and a tied embedding/head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autopipe.assemble import microbatch_inputs
+from autopipe.assemble_mesh import replicas_of
+from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+from autopipe.core.plan import Plan
+from autopipe.errors import BuildError
+from autopipe.examples import TinyGPT
+from autopipe.frontend.graph import trace
+from autopipe.solvers.partitioner import partition
+from executor.distributed import PipelineFailure
+from tests.models import Skip
+from tests.test_assemble import cost_profile
+from tests.test_assemble_ranks import RankResult, _close, spawn
+
+D, K, CHUNKS, STEPS, LR = 2, 2, 2, 2, 0.1
+
+
+def _lm_loss(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _case(name: str) -> tuple[nn.Module, tuple[Tensor, ...], Tensor, Any]:
+    """The model and the GLOBAL batch (D replicas x their local batch of 4 rows)."""
+    torch.manual_seed(0)
+    if name == "skip":  # a skip connection crosses the cut
+        return Skip(8), (torch.randn(8, 8),), torch.randn(8, 8), F.mse_loss
+    model = TinyGPT(vocab=16, dim=8, heads=2, layers=1, max_len=4)  # head tied to the embedding
+    return model, (torch.randint(0, 16, (8, 4)),), torch.randint(0, 16, (8, 4)), _lm_loss
+
+
+def _local(values: tuple[Tensor, ...], replica: int) -> tuple[Tensor, ...]:
+    return tuple(v.tensor_split(D)[replica] for v in values)
+
+
+# (model, dp mode, schedule, checkpoint per stage, data_parallel given explicitly or the plan's)
+CASES = [
+    ("skip", "ddp", "gpipe", ["always", "except_last"], True),
+    ("skip", "fsdp", "1f1b", ["never", "always"], False),
+    ("tied", "ddp", "1f1b", ["except_last", "always"], False),
+    ("tied", "fsdp", "gpipe", ["always", "never"], True),
+]
+
+
+def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
+    model, inputs, _, _ = _case(case)
+    graph = trace(model, microbatch_inputs(_local(inputs, 0), CHUNKS))
+    plan = partition(cost_profile(graph), stages=K, method="uniform", chunks=CHUNKS)
+    return dataclasses.replace(plan, checkpoint=modes, data_parallel=D, dp_mode=dp_mode)
+
+
+def _train(rank: int, out: str) -> tuple[str, float] | None:
+    """Every case, its results saved; then rank 3 dies and the others' next step fails."""
+    results = []
+    for n, (case, dp_mode, schedule, modes, explicit) in enumerate(CASES):
+        model, inputs, target, loss_fn = _case(case)
+        replica = rank // K  # [Note: replicas on a mesh]: rank = dp x K + pp
+        x, (y,) = _local(inputs, replica), _local((target,), replica)
+        given: dict[str, Any] = {"data_parallel": D, "dp_mode": dp_mode} if explicit else {}
+        pipe = distributed_pipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule,
+                                    plan=_plan(case, dp_mode, modes), timeout=20, **given)
+        opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=LR)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            losses.append(pipe.step(*x, target=y))
+            opt.step()
+        state = pipe.state_dict()  # every rank: a collective under FSDP
+        path = None
+        if pipe.dp_rank == 0:  # one part per stage
+            path = os.path.join(out, f"{n}-stage{pipe.pp_rank}.pt")
+            torch.save(state, path)
+        results.append({"where": (pipe.dp_rank, pipe.dp_size, pipe.pp_rank, pipe.pp_size),
+                        "engine": type(pipe._sized.modules[0]).__name__,
+                        "losses": losses, "state": {k: v.clone() for k, v in state.items()},
+                        "path": path})
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))  # whatever ends this process
+    return _die(rank, pipe, x, y)
+
+
+def _die(rank: int, pipe: Any, x: tuple[Tensor, ...], y: Tensor) -> tuple[str, float] | None:
+    """Rank 3 dies between steps; the others' next step must fail, not hang."""
+    if rank == 3:
+        os._exit(17)  # replica 1's last stage: its pp peer (2) and its dp peer (1) lose it
+    start = time.monotonic()
+    try:
+        pipe.step(*x, target=y)
+    except PipelineFailure as err:
+        return str(err), time.monotonic() - start
+    return None
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[RankResult, Any]]:
+    """One 4-rank run for the whole module: each rank's end, and its cases' results."""
+    out = tmp_path_factory.mktemp("replicas")
+    ends = spawn(_train, str(out), world=D * K, timeout=140)
+    saved = [out / f"rank{r}.pt" for r in range(D * K)]
+    return [(end, torch.load(f, weights_only=False) if f.exists() else None) for end, f in zip(ends, saved, strict=True)]
+
+
+def _reference(case: str) -> tuple[nn.Module, list[Tensor]]:
+    """One process: the global batch as D x CHUNKS micro-batches, two SGD steps."""
+    model, inputs, target, loss_fn = _case(case)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    xs, ys = [x.tensor_split(D * CHUNKS) for x in inputs], target.tensor_split(D * CHUNKS)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = torch.stack([loss_fn(model(*[x[i] for x in xs]), ys[i]) for i in range(D * CHUNKS)]).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return model, losses
+
+
+@pytest.mark.timeout(150)
+def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResult, Any]]) -> None:
+    for r, (end, cases) in enumerate(ranks):
+        assert cases is not None, f"rank {r} exit {end.exitcode}:\n{end.error}"
+    parts = [cases for _, cases in ranks]
+    assert [r[0]["where"] for r in parts] == [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
+    for n, (case, dp_mode, *_) in enumerate(CASES):
+        model, ref_losses = _reference(case)
+        what = f"{case}/{dp_mode}"
+        engine = "DistributedDataParallel" if dp_mode == "ddp" else "FSDPWireStage"  # FSDP2's class
+        assert [r[n]["engine"] for r in parts] == [engine] * (D * K)
+        for step in range(STEPS):  # the last stage of each replica (ranks 1 and 3) has a loss
+            assert parts[0][n]["losses"][step] is None and parts[2][n]["losses"][step] is None
+            mean = (parts[1][n]["losses"][step] + parts[3][n]["losses"][step]) / 2
+            _close(mean, ref_losses[step], f"{what} step {step}")
+        expected = model.state_dict()
+        for rank, values in enumerate(parts):  # every replica's copy, tied copies included
+            for key, value in values[n]["state"].items():
+                _close(value, expected[key], f"{what} rank {rank} {key}")
+        fresh, *_ = _case(case)
+        merged = merge_state_dicts([parts[0][n]["path"], parts[1][n]["path"]], model=fresh)
+        fresh.load_state_dict(merged, strict=True)  # a plain model: any number of replicas
+        for key, value in expected.items():
+            _close(fresh.state_dict()[key], value, f"{what} merged {key}")
+
+
+def test_replica_counts_are_checked_in_one_line() -> None:
+    model, inputs, _, _ = _case("skip")
+    graph = trace(model, microbatch_inputs(inputs, CHUNKS))
+    plan = partition(cost_profile(graph), stages=K, method="uniform", chunks=CHUNKS)
+    assert replicas_of(None, None, None, 4) == (1, "ddp")  # every existing call: one pipeline
+    assert replicas_of(dataclasses.replace(plan, data_parallel=2, dp_mode="fsdp"), None, None, 4) == (2, "fsdp")
+    assert replicas_of(plan, 1, "fsdp", 4) == (1, "fsdp")
+    cases = [
+        ((None, 3, None, 4), r"^4 ranks do not split into data_parallel=3 replicas; start a multiple of 3"),
+        ((plan, 2, None, 4), r"^the plan was made for data_parallel=1 but data_parallel=2 was given; "
+                             r"leave it out .* `autopipe partition --data-parallel 2`"),
+        ((None, 0, None, 4), r"^data_parallel=0 is not a number of replicas"),
+        ((None, "auto", None, 4), r"^data_parallel='auto' picks D for one global batch.* pass plan="),
+        ((None, 2, "zero", 4), r"^dp_mode='zero' is unknown; use one of \['ddp', 'fsdp'\]"),
+        ((dataclasses.replace(plan, data_parallel=2), 2, "fsdp", 4),
+         r"^the plan was made for dp_mode='ddp' but dp_mode='fsdp' was given"),
+    ]
+    for args, pattern in cases:
+        with pytest.raises(BuildError, match=pattern) as err:
+            replicas_of(*args)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(150)
+def test_a_dead_rank_ends_every_replica_with_an_error(ranks: list[tuple[RankResult, Any]]) -> None:
+    results = [end for end, _ in ranks]
+    assert results[3].exitcode == 17
+    for rank in range(3):  # its pp peer 2, its dp peer 1, and rank 0 when they go
+        res = results[rank]
+        assert res.exitcode is not None, f"rank {rank} hung after rank 3 died"
+        assert res.exitcode in (0, 3), f"rank {rank}: {res.error}"  # 3: the watchdog's exit
+        if res.exitcode == 0:
+            assert res.value, f"rank {rank} finished a step without rank 3"
+            message, seconds = res.value
+            row, column = [rank - rank % K + p for p in range(K)], [rank % K + K * d for d in range(D)]
+            assert message.startswith(f"rank {rank}/4 (pipeline rank {rank % K}/2 of pp group {row}, "
+                                      f"replica {rank // K}/2 of dp group {column}): pipeline step 3"), message
+            assert seconds < 10
