@@ -1,4 +1,16 @@
-"""A Profile as numpy arrays in layer order: what the cost model and the solvers read."""
+"""A Profile as numpy arrays in layer order: what the cost model and the solvers read.
+
+[Note: saved once] A tensor that two layers save for backward is held once: a ReLU saves its
+output and the Linear after it saves the same tensor as its input. Each layer is profiled
+alone, so both count it; the profile's ``saved_shared_bytes`` says how much of a layer's
+``saved_bytes`` its producers already save (autopipe.frontend.profiler.shared_saved), and
+``LayerCosts.saved`` is the difference, so a stage's sum counts such a tensor once, in the
+layer that made it. The graph's own inputs (the caller's batch, which a first layer saves a
+view of) are shared too: they are not the pipeline's to hold ([Note: transfer cost] in
+cost.py: graph inputs cost nothing). Where a cut separates the two, the consuming stage holds its own copy
+(a received tensor) that this leaves out: one value per cut, the stage's input.
+executor/activation_meter.py counts the same thing in a running pipeline.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +54,9 @@ class LayerCosts:
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
     recompute_ratio: float = 1.0
+    # [Note: transfer cost]: measured between two ranks (autopipe profile --comm), else absent
+    comm_latency_ms: float = 0.0
+    comm_bandwidth: float | None = None  # bytes/s
 
     @property
     def call_ms(self) -> float:
@@ -76,7 +91,8 @@ class LayerCosts:
             bwd=df["bwd_ms"].to_numpy(dtype=np.float64),
             params=params,
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
-            saved=df["saved_bytes"].to_numpy(dtype=np.int64),
+            saved=np.maximum(df["saved_bytes"].to_numpy(dtype=np.int64)
+                             - df["saved_shared_bytes"].to_numpy(dtype=np.int64), 0),
             value_bytes=value,
             consumers=tuple(tuple(sorted(set(c))) for c in consumers),
             last_use=last,
@@ -84,6 +100,8 @@ class LayerCosts:
             call_fwd_ms=_meta_float(profile, "stage_call_fwd_ms", 0.0),
             call_bwd_ms=_meta_float(profile, "stage_call_bwd_ms", 0.0),
             recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
+            comm_latency_ms=_meta_float(profile, "comm_latency_ms", 0.0),
+            comm_bandwidth=_meta_float(profile, "comm_bandwidth", 0.0) or None,
         )
 
     def __len__(self) -> int:

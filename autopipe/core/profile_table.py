@@ -27,6 +27,8 @@ ONE micro-batch):
     output_bytes   bytes of the layer's output activation(s)
     saved_bytes    bytes the layer keeps alive for its backward pass
     buffer_bytes   optional: bytes of buffers (running stats ...), default 0
+    saved_shared_bytes  optional: of ``saved_bytes``, the inputs its producers already save as
+                   their outputs (one tensor, counted once: [Note: saved once]), default 0
     peak_bytes     optional: measured peak memory, may be NaN
     tie_group      optional: layers sharing a parameter carry the same non-empty id, default "".
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
@@ -92,7 +94,7 @@ class Profile:
     REQUIRED_COLUMNS: ClassVar[tuple[str, ...]] = (
         "layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes", "saved_bytes",
     )
-    NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes")
+    NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes", "saved_shared_bytes")
     TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type", "measured_as")
 
     def __post_init__(self) -> None:

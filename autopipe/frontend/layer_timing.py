@@ -62,8 +62,9 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 def probe(
     call: LayerCall, values: Values, meter: MemoryMeter, state: set[int]
-) -> tuple[int, int | None]:
-    """One untimed forward + backward: bytes saved for backward and peak memory."""
+) -> tuple[int, list[int], int, int | None]:
+    """One untimed forward + backward: bytes saved for backward (all, of them each input's,
+    of them the outputs') and peak memory ([Note: saved once])."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,12 @@ def probe(
     if roots:
         torch.autograd.backward(roots, grads)
     peak = meter.peak()
-    return sum(saved.values()), peak
+
+    def of(value: Any) -> int:
+        keys = {storage_key(t)[0] for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
+        return sum(n for k, n in saved.items() if k in keys)
+
+    return sum(saved.values()), [of(a) for a in args], of(out), peak
 
 
 def timed_step(timer: Timer, forward: Callable[[], Any]) -> tuple[float, float]:

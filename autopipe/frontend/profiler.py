@@ -131,12 +131,16 @@ def _measure(
     sampler = RecomputeSampler(timer, repeats, warmup)
     rows: list[dict[str, Any]] = []
     measured: dict[str, tuple[float, float, int, int | None]] = {}
+    ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
+    graph_inputs = {n.name for n in g.gm.graph.nodes if n.op == "placeholder"}
     # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
     bar = tqdm(runs, total=len(g.layers), desc="profiling", unit="layer", file=sys.stderr,
                disable=None if progress is None else not progress, leave=False)
     for run in bar:
         if run.reuse_of is None:
-            saved, peak = probe(run.call, run.values, meter, run.state)
+            saved, saved_in, saved_out, peak = probe(run.call, run.values, meter, run.state)
+            ends[run.call.name] = (sum(saved_in), sum(b for b, name in zip(
+                saved_in, run.call.inputs, strict=True) if name in graph_inputs), saved_out)
             fwd_ms, bwd_ms = time_layer(run.call, run.values, timer, repeats, warmup)
             fwd_ms = max(0.0, fwd_ms - fwd_extra)
             bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
@@ -144,7 +148,22 @@ def _measure(
             sampler.offer(run.call, run.values, fwd_ms, bwd_ms)
         source = run.reuse_of or run.call.name
         rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
-    return rows, (fwd_extra, bwd_extra, sampler.ratio())
+        ends[run.call.name] = ends[source]
+    shared = shared_saved(g.edges(), ends)
+    return [{**r, "saved_shared_bytes": shared[r["layer"]]} for r in rows], \
+        (fwd_extra, bwd_extra, sampler.ratio())
+
+
+def shared_saved(edges: Iterable[tuple[str, str, int]],
+                 ends: dict[str, tuple[int, int, int]]) -> dict[str, int]:
+    """[Note: saved once] Of what each layer saves of its inputs, the bytes that are held
+    anyway: the graph's inputs (the caller's batch) and what its producers already save as
+    their outputs (``min(the rest, sum of the producers' saved outputs)``)."""
+    produced: dict[str, int] = dict.fromkeys(ends, 0)
+    for src, dst, _ in edges:
+        produced[dst] += ends[src][2]
+    return {name: batch + min(saved_in - batch, produced[name])
+            for name, (saved_in, batch, _) in ends.items()}
 
 
 MODES = ("auto", "whole", "layers")
