@@ -51,10 +51,9 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -73,6 +72,7 @@ from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
 from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import SCHEDULES, check_stage_checkpoints
+from executor.watchdog import armed
 from executor.wire import Wire, WireStage, infer_wires
 
 __all__ = [
@@ -381,17 +381,10 @@ class DistributedPipeline:
                 f"stages {self.indices}) failed: a peer rank died, hung or failed ({cause}); "
                 "see that rank's log")
 
-    @contextmanager
-    def _watchdog(self) -> Iterator[None]:
+    def _watchdog(self) -> AbstractContextManager[None]:  # [Note: one watchdog thread]
         def fire() -> None:
             msg = self._failure(f"no progress for {self.timeout + _GRACE_S:.0f}s")
             print(f"PipelineFailure: {msg}", file=sys.stderr, flush=True)
             os._exit(WATCHDOG_EXIT_CODE)
 
-        timer = threading.Timer(self.timeout + _GRACE_S, fire)
-        timer.daemon = True
-        timer.start()
-        try:
-            yield
-        finally:
-            timer.cancel()
+        return armed(self.timeout + _GRACE_S, fire)

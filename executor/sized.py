@@ -89,6 +89,8 @@ class SizedSchedules:
         self.make_schedule, self.stops, self.device, self.group = make_schedule, list(stops), device, group
         self.example: Sizes = tuple(tuple(w.shape) if w.kind == "tensor" else None for w in self.wires[0])
         self._built: OrderedDict[Sizes, tuple[list[_Stage], Any]] = OrderedDict()
+        self._names = _input_names(self.wire_stages[0].stage)
+        self._sent: tuple[Any, Tensor] | None = None  # rank 0's last broadcast, not waited for
         self.get(self.example)
 
     def get(self, sizes: Sizes) -> Any:
@@ -116,7 +118,7 @@ class SizedSchedules:
         """Rank 0's micro-batch ``sizes`` on every rank, or DistributedError on every rank when
         rank 0 found a ``problem`` with its inputs (it raises that; the others say so)."""
         if not problem and sizes is not None:
-            problem = check_sizes(self.wires[0], sizes, _input_names(self.wire_stages[0].stage))
+            problem = check_sizes(self.wires[0], sizes, self._names)
         if dist.get_world_size(self.group) == 1:
             if problem or sizes is None:
                 raise DistributedError(problem or "no inputs were given")
@@ -129,6 +131,12 @@ class SizedSchedules:
                 buffer[0] = 1
             elif buffer.numel() > 1:
                 buffer[1:] = torch.tensor([n for shape in sizes if shape is not None for n in shape])
+        if self._sent is not None:
+            self._sent[0].wait()
+            self._sent = None
+        if lead and sizes is not None and not problem:  # it knows them: it sends and goes on,
+            self._sent = (dist.broadcast(buffer, group=self.group, group_src=0, async_op=True), buffer)
+            return sizes  # its first forward overlaps the broadcast (waited for next step)
         dist.broadcast(buffer, group=self.group, group_src=0)
         if int(buffer[0]):
             raise DistributedError(problem if lead else
