@@ -135,7 +135,8 @@ def _partition(args: argparse.Namespace) -> int:
         profile, stages=stages, devices=devices, method=config.method, chunks=chunks,
         checkpoint=modes, schedule=config.schedule, batch_size=config.batch_size,
         memory_limit=config.memory, optimizer=config.optimizer, time_limit=config.time_limit,
-        ties=config.ties, bandwidth=config.bandwidth or None,
+        ties=config.ties,
+        bandwidth="measured" if config.bandwidth is None else config.bandwidth or None,
         progress=False if config.no_progress else None, data_parallel=data_parallel,
         dp_mode=config.dp_mode,
     )

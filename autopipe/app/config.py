@@ -144,7 +144,8 @@ class PartitionConfig:
                                              "(default gpipe)")
     optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
     ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
-    bandwidth: float = _opt(10e9, "bytes/s between stages, 0 = free (default 1e10)")
+    bandwidth: float | None = _opt(None, "bytes/s between stages, 0 = free (default: the "
+                                         "profile's measured by `profile --comm`, else 1e10)")
     time_limit: float | None = _opt(None, "ILP time limit in seconds (default 60; 2 in a search "
                                           "with an auto choice)")
     out: str = _opt(None, "plans/NAME.json", required=True)

@@ -25,11 +25,14 @@ the stage's busy time per iteration; the slowest stage (the bottleneck) sets the
 [Note: transfer cost] A value (a layer's output, ``bytes`` = its largest outgoing edge) lives
 from the stage that produces it up to the last stage that consumes it; it crosses every cut in
 between, including the cuts of stages it merely passes through. Crossing a cut costs
-``bytes / bandwidth`` forward (the activation) and again backward (its gradient). Each transfer
-is charged to the stage that SENDS it: stage s pays its outgoing cut's activations and its
-incoming cut's gradients, i.e. ``(input_bytes + output_bytes) / bandwidth``. Transfers are
-assumed not to overlap compute (blocking sends), which is pessimistic on GPUs with copy engines.
-``bandwidth=None`` or 0 makes transfers free. Graph inputs are not layers: they cost nothing.
+``latency + bytes / bandwidth`` (``crossing_ms``: one message) forward and again backward (the
+gradient). Each transfer is charged to the stage that SENDS it: stage s pays its outgoing cut's
+activations and its incoming cut's gradients (``transfer_ms``). Transfers are assumed not to
+overlap compute (blocking sends), which is pessimistic on GPUs with copy engines.
+``bandwidth=None`` or 0 makes transfers free, latency included. Graph inputs cost nothing.
+Latency and (unless the caller gives one) bandwidth are measured between two ranks by
+``autopipe profile --comm`` (autopipe/frontend/comm.py) into the profile's ``comm_latency_ms``
+and ``comm_bandwidth``; without them: latency 0, ``DEFAULT_BANDWIDTH``, as before measuring.
 
 [Note: stage memory] parameters x optimizer factor (``none`` 1 = weights only, ``sgd`` 2 =
 +grads, ``momentum`` 3, ``adam``/``adamw`` 4) + buffers + activations. Activations of one
@@ -96,6 +99,8 @@ __all__ = [
     "state_bytes",
     "stage_time",
     "transfer_ms",
+    "crossing_ms",
+    "DEFAULT_BANDWIDTH",
     "lower_bound",
     "resolve_devices",
     "schedule_ranks",
@@ -125,20 +130,35 @@ def layer_work(fwd: Amount, bwd: Amount, recomputed: int, chunks: int,
     return fwd + recompute_ms(fwd, recomputed, chunks, ratio) + bwd
 
 
-def transfer_ms(input_bytes: Amount, output_bytes: Amount, ms_per_byte: float) -> Amount:
+DEFAULT_BANDWIDTH = 10e9  # bytes/s between stages when neither the caller nor the profile says
+
+
+def crossing_ms(nbytes: Amount, ms_per_byte: float, latency_ms: float = 0.0) -> Amount:
+    """One cut crossed once by ``nbytes``: latency + bytes / bandwidth; nothing when nothing
+    crosses or transfers are free ([Note: transfer cost]). A PuLP sum of bytes is a message
+    unless it is empty (the outer cut of a first or last stage)."""
+    if not ms_per_byte or not latency_ms:
+        return nbytes * ms_per_byte
+    sent = nbytes > 0 if isinstance(nbytes, np.ndarray | int | float | np.number) else bool(nbytes)
+    return nbytes * ms_per_byte + latency_ms * sent
+
+
+def transfer_ms(input_bytes: Amount, output_bytes: Amount, ms_per_byte: float,
+                latency_ms: float = 0.0) -> Amount:
     """What a stage spends sending: the gradients of its inputs and its output activations
     ([Note: transfer cost])."""
-    return (input_bytes + output_bytes) * ms_per_byte
+    return (crossing_ms(input_bytes, ms_per_byte, latency_ms)
+            + crossing_ms(output_bytes, ms_per_byte, latency_ms))
 
 
 def stage_time(
     work: Amount, speed: float, input_bytes: Amount, output_bytes: Amount, ms_per_byte: float,
-    call_ms: float = 0.0,
+    call_ms: float = 0.0, latency_ms: float = 0.0,
 ) -> Amount:
     """A stage's time per micro-batch: its work on a device of relative ``speed``, the fixed
     cost of one stage call (host time, not scaled: [Note: measured overheads]), plus the
     transfers at both of its cuts ([Note: stage time])."""
-    return work / speed + call_ms + transfer_ms(input_bytes, output_bytes, ms_per_byte)
+    return work / speed + call_ms + transfer_ms(input_bytes, output_bytes, ms_per_byte, latency_ms)
 
 
 Terms = tuple[tuple[int, int], ...]  # (a, b): a x input_bytes + b x saved_bytes
@@ -240,7 +260,7 @@ class CostOptions:
     chunks: int = 8
     checkpoint: str | Sequence[str] = "except_last"  # a list becomes a tuple
     optimizer: str = "adam"
-    bandwidth: float | None = 10e9
+    bandwidth: float | None = DEFAULT_BANDWIDTH
     ties: str = "share"
     schedule: str = "gpipe"
     data_parallel: int = 1  # [Note: pipeline x data parallel]
@@ -314,6 +334,7 @@ class StageCost:
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
     recompute_ratio: float = 1.0
+    latency_ms: float = 0.0  # of each crossing, in transfer_ms ([Note: transfer cost])
     # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
     grad_sync_ms: float = 0.0  # after the stage's last backward
     param_gather_ms: float = 0.0  # before its first forward (fsdp)
@@ -365,7 +386,7 @@ def stage_costs(
             fwd_ms=fwd,
             bwd_ms=bwd,
             recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio),
-            transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte),
+            transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)),
             activation_bytes=int(activation_bytes(cut_in, saved, terms[s])),
@@ -375,6 +396,7 @@ def stage_costs(
             call_fwd_ms=costs.call_fwd_ms,
             call_bwd_ms=costs.call_bwd_ms,
             recompute_ratio=costs.recompute_ratio,
+            latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
             grad_sync_ms=grad_sync_ms(params, *replicas),
             param_gather_ms=param_gather_ms(params, *replicas),
         ))

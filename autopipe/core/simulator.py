@@ -35,7 +35,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autopipe.core.cost import LayerCosts, StageCost, activation_peak, recompute_ms, stage_costs
+from autopipe.core.cost import (
+    LayerCosts,
+    StageCost,
+    activation_peak,
+    crossing_ms,
+    recompute_ms,
+    stage_costs,
+)
 from autopipe.core.replicas import sync_phase
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PlanError
@@ -157,7 +164,8 @@ def simulate_stages(
             if s == k - 1:
                 ready["B", s, i] = end
             else:
-                end = ready["F", s + 1, i] = emit(s, i, "transfer", end, st.output_bytes * ms_per_byte)
+                end = ready["F", s + 1, i] = emit(
+                    s, i, "transfer", end, crossing_ms(st.output_bytes, ms_per_byte, st.latency_ms))
         else:
             if i < rec[s]:
                 start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio))
@@ -167,7 +175,8 @@ def simulate_stages(
                 at = max(end, comm_free[resource[q]])
                 comm_free[resource[q]] = emit(s, i, sync_phase(st.param_gather_ms), at, st.grad_sync_ms)
             if s > 0:
-                end = ready["B", s - 1, i] = emit(s, i, "transfer", end, st.input_bytes * ms_per_byte)
+                end = ready["B", s - 1, i] = emit(
+                    s, i, "transfer", end, crossing_ms(st.input_bytes, ms_per_byte, st.latency_ms))
         free[resource[q]] = end
         ran[resource[q]].append(op)
         pos[q] += 1

@@ -71,7 +71,7 @@ class RangeCosts:
         self.terms = terms
         zero = np.zeros(1)
         work = layer_work(costs.fwd, costs.bwd, rec_n, m, costs.recompute_ratio)
-        self.call_ms = costs.call_ms
+        self.call_ms, self.latency_ms = costs.call_ms, costs.comm_latency_ms
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)
         self.ms_per_byte = options.ms_per_byte
@@ -100,7 +100,7 @@ class RangeCosts:
     def time(self, j0: int, j1: int, speed: float) -> FloatArray:
         c, cut = self.compute, self.cut
         out: FloatArray = stage_time(c[None, j0:j1] - c[:, None], speed, cut[:, None],
-                                     cut[None, j0:j1], self.ms_per_byte, self.call_ms)
+                                     cut[None, j0:j1], self.ms_per_byte, self.call_ms, self.latency_ms)
         return out
 
     def memory(self, j0: int, j1: int) -> FloatArray:

@@ -150,7 +150,7 @@ def _solve(
     for s, dev in enumerate(devices):
         prob += pulp.lpSum(x(v, s) for v in range(n)) >= 1
         prob += t >= stage_time(total(stage_work[s], s), dev.speed, crossing(s - 1), crossing(s),
-                                options.ms_per_byte, costs.call_ms)
+                                options.ms_per_byte, costs.call_ms, costs.comm_latency_ms)
         if dev.memory is not None:
             if options.ties == "share":
                 tied = pulp.lpSum(nbytes * h[g, s] for g, (_, nbytes) in enumerate(costs.tie_groups))

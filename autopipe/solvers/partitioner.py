@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from autopipe.core.cost import (
+    DEFAULT_BANDWIDTH,
     CostOptions,
     DeviceSpec,
     LayerCosts,
@@ -73,7 +74,7 @@ def partition(
     optimizer: str = "adam",
     time_limit: float | None = None,
     ties: str = "share",
-    bandwidth: float | None = 10e9,
+    bandwidth: float | str | None = "measured",
     progress: bool | None = None,
     max_chunks: int = MAX_AUTO_CHUNKS,
     data_parallel: int | str = 1,
@@ -103,7 +104,8 @@ def partition(
     only where it can gain), or a baseline: ``uniform``, ``params``, ``blockpartition``
     (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
     ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
-    neighbouring stages (None or 0: free). ``chunks`` defaults to the number of micro-batches
+    neighbouring stages (None or 0: free; ``"measured"``, the default: the profile's own from
+    ``autopipe profile --comm``, else 1e10, [Note: transfer cost] in autopipe/core/cost.py). ``chunks`` defaults to the number of micro-batches
     the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
     profiled micro-batch's, so that is the pipeline it fits. Given ``stages`` and no ``devices``,
     each stage gets its own device of the kind the profile was measured on (``cpu:0``,
@@ -134,6 +136,11 @@ def partition(
         devices = [f"{kind}:{i}" if kind else f"stage{i}" for i in range(devices)]
     if chunks is None:
         chunks = int(profile.meta.get("chunks") or 8)
+    if isinstance(bandwidth, str):
+        if bandwidth != "measured":
+            raise PartitionError(f"bandwidth={bandwidth!r}: give bytes/s, 0 or None (free), or "
+                                 f"'measured' (the profile's, from autopipe profile --comm)")
+        bandwidth = LayerCosts.from_profile(profile).comm_bandwidth or DEFAULT_BANDWIDTH
     args: dict[str, Any] = dict(
         stages=stages, devices=devices, method=method, chunks=chunks, checkpoint=checkpoint,
         schedule=schedule, batch_size=batch_size, memory_limit=memory_limit, optimizer=optimizer,

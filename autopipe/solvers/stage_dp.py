@@ -64,6 +64,7 @@ class StageBlocks:
         n = len(costs)
         self.n, self.m, self.options = n, options.chunks, options
         self.ratio, self.call_ms = costs.recompute_ratio, costs.call_ms
+        self.latency_ms = costs.comm_latency_ms
         zero = np.zeros(1)
         self.fwd = np.concatenate([zero, np.cumsum(costs.fwd)])
         self.bwd = np.concatenate([zero, np.cumsum(costs.bwd)])
@@ -109,7 +110,8 @@ class StageBlocks:
             f[None, j0:j1] - f[:j1, None], b[None, j0:j1] - b[:j1, None], recomputed, self.m,
             self.ratio))
         xfer = self._cached(("xfer", j0), lambda: stage_time(
-            0.0, 1.0, cut[:j1, None], cut[None, j0:j1], self.options.ms_per_byte, self.call_ms))
+            0.0, 1.0, cut[:j1, None], cut[None, j0:j1], self.options.ms_per_byte, self.call_ms,
+            self.latency_ms))
         out: FloatArray = work / speed + xfer  # cost.stage_time, transfers + call cost cached
         return out
 
