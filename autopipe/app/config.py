@@ -204,7 +204,7 @@ class RunConfig:
 
     model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
     plan: str | None = _opt(None, "plans/NAME.json (default: profile and partition before starting the ranks)")
-    nproc: int = _opt(2, "processes = pipeline ranks (default 2)")
+    nproc: int = _opt(2, "processes = replicas x pipeline ranks (default 2)")
     steps: int = _opt(10, "training steps (default 10)")
     batch_size: int | None = _opt(None, _batch("the --plan's"))
     chunks: int | None = _opt(None, _chunks("the --plan's"))
@@ -213,6 +213,23 @@ class RunConfig:
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
     timeout: float = _opt(60.0, "seconds before a silent rank is an error (default 60)")
     threads: int = _opt(1, "torch threads per rank (default 1)")
+    data_parallel: str | None = _opt(None, "replicas D of the pipeline, each on --nproc / D ranks and "
+                                           "--batch-size / D rows, or auto (without --plan): the "
+                                           "planner picks D (default: the --plan's, else 1)",
+                                     metavar="D|auto")
+    dp_mode: Literal["ddp", "fsdp"] | None = _opt(None, "how replicas sync: ddp (gradient all-reduce) "
+                                                        "or fsdp (sharded state) (default: the "
+                                                        "--plan's, else ddp)")
+
+    def replicas(self) -> int | str | None:
+        """--data-parallel as a number, "auto" or None (the plan's); one line when malformed."""
+        d = self.data_parallel
+        if d is None or d == "auto":
+            return d
+        if not d.isdigit() or int(d) < 1:
+            raise BuildError(f"--data-parallel {d!r} is not a number of replicas; pass an integer "
+                             ">= 1 or auto")
+        return int(d)
 
     def check(self) -> None:
         """The flags alone (before any file is read): one line per bad value."""
@@ -238,6 +255,12 @@ class RunConfig:
             _check_choice("--schedule", self.schedule, Schedule)
         if self.checkpoint is not None:
             _check_choice("--checkpoint", self.checkpoint, Checkpoint)
+        if self.dp_mode is not None:
+            _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
+        replicas = self.replicas()
+        if isinstance(replicas, int) and self.nproc % replicas:
+            raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "
+                             f"replicas; pass --nproc a multiple of {replicas} (replicas x stages)")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -1,6 +1,11 @@
 """``autopipe run MODEL --nproc K``: train a model as a K-process pipeline via torchrun.
 
     autopipe run mlp --plan plans/mlp.json --nproc 2 --steps 20
+    autopipe run mlp --nproc 4 --data-parallel 2     # 2 replicas x 2 stages, 16 rows each
+
+With ``--data-parallel D`` the ``--nproc`` ranks run D replicas of a pipeline of nproc / D ranks
+(autopipe.distributed_pipeline's ``data_parallel``), each on its own batch / D rows of the
+``--batch-size`` rows; ``auto`` without ``--plan`` lets the planner pick D for that batch.
 
 First, in this process, everything that can be checked without the ranks is checked (the plan
 against the rank count and the traced model, the batch against the chunks, the rank count
@@ -30,7 +35,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from autopipe.app.config import (
     DEFAULT_BATCH,
@@ -41,6 +46,7 @@ from autopipe.app.config import (
     resolve,
 )
 from autopipe.app.model_spec import load_model
+from autopipe.assemble_mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 
@@ -57,9 +63,13 @@ def _stages_per_rank(config: RunConfig) -> int:
     return 2 if config.schedule == "interleaved1f1b" else 1
 
 
-def _check_ranks(config: RunConfig, plan: Plan | None, chunks: int, batch: int) -> int:
+def _check_ranks(config: RunConfig, plan: Plan | None, chunks: int, batch: int, replicas: int = 1) -> int:
     """The number of stages, after checking ranks, plan, chunks and batch agree (one line each)."""
-    w = config.nproc
+    w = config.nproc // replicas  # ranks of one pipeline
+    if batch % replicas:
+        raise BuildError(f"--batch-size {batch} does not split into --data-parallel {replicas} "
+                         f"replicas; use a multiple of {replicas}")
+    batch //= replicas  # each replica's rows
     if plan is not None:
         k = plan.num_stages
         if config.schedule == "interleaved1f1b" and k % w:
@@ -67,14 +77,19 @@ def _check_ranks(config: RunConfig, plan: Plan | None, chunks: int, batch: int) 
                              f"interleaved1f1b gives each rank the same number); pass --nproc a divisor "
                              f"of {k}, or re-run `autopipe partition --stages {2 * w}`")
         if config.schedule != "interleaved1f1b" and k != w:
-            raise BuildError(f"the plan has {k} stages but --nproc {w} starts {w} ranks of one stage each; "
-                             f"pass --nproc {k}, or re-run `autopipe partition --stages {w}` for {w} ranks")
+            per = f" / {replicas} replicas" if replicas > 1 else ""
+            raise BuildError(f"the plan has {k} stages but --nproc {config.nproc}{per} starts {w} ranks of "
+                             f"one stage each; pass --nproc {k * replicas}, or re-run `autopipe "
+                             f"partition --stages {w}` for {w} ranks")
     else:
         k = w * _stages_per_rank(config)
     if batch % chunks:
         lower, upper = batch // chunks * chunks, (batch // chunks + 1) * chunks
         fits = f"{lower} or {upper}" if lower else str(upper)
-        raise BuildError(f"--batch-size {batch} is not a multiple of --chunks {chunks}: the ranks pass "
+        if replicas > 1:
+            fits = f"{lower * replicas} or {upper * replicas}" if lower else str(upper * replicas)
+        what = f"{batch} rows per replica" if replicas > 1 else f"--batch-size {batch}"
+        raise BuildError(f"{what} is not a multiple of --chunks {chunks}: the ranks pass "
                          f"equal micro-batches; use --batch-size {fits}")
     rounds = max(1, chunks // w)
     if config.schedule == "interleaved1f1b" and chunks % rounds:
@@ -102,8 +117,12 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     chunks = resolve(config.chunks, plan.chunks if plan else None, default=DEFAULT_CHUNKS)
     batch = resolve(config.batch_size, plan.batch_size if plan else None, default=DEFAULT_BATCH)
     checkpoint = config.checkpoint or cast(Checkpoint, plan.checkpoint if plan else "except_last")
-    k = _check_ranks(config, plan, chunks, batch)
-    loaded = load_model(config.model, batch, for_training="autopipe run")
+    asked = config.replicas()
+    auto = asked == "auto" and plan is None  # the planner picks D below
+    replicas, dp_mode = (1, config.dp_mode or "ddp") if auto else replicas_of(plan, asked, config.dp_mode,
+                                                                              config.nproc)
+    k = _check_ranks(config, plan, chunks, batch, replicas)
+    loaded = load_model(config.model, batch // replicas, for_training="autopipe run")
     micro = microbatch_inputs(loaded.inputs, chunks)
     graph = trace(loaded.model, micro)
     if len(graph.layers) < k:
@@ -112,7 +131,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
                          f"{config.model} traces to {len(graph.layers)} layers; use --nproc "
                          f"{len(graph.layers) // _stages_per_rank(config)} or fewer")
     if plan is not None:
-        plan.check(graph.layers, graph.fingerprint, micro_batch_size=math.ceil(batch / chunks))
+        plan.check(graph.layers, graph.fingerprint, micro_batch_size=math.ceil(batch // replicas / chunks))
         where = str(config.plan)
     else:
         from autopipe.frontend.profiler import profile
@@ -125,23 +144,37 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
                            progress=False)
         finally:
             torch.set_num_threads(before)
-        plan = partition(prof, devices=[f"rank{s % config.nproc}" for s in range(k)], chunks=chunks,
-                         checkpoint=checkpoint)
+        if replicas == 1 and not auto:
+            plan = partition(prof, devices=[f"rank{s % config.nproc}" for s in range(k)], chunks=chunks,
+                             checkpoint=checkpoint)
+        else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
+            plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
+                             checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,
+                             data_parallel="auto" if auto else replicas, dp_mode=dp_mode)
+            replicas = plan.data_parallel
+            _check_ranks(config, plan, chunks, batch, replicas)
         where = str(plan.save(Path(work_dir) / "plan.json"))
-    resolved = dataclasses.replace(config, plan=where, chunks=chunks, batch_size=batch, checkpoint=checkpoint)
+    resolved = dataclasses.replace(config, plan=where, chunks=chunks, batch_size=batch, checkpoint=checkpoint,
+                                   data_parallel=str(replicas), dp_mode=cast(Any, dp_mode))
     return resolved, plan, where
 
 
 def layout(config: RunConfig, plan: Plan, where: str) -> str:
     """Which layers each rank runs, with the plan's predicted time per micro-batch."""
-    micro = math.ceil((config.batch_size or 1) / (config.chunks or 1))
+    d = int(config.data_parallel or 1)
+    w = config.nproc // d
+    micro = math.ceil((config.batch_size or 1) // d / (config.chunks or 1))
     spans = plan.spans()
     wide = max(len("first .. last"), *(len(x) for x in spans))
+    each = f"{d} replicas ({config.dp_mode}) of {config.batch_size // d if config.batch_size else 1} rows, " if d > 1 else ""
+    ranks = [",".join(str(s % w + r * w) for r in range(d)) for s in range(len(plan.stages))]
+    rw = max(4, *(len(x) for x in ranks))
     lines = [f"{config.model} on {config.nproc} ranks ({config.schedule}, checkpoint={config.checkpoint}): "
-             f"batch {config.batch_size} in {config.chunks} micro-batches of {micro} rows; plan {where}",
-             f"{'rank':>4}  {'stage':>5}  {'layers':>6}  {'first .. last':<{wide}}  {'ms per micro-batch':>18}"]
+             f"batch {config.batch_size} {'as ' + each if each else ''}in {config.chunks} micro-batches of "
+             f"{micro} rows; plan {where}",
+             f"{'rank':>{rw}}  {'stage':>5}  {'layers':>6}  {'first .. last':<{wide}}  {'ms per micro-batch':>18}"]
     for s, names in enumerate(plan.stages):
-        lines.append(f"{s % config.nproc:>4}  {s:>5}  {len(names):>6}  {spans[s]:<{wide}}  "
+        lines.append(f"{ranks[s]:>{rw}}  {s:>5}  {len(names):>6}  {spans[s]:<{wide}}  "
                      f"{plan.stage_times[s]:>18.3f}")
     return "\n".join(lines)
 
@@ -238,7 +271,7 @@ class _Exit:
 
 _RANK_ERROR = re.compile(r"^autopipe run: error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
 _PIPELINE_FAILURE = re.compile(
-    r"^PipelineFailure: rank (\d+)/\d+: pipeline step (\d+) \(([^,]+),[^)]*\) failed: .*?\((.*)\); "
+    r"^PipelineFailure: rank (\d+)/\d+(?: \([^)]*\))?: pipeline step (\d+) \(([^,]+),[^)]*\) failed: .*?\((.*)\); "
     r"see that rank's log$", re.M)
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 

@@ -6,7 +6,9 @@ that the launcher has already checked and resolved (plan, chunks, batch, checkpo
 ranks and the command line share one set of defaults. Every rank builds the same model and
 inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA), builds its stage with
 :func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters. The last
-rank prints the loss of every step and the throughput.
+rank prints the loss of every step and the throughput. With ``data_parallel`` D > 1 each
+replica trains its own batch / D rows of the (seeded, same on every rank) batch, and the last
+rank of replica 0 prints its replica's loss and the whole batch's throughput.
 
 A failure ends the rank with ONE line on stderr that the launcher reads back ([Note: one line
 from K ranks] in autopipe/app/launch.py): ``autopipe run: error on rank R [at step S]: ...``
@@ -54,10 +56,18 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     schedule = config.schedule or (plan.schedule if plan else "gpipe")
     ex = load_model(config.model, batch, for_training="autopipe run")  # same seed on every rank
     assert ex.loss_fn is not None
-    pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan, chunks=chunks,
-                                checkpoint=checkpoint, schedule=schedule, timeout=config.timeout)
-    inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in ex.inputs)
-    target = ex.target.to(pipe.device) if isinstance(ex.target, torch.Tensor) else ex.target
+    replicas = int(config.data_parallel or (plan.data_parallel if plan else 1))
+    mine = dist.get_rank() // (dist.get_world_size() // replicas)  # [Note: replicas on a mesh]
+
+    def local(x: object) -> object:  # this replica's rows of the batch
+        return x.tensor_split(replicas)[mine] if isinstance(x, torch.Tensor) and x.dim() else x
+
+    pipe = distributed_pipeline(ex.model, tuple(local(x) for x in ex.inputs), loss_fn=ex.loss_fn, plan=plan,
+                                chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                                timeout=config.timeout, data_parallel=replicas, dp_mode=config.dp_mode)
+    inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in map(local, ex.inputs))
+    target = local(ex.target)
+    target = target.to(pipe.device) if isinstance(target, torch.Tensor) else target
     opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=config.lr)
     losses: list[float] = []
     start = time.perf_counter()
@@ -68,13 +78,14 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
         opt.zero_grad(set_to_none=True)
         loss = pipe.step(*inputs, target=target)
         opt.step()
-        if loss is not None:
+        if loss is not None and pipe.dp_rank == 0:
             losses.append(float(loss))
             print(f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}", flush=True)
     elapsed = time.perf_counter() - start
     timed = max(config.steps - 1, 1)
-    if pipe.is_last:
-        print(f"{config.model}: {pipe.world} ranks x {len(pipe.stages)} stage(s), {schedule}, "
+    if pipe.is_last and pipe.dp_rank == 0:
+        each = f"{pipe.dp_size} replicas ({config.dp_mode or 'ddp'}) x " if pipe.dp_size > 1 else ""
+        print(f"{config.model}: {each}{pipe.pp_size} ranks x {len(pipe.stages)} stage(s), {schedule}, "
               f"chunks={chunks}, batch {batch}: {timed * batch / elapsed:.1f} samples/s", flush=True)
     return losses
 
