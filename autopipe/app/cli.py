@@ -97,7 +97,7 @@ def _profile(args: argparse.Namespace) -> int:
         chunks=config.chunks, device=config.device, repeats=config.repeats, warmup=config.warmup,
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
         threads=config.threads, progress=not config.no_progress, mode=config.mode,
-        meta=config.meta, micro_batch_sizes=config.micro_batch_sizes,
+        meta=config.meta, micro_batch_sizes=config.micro_batch_sizes, comm=config.comm,
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")

@@ -118,6 +118,9 @@ class ProfileConfig:
                              "profile it layer by layer")
     micro_batch_sizes: str | None = _opt(None, "more micro-batch sizes to measure, e.g. 1,2,4,8, "
                                                "for `partition --chunks auto`")
+    comm: bool = _opt(False, "also measure a transfer between two ranks (latency, bandwidth) and "
+                             "the distributed runtime's cost per micro-batch, for plans run with "
+                             "`autopipe run` (two processes, a few seconds)")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from autopipe.app.model_spec import load_model
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
+from autopipe.frontend.comm import with_comm
 from autopipe.frontend.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
 
 __all__ = ["profile_to_file", "summary_table", "parse_shape"]
@@ -58,6 +59,11 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s), "
         f"fingerprint {m.get('fingerprint')}"
     )
+    if m.get("comm_backend"):
+        bandwidth = m.get("comm_bandwidth")
+        lines.append(f"between two ranks ({m['comm_backend']}): {m.get('comm_latency_ms')} ms + bytes / "
+                     f"{format_bytes(bandwidth) + '/s' if bandwidth else 'no measurable bandwidth'}; "
+                     f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call")
     if m.get("mode") == "layers":
         peak = m.get("peak_memory_bytes")
         lines.append(
@@ -136,6 +142,7 @@ def profile_to_file(
     mode: str = "auto",
     meta: bool = False,
     micro_batch_sizes: str | None = None,
+    comm: bool = False,
 ) -> tuple[Profile, Path]:
     """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
 
@@ -143,7 +150,8 @@ def profile_to_file(
     ``force``. ``threads`` sets torch's CPU threads while measuring (recorded in the metadata).
     ``chunks`` defaults to DEFAULT_CHUNKS ([Note: one chunks rule] in autopipe/app/config.py).
     ``meta`` builds the model on the meta device ([Note: models built on meta] in
-    autopipe/app/model_spec.py); ``mode`` is profile()'s.
+    autopipe/app/model_spec.py); ``mode`` is profile()'s. ``comm`` adds the transfer between
+    two ranks and the distributed runtime's call cost ([Note: measured transfer]).
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
@@ -174,4 +182,6 @@ def profile_to_file(
         )
     finally:
         torch.set_num_threads(before)
+    if comm:
+        prof = with_comm(prof, device=device)
     return prof, prof.save(csv_path, overwrite=force)

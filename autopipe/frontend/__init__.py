@@ -9,6 +9,7 @@
     preserve.py   restore RNG and module state after measuring
     inputs.py     micro_batch(): the micro-batch of an example batch; device checks
     profiler.py   profile(): time and memory of each layer -> Profile
+    comm.py       with_comm(): a transfer between two ranks, the distributed runtime's call cost
     layerwise.py  each layer alone on the device with made-up inputs (models that never fit)
     stages.py     build(): a Plan + the traced model -> one nn.Module per stage
     weights.py    named tensors from weights files, read a few at a time

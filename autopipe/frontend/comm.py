@@ -1,0 +1,186 @@
+"""What crossing between two ranks costs: a point-to-point micro-benchmark and its fit.
+
+    prof = with_comm(profile(model, inputs, chunks=8))    # autopipe profile --comm
+    prof.meta["comm_latency_ms"], prof.meta["comm_bandwidth"]
+
+[Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/cost.py)
+Two processes are spawned and joined by gloo (NCCL, one GPU each, when the profile is for CUDA
+and two GPUs are there), each with one CPU thread, as the distributed runtime's ranks run:
+
+- A ping-pong at each of ``COMM_SIZES``: rank 0 sends, rank 1 sends the same bytes back; half
+  the median round trip is one crossing. :func:`fit_transfer` fits ``latency + bytes /
+  bandwidth`` to them, weighing relative errors alike (a least-squares line on absolute times
+  would let the largest size decide the latency too).
+- The distributed runtime's own cost per micro-batch: executor.DistributedPipeline over two
+  near-EMPTY stages (one 1-element weight each), ``chunks`` micro-batches, GPipe. The simulator
+  charges such a pipeline ``(M + 1) x (fwd + bwd call) + 2 M x latency`` for a training step and
+  ``(M + 1) x fwd call + M x latency`` for a forward-only one (``eval_step``), so the two timed
+  steps give the call costs. They describe this runtime (its schedule, PipelineStage's
+  bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: the
+  profile's ``stage_call_fwd_ms`` / ``stage_call_bwd_ms`` become them and executor.GPipe's move
+  to ``gpipe_call_fwd_ms`` / ``gpipe_call_bwd_ms``, so a ``--comm`` profile predicts the
+  distributed runtime ([Note: measured overheads]).
+
+On a CPU machine both ranks share the host: these numbers include the cores they compete for,
+as the pipeline's own transfers do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.spawn import start_processes
+
+from autopipe.errors import ProfileError
+
+if TYPE_CHECKING:  # the spawned ranks never load pandas
+    from autopipe.core.profile_table import Profile
+
+__all__ = ["COMM_SIZES", "fit_transfer", "measure_comm", "with_comm"]
+
+COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
+COMM_REPEATS = 20
+EMPTY_STEPS = 30
+_WARMUP = 3
+
+
+def fit_transfer(nbytes: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
+    """``(latency ms, bandwidth bytes/s)`` of ``ms ~ latency + nbytes / bandwidth``, each point
+    weighted by ``1 / ms**2`` (relative errors); latency >= 0, bandwidth ``inf`` when the times
+    do not grow with the bytes."""
+    x, t = np.asarray(nbytes, dtype=np.float64), np.asarray(ms, dtype=np.float64)
+    if x.shape != t.shape or x.size < 2 or (t <= 0).any():
+        raise ProfileError(f"fit_transfer needs two or more (bytes, ms > 0) points, got {x.tolist()}, {t.tolist()}")
+    rows = np.stack([np.ones_like(x), x], axis=1) / t[:, None]  # relative errors: divide by t
+    latency, slope = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)[0]
+    if slope <= 1e-12:  # no growth with the bytes (over 1e15 bytes/s): a constant
+        return float(t.size / np.sum(1.0 / t)), math.inf
+    if latency < 0:  # through the origin
+        latency, slope = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    return float(latency), 1000.0 / float(slope)
+
+
+def _one_way_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
+    times = []
+    for i in range(_WARMUP + repeats):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        if i >= _WARMUP:
+            times.append((time.perf_counter() - t0) * 1e3 / 2)
+    return statistics.median(times)
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> tuple[float, float]:
+    """Median training and forward-only step ms of a 2-rank pipeline of near-empty stages."""
+    from executor.distributed import DistributedPipeline, infer_wires
+
+    stages = [_Scale().to(device), _Scale().to(device)]
+    x = torch.ones(chunks, 1, device=device)
+    pipe = DistributedPipeline([stages[rank]], [rank], 2, loss_fn=lambda out, _: out.sum(), chunks=chunks,
+                               checkpoint="never", wires=infer_wires(stages, (x[:1],)), device=device)
+    target = torch.zeros(chunks, device=device)
+
+    def median_ms(step: Any) -> float:
+        times = []
+        for i in range(_WARMUP + steps):
+            t0 = time.perf_counter()
+            step(x, target=target)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= _WARMUP:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return median_ms(pipe.step), median_ms(pipe.eval_step)
+
+
+def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], repeats: int,
+          chunks: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
+        ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
+              for n in sizes]
+        train, fwd = _empty_pipeline_ms(rank, device, chunks, steps)
+        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "train": train, "fwd": fwd}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
+                 sizes: Sequence[int] = COMM_SIZES, repeats: int = COMM_REPEATS,
+                 steps: int = EMPTY_STEPS) -> dict[str, Any]:
+    """The profile metadata of [Note: measured transfer]: two ranks spawned here (a few seconds)."""
+    dev = torch.device(device)
+    backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            start_processes(_rank, args=(port, out, backend, list(sizes), repeats, chunks, steps),
+                            nprocs=2, start_method="spawn")
+        except Exception as err:  # noqa: BLE001 - a child's traceback: one line
+            raise ProfileError(f"the 2-process transfer measurement failed ({str(err).strip().splitlines()[-1]}); "
+                               "profile without --comm") from None
+        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
+    ms = [max(a, b) for a, b in zip(ranks[0]["ms"], ranks[1]["ms"], strict=True)]
+    latency, bandwidth = fit_transfer([max(n // 4, 1) * 4 for n in sizes], ms)
+    train, fwd = (max(r[k] for r in ranks) for k in ("train", "fwd"))
+    hop = latency + 4 * 1000.0 / bandwidth  # one float32 crossing
+    call = max(train - 2 * chunks * hop, 0.0) / (chunks + 1)
+    call_fwd = min(max(fwd - chunks * hop, 0.0) / (chunks + 1), call)
+    return {"comm_backend": backend, "comm_latency_ms": round(latency, 6),
+            "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
+            "comm_sizes": [max(n // 4, 1) * 4 for n in sizes], "comm_ms": [round(t, 6) for t in ms],
+            "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
+            "stage_call_of": "DistributedPipeline"}
+
+
+def with_comm(profile: Profile, device: str | torch.device | None = None, **kwargs: Any) -> Profile:
+    """``profile`` with [Note: measured transfer]'s metadata (on the profiled device and chunks
+    unless given); executor.GPipe's stage call kept as ``gpipe_call_*_ms``."""
+    from autopipe.core.profile_table import Profile
+
+    meta = dict(profile.meta)
+    kwargs.setdefault("chunks", int(meta.get("chunks") or 8))
+    measured = measure_comm(device if device is not None else str(meta.get("device_type") or "cpu"), **kwargs)
+    for phase in ("fwd", "bwd"):
+        if f"stage_call_{phase}_ms" in meta and meta.get("stage_call_of") != "DistributedPipeline":
+            meta[f"gpipe_call_{phase}_ms"] = meta[f"stage_call_{phase}_ms"]
+    return Profile(profile.df, profile.edges, {**meta, **measured})

@@ -1,0 +1,67 @@
+"""[Note: measured transfer]: the fit, the metadata a profile keeps, and one real 2-rank run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from autopipe.app.cli import main
+from autopipe.core.cost import LayerCosts
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
+from autopipe.frontend import comm
+from autopipe.solvers.synthetic import random_chain
+
+
+def test_the_fit_recovers_latency_and_bandwidth() -> None:
+    sizes = [64, 64 << 10, 512 << 10, 4 << 20]
+    exact = [0.05 + n / 4e6 for n in sizes]  # 0.05 ms + bytes at 4 GB/s
+    latency, bandwidth = comm.fit_transfer(sizes, exact)
+    assert latency == pytest.approx(0.05) and bandwidth == pytest.approx(4e9)
+    noisy = [t * f for t, f in zip(exact, [1.1, 0.9, 1.05, 0.95], strict=True)]
+    latency, bandwidth = comm.fit_transfer(sizes, noisy)
+    assert 0.04 < latency < 0.06 and 3e9 < bandwidth < 5e9  # relative errors: small sizes count
+    assert comm.fit_transfer([64, 1 << 20], [0.1, 0.1]) == (pytest.approx(0.1), math.inf)
+    assert comm.fit_transfer([64, 1 << 20], [0.1, 0.01])[1] == math.inf  # never below 0
+    assert comm.fit_transfer([64, 1 << 20], [0.0001, 1.0])[0] >= 0.0
+
+
+MEASURED = {"comm_backend": "gloo", "comm_latency_ms": 0.07, "comm_bandwidth": 3e9,
+            "comm_sizes": [64, 1024], "comm_ms": [0.07, 0.08], "stage_call_fwd_ms": 0.2,
+            "stage_call_bwd_ms": 0.3, "stage_call_of": "DistributedPipeline"}
+
+
+def test_the_measurement_rides_in_the_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(comm, "measure_comm", lambda device, **kw: dict(MEASURED, chunks=kw["chunks"]))
+    base = random_chain(6, 1)
+    base = Profile(base.df, base.edges, {**base.meta, "chunks": 4, "stage_call_fwd_ms": 0.01,
+                                         "stage_call_bwd_ms": 0.02})
+    prof = comm.with_comm(base)
+    assert prof.meta["chunks"] == 4 and prof.meta["gpipe_call_fwd_ms"] == 0.01
+    path = prof.save(f"{tmp_path}/p.csv")
+    costs = LayerCosts.from_profile(Profile.load(path))
+    assert (costs.comm_latency_ms, costs.comm_bandwidth, costs.call_fwd_ms) == (0.07, 3e9, 0.2)
+
+
+def test_profile_comm_on_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(comm, "measure_comm", lambda device, **kw: dict(MEASURED))
+    out, plan = tmp_path / "chain.csv", tmp_path / "plan.json"
+    argv = ["profile", "tests.models:make_chain", "--out", str(out), "--repeats", "2", "--warmup", "0"]
+    assert main([*argv, "--comm"]) == 0
+    assert "between two ranks (gloo): 0.07 ms + bytes / 2.8 GiB/s" in capsys.readouterr().out
+    assert main(["partition", str(out), "--stages", "2", "--out", str(plan)]) == 0
+    assert Plan.load(plan).bandwidth == 3e9  # the measured bandwidth, not the default 1e10
+    assert main(["partition", str(out), "--stages", "2", "--out", str(plan), "--force",
+                 "--bandwidth", "0"]) == 0
+    assert Plan.load(plan).bandwidth is None
+
+
+@pytest.mark.timeout(60)
+def test_two_real_ranks() -> None:
+    meta = comm.measure_comm("cpu", chunks=2, sizes=(64, 256 << 10), repeats=3, steps=3)
+    assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
+    assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
+    assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
