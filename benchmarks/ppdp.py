@@ -3,6 +3,7 @@
     python benchmarks/ppdp.py                               # 202-layer DAG + TinyLlama-1.1B's shape
     python benchmarks/ppdp.py --no-llama                    # the synthetic profiles only (no torch)
     python benchmarks/ppdp.py --llama-profile profiles/llama1b   # profile once, reuse
+    python benchmarks/ppdp.py --no-llama --measured         # and 4 gloo ranks measured on CPU
 
 Simulated part: for each profile, device count N and per-device memory limit,
 ``partition(devices=N, data_parallel="auto", chunks="auto", checkpoint="auto",
@@ -159,6 +160,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dag-blocks", type=int, default=25, help="8 x blocks + 2 layers")
     p.add_argument("--chain-layers", type=int, default=200)
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--measured", action="store_true",
+                   help="also 4 gloo CPU ranks as 1x4, 2x2, 4x1 (benchmarks/ppdp_measured.py; its "
+                        "own flags there)")
     # the Llama profile: benchmarks/auto_plan.py's flags and defaults (TinyLlama-1.1B's shape)
     p.add_argument("--llama-profile", default=None, help="NAME: read NAME.csv if it exists, else write it")
     p.add_argument("--layers", type=int, default=22)
@@ -191,6 +195,11 @@ def simulated(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> str:
     args = parser().parse_args(argv)
     out = simulated(args)
+    if args.measured:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import it by name
+        from ppdp_measured import measured_table
+
+        out += "\n\n" + measured_table()
     print(out)
     return out
 
