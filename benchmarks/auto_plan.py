@@ -38,8 +38,11 @@ executor.GPipe, 1 thread): it runs only gpipe, so there the auto plan is searche
 ``schedule="gpipe"``; its stages share one CPU and take turns, so besides the plan's own
 prediction (2 devices) the table gives ``pipe.plan``'s, re-simulated for one shared device.
 Two gloo ranks x 1 thread (``distributed_pipeline(..., plan=)``, the plan's schedule): the
-devices the plan was made for, when the machine has two idle cores. Times are the median,
-min and max of ``--steps`` steps after ``--warmup`` (on 2 ranks, per step the slower rank's).
+devices the plan was made for, when the machine has two idle cores; there the auto plan
+searched with ``schedule="gpipe"`` runs too ("auto, gpipe") when the search chose another
+schedule. The plans of a runtime are built first and then take turns step by step, so a change
+in the machine's load hits them alike. Times are the median, min and max of ``--steps`` steps
+after ``--warmup`` (on 2 ranks, per step the slower rank's; each step starts after a barrier).
 The memory limit binds in the planner only: on CPU nothing enforces it, and peak memory is
 not measured.
 """
@@ -52,6 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
@@ -280,18 +284,25 @@ def _key(plan: Plan) -> tuple[object, ...]:
     return (str(plan.stages), plan.chunks, str(plan.checkpoint), plan.schedule)
 
 
-def _steps(step: Callable[[], object], steps: int, warmup: int) -> list[float]:
-    times = []
+def _steps(runs: Sequence[Callable[[], object]], steps: int, warmup: int,
+           before: Callable[[], object] | None = None) -> list[list[float]]:
+    """Step times (ms) of each of ``runs``, taking turns step by step, so that a change in the
+    machine's load between them hits them all alike; ``before`` runs untimed before each."""
+    times: list[list[float]] = [[] for _ in runs]
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+        for run, out in zip(runs, times, strict=True):
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            run()
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
-def one_process(example: str, batch: int, plan: Plan, steps: int, warmup: int) -> tuple[float, list[float]]:
-    """``plan`` run by autopipe.pipeline with every stage on the one CPU: the prediction for
+def one_process(example: str, batch: int, plans: Sequence[Plan], steps: int,
+                warmup: int) -> list[tuple[float, list[float]]]:
+    """Each plan run by autopipe.pipeline with every stage on the one CPU: the prediction for
     that placement (pipe.plan) and the step times."""
     import warnings
 
@@ -301,16 +312,21 @@ def one_process(example: str, batch: int, plan: Plan, steps: int, warmup: int) -
     from autopipe.examples import get_example
 
     torch.set_num_threads(1)
-    ex = get_example(example, batch_size=batch)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the placement warning this table shows
-        pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * plan.num_stages,
-                                 chunks=plan.chunks, plan=plan)
+    runs, predicted = [], []
+    for plan in plans:
+        ex = get_example(example, batch_size=batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the placement warning this table shows
+            pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * plan.num_stages,
+                                     chunks=plan.chunks, plan=plan)
+        predicted.append(pipe.plan.iteration_time)
+        runs.append(functools.partial(_loss_backward, pipe, ex.inputs, ex.target, ex.loss_fn))
+    return list(zip(predicted, _steps(runs, steps, warmup), strict=True))
 
-    def step() -> None:
-        ex.loss_fn(pipe(*ex.inputs), ex.target).backward()
 
-    return pipe.plan.iteration_time, _steps(step, steps, warmup)
+def _loss_backward(pipe: Callable[..., Any], inputs: tuple[Any, ...], target: Any,
+                   loss_fn: Callable[[Any, Any], Any]) -> None:
+    loss_fn(pipe(*inputs), target).backward()
 
 
 def _rank_steps(rank: int, example: str, batch: int, plans: list[dict[str, object]], steps: int,
@@ -320,15 +336,14 @@ def _rank_steps(rank: int, example: str, batch: int, plans: list[dict[str, objec
     from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.examples import get_example
 
-    out = []
+    runs = []
     for data in plans:
         plan = Plan.from_dict(data)
         ex = get_example(example, batch_size=batch)
         pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan,
                                     chunks=plan.chunks, schedule=plan.schedule)
-        dist.barrier()
-        out.append(_steps(functools.partial(pipe.step, *ex.inputs, target=ex.target), steps, warmup))
-    return out
+        runs.append(functools.partial(pipe.step, *ex.inputs, target=ex.target))
+    return _steps(runs, steps, warmup, before=dist.barrier)  # each step starts on both ranks at once
 
 
 def _rank_entry(rank: int, port: int, out: str, args: tuple[object, ...]) -> None:
@@ -366,24 +381,23 @@ def two_ranks(example: str, batch: int, plans: Sequence[Plan], steps: int, warmu
 
 
 def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True) -> list[Timed]:
-    """Every plan of ``plans`` on one process and (``ranks``) on 2 ranks; a plan equal to one
-    already run is not run again."""
+    """Every plan of ``plans`` on one process and (``ranks``) on 2 ranks, where the auto plan
+    searched for gpipe runs too when it differs; a plan equal to another is run once."""
     rows: list[Timed] = []
     ex, b, lim = plans.example, plans.batch, plans.limit
-    done: dict[tuple[object, ...], tuple[float, list[float]]] = {}
-    for name, plan in (("auto", plans.auto_gpipe), ("recipe", plans.recipe), ("single", plans.single_gpipe)):
-        if plan is None:
-            continue
+    named = [(n, p) for n, p in (("auto", plans.auto_gpipe), ("recipe", plans.recipe),
+                                 ("single", plans.single_gpipe)) if p is not None]
+    unique = list({_key(p): p for _, p in named}.values())
+    done = dict(zip([_key(p) for p in unique], one_process(ex, b, unique, steps, warmup), strict=True))
+    for name, plan in named:
         note = "= auto" if name == "single" and _key(plan) == _key(plans.auto_gpipe) else ""
-        if _key(plan) not in done:
-            done[_key(plan)] = one_process(ex, b, plan, steps, warmup)
         rows.append(Timed(plans.label, lim, "1 process", name, plan, *done[_key(plan)], note=note))
     if not ranks:
         return rows
-    named = [(n, p) for n, p in (("auto", plans.auto), ("recipe", plans.recipe), ("single", plans.single))
+    named = [(n, p) for n, p in (("auto", plans.auto), ("recipe", plans.recipe), ("single", plans.single),
+                                 ("auto, gpipe", plans.auto_gpipe if plans.auto_gpipe is not plans.auto else None))
              if p is not None]
-    runnable = [p for _, p in named if p.num_stages % 2 == 0]
-    unique = list({_key(p): p for p in runnable}.values())
+    unique = list({_key(p): p for _, p in named if p.num_stages % 2 == 0}.values())
     times = dict(zip([_key(p) for p in unique], two_ranks(ex, b, unique, steps, warmup), strict=True))
     for name, plan in named:
         note = "= auto" if name == "single" and _key(plan) == _key(plans.auto) else ""
