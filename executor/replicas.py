@@ -128,6 +128,8 @@ class ReplicatedPipeline(DistributedPipeline):
         if self.dp_mode == "fsdp":
             fully_shard(wire, mesh=dp_mesh, reshard_after_forward=False)
             return wire
+        if not any(p.requires_grad for p in wire.parameters()):
+            return wire  # DDP refuses a module with nothing to synchronise (a stage of only ReLUs)
         ids = [self.device] if self.device.type == "cuda" else None
         return DistributedDataParallel(wire, device_ids=ids, device_mesh=dp_mesh,
                                        forward_sync_buffers=False, gradient_as_bucket_view=True)

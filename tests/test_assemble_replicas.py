@@ -58,13 +58,14 @@ CASES = [
     ("skip", "fsdp", "1f1b", ["never", "always"], False),
     ("tied", "ddp", "1f1b", ["except_last", "always"], False),
     ("tied", "fsdp", "gpipe", ["always", "never"], True),
-]
+    ("skip", "ddp", "interleaved1f1b", ["never", "always", "never", "except_last"], False),  # a stage
+]                                                                # of no parameters: not under DDP
 
 
 def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
     model, inputs, _, _ = _case(case)
     graph = trace(model, microbatch_inputs(_local(inputs, 0), CHUNKS))
-    plan = partition(cost_profile(graph), stages=K, method="uniform", chunks=CHUNKS)
+    plan = partition(cost_profile(graph), stages=len(modes), method="uniform", chunks=CHUNKS)
     return dataclasses.replace(plan, checkpoint=modes, data_parallel=D, dp_mode=dp_mode)
 
 
@@ -90,7 +91,7 @@ def _train(rank: int, out: str) -> tuple[str, float] | None:
             path = os.path.join(out, f"{n}-stage{pipe.pp_rank}.pt")
             torch.save(state, path)
         results.append({"where": (pipe.dp_rank, pipe.dp_size, pipe.pp_rank, pipe.pp_size),
-                        "engine": type(pipe._sized.modules[0]).__name__,
+                        "engine": type(pipe._sized.modules[0]).__name__,  # stage 0 or 1's
                         "losses": losses, "state": {k: v.clone() for k, v in state.items()},
                         "path": path})
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))  # whatever ends this process
@@ -143,7 +144,7 @@ def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResu
         model, ref_losses = _reference(case)
         what = f"{case}/{dp_mode}"
         engine = "DistributedDataParallel" if dp_mode == "ddp" else "FSDPWireStage"  # FSDP2's class
-        assert [r[n]["engine"] for r in parts] == [engine] * (D * K)
+        assert engine in {r[n]["engine"] for r in parts}
         for step in range(STEPS):  # the last stage of each replica (ranks 1 and 3) has a loss
             assert parts[0][n]["losses"][step] is None and parts[2][n]["losses"][step] is None
             mean = (parts[1][n]["losses"][step] + parts[3][n]["losses"][step]) / 2
