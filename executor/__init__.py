@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from executor.errors import DistributedError, ExecutorError, MicroBatchError, PlacementError
     from executor.gpipe import GPipe
     from executor.microbatch import gather, scatter
+    from executor.replicas import ReplicatedPipeline, pipeline_mesh
     from executor.schedule import clock_cycles
     from executor.timeline import save_chrome_trace, to_chrome_trace
 
@@ -41,6 +42,8 @@ __all__: list[str] = [
     "MicroBatchError",
     "PlacementError",
     "DistributedPipeline",
+    "ReplicatedPipeline",
+    "pipeline_mesh",
     "DistributedError",
     "PipelineFailure",
 ]
@@ -62,6 +65,8 @@ _LAZY: dict[str, str] = {
     "DistributedError": "executor.errors",
     "DistributedPipeline": "executor.distributed",
     "PipelineFailure": "executor.distributed",
+    "ReplicatedPipeline": "executor.replicas",
+    "pipeline_mesh": "executor.replicas",
 }
 
 
