@@ -1,9 +1,11 @@
 """Two-process pipeline vs one process, auto plan vs equal layer counts, vs plain pipelining.
 
-    python benchmarks/distributed_speedup.py            # prints a markdown table
+    python benchmarks/distributed_speedup.py            # prints markdown tables
 
-All runs train the bundled uneven MLP (autopipe.examples.UnevenMLP) on one mini-batch of
-``--batch`` rows in ``--chunks`` micro-batches, one CPU thread per process, gloo:
+Two models, each trained on one mini-batch of ``--batch`` rows in ``--chunks`` micro-batches,
+one CPU thread per process, gloo: the bundled uneven MLP (autopipe.examples.UnevenMLP, layers
+16x apart in cost) and ``EvenBlocks``, 16 equal Linear(W, W) + ReLU blocks (``--width`` W) that
+split evenly, so that the runtime's own overhead is what separates it from the ideal:
 
 - one process: the plain model over the same micro-batches (loss = their mean, as the
   pipeline computes it), so the ideal 2-stage GPipe speedup is 2M / (M + 1);
@@ -15,6 +17,10 @@ All runs train the bundled uneven MLP (autopipe.examples.UnevenMLP) on one mini-
   ``PipelineStage`` + ``ScheduleGPipe``: what a user writes without autopipe.
 
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
+Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.comm (what
+``autopipe profile --comm`` stores for the cost model): a stage call of the runtime (empty
+stages: schedule, PipelineStage, Python) and a gloo crossing of each model's activation, next to
+the gap each model's measured step leaves to its ideal, per micro-batch slot.
 """
 
 from __future__ import annotations
@@ -31,16 +37,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
-__all__ = ["main"]
+__all__ = ["EvenBlocks", "main"]
+MODELS = ("uneven", "even")
 
 
-def _example(batch: int) -> Any:
-    from autopipe.examples import get_example
+class EvenBlocks(nn.Module):
+    """``blocks`` equal Linear(width, width) + ReLU blocks, as one flat ``net`` (net.0 .. net.31)."""
 
-    return get_example("mlp", batch_size=batch)
+    def __init__(self, width: int, blocks: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), nn.ReLU())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _example(model: str, batch: int, width: int) -> Any:
+    from autopipe.examples import Example, get_example
+
+    if model == "uneven":
+        return get_example("mlp", batch_size=batch)
+    torch.manual_seed(0)
+    return Example("even", EvenBlocks(width), (torch.randn(batch, width),),
+                   torch.randint(0, width, (batch,)), F.cross_entropy)
 
 
 def _median_ms(step: Callable[[], object], steps: int, warmup: int) -> float:
@@ -53,8 +76,8 @@ def _median_ms(step: Callable[[], object], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _single_process(batch: int, chunks: int, steps: int, warmup: int) -> float:
-    ex = _example(batch)
+def _single_process(model: str, batch: int, width: int, chunks: int, steps: int, warmup: int) -> float:
+    ex = _example(model, batch, width)
     xs, ys = ex.inputs[0].tensor_split(chunks), ex.target.tensor_split(chunks)
 
     def step() -> None:
@@ -64,20 +87,22 @@ def _single_process(batch: int, chunks: int, steps: int, warmup: int) -> float:
     return _median_ms(step, steps, warmup)
 
 
-def _autopipe_rank(rank: int, plan: dict[str, Any], batch: int, chunks: int, steps: int, warmup: int) -> float:
+def _autopipe_rank(rank: int, plan: dict[str, Any], model: str, batch: int, width: int, chunks: int,
+                   steps: int, warmup: int) -> float:
     from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
-    ex = _example(batch)
+    ex = _example(model, batch, width)
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=Plan.from_dict(plan),
                                 chunks=chunks, checkpoint="never")
     return _median_ms(lambda: pipe.step(*ex.inputs, target=ex.target), steps, warmup)
 
 
-def _torch_rank(rank: int, cut: int, batch: int, chunks: int, steps: int, warmup: int) -> float:
+def _torch_rank(rank: int, cut: int, model: str, batch: int, width: int, chunks: int, steps: int,
+                warmup: int) -> float:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    ex = _example(batch)
+    ex = _example(model, batch, width)
     net: nn.Sequential = ex.model.net
     part = net[:cut] if rank == 0 else net[cut:]
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
@@ -93,7 +118,7 @@ def _torch_rank(rank: int, cut: int, batch: int, chunks: int, steps: int, warmup
     return _median_ms(step, steps, warmup)
 
 
-def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[int, ...]) -> list[float]:
+def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[Any, ...]) -> list[float]:
     """Every 2-rank configuration in turn on one process group (one start-up for them all)."""
     times = [_autopipe_rank(rank, plan, *run) for plan in plans]
     dist.barrier()
@@ -123,28 +148,21 @@ def _two_ranks(*args: Any) -> list[float]:
     return [max(a, b) for a, b in zip(*per_rank, strict=True)]
 
 
-def _plans(batch: int, chunks: int) -> tuple[Any, Any]:
+def _plans(model: str, batch: int, width: int, chunks: int) -> tuple[Any, Any]:
     from autopipe.frontend.profiler import profile
     from autopipe.solvers.partitioner import partition
 
-    ex = _example(batch)
+    ex = _example(model, batch, width)
     prof = profile(ex.model, ex.inputs, chunks=chunks, repeats=5)
     return (partition(prof, stages=2, chunks=chunks, checkpoint="never"),
             partition(prof, stages=2, chunks=chunks, checkpoint="never", method="uniform"))
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=1024)
-    p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    m, run = args.chunks, (args.batch, args.chunks, args.steps, args.warmup)
-    auto, uniform = _plans(args.batch, args.chunks)
-    cut = int(auto.stages[1][0].split(".")[-1])  # UnevenMLP layers are net.0 .. net.14
+def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple[float, float, int]]:
+    """One model's markdown table; its one-process and best autopipe step ms, the cut's bytes."""
+    m, run = args.chunks, (model, args.batch, args.width, args.chunks, args.steps, args.warmup)
+    auto, uniform = _plans(model, args.batch, args.width, args.chunks)
+    cut = int(auto.stages[1][0].split(".")[-1])  # layers are net.0, net.1, ...
     one = _single_process(*run)
     auto_ms, uniform_ms, peer_ms = _two_ranks([auto.to_dict(), uniform.to_dict()], cut, run)
     rows = [
@@ -154,22 +172,72 @@ def main(argv: Sequence[str] | None = None) -> str:
         ("torch.distributed.pipelining, hand split", f"net[:{cut}] / net[{cut}:]", peer_ms),
     ]
     ideal = 2 * m / (m + 1)
+    name = "UnevenMLP" if model == "uneven" else f"EvenBlocks (16 x Linear({args.width}, {args.width}) + ReLU)"
     lines = [
-        f"UnevenMLP, batch {args.batch}, M={m} micro-batches, 2 gloo ranks x 1 thread, "
+        f"{name}, batch {args.batch}, M={m} micro-batches, 2 gloo ranks x 1 thread, "
         f"GPipe, no recomputation; ideal 2-stage speedup 2M/(M+1) = {ideal:.2f}",
         "",
         "| run | split (layers per stage) | step ms | speedup vs one process | of ideal |",
         "|---|---|---:|---:|---:|",
     ]
-    for name, split, ms in rows:
+    for label, split, ms in rows:
         of_ideal = "-" if ms is one else f"{one / ms / ideal:.0%}"
-        lines.append(f"| {name} | {split} | {ms:.1f} | {one / ms:.2f}x | {of_ideal} |")
+        lines.append(f"| {label} | {split} | {ms:.1f} | {one / ms:.2f}x | {of_ideal} |")
     lines.append("")
     lines.append(f"auto plan vs equal layer counts: {uniform_ms / auto_ms:.2f}x faster; "
                  f"vs the hand-written torch.distributed.pipelining peer: {peer_ms / auto_ms:.2f}x")
-    table = "\n".join(lines)
-    print(table)
-    return table
+    best = min((auto_ms, auto), (uniform_ms, uniform), key=lambda x: x[0])
+    return lines, (one, best[0], best[1].breakdown[0].output_bytes)
+
+
+def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, int]]) -> list[str]:
+    """The runtime's overhead per micro-batch next to each model's gap to its ideal."""
+    from autopipe.frontend.comm import measure_comm
+
+    comm = measure_comm("cpu", chunks=args.chunks)
+    m, latency, bandwidth = args.chunks, comm["comm_latency_ms"], comm["comm_bandwidth"] or float("inf")
+    call = comm["stage_call_fwd_ms"] + comm["stage_call_bwd_ms"]
+    lines = [
+        f"Distributed runtime overhead per micro-batch (autopipe.frontend.comm, {comm['comm_backend']}): "
+        f"a stage call (empty stages: schedule, PipelineStage, Python) {comm['stage_call_fwd_ms']:.3f} ms "
+        f"forward + {comm['stage_call_bwd_ms']:.3f} ms backward; a crossing {latency:.3f} ms + bytes / "
+        f"{bandwidth / 1e9:.2f} GB/s (ping-pong medians {[round(t, 3) for t in comm['comm_ms']]} ms at "
+        f"{comm['comm_sizes']} bytes)",
+        "",
+        "| model | activation per micro-batch | crossing ms | call + crossing ms (per stage, micro-batch) "
+        "| ideal step ms | measured step ms | gap per micro-batch slot ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model, (one, best, nbytes) in steps.items():
+        crossing = latency + nbytes * 1000.0 / bandwidth
+        ideal = one * (m + 1) / (2 * m)
+        lines.append(f"| {model} | {nbytes >> 10} KiB | {crossing:.3f} | {call + crossing:.3f} | "
+                     f"{ideal:.1f} | {best:.1f} | {(best - ideal) / (m + 1):.3f} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--width", type=int, default=512, help="EvenBlocks' width W")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-overheads", action="store_true", help="skip the overhead breakdown")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    lines: list[str] = []
+    steps: dict[str, tuple[float, float, int]] = {}
+    for model in args.models:
+        table, steps[model] = _model_table(model, args)
+        lines += [*table, ""]
+    if not args.no_overheads:
+        lines += _overheads(args, steps)
+    text = "\n".join(lines)
+    print(text)
+    return text
 
 
 def _split(stages: list[list[str]]) -> str:

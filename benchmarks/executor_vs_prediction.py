@@ -11,15 +11,32 @@ cost of micro-batching itself from the runtime's scheduling overhead. Prints a m
 of medians and ratios (measured / predicted; target within 10%).
 
     python3 benchmarks/executor_vs_prediction.py --threads 1
+    python3 benchmarks/executor_vs_prediction.py --runtime distributed   # 2 gloo ranks
+
+``--runtime distributed`` runs each plan on two gloo ranks of one thread each
+(executor.DistributedPipeline, GPipe): the plan is made for two devices (two ranks are two
+devices, not one shared CPU), from a profile that carries the transfer between two ranks and
+the distributed runtime's own call cost, measured once by autopipe.frontend.comm ([Note:
+measured transfer]); "before" then drops those and the recompute ratio (the model before any
+measured overhead: no call cost, bandwidth 1e10), and "plain loop" is ONE process running the
+model over the same micro-batches, so "executor / loop" is the inverse of the 2-rank speedup.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
+import socket
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import start_processes
 
 import autopipe
 from autopipe.app.train import median_ms
@@ -50,6 +67,61 @@ class Row:
 
 
 OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "recompute_ratio")
+COMM = ("comm_latency_ms", "comm_bandwidth")  # [Note: measured transfer]
+
+
+def _without(prof: Profile, keys: Sequence[str]) -> Profile:
+    return Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in keys})
+
+
+def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
+          plans: list[dict[str, Any]], repeats: int) -> None:
+    """Every plan in turn on this rank: a fresh model each (a pipeline frees the others' parts)."""
+    from autopipe.assemble_ranks import distributed_pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=120))
+    times = []
+    for plan in plans:
+        ex = get_example(name, batch_size=batch)
+        pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, chunks=chunks,
+                                    plan=autopipe.Plan.from_dict(plan))
+        dist.barrier()
+        times.append(median_ms(functools.partial(pipe.step, *ex.inputs, target=ex.target), repeats, warmup=2))
+    torch.save(times, Path(out) / f"{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequence[str],
+                        repeats: int, comm: dict[str, Any]) -> list[Row]:
+    """Every checkpoint mode of one example on 2 gloo ranks, predicted for two devices."""
+    ex = get_example(name, batch_size=batch)
+    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2))
+    prof = Profile(prof.df, prof.edges, {**prof.meta, **comm})
+    devices = ["cpu:0", "cpu:1"]  # two ranks: two devices
+    plans = [autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=c) for c in checkpoints]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as out:
+        start_processes(_rank, args=(port, out, name, batch, chunks, [p.to_dict() for p in plans], repeats),
+                        nprocs=2, start_method="spawn")
+        per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
+    pieces = list(zip(*(torch.tensor_split(x, chunks) for x in ex.inputs), strict=True))
+    targets = torch.tensor_split(ex.target, chunks)
+
+    def loop() -> None:
+        for inputs, target in zip(pieces, targets, strict=True):
+            ex.loss_fn(ex.model(*inputs), target).backward()
+
+    loop_ms = median_ms(loop, repeats, warmup=2)
+    bare = _without(prof, (*OVERHEADS, *COMM))
+    return [Row(name, batch, chunks, c, plan.iteration_time, max(a, b), loop_ms,
+                autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
+                                          checkpoint=c).iteration_time)
+            for c, plan, a, b in zip(checkpoints, plans, *per_rank, strict=True)]
 
 
 def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str], stages: int,
@@ -61,7 +133,7 @@ def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str]
     prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
                             device=device)
     if not overheads:
-        prof = Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in OVERHEADS})
+        prof = _without(prof, OVERHEADS)
     return [measure(name, ex, prof, chunks, c, stages, repeats, device) for c in checkpoints]
 
 
@@ -87,7 +159,7 @@ def measure(name: str, ex: Example, prof: Profile, chunks: int, checkpoint: str,
             ex.loss_fn(out, target).backward()  # type: ignore[arg-type]
         sync()
 
-    bare = Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in OVERHEADS})
+    bare = _without(prof, OVERHEADS)
     before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
                                        checkpoint=checkpoint)
     return Row(name, int(ex.inputs[0].shape[0]), chunks, checkpoint, plan.iteration_time,
@@ -107,8 +179,21 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the stages run")
     parser.add_argument("--no-overheads", action="store_true",
                         help="predict without the measured overheads (the model before them)")
+    parser.add_argument("--runtime", choices=["gpipe", "distributed"], default="gpipe",
+                        help="executor.GPipe in this process (default), or 2 gloo ranks")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.runtime == "distributed":
+        from autopipe.frontend.comm import measure_comm
+
+        comm = measure_comm("cpu", chunks=args.chunks)
+        print(f"between two ranks: {comm['comm_latency_ms']:.3f} ms + bytes / "
+              f"{(comm['comm_bandwidth'] or float('inf')) / 1e9:.2f} GB/s; stage call "
+              f"{comm['stage_call_fwd_ms']:.3f} + {comm['stage_call_bwd_ms']:.3f} ms")
+        rows = [r for m in args.models
+                for r in measure_distributed(m, args.batch, args.chunks, args.checkpoints, args.repeats, comm)]
+        print(table(rows))
+        return rows
     rows = [r for m in args.models
             for r in measure_model(m, args.batch, args.chunks, args.checkpoints, args.stages,
                                    args.repeats, overheads=not args.no_overheads, device=args.device)]
