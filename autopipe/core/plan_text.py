@@ -119,7 +119,7 @@ def explain(plan: Plan) -> str:
     d = plan.data_parallel
     replicas = f"{d} replicas ({plan.dp_mode}) x " if d > 1 else ""
     parts = [
-        f"{replicas}{k} stage(s) by {plan.method}, schedule {plan.schedule}, {plan.chunks} "
+        f"{replicas}{k} stage(s) split by method {plan.method!r}, schedule {plan.schedule}, {plan.chunks} "
         f"micro-batches{rows}, recomputation {checkpoint_text(plan.checkpoint)}: simulated "
         f"iteration {plan.iteration_time:.3f} ms ({100 * plan.bubble_fraction:.0f}% bubble).",
     ]
@@ -133,7 +133,7 @@ def explain(plan: Plan) -> str:
             f"{100 * plan.stage_times[s] / total:.0f}% of the summed stage time; the lower bound "
             f"max(T/K, largest layer) is {plan.lower_bound:.3f} ms (largest layer {big_name!r}: "
             f"{big_ms:.3f} ms), so the plan is "
-            f"{100 * (plan.bottleneck / plan.lower_bound - 1):.1f}% above it.")
+            f"{max(0.0, 100 * (plan.bottleneck / plan.lower_bound - 1)):.1f}% above it.")
     else:
         parts.append("Every layer costs 0 ms.")
     parts.append(f"Limited by {_limit(plan, s)}.")
