@@ -381,9 +381,10 @@ def test_merge_state_dicts_refuses_diverged_ties_and_missing_keys() -> None:
 def test_distributed_speedup_benchmark_runs_tiny() -> None:
     from benchmarks.distributed_speedup import main
 
-    table = main(["--batch", "16", "--steps", "1", "--warmup", "0"])
-    assert "2M/(M+1) = 1.78" in table
+    table = main(["--batch", "16", "--steps", "1", "--warmup", "0", "--models", "even", "--width", "8"])
+    assert "EvenBlocks (16 x Linear(8, 8) + ReLU)" in table and "2M/(M+1) = 1.78" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and "step ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == [
         "| one process (1 thread)", "| autopipe, auto plan", "| autopipe, equal layer counts",
-        "| torch.distributed.pipelining, hand split"]
+        "| torch.distributed.pipelining, hand split", "| even"]
+    assert "a crossing" in table  # the runtime's overhead per micro-batch, measured
