@@ -7,8 +7,8 @@ from the wires at that size ([Note: wires at other sizes] in executor/wire.py), 
 last few (their buffers cost memory). Which size a step has is decided by the pipeline's rank 0
 (group rank 0 of a mesh's pp group), which holds stage 0 and so is the one rank that must be
 given the inputs, and broadcast on the pipeline's group before the step (one small int64
-tensor): every rank then picks or builds the same schedule, or refuses the inputs with the same one-line error, instead of one rank raising while
-its peers wait for it until the timeout.
+tensor): every rank then picks or builds the same schedule, or refuses the inputs with the same
+one-line error, instead of one rank raising while its peers wait for it until the timeout.
 """
 
 from __future__ import annotations
