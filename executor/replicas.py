@@ -83,7 +83,7 @@ def pipeline_mesh(data_parallel: int, pp_size: int, *, device: torch.device | st
                             backend_override=override if None not in override.values() else None)
 
 
-def _column_group(mesh: DeviceMesh, pp_ranks: Sequence[int], timeout: float) -> dist.ProcessGroup | None:
+def _tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int], timeout: float) -> dist.ProcessGroup | None:
     """This rank's group of ``pp_ranks`` within its own replica (one group per replica)."""
     layout = mesh.mesh  # (dp, pp) -> global rank
     per_replica = [[int(layout[d, r]) for r in sorted(pp_ranks)] for d in range(layout.shape[0])]
@@ -119,7 +119,7 @@ class ReplicatedPipeline(DistributedPipeline):
             raise DistributedError(f"dp_mode={dp_mode!r} is unknown; use one of {list(DATA_PARALLEL_MODES)}")
         self.mesh, self.dp_mode = mesh, dp_mode
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh.size(0)
-        groups = [_column_group(mesh, ranks, timeout) for ranks, _ in ties]
+        groups = [_tie_group(mesh, ranks, timeout) for ranks, _ in ties]
         super().__init__(stages, indices, num_stages, group=mesh.get_group("pp"), timeout=timeout,
                          ties=[(g, p) for g, (_, p) in zip(groups, ties, strict=True)], **kwargs)
 
