@@ -181,3 +181,18 @@ def test_a_mode_the_graph_cannot_hold_is_refused_in_one_line() -> None:
     )
     pipe.train()
     assert_close(pipe(x), reference(x))
+
+
+def test_a_slice_bounded_by_a_traced_size_serves_both_modes() -> None:
+    # TinyGPT reads ``self.pos[:, : ids.shape[1]]``: in each mode's graph the slice's bound is
+    # that graph's own node, so the graphs must be compared through the slice
+    from autopipe.examples import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2, dropout=0.5)
+    ids = torch.randint(0, 256, (4, 16))
+    pipe = build(model, (ids,), chunks=2)
+    pipe.eval()
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        assert_close(pipe(ids), ref(ids))
