@@ -8,8 +8,8 @@ executor.activation_meter.ActivationMeter (the bytes autograd keeps for backward
 do not depend on the machine's load, so one run is exact; the target is within 10%.
 
 The prediction follows torch.distributed.pipelining's GPipe order (backward of micro-batch 0
-first); executor.GPipe drains in reverse (micro-batch M-1 first), so with ``except_last`` it
-holds one micro-batch's activations less than predicted: that row is over-predicted by design.
+first); executor.GPipe drains in reverse and recomputes the mirror-image micro-batches, with
+the same peak ([Note: which micro-batches recompute] in executor/spec.py).
 
     python3 benchmarks/memory_vs_prediction.py
 """

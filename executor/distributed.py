@@ -23,8 +23,9 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 [Note: what crosses a cut] is in executor/wire.py.
 
 [Note: distributed recomputation] ``checkpoint`` follows executor.checkpoint's modes, one for
-every stage or one per stage ([Note: per-stage recomputation] in executor/spec.py): stage ``i``'s
-micro-batches ``0 .. checkpoint_stop(modes[i]) - 1`` are recomputed, never in eval mode or
+every stage or one per stage ([Note: per-stage recomputation] in executor/spec.py): stage ``i``
+recomputes the last ``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last
+under torch's schedules ([Note: which micro-batches recompute]), never in eval mode or
 under no_grad (as in executor.GPipe), but it uses
 ``torch.utils.checkpoint`` (non-reentrant, RNG replayed): a PipelineStage receives a gradient
 before it starts a micro-batch's backward, so there is nothing to overlap the recomputation
@@ -201,7 +202,8 @@ class DistributedPipeline:
             return kind(stages[0], chunks, loss_fn=self._loss, scale_grads=False)
 
         self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
-                                     stops=[checkpoint_stop(self.checkpoints[i], chunks) for i in self.indices],
+                                     firsts=[chunks - checkpoint_stop(self.checkpoints[i], chunks)
+                                             for i in self.indices],  # [Note: which micro-batches recompute]
                                      device=self.device,
                                      group=self.group, modules=modules)
         self._schedule = self._sized.get(self._sized.example)

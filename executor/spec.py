@@ -61,11 +61,23 @@ def check_checkpoint_mode(mode: str) -> None:
 def recomputed_microbatches(mode: str, chunks: int) -> int:
     """How many of ``chunks`` micro-batches a stage recomputes in backward (torchgpipe's rule).
 
-    ``always``: all of them; ``except_last``: all but the last, whose backward starts right
-    after its forward; ``never``: none. The executor recomputes micro-batches ``0 .. R-1``.
+    ``always``: all of them; ``except_last``: all but one, the micro-batch back-propagated
+    first; ``never``: none. Which R: :func:`is_recomputed` ([Note: which micro-batches recompute]).
     """
     check_checkpoint_mode(mode)
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def is_recomputed(microbatch: int, chunks: int, recomputed: int) -> bool:
+    """[Note: which micro-batches recompute] A stage recomputes the R micro-batches whose
+    backward comes LAST, so that the one back-propagated first (torchgpipe's "last": its
+    backward starts right after its forward) keeps its activations and frees them at once.
+    torch.distributed.pipelining's schedules back-propagate micro-batch 0 first, so under them
+    (the distributed runtime, and the simulator and cost model, which follow their order) these
+    are micro-batches ``M - R .. M - 1``. executor.GPipe back-propagates in reverse (M - 1
+    first) and recomputes ``0 .. R - 1``: the mirror image, with the same peak memory.
+    """
+    return microbatch >= chunks - recomputed
 
 
 def check_stage_checkpoints(checkpoint: object, stages: int) -> list[str]:
@@ -73,8 +85,8 @@ def check_stage_checkpoints(checkpoint: object, stages: int) -> list[str]:
     stage or a list (or tuple) with one mode per stage.
 
     Recomputation is local to a stage: a checkpointed stage saves its own inputs and replays its
-    own forward, so stage ``s`` recomputes micro-batches ``0 .. R_s - 1`` with
-    ``R_s = recomputed_microbatches(modes[s], M)`` whatever its neighbours do, and any mix of
+    own forward, so stage ``s`` recomputes ``R_s = recomputed_microbatches(modes[s], M)``
+    micro-batches ([Note: which micro-batches recompute]) whatever its neighbours do, and any mix of
     modes leaves the same loss and gradients; only time and memory differ, per stage. A planner
     can therefore pay for recomputation only on the stages where memory binds.
     """

@@ -22,11 +22,5 @@ def test_activation_memory_is_predicted_within_10_percent() -> None:
     bench = _module()
     rows = bench.main(["--models", "mlp", "gpt", "unet", "--batch", "32"])
     assert len(rows) == 3 * 3 * 2
-    for r in rows:
-        assert r.measured > 0, r
-        if r.checkpoint == "except_last":
-            # executor.GPipe back-propagates the un-checkpointed micro-batch first: it keeps
-            # less than the prediction (torch's order), never more
-            assert r.measured <= r.predicted, r
-        else:
-            assert 0.9 <= r.ratio <= 1.1, r
+    for r in rows:  # except_last too: [Note: which micro-batches recompute]
+        assert r.measured > 0 and 0.9 <= r.ratio <= 1.1, r

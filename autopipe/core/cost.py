@@ -38,8 +38,9 @@ and ``comm_bandwidth``; without them: latency 0, ``DEFAULT_BANDWIDTH``, as befor
 +grads, ``momentum`` 3, ``adam``/``adamw`` 4) + buffers + activations. Activations of one
 micro-batch are the stage's ``saved_bytes``. Checkpointing follows torchgpipe, per stage
 ([Note: per-stage recomputation] in executor/spec.py): ``always`` checkpoints all M
-micro-batches, ``except_last`` all but the last one, ``never`` none; micro-batches
-``0 .. R-1`` are the checkpointed ones. A checkpointed micro-batch keeps only its stage input
+micro-batches, ``except_last`` all but the one back-propagated first, ``never`` none; the
+checkpointed ones are the R whose backward comes last ([Note: which micro-batches recompute]
+in executor/spec.py). A checkpointed micro-batch keeps only its stage input
 from its forward until its backward, which first recomputes the forward (``saved_bytes`` again)
 and then frees both; any other micro-batch keeps ``saved_bytes`` from its forward to the end of
 its backward. Walking the stage's operations in its schedule's order ([Note: schedule orders]
@@ -47,11 +48,11 @@ in autopipe/core/schedules.py) with these rules (``_held``) gives the level afte
 allocation as ``a x input_bytes + b x saved_bytes``; the peak is the largest, over the few
 Pareto-maximal (a, b) pairs (``activation_terms``). That is exact for the order the schedule
 runs, whatever the stage's bytes: GPipe with R of M checkpointed peaks at
-``max(R x input + (M - R + 1) x saved, M x saved)`` (its backwards run B0 first: ``except_last``
-holds the un-checkpointed last micro-batch while recomputing the first), 1F1B at stage s holds
-at most ``min(M, K - s)`` micro-batches. executor.GPipe (one process) drains B(M-1) first, so
-with ``except_last`` it needs one ``saved_bytes`` less than this: the prediction is safe for it.
-The simulator walks the order it ran, so its peaks equal these (tests/core/test_simulator.py).
+``R x input + max(M - R, 1) x saved`` (``M x saved`` for R = 0), 1F1B at stage s holds at most
+``min(M, K - s)`` micro-batches. executor.GPipe (one process) back-propagates in the reverse
+order and checkpoints the mirror-image micro-batches, so the same formula is exact for it
+(benchmarks/memory_vs_prediction.py counts it). The simulator walks the order it ran, so its
+peaks equal these (tests/core/test_simulator.py).
 
 Replicas of the pipeline (``data_parallel``) change a stage's state bytes and add its
 collectives (per iteration, not per micro-batch): autopipe/core/replicas.py, [Note: pipeline x
@@ -81,6 +82,7 @@ from executor.spec import (
     CHECKPOINT_MODES,
     SCHEDULES,
     check_stage_checkpoints,
+    is_recomputed,
     recomputed_microbatches,
 )
 
@@ -166,12 +168,16 @@ Terms = tuple[tuple[int, int], ...]  # (a, b): a x input_bytes + b x saved_bytes
 
 def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[tuple[int, int, int, bool]]:
     """(stage, inputs held, saved activations held, after an allocation?) after each change of
-    what a stage holds, walking ``ops`` in order ([Note: stage memory]); stage s checkpoints
-    micro-batches ``0 .. recomputed[s] - 1``."""
+    what a stage holds, walking ``ops`` in order ([Note: stage memory]); stage s checkpoints its
+    last ``recomputed[s]`` micro-batches ([Note: which micro-batches recompute] in executor/spec.py)."""
+    ops = list(ops)
+    chunks: dict[int, int] = {}
+    for s, _, i in ops:
+        chunks[s] = max(chunks.get(s, 0), i + 1)
     held: dict[int, list[int]] = {}
     for s, kind, i in ops:
         h = held.setdefault(s, [0, 0])
-        checkpointed = i < recomputed[s]
+        checkpointed = is_recomputed(i, chunks[s], recomputed[s])
         if kind == "F":
             h[0 if checkpointed else 1] += 1
             yield s, h[0], h[1], True

@@ -51,6 +51,7 @@ from executor.spec import (
     SCHEDULES,
     TimelineEvent,
     check_stage_checkpoints,
+    is_recomputed,
     recomputed_microbatches,
 )
 
@@ -167,7 +168,7 @@ def simulate_stages(
                 end = ready["F", s + 1, i] = emit(
                     s, i, "transfer", end, crossing_ms(st.output_bytes, ms_per_byte, st.latency_ms))
         else:
-            if i < rec[s]:
+            if is_recomputed(i, m, rec[s]):
                 start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio))
             end = emit(s, i, "backward", start, st.bwd_ms + st.call_bwd_ms)
             backwards[s] += 1

@@ -81,7 +81,7 @@ def test_stage_costs_hand_computed() -> None:
 
 @pytest.mark.parametrize(
     ("checkpoint", "recompute", "act1"),
-    [("always", 3.0, 4 * 400 + 6000), ("except_last", 3.0 * 3 / 4, 3 * 400 + 2 * 6000), ("never", 0.0, 4 * 6000)],
+    [("always", 3.0, 4 * 400 + 6000), ("except_last", 3.0 * 3 / 4, 3 * 400 + 6000), ("never", 0.0, 4 * 6000)],
 )
 def test_checkpoint_modes(checkpoint: str, recompute: float, act1: int) -> None:
     lc = LayerCosts.from_profile(_diamond())
@@ -105,10 +105,11 @@ def test_tied_bytes_charged_to_every_holder() -> None:
 
 @pytest.mark.parametrize(("mode", "recomputed"), [("never", 0), ("except_last", 5), ("always", 6)])
 def test_gpipe_activation_terms_in_closed_form(mode: str, recomputed: int) -> None:
-    # ScheduleGPipe holds every micro-batch after the forwards; its first backward (B0) then
-    # recomputes micro-batch 0 next to the un-checkpointed rest: R inputs + (M - R + 1) saved
+    # ScheduleGPipe holds every micro-batch after the forwards: the R checkpointed ones (the last
+    # R, back-propagated last) as inputs, the others whole; its first recomputation comes after
+    # those others are freed: R inputs + max(M - R, 1) saved ([Note: which micro-batches recompute])
     m = 6
-    expected = ((0, m),) if recomputed == 0 else ((recomputed, m - recomputed + 1),)
+    expected = ((0, m),) if recomputed == 0 else ((recomputed, max(m - recomputed, 1)),)
     assert stage_terms("gpipe", 2, 4, m, recomputed) == expected
     assert activation_bytes(10, 1000, expected) == expected[0][0] * 10 + expected[0][1] * 1000
 

@@ -148,3 +148,14 @@ def test_output_the_loss_ignores_gets_no_gradient(mode: str) -> None:
     used.sum().backward()
     assert model.used.weight.grad is not None
     assert model.unused.weight.grad is None  # None, as without the pipeline; not zeros
+
+
+def test_the_micro_batches_back_propagated_last_are_the_recomputed_ones() -> None:
+    # [Note: which micro-batches recompute]: under torch's order (B0 first) except_last keeps
+    # micro-batch 0 whole; executor.GPipe, draining B(M-1) first, keeps M-1 (its stop rule)
+    from executor.spec import is_recomputed
+
+    assert [i for i in range(4) if is_recomputed(i, 4, 3)] == [1, 2, 3]
+    assert not any(is_recomputed(i, 4, 0) for i in range(4))
+    assert all(is_recomputed(i, 4, 4) for i in range(4))
+    assert checkpoint_stop("except_last", 4) == 3  # GPipe: micro-batches 0 .. 2

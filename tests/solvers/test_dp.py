@@ -133,18 +133,18 @@ def test_memory_message_offers_recomputation_when_it_fits() -> None:
                          saved_bytes=64 << 20)
     lc = LayerCosts.from_profile(prof)
     devs = [DeviceSpec(str(s), 300 << 20) for s in range(2)]
-    # never: 8 micro-batches x 2 layers x 64 MiB = 1 GiB a stage; except_last keeps two (the last
-    # micro-batch's, un-checkpointed, while ScheduleGPipe's first backward recomputes micro-batch 0)
+    # never: 8 micro-batches x 2 layers x 64 MiB = 1 GiB a stage; except_last keeps the inputs of
+    # the 7 checkpointed micro-batches and the activations of the one back-propagated first
     with pytest.raises(PartitionError, match=r"with checkpoint='never', .*; 2 stages fit with "
                        r"checkpoint='except_last' \(--checkpoint except_last / checkpoint='except_last'\)$"):
         solve_dp(lc, devs, CostOptions(checkpoint="never", chunks=8))
-    # below one layer's 8 x 64 MiB and its except_last 139 MiB, above its 'always' 4 + 8 + 64 MiB
+    # below 2 layers' except_last 143 MiB, above one layer's 4 + 7 + 64 MiB: more stages
     tiny = [DeviceSpec(str(s), 100 << 20) for s in range(2)]
-    with pytest.raises(PartitionError, match=r"; 4 stages fit with checkpoint='always' \(--stages 4 "
-                       r"--checkpoint always / stages=4, checkpoint='always'\)$"):
+    with pytest.raises(PartitionError, match=r"; 4 stages fit with checkpoint='except_last' \(--stages 4 "
+                       r"--checkpoint except_last / stages=4, checkpoint='except_last'\)$"):
         solve_dp(lc, tiny, CostOptions(checkpoint="never", chunks=8))
     with pytest.raises(PartitionError, match=r"; no number of stages fits: the least memory any split needs "
-                       r"is 139.0 MiB; raise the limit to that \(--memory / memory_limit=\)$"):
+                       r"is 75.0 MiB; raise the limit to that \(--memory / memory_limit=\)$"):
         solve_dp(lc, [DeviceSpec(str(s), 70 << 20) for s in range(2)], CostOptions(checkpoint="except_last", chunks=8))
     with pytest.raises(PartitionError, match=r"exceeds some device's limit by at least .* and these 2 devices; "
                        r"give them more memory or use checkpoint='except_last'$"):
