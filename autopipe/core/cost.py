@@ -77,6 +77,7 @@ from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import FloatArray, LayerCosts
 from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
+from autopipe.core.stage_cost import StageCost
 from autopipe.errors import PartitionError
 from executor.spec import (
     CHECKPOINT_MODES,
@@ -321,39 +322,6 @@ def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
         return rank_layout([d.name for d in devices])[0]
     except ValueError as err:
         raise PartitionError(str(err)) from None
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One stage's predicted cost per micro-batch (times in ms) and peak memory (bytes)."""
-
-    fwd_ms: float
-    bwd_ms: float
-    recompute_ms: float
-    transfer_ms: float
-    param_bytes: int  # parameters + gradients + optimizer state + buffers
-    activation_bytes: int
-    input_bytes: int
-    output_bytes: int
-    saved_bytes: int  # one micro-batch's activations kept for backward
-    # [Note: measured overheads]; defaults = today's model, so older plans load unchanged
-    call_fwd_ms: float = 0.0
-    call_bwd_ms: float = 0.0
-    recompute_ratio: float = 1.0
-    latency_ms: float = 0.0  # of each crossing, in transfer_ms ([Note: transfer cost])
-    # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
-    grad_sync_ms: float = 0.0  # after the stage's last backward
-    param_gather_ms: float = 0.0  # before its first forward (fsdp)
-
-    @property
-    def time_ms(self) -> float:
-        # = stage_time(layer_work(...), ...) with the parts kept apart
-        return (self.fwd_ms + self.bwd_ms + self.recompute_ms + self.call_fwd_ms
-                + self.call_bwd_ms + self.transfer_ms)
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.param_bytes + self.activation_bytes
 
 
 def stage_costs(
