@@ -3,7 +3,7 @@
 [Note: saved once] A tensor that two layers save for backward is held once: a ReLU saves its
 output and the Linear after it saves the same tensor as its input. Each layer is profiled
 alone, so both count it; the profile's ``saved_shared_bytes`` says how much of a layer's
-``saved_bytes`` its producers already save (autopipe.frontend.profiler.shared_saved), and
+``saved_bytes`` its producers already save (autopipe.frontend.layer_timing.shared_saved), and
 ``LayerCosts.saved`` is the difference, so a stage's sum counts such a tensor once, in the
 layer that made it. The graph's own inputs (the caller's batch, which a first layer saves a
 view of) are shared too: they are not the pipeline's to hold ([Note: transfer cost] in

@@ -19,7 +19,7 @@ forward + backward of the same micro-batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from autopipe.frontend.replay import LayerCall, Values
 from autopipe.frontend.timing import MemoryMeter, Timer, median
 from executor._torch_compat import tree_leaves, tree_map_only
 
-__all__ = ["probe", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key"]
+__all__ = ["probe", "shared_saved", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key"]
 
 CALIBRATION_REPEATS = 50
 CALIBRATION_WARMUP = 2
@@ -87,6 +87,18 @@ def probe(
         return sum(n for k, n in saved.items() if k in keys)
 
     return sum(saved.values()), [of(a) for a in args], of(out), peak
+
+
+def shared_saved(edges: Iterable[tuple[str, str, int]],
+                 ends: dict[str, tuple[int, int, int]]) -> dict[str, int]:
+    """[Note: saved once] Of what each layer saves of its inputs, the bytes that are held
+    anyway: the graph's inputs (the caller's batch) and what its producers already save as
+    their outputs (``min(the rest, sum of the producers' saved outputs)``)."""
+    produced: dict[str, int] = dict.fromkeys(ends, 0)
+    for src, dst, _ in edges:
+        produced[dst] += ends[src][2]
+    return {name: batch + min(saved_in - batch, produced[name])
+            for name, (saved_in, batch, _) in ends.items()}
 
 
 def timed_step(timer: Timer, forward: Callable[[], Any]) -> tuple[float, float]:

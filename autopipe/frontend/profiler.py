@@ -45,6 +45,7 @@ from autopipe.frontend.layer_timing import (
     fresh,
     harness_overhead,
     probe,
+    shared_saved,
     storage_key,
     time_layer,
     time_runs,
@@ -152,18 +153,6 @@ def _measure(
     shared = shared_saved(g.edges(), ends)
     return [{**r, "saved_shared_bytes": shared[r["layer"]]} for r in rows], \
         (fwd_extra, bwd_extra, sampler.ratio())
-
-
-def shared_saved(edges: Iterable[tuple[str, str, int]],
-                 ends: dict[str, tuple[int, int, int]]) -> dict[str, int]:
-    """[Note: saved once] Of what each layer saves of its inputs, the bytes that are held
-    anyway: the graph's inputs (the caller's batch) and what its producers already save as
-    their outputs (``min(the rest, sum of the producers' saved outputs)``)."""
-    produced: dict[str, int] = dict.fromkeys(ends, 0)
-    for src, dst, _ in edges:
-        produced[dst] += ends[src][2]
-    return {name: batch + min(saved_in - batch, produced[name])
-            for name, (saved_in, batch, _) in ends.items()}
 
 
 MODES = ("auto", "whole", "layers")
