@@ -43,6 +43,7 @@ from autopipe.frontend.profiler import profile as measure
 from autopipe.frontend.stages import build
 from autopipe.frontend.weights import Weights
 from executor import GPipe
+from executor.host_allocator import retain_freed_memory
 from executor.spec import check_stage_checkpoints
 from executor.worker import normalize_device
 
@@ -273,6 +274,8 @@ def pipeline(
         )
     modes = runtime_checkpoint(plan, given)
     check_device_memory(plan, devices)
+    if any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int)):
+        retain_freed_memory()  # [Note: freed memory stays in the process]
     stages = build(model, plan, graph)
     initialised = materialize_stages(model, stages, devices, weights=weights, init=init)
     if initialised:

@@ -46,6 +46,7 @@ from autopipe.frontend.materialize import has_meta_tensors, materialize_stages
 from autopipe.frontend.stages import build
 from autopipe.frontend.weights import Weights
 from executor.distributed import DistributedPipeline, infer_wires
+from executor.host_allocator import retain_freed_memory
 from executor.spec import SCHEDULES
 
 __all__ = ["distributed_pipeline", "merge_state_dicts"]
@@ -187,6 +188,8 @@ def distributed_pipeline(
     wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
     mine = list(range(rank % world, k, world))  # [Note: replicas on a mesh]: rank = dp x K + pp
     here = _device(device)
+    if here.type == "cpu":
+        retain_freed_memory()  # [Note: freed memory stays in the process]
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
     for i, s in enumerate(stages):

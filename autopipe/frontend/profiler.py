@@ -57,6 +57,7 @@ from autopipe.frontend.preserve import preserved
 from autopipe.frontend.process_memory import PeakRss
 from autopipe.frontend.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.timing import Timer, memory_meter_for, timer_for
+from executor.host_allocator import retain_freed_memory
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
@@ -289,6 +290,8 @@ def profile(
                            f"terminal), got {progress!r}")
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     dev = target_device(device)
+    if dev.type == "cpu":
+        retain_freed_memory()  # as the pipeline will: [Note: freed memory stays in the process]
     if graph is not None:
         _check_graph(graph, inputs, micro, chunks)
     chosen = _choose_mode(mode, model, dev, memory_budget)
