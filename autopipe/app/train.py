@@ -87,8 +87,8 @@ class TrainReport:
                 f"Stages on one device take turns: with {k} stages on {self.devices[0]} this process "
                 f"runs one micro-batch of one stage at a time, so the pipeline cannot beat the "
                 f"unpipelined model here; it adds per-micro-batch overhead and recomputation "
-                f"(checkpoint={self.plan.checkpoint}). The prediction counts only the profiled "
-                f"layers. For a real speedup give each stage its own process: `{self.run_command}` "
+                f"(checkpoint={self.plan.checkpoint}), both in the prediction. For a real speedup "
+                f"give each stage its own process: `{self.run_command}` "
                 f"(predicted forward+backward {self.predicted_apart_ms:.1f} ms with one device per stage)."
             )
         return "\n".join(lines)
