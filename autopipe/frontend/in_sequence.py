@@ -20,7 +20,9 @@ partitioner balances, are the ones measured alone; only their sum is the sequenc
 It then runs the same graph as ONE stage of executor.GPipe (one micro-batch) with
 ``checkpoint="never"`` and ``"always"``: the extra time of the second over the whole forward is
 ``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/overheads.py), which
-replaces the ratio sampled on layers alone. A graph GPipe cannot run as one stage keeps the
+replaces the ratio sampled on layers alone. The three runs take turns in every round: this
+machine's speed drifts by tens of percent over minutes, and separate batches of repeats
+measured the drift, not the recomputation. A graph GPipe cannot run as one stage keeps the
 sampled ratio. Layer by layer (``mode="layers"``) there is no whole run: scales are 1.
 Timings are noisy, so each scale is clamped to ``SCALE_RANGE``.
 """
@@ -36,9 +38,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopipe.frontend.layer_timing import fresh, time_runs
+from autopipe.frontend.layer_timing import fresh, timed_step
 from autopipe.frontend.overheads import RATIO_RANGE
-from autopipe.frontend.timing import Timer
+from autopipe.frontend.timing import Timer, median
 from executor.gpipe import GPipe
 
 __all__ = ["SCALE_RANGE", "SequenceScales", "measure_sequence", "scale_rows"]
@@ -80,37 +82,45 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
     return flat
 
 
-def _runtime_ratio(gm: fx.GraphModule, args: Sequence[Any], device: torch.device, timer: Timer,
-                   repeats: int, warmup: int, forward_ms: float) -> float | None:
-    """executor.GPipe's recompute cost over the whole graph as one stage, / its forward."""
-    if forward_ms <= 0:
+def _pipes(gm: fx.GraphModule, device: torch.device) -> tuple[GPipe, GPipe] | None:
+    """The graph as ONE stage of executor.GPipe, without and with recomputation; None when
+    GPipe cannot run it (outputs it cannot gather, ...): the sampled ratio stays."""
+    try:
+        return (GPipe([gm], [device], chunks=1, checkpoint="never"),
+                GPipe([gm], [device], chunks=1, checkpoint="always"))
+    except (RuntimeError, TypeError, ValueError):
         return None
-    totals = {}
-    for mode in ("never", "always"):
-        try:
-            pipe = GPipe([gm], [device], chunks=1, checkpoint=mode)
-
-            def make_forward(p: GPipe = pipe) -> Callable[[], Any]:
-                return functools.partial(p, *fresh(list(args)))
-
-            totals[mode] = sum(time_runs(timer, make_forward, repeats, warmup))
-        except (RuntimeError, TypeError, ValueError):  # outputs GPipe cannot gather, ...
-            return None
-    return _clamped((totals["always"] - totals["never"]) / forward_ms, RATIO_RANGE)
 
 
 def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dict[str, Any]],
                      device: torch.device, timer: Timer, repeats: int, warmup: int,
                      harness: tuple[float, float]) -> SequenceScales:
-    """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone)."""
+    """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone).
+
+    The plain graph and the two GPipe runs take turns in every round, so a machine whose speed
+    drifts over the measurement slows all three alike (their medians are compared)."""
     gm = _flat(gm)
-
-    def make_forward() -> Callable[[], Any]:
-        return functools.partial(gm, *fresh(list(args)))
-
-    fwd_ms, bwd_ms = time_runs(timer, make_forward, repeats, warmup)
-    fwd_ms, bwd_ms = max(0.0, fwd_ms - harness[0]), max(0.0, bwd_ms - harness[1])
-    ratio = _runtime_ratio(gm, args, device, timer, repeats, warmup, fwd_ms)
+    runs: list[Callable[[], Any]] = [gm]
+    pipes = _pipes(gm, device)
+    runs += list(pipes or ())
+    times: list[list[tuple[float, float]]] = [[] for _ in runs]
+    for i in range(warmup + repeats):
+        for run, kept in zip(runs, times, strict=True):
+            try:
+                step = timed_step(timer, functools.partial(run, *fresh(list(args))))
+            except (RuntimeError, TypeError, ValueError):  # GPipe cannot run it after all
+                if run is gm:
+                    raise
+                runs, times = runs[:1], times[:1]
+                break
+            if i >= warmup:
+                kept.append(step)
+    fwd_ms = max(0.0, median([f for f, _ in times[0]]) - harness[0])
+    bwd_ms = max(0.0, median([b for _, b in times[0]]) - harness[1])
+    ratio = None
+    if len(times) == 3 and fwd_ms > 0:
+        never, always = (median([f + b for f, b in t]) for t in times[1:])
+        ratio = _clamped((always - never) / fwd_ms, RATIO_RANGE)
     return SequenceScales(_scale(fwd_ms, sum(float(r["fwd_ms"]) for r in rows)),
                           _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio)
 

@@ -235,7 +235,9 @@ def test_repeats_warmup_and_harness_subtraction_with_a_fake_timer() -> None:
     prof = profile(model, (x,), repeats=4, warmup=3, timer=timer)
     calibration = 2 * (50 + 2)  # the empty layer: forward + backward per run
     calibration += 2 * (CALL_REPEATS + CALL_WARMUP)  # the empty stage call: [Note: measured overheads]
-    calibration += 2 * (4 + 3)  # the whole graph in sequence: [Note: layers in sequence]
+    # the whole graph in sequence, then as one GPipe stage never / always, in turns:
+    # [Note: layers in sequence]
+    calibration += 3 * 2 * (4 + 3)
     assert timer.calls == calibration + len(prof) * 2 * (4 + 3)
     # every call "takes" 1 ms, exactly what the empty layer takes: nothing is left
     assert prof.meta["harness_fwd_ms"] == prof.meta["harness_bwd_ms"] == 1.0
