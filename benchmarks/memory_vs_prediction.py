@@ -7,19 +7,11 @@ executor.activation_meter.ActivationMeter (the bytes autograd keeps for backward
 (``plan.breakdown[s].activation_bytes``, [Note: stage memory] in autopipe/core/cost.py). Bytes
 do not depend on the machine's load, so one run is exact; the target is within 10%.
 
-One term is known to be missing from the cost model ([Note: saved once] in
-autopipe/core/layer_costs.py): where a cut separates a layer that saves its output (a ReLU) from
-a consumer that saves the same tensor as its input (the next Linear), the consuming stage holds
-a copy of it (its received input) for every micro-batch it does not recompute, while the profile
-counts that tensor once, in the producer. The "cut copies" column is that amount, ``(M - R) x``
-the consumers' shared saved bytes of the stage's first layers; "measured / (predicted + cut
-copies)" is what the test holds to 10%.
-
-The prediction follows torch.distributed.pipelining's GPipe order (backward of micro-batch 0
-first); executor.GPipe drains in reverse and recomputes the mirror-image micro-batches, with
-the same peak ([Note: which micro-batches recompute] in executor/spec.py).
-
-    python3 benchmarks/memory_vs_prediction.py
+With ``always``, a stage fed a value that its producer also saves ([Note: saved once] in
+autopipe/core/layer_costs.py) is predicted one copy of it high per stage: while it recomputes,
+the copy it received is both the input it kept and what its first layer saves again, and the
+cost model counts it in both ("recompute copy"); "measured / (predicted - recompute copy)" is
+what the test holds to 10% there.
 """
 
 from __future__ import annotations
@@ -31,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 import autopipe
+from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
 from executor.activation_meter import ActivationMeter
-from executor.spec import recomputed_microbatches
 
-__all__ = ["Row", "cut_copies", "main", "measure_model", "measure_plan"]
+__all__ = ["Row", "main", "measure_model", "measure_plan", "recompute_copy"]
 
 
 @dataclass
@@ -47,25 +39,26 @@ class Row:
     stage: int
     predicted: int
     measured: int
-    cut_copies: int = 0  # the known missing term (module docstring)
+    recompute_copy: int = 0  # counted twice by the prediction under always (module docstring)
 
     @property
     def ratio(self) -> float:
         return self.measured / self.predicted if self.predicted else float("nan")
 
     @property
-    def ratio_with_copies(self) -> float:
-        total = self.predicted + self.cut_copies
+    def ratio_without_copy(self) -> float:
+        total = self.predicted - self.recompute_copy
         return self.measured / total if total else float("nan")
 
 
-def cut_copies(prof: Profile, stages: list[list[str]], chunks: int, checkpoint: str) -> list[int]:
-    """Per stage: (M - R) x the shared saved bytes of its layers fed from an earlier stage."""
-    where = {layer: s for s, layers in enumerate(stages) for layer in layers}
-    shared = dict(zip(prof.layers, prof.df["saved_shared_bytes"].astype(int), strict=True))
-    entries = {dst for src, dst, _ in prof.edges if where[src] < where[dst]}
-    kept = chunks - recomputed_microbatches(checkpoint, chunks)
-    return [kept * sum(shared[layer] for layer in layers if layer in entries) for layers in stages]
+def recompute_copy(prof: Profile, stages: list[list[str]], checkpoint: str) -> list[int]:
+    """Per stage, under ``always``: the received bytes its first layers save again (module
+    docstring); 0 otherwise."""
+    costs = LayerCosts.from_profile(prof)
+    index = {name: i for i, name in enumerate(costs.names)}
+    into = costs.cut_bytes(costs.resaved)
+    return [int(into[min(index[layer] for layer in layers)]) if checkpoint == "always" else 0
+            for layers in stages]
 
 
 def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str],
@@ -91,17 +84,17 @@ def measure_plan(ex: Example, prof: Profile, plan: Plan) -> list[Row]:
         with meter.outside():
             loss = ex.loss_fn(out, ex.target)
         loss.backward()
-    copies = cut_copies(prof, plan.stages, chunks, mode)
+    copies = recompute_copy(prof, plan.stages, mode)
     return [Row(ex.name, mode, s, int(b.activation_bytes), m, c) for s, (b, m, c) in
             enumerate(zip(pipe.plan.breakdown, meter.peaks, copies, strict=True))]
 
 
 def table(rows: Sequence[Row]) -> str:
     lines = ["| model | checkpoint | stage | predicted bytes | measured bytes | measured / predicted "
-             "| cut copies | measured / (predicted + cut copies) |",
+             "| recompute copy | measured / (predicted - recompute copy) |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r.model} | {r.checkpoint} | {r.stage} | {r.predicted} | {r.measured} | "
-              f"{r.ratio:.3f} | {r.cut_copies} | {r.ratio_with_copies:.3f} |" for r in rows]
+              f"{r.ratio:.3f} | {r.recompute_copy} | {r.ratio_without_copy:.3f} |" for r in rows]
     return "\n".join(lines)
 
 

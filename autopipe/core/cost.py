@@ -340,10 +340,12 @@ def stage_costs(
     terms = options.terms(k, schedule_ranks(options.schedule, devices))
     replicas = (options.data_parallel, options.dp_mode, options.ms_per_byte)
     cut = np.zeros(max(k - 1, 0), dtype=np.int64)  # bytes crossing cut s (between s and s+1)
+    resaved = np.zeros_like(cut)  # of them, saved on both sides ([Note: saved once])
     for u, users in enumerate(costs.consumers):
         if users:
             reach = int(stage[list(users)].max())
             cut[stage[u]:reach] += costs.value_bytes[u]
+            resaved[stage[u]:reach] += costs.resaved[u]
     result = []
     for s, dev in enumerate(devices):
         mask = stage == s
@@ -353,7 +355,7 @@ def stage_costs(
         for members, nbytes in costs.tie_groups:
             if mask[list(members)].any():
                 params += nbytes
-        saved = int(costs.saved[mask].sum())
+        saved = int(costs.saved[mask].sum()) + (int(resaved[s - 1]) if s > 0 else 0)
         cut_in = int(cut[s - 1]) if s > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
         result.append(StageCost(

@@ -7,8 +7,14 @@ alone, so both count it; the profile's ``saved_shared_bytes`` says how much of a
 ``LayerCosts.saved`` is the difference, so a stage's sum counts such a tensor once, in the
 layer that made it. The graph's own inputs (the caller's batch, which a first layer saves a
 view of) are shared too: they are not the pipeline's to hold ([Note: transfer cost] in
-cost.py: graph inputs cost nothing). Where a cut separates the two, the consuming stage holds its own copy
-(a received tensor) that this leaves out: one value per cut, the stage's input.
+cost.py: graph inputs cost nothing). Where a cut separates the two, the consuming stage holds
+its own copy (its received input): ``resaved[u]``, the bytes of u's output that u and its LAST
+consumer both save (the last consumer is beyond every cut the value crosses; an earlier
+consumer may not be), is charged to every stage u's value crosses into (``cut_bytes(resaved)``,
+as ``cut_bytes()`` charges the value itself): exact for chains, on the safe side for a stage
+the value only passes through and for a recomputed micro-batch (whose saved input is that same
+copy), short when only an earlier consumer beyond the cut saves it (a residual stream's
+LayerNorm, whose last consumer is the add).
 executor/activation_meter.py counts the same thing in a running pipeline.
 """
 
@@ -46,6 +52,7 @@ class LayerCosts:
     params: IntArray  # untied parameter bytes (tied ones live in ``tie_groups``)
     buffers: IntArray
     saved: IntArray
+    resaved: IntArray  # of each layer's output, what it and a consumer both save ([Note: saved once])
     value_bytes: IntArray  # bytes of each layer's output value as sent across a cut
     consumers: tuple[tuple[int, ...], ...]
     last_use: IntArray  # index of the last consumer (the layer itself when none)
@@ -85,14 +92,18 @@ class LayerCosts:
         for members in groups.values():
             ties.append((tuple(members), int(params[members].max())))
             params[members] = 0
+        saved = df["saved_bytes"].to_numpy(dtype=np.int64)
+        shared = df["saved_shared_bytes"].to_numpy(dtype=np.int64)
+        resaved = np.array([min(int(value[u]), int(shared[max(consumers[u])])) if consumers[u] else 0
+                            for u in range(n)], dtype=np.int64)
         return cls(
             names=names,
             fwd=df["fwd_ms"].to_numpy(dtype=np.float64),
             bwd=df["bwd_ms"].to_numpy(dtype=np.float64),
             params=params,
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
-            saved=np.maximum(df["saved_bytes"].to_numpy(dtype=np.int64)
-                             - df["saved_shared_bytes"].to_numpy(dtype=np.int64), 0),
+            saved=np.maximum(saved - shared, 0),
+            resaved=resaved,
             value_bytes=value,
             consumers=tuple(tuple(sorted(set(c))) for c in consumers),
             last_use=last,
@@ -107,12 +118,14 @@ class LayerCosts:
     def __len__(self) -> int:
         return len(self.names)
 
-    def cut_bytes(self) -> IntArray:
-        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
+    def cut_bytes(self, per_value: IntArray | None = None) -> IntArray:
+        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there (of
+        ``per_value``, default each layer's ``value_bytes``; ``resaved``: [Note: saved once])."""
         n = len(self)
+        values = self.value_bytes if per_value is None else per_value
         diff = np.zeros(n + 2, dtype=np.int64)
         for u in range(n):
             if self.last_use[u] > u:
-                diff[u + 1] += self.value_bytes[u]
-                diff[self.last_use[u] + 1] -= self.value_bytes[u]
+                diff[u + 1] += values[u]
+                diff[self.last_use[u] + 1] -= values[u]
         return np.cumsum(diff)[: n + 1]

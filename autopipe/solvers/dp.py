@@ -74,6 +74,7 @@ class RangeCosts:
         self.call_ms, self.latency_ms = costs.call_ms, costs.comm_latency_ms
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)
+        self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
         self.ms_per_byte = options.ms_per_byte
         self.optimizer = options.optimizer
         self.replicas = (options.data_parallel, options.dp_mode)  # [Note: pipeline x data parallel]
@@ -113,7 +114,7 @@ class RangeCosts:
             pos = np.searchsorted(idx, cols, side="left") - 1
             last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
-        saved = s[None, j0:j1] - s[:, None]
+        saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
         out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
                            + activation_bytes(self.cut[:, None], saved, self.terms))
         return out

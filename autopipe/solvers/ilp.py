@@ -136,10 +136,10 @@ def _solve(
                 for v in members:
                     prob += h[g, s] >= x(v, s)
 
-    def crossing(s: int) -> pulp.LpAffineExpression:
+    def crossing(s: int, per_value: npt.NDArray[Any] = costs.value_bytes) -> pulp.LpAffineExpression:
         if s < 0 or s >= k - 1:
             return pulp.lpSum([])
-        return pulp.lpSum(int(costs.value_bytes[u]) * z[u, s] for u in senders)
+        return pulp.lpSum(int(per_value[u]) * z[u, s] for u in senders if per_value[u])
 
     lower = lower_bound(work_array, [d.speed for d in devices], costs.call_ms)
     prob += t >= lower
@@ -160,7 +160,8 @@ def _solve(
             state = state_bytes(params, total(costs.buffers, s), options.optimizer,
                                 options.data_parallel, options.dp_mode)
             for term in terms[s]:  # the peak is the largest term: each must fit
-                prob += state + activation_bytes(crossing(s - 1), total(costs.saved, s), (term,)) <= dev.memory
+                prob += state + activation_bytes(
+                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved), (term,)) <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

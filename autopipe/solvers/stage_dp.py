@@ -72,6 +72,7 @@ class StageBlocks:
         self.buffers = np.concatenate([zero, np.cumsum(costs.buffers.astype(np.float64))])
         self.saved = np.concatenate([zero, np.cumsum(costs.saved.astype(np.float64))])
         self.cut = costs.cut_bytes().astype(np.float64)
+        self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
         self.ties = costs.tie_groups
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
@@ -135,7 +136,7 @@ class StageBlocks:
 
     def memory(self, j0: int, j1: int, terms: Terms) -> FloatArray:
         def make() -> FloatArray:
-            saved = self.saved[None, j0:j1] - self.saved[:j1, None]
+            saved = self.saved[None, j0:j1] - self.saved[:j1, None] + self.resaved_cut[:j1, None]
             out: FloatArray = self.state(j0, j1) + activation_bytes(self.cut[:j1, None], saved, terms)
             return out
         return self._cached(("memory", j0, terms), make)
