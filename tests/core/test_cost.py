@@ -155,3 +155,20 @@ def test_interleaved_devices_take_turns() -> None:
     assert len(costs) == 4
     with pytest.raises(PartitionError, match="stage s on rank s % ranks"):
         stage_costs(lc, [0, 1, 2, 3], [DeviceSpec(n) for n in ("r0", "r0", "r1", "r1")], opts)
+
+
+def test_a_received_value_both_sides_save_is_held_once_per_side() -> None:
+    # [Note: saved once]: a (ReLU) saves its 100-byte output, b (Linear) saves it again as input
+    df = pd.DataFrame({"layer": ["a", "b", "c"], "fwd_ms": [1.0] * 3, "bwd_ms": [1.0] * 3,
+                       "param_bytes": [0] * 3, "output_bytes": [100] * 3,
+                       "saved_bytes": [100, 100 + 40, 10], "saved_shared_bytes": [0, 100, 0]})
+    lc = LayerCosts.from_profile(Profile(df, [("a", "b", 100), ("b", "c", 100)], {}))
+    assert lc.saved.tolist() == [100, 40, 10] and lc.resaved.tolist() == [100, 0, 0]
+    opts = CostOptions(chunks=1, checkpoint="never", optimizer="none", bandwidth=None)
+    devs = [DeviceSpec("x"), DeviceSpec("y")]
+    together, = stage_costs(lc, [0, 0, 0], devs[:1], opts)
+    assert together.saved_bytes == 150  # one process, one tensor
+    first, second = stage_costs(lc, [0, 1, 1], devs, opts)
+    assert (first.saved_bytes, second.saved_bytes) == (100, 100 + 40 + 10)  # b keeps its copy
+    first, second = stage_costs(lc, [0, 0, 1], devs, opts)
+    assert (first.saved_bytes, second.saved_bytes) == (140, 10)  # c saves nothing of b's output

@@ -32,6 +32,7 @@ def _two_branches(tie: bool = False) -> Profile:
         "param_bytes": [100, 500, 100, 100, 500, 100],
         "output_bytes": [1] * 6,
         "saved_bytes": [10] * 6,
+        "saved_shared_bytes": [0, 0, 0, 8, 8, 0],  # b2, c2 save b1's, c1's output again
         "tie_group": ["", "w", "", "", "w", ""] if tie else [""] * 6,
     })
     big, small = 10**6, 10**3
