@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-
-def _module():  # type: ignore[no-untyped-def]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "auto_plan.py"
-    spec = importlib.util.spec_from_file_location("auto_plan", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["auto_plan"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import auto_plan
 
 
 def test_auto_plan_benchmark_runs_tiny(tmp_path: Path) -> None:
@@ -26,12 +16,12 @@ def test_auto_plan_benchmark_runs_tiny(tmp_path: Path) -> None:
             "--heads", "2", "--kv-heads", "1", "--vocab", "100", "--seq", "8", "--batch", "4",
             "--chunks", "2", "--repeats", "1", "--threads", "1",
             "--llama-profile", str(tmp_path / "llama")]
-    table = _module().main(argv)
+    table = auto_plan.main(argv)
     lines = table.splitlines()
     assert lines[0].startswith("| profile |") and len(lines) >= 4
     assert any(line.startswith("| Llama 1 x 64") for line in lines)
     assert (tmp_path / "llama.csv").exists()  # profiled once, read back the next time
-    again = _module().main(argv).splitlines()
+    again = auto_plan.main(argv).splitlines()
     assert [line.split("|")[1:4] for line in again] == [line.split("|")[1:4] for line in lines]
 
 
@@ -57,7 +47,7 @@ def _check_plans(ap, plans, prof, batch: int) -> None:  # type: ignore[no-untype
 def test_measured_plans_where_memory_binds() -> None:
     """--measured's plan-making on a synthetic DAG whose activations dominate: the limit lies
     between the recipe's peak and the least a never-recompute split at M = 8 needs."""
-    ap = _module()
+    ap = auto_plan
     prof = ap.dag_profile(2, 16, 8)
     plans = ap.measured_plans("dag", prof, 0.3)
     assert plans.binds and ap._peak(plans.recipe) < plans.limit
@@ -67,7 +57,7 @@ def test_measured_plans_where_memory_binds() -> None:
 def test_measured_one_process_run_tiny() -> None:
     """--measured on a tiny MLP, one process, one step (the 2-rank run spawns processes: left
     to the benchmark itself)."""
-    ap = _module()
+    ap = auto_plan
     prof = ap.measured_profile("mlp", 16, repeats=1)
     plans = ap.measured_plans("mlp", prof, 0.3)
     _check_plans(ap, plans, prof, 16)

@@ -3,25 +3,13 @@ table is consistent (the numbers themselves: the report; no timing thresholds he
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-
-def _module():  # type: ignore[no-untyped-def]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "executor_vs_prediction.py"
-    spec = importlib.util.spec_from_file_location("executor_vs_prediction", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["executor_vs_prediction"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import executor_vs_prediction
 
 
 def test_executor_vs_prediction_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _module()
+    bench = executor_vs_prediction
     rows = bench.main(["--batch", "8", "--chunks", "2", "--repeats", "1"])
     assert [(r.model, r.checkpoint) for r in rows] == [
         (m, c) for m in ("mlp", "cnn", "gpt", "unet") for c in ("never", "except_last", "always")]

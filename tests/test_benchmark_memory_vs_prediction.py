@@ -3,23 +3,11 @@ depend on the machine's load, so this is a real assertion, not a report)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-
-def _module():  # type: ignore[no-untyped-def]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_vs_prediction.py"
-    spec = importlib.util.spec_from_file_location("memory_vs_prediction", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memory_vs_prediction"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import memory_vs_prediction
 
 
 def test_activation_memory_is_predicted_within_10_percent() -> None:
-    bench = _module()
+    bench = memory_vs_prediction
     rows = bench.main(["--models", "mlp", "gpt", "unet", "--batch", "32"])
     assert len(rows) == 3 * 3 * 2
     for r in rows:  # except_last too: [Note: which micro-batches recompute]
@@ -33,7 +21,7 @@ def test_a_cut_after_a_relu_is_predicted_with_the_receivers_copy() -> None:
     import autopipe
     from autopipe.examples import get_example
 
-    bench = _module()
+    bench = memory_vs_prediction
     ex = get_example("mlp", batch_size=32)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=4, repeats=1, warmup=0, progress=False)
     layers = prof.layers  # net.1 is a ReLU: it and net.2 (a Linear) save the same tensor

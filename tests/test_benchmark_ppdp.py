@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-
-def _module() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ppdp.py"
-    spec = importlib.util.spec_from_file_location("ppdp", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ppdp"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import ppdp
 
 
 def test_ppdp_simulated_table_runs_tiny() -> None:
-    table = _module().main(["--no-llama", "--devices", "4", "--fractions", "2", "0.3",
+    table = ppdp.main(["--no-llama", "--devices", "4", "--fractions", "2", "0.3",
                             "--dag-blocks", "1", "--chain-layers", "8", "--global-batch", "16"])
     lines = table.splitlines()
     assert lines[0].startswith("| profile | N |") and len(lines) >= 4
