@@ -85,6 +85,33 @@ def dag_profile(blocks: int, batch: int, chunks: int) -> Profile:
     return prof
 
 
+def add_llama_arguments(parser: argparse.ArgumentParser, *, seq: int = 256, batch: int = 32) -> None:
+    """The meta-built HF Llama's shape (TinyLlama-1.1B's) and how it is profiled: the flags
+    :func:`llama_config` and :func:`llama_profile` read (benchmarks/ppdp.py and giant.py too)."""
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch", type=int, default=batch, help="the Llama profile's batch")
+    parser.add_argument("--chunks", type=int, default=8, help="the Llama profile's micro-batches")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def llama_config(args: argparse.Namespace) -> Any:
+    """The ``transformers.LlamaConfig`` of :func:`add_llama_arguments`' flags."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 128))
+
+
 def llama_profile(args: argparse.Namespace) -> Profile:
     """A HF Llama built on meta, profiled layer by layer (saved to / read from --llama-profile)."""
     path = Path(args.llama_profile) if args.llama_profile else None
@@ -95,12 +122,8 @@ def llama_profile(args: argparse.Namespace) -> Profile:
 
     import autopipe
 
-    transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 128))
+    config = llama_config(args)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -465,17 +488,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--dag-chunks", type=int, default=8)
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--llama-profile", default=None, help="NAME: read NAME.csv if it exists, else write it")
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    add_llama_arguments(parser)
     parser.add_argument("--measured", action="store_true",
                         help="run the bundled examples' plans on CPU instead (see the docstring)")
     parser.add_argument("--examples", nargs="+", default=["mlp", "gpt", "cnn"],

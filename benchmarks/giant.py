@@ -13,14 +13,20 @@ Profiling is layer by layer on the CPU with identical decoder blocks measured on
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import autopipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
+from auto_plan import add_llama_arguments, llama_config  # noqa: E402 - after the path it is found on
+
 from autopipe.core.units import format_bytes
 from autopipe.frontend.process_memory import PeakRss
 
@@ -43,30 +49,15 @@ def _timed(name: str, fn: Callable[[], Any], phases: list[Phase]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> list[Phase]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--chunks", type=int, default=8)
+    add_llama_arguments(parser, seq=128, batch=8)
     parser.add_argument("--stages", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="where each layer is profiled (cuda: peak "
                         "max_memory_allocated is reported in the profile's metadata)")
     args = parser.parse_args(argv)
     import transformers
 
-    transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 128),
-    )
+    config = llama_config(args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     phases: list[Phase] = []
 

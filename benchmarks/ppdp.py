@@ -41,6 +41,10 @@ from autopipe.errors import AutopipeError
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain, transformer_dag
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
+import auto_plan  # noqa: E402 - after the path it is found on
+from auto_plan import add_llama_arguments  # noqa: E402
+
 __all__ = ["main", "Row", "simulated_rows", "simulated_table"]
 
 AUTO: dict[str, Any] = dict(chunks="auto", checkpoint="auto", schedule="auto", progress=False)
@@ -72,10 +76,7 @@ def chain_profile(layers: int, batch: int, chunks: int) -> Profile:
 
 def llama_profile(args: argparse.Namespace) -> Profile:
     """benchmarks/auto_plan.py's meta-built, layer-by-layer Llama profile (its flags are ours)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from auto_plan import llama_profile as build
-
-    prof: Profile = build(args)
+    prof: Profile = auto_plan.llama_profile(args)
     return prof
 
 
@@ -165,17 +166,7 @@ def parser() -> argparse.ArgumentParser:
                         "own flags there)")
     # the Llama profile: benchmarks/auto_plan.py's flags and defaults (TinyLlama-1.1B's shape)
     p.add_argument("--llama-profile", default=None, help="NAME: read NAME.csv if it exists, else write it")
-    p.add_argument("--layers", type=int, default=22)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=32, help="the Llama profile's batch")
-    p.add_argument("--chunks", type=int, default=8, help="the Llama profile's micro-batches")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    add_llama_arguments(p)
     return p
 
 
@@ -196,8 +187,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parser().parse_args(argv)
     out = simulated(args)
     if args.measured:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import it by name
-        from ppdp_measured import measured_table
+        from ppdp_measured import measured_table  # by name: the spawned ranks import it so
 
         out += "\n\n" + measured_table()
     print(out)
