@@ -202,8 +202,8 @@ class DistributedPipeline:
             return kind(stages[0], chunks, loss_fn=self._loss, scale_grads=False)
 
         self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
-                                     firsts=[chunks - checkpoint_stop(self.checkpoints[i], chunks)
-                                             for i in self.indices],  # [Note: which micro-batches recompute]
+                                     recomputed=[checkpoint_stop(self.checkpoints[i], chunks)
+                                                 for i in self.indices], chunks=chunks,
                                      device=self.device,
                                      group=self.group, modules=modules)
         self._schedule = self._sized.get(self._sized.example)

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
 from executor.errors import DistributedError
+from executor.spec import is_recomputed
 from executor.wire import Sizes, Wire, WireStage, check_sizes, wire_metas
 
 __all__ = ["SizedSchedules", "microbatch_sizes_of"]
@@ -35,14 +36,15 @@ class _Stage(PipelineStage):
     """PipelineStage that tells its WireStage which micro-batches to recompute. ``submodule`` is
     the WireStage itself, or the DistributedDataParallel wrapping it (executor/replicas.py)."""
 
-    def __init__(self, submodule: torch.nn.Module, wire: WireStage, first: int, *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(self, submodule: torch.nn.Module, wire: WireStage, recomputed: tuple[int, int],
+                 *args: Any, **kwargs: Any) -> None:
         super().__init__(submodule, *args, **kwargs)
-        self._wire, self._first = wire, first
+        self._wire, self._recomputed = wire, recomputed  # (R, M)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         wire = self._wire
-        wire.recompute = fwd_chunk_id >= self._first
+        r, m = self._recomputed
+        wire.recompute = is_recomputed(fwd_chunk_id, m, r)  # [Note: which micro-batches recompute]
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
@@ -78,7 +80,8 @@ class SizedSchedules:
         wires: Sequence[Sequence[Wire]],
         make_schedule: Callable[[list[_Stage]], Any],
         *,
-        firsts: Sequence[int],  # per wire stage: micro-batches first .. M-1 are recomputed
+        recomputed: Sequence[int],  # per wire stage: how many of the ``chunks`` it recomputes
+        chunks: int,
         device: torch.device,
         group: dist.ProcessGroup,
         modules: Sequence[torch.nn.Module] | None = None,  # what PipelineStage runs: the wire
@@ -86,7 +89,8 @@ class SizedSchedules:
         self.wire_stages, self.indices, self.num_stages = list(wire_stages), list(indices), num_stages
         self.modules = list(modules) if modules is not None else list(wire_stages)
         self.wires = [tuple(cut) for cut in wires]
-        self.make_schedule, self.firsts, self.device, self.group = make_schedule, list(firsts), device, group
+        self.make_schedule, self.recomputed, self.device, self.group = make_schedule, list(recomputed), device, group
+        self.chunks = chunks
         self.example: Sizes = tuple(tuple(w.shape) if w.kind == "tensor" else None for w in self.wires[0])
         self._built: OrderedDict[Sizes, tuple[list[_Stage], Any]] = OrderedDict()
         self._names = _input_names(self.wire_stages[0].stage)
@@ -104,9 +108,9 @@ class SizedSchedules:
             raise DistributedError(f"cannot size the pipeline's cuts for inputs {list(sizes)}: {err}; "
                                    "pass inputs shaped like the example") from None
         stages = [  # static metadata: no inference run on the first step
-            _Stage(m, w, first, i, self.num_stages, self.device, input_args=wire_metas(at[i]),
+            _Stage(m, w, (r, self.chunks), i, self.num_stages, self.device, input_args=wire_metas(at[i]),
                    output_args=wire_metas(at[i + 1]), group=self.group)
-            for m, w, first, i in zip(self.modules, self.wire_stages, self.firsts, self.indices, strict=True)
+            for m, w, r, i in zip(self.modules, self.wire_stages, self.recomputed, self.indices, strict=True)
         ]
         schedule = self.make_schedule(stages)
         self._built[sizes] = (stages, schedule)
