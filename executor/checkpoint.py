@@ -8,6 +8,8 @@ segment is therefore two autograd nodes: :class:`Checkpoint` runs the stage with
 activations and, in backward, back-propagates through the recomputed graph; :class:`Recompute`
 sits on a side lane (a zero-size "phony" tensor forked from the output and joined back) whose
 backward rebuilds the graph, so autograd runs it before :class:`Checkpoint`'s backward.
+If no lane ran first (none hangs on an output the loss uses, or the caller adds none, as the
+distributed runtime does), :class:`Checkpoint`'s backward recomputes then, as torch's does.
 Only the stage's inputs are saved for backward. The RNG states (CPU, and the stage's CUDA
 device) are saved in forward and restored in recomputation, so dropout masks replay exactly.
 
@@ -196,6 +198,7 @@ class _Checkpoint(torch.autograd.Function):
         # an output the loss never uses must give its parameters no gradient (None), not zeros:
         # AdamW would otherwise decay them, and the unpipelined model would not
         ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)  # the same tensors _Recompute keeps: no extra memory
         shared.rng = _save_rng(shared.device)
         with torch.no_grad(), _flag("checkpointing"):
             shared.output = shared.function(shared.batch.with_tensors(inputs))
@@ -206,8 +209,9 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         shared: _Shared = ctx.shared
-        if shared.recomputed is None:
-            raise RuntimeError("checkpointed stage back-propagated before its recomputation ran")
+        if shared.recomputed is None:  # no lane ran first: recompute now, as torch's checkpoint does
+            _recompute(shared, ctx.saved_tensors)
+        assert shared.recomputed is not None
         outputs, leaves = shared.recomputed
         shared.recomputed = None
         pairs = [
@@ -227,15 +231,19 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *_: Tensor | None) -> tuple[None, ...]:
-        shared: _Shared = ctx.shared
         saved = ctx.saved_tensors
-        leaves = [x.detach().requires_grad_(x.requires_grad) for x in saved]
-        assert shared.rng is not None
-        with shared.span(), _restored_rng(shared.device, shared.rng):
-            with torch.enable_grad(), _flag("recomputing"):
-                out = shared.function(shared.batch.with_tensors(leaves))
-        shared.recomputed = (out.tensors(), leaves)
+        _recompute(ctx.shared, saved)
         return (None, None, *[None for _ in saved])
+
+
+def _recompute(shared: _Shared, saved: tuple[Tensor, ...]) -> None:
+    """Run the stage again on its saved inputs, with grad and the forward's RNG state."""
+    leaves = [x.detach().requires_grad_(x.requires_grad) for x in saved]
+    assert shared.rng is not None
+    with shared.span(), _restored_rng(shared.device, shared.rng):
+        with torch.enable_grad(), _flag("recomputing"):
+            out = shared.function(shared.batch.with_tensors(leaves))
+    shared.recomputed = (out.tensors(), leaves)
 
 
 class Checkpointing:

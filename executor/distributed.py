@@ -26,10 +26,13 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 every stage or one per stage ([Note: per-stage recomputation] in executor/spec.py): stage ``i``
 recomputes the last ``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last
 under torch's schedules ([Note: which micro-batches recompute]), never in eval mode or
-under no_grad (as in executor.GPipe), but it uses
-``torch.utils.checkpoint`` (non-reentrant, RNG replayed): a PipelineStage receives a gradient
-before it starts a micro-batch's backward, so there is nothing to overlap the recomputation
-with and executor.checkpoint's early-recompute lane would buy nothing here.
+under no_grad (as in executor.GPipe). It uses executor.checkpoint's own checkpoint (RNG
+replayed), so a recomputation costs what it costs in executor.GPipe and what the profile's
+``recompute_ratio`` measured there ([Note: layers in sequence]): the forward keeps no graph at
+all, where torch.utils.checkpoint's non-reentrant forward still builds one (1.2-1.6x the
+recompute cost on the bundled examples). A PipelineStage receives a gradient before it starts a
+micro-batch's backward, so there is nothing to overlap the recomputation with: it runs when the
+gradient arrives, without executor.checkpoint's early-recompute lane.
 
 [Note: a dead rank is an error, not a hang] Gloo may wait for a dead or stuck peer for the
 whole process-group timeout (30 minutes by default), or forever (pytorch#132644). The

@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from executor._torch_compat import TreeSpec, tree_flatten, tree_unflatten
+from executor.checkpoint import Checkpointing
 from executor.errors import DistributedError
+from executor.microbatch import Batch
 from executor.symbolic import SymbolicRun, evaluate, symbolic_run
 
 __all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "Sizes", "input_sizes", "check_sizes"]
@@ -258,10 +259,16 @@ class WireStage(nn.Module):
 
     def forward(self, *wire: Tensor) -> tuple[Tensor, ...]:
         if self.recompute and self.stage.training and torch.is_grad_enabled():
-            out: tuple[Tensor, ...] = torch_checkpoint(
-                self._run, *wire, use_reentrant=False, preserve_rng_state=True
-            )
-            return out
+            # [Note: distributed recomputation]: executor.GPipe's checkpoint, recomputing when
+            # the gradient arrives (no side lane: nothing to overlap it with here)
+            chk = Checkpointing(lambda batch: batch.call(self._run), Batch(wire), self.device)
+            out = tuple(chk.checkpoint().tensors())
+            if self.last:
+                return out
+            # every float output of the checkpoint needs a gradient; the next stage sends one
+            # only for those that needed it unchecked (torch's backward wants one for each)
+            sent = [w for w in self.outputs if w.kind != "const"]
+            return tuple(t if w.requires_grad else t.detach() for t, w in zip(out, sent, strict=True))
         return self._run(*wire)
 
     def _run(self, *wire: Tensor) -> tuple[Tensor, ...]:
