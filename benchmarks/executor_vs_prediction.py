@@ -28,9 +28,10 @@ import argparse
 import datetime
 import functools
 import socket
+import statistics
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,22 +49,52 @@ __all__ = ["Row", "main"]
 
 @dataclass
 class Row:
+    """One plan's prediction and measurement, once per round (a fresh profile each round)."""
+
     model: str
     batch: int
     chunks: int
     checkpoint: str
-    predicted_ms: float
-    measured_ms: float
-    loop_ms: float  # the same micro-batches through the same stages, by a plain loop
-    before_ms: float  # the same plan predicted without the measured overheads
+    schedule: str = "gpipe"
+    predicted: list[float] = field(default_factory=list)
+    measured: list[float] = field(default_factory=list)
+    loop: list[float] = field(default_factory=list)  # the same micro-batches by a plain loop
+    before: list[float] = field(default_factory=list)  # the plan predicted without the overheads
+
+    def add(self, predicted: float, measured: float, loop: float, before: float) -> None:
+        self.predicted.append(predicted)
+        self.measured.append(measured)
+        self.loop.append(loop)
+        self.before.append(before)
 
     @property
-    def before_ratio(self) -> float:
-        return self.measured_ms / self.before_ms
+    def predicted_ms(self) -> float:
+        return statistics.median(self.predicted)
+
+    @property
+    def measured_ms(self) -> float:
+        return statistics.median(self.measured)
+
+    @property
+    def loop_ms(self) -> float:
+        return statistics.median(self.loop)
+
+    @property
+    def before_ms(self) -> float:
+        return statistics.median(self.before)
+
+    @property
+    def ratios(self) -> list[float]:
+        """measured / predicted of each round: a run against the profile taken just before it."""
+        return [m / p for m, p in zip(self.measured, self.predicted, strict=True)]
 
     @property
     def ratio(self) -> float:
-        return self.measured_ms / self.predicted_ms
+        return statistics.median(self.ratios)
+
+    @property
+    def before_ratio(self) -> float:
+        return statistics.median(m / b for m, b in zip(self.measured, self.before, strict=True))
 
 
 OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "recompute_ratio")
@@ -94,21 +125,19 @@ def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
     dist.destroy_process_group()
 
 
+def _profile(ex: Example, chunks: int, repeats: int, device: str = "cpu") -> Profile:
+    return autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
+                            device=device)
+
+
 def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequence[str],
-                        repeats: int, comm: dict[str, Any]) -> list[Row]:
-    """Every checkpoint mode of one example on 2 gloo ranks, predicted for two devices."""
+                        repeats: int, comm: dict[str, Any], schedules: Sequence[str] = ("gpipe",),
+                        rounds: int = 1) -> list[Row]:
+    """Every checkpoint mode x schedule of one example on 2 gloo ranks, predicted for two
+    devices; each round profiles anew, then runs every plan."""
     ex = get_example(name, batch_size=batch)
-    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2))
-    prof = Profile(prof.df, prof.edges, {**prof.meta, **comm})
     devices = ["cpu:0", "cpu:1"]  # two ranks: two devices
-    plans = [autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=c) for c in checkpoints]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    with tempfile.TemporaryDirectory() as out:
-        start_processes(_rank, args=(port, out, name, batch, chunks, [p.to_dict() for p in plans], repeats),
-                        nprocs=2, start_method="spawn")
-        per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
+    rows = [Row(name, batch, chunks, c, s) for s in schedules for c in checkpoints]
     pieces = list(zip(*(torch.tensor_split(x, chunks) for x in ex.inputs), strict=True))
     targets = torch.tensor_split(ex.target, chunks)
 
@@ -116,29 +145,47 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
         for inputs, target in zip(pieces, targets, strict=True):
             ex.loss_fn(ex.model(*inputs), target).backward()
 
-    loop_ms = median_ms(loop, repeats, warmup=2)
-    bare = _without(prof, (*OVERHEADS, *COMM))
-    return [Row(name, batch, chunks, c, plan.iteration_time, max(a, b), loop_ms,
-                autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
-                                          checkpoint=c).iteration_time)
-            for c, plan, a, b in zip(checkpoints, plans, *per_rank, strict=True)]
+    for _ in range(rounds):
+        prof = _profile(ex, chunks, repeats)
+        prof = Profile(prof.df, prof.edges, {**prof.meta, **comm})
+        plans = [autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=r.checkpoint,
+                                    schedule=r.schedule) for r in rows]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        with tempfile.TemporaryDirectory() as out:
+            start_processes(_rank, args=(port, out, name, batch, chunks, [p.to_dict() for p in plans], repeats),
+                            nprocs=2, start_method="spawn")
+            per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
+        loop_ms = median_ms(loop, repeats, warmup=2)
+        bare = _without(prof, (*OVERHEADS, *COMM))
+        for row, plan, a, b in zip(rows, plans, *per_rank, strict=True):
+            before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
+                                               checkpoint=row.checkpoint, schedule=row.schedule)
+            row.add(plan.iteration_time, max(a, b), loop_ms, before.iteration_time)
+    return rows
 
 
 def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str], stages: int,
-                  repeats: int, overheads: bool = True, device: str = "cpu") -> list[Row]:
-    """Every checkpoint mode of one example, on one profile of it (on ``device``)."""
+                  repeats: int, overheads: bool = True, device: str = "cpu", rounds: int = 1) -> list[Row]:
+    """Every checkpoint mode of one example (on ``device``); each round profiles anew, then
+    runs every mode, so each measurement is compared with a profile taken seconds before."""
     ex = get_example(name, batch_size=batch)
     ex = Example(ex.name, ex.model, tuple(x.to(device) for x in ex.inputs), ex.target.to(device),
                  ex.loss_fn)
-    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
-                            device=device)
-    if not overheads:
-        prof = _without(prof, OVERHEADS)
-    return [measure(name, ex, prof, chunks, c, stages, repeats, device) for c in checkpoints]
+    rows = [Row(name, int(ex.inputs[0].shape[0]), chunks, c) for c in checkpoints]
+    for _ in range(rounds):
+        prof = _profile(ex, chunks, repeats, device)
+        if not overheads:
+            prof = _without(prof, OVERHEADS)
+        for row in rows:
+            row.add(*measure(ex, prof, chunks, row.checkpoint, stages, repeats, device))
+    return rows
 
 
-def measure(name: str, ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: int,
-            repeats: int, device: str = "cpu") -> Row:
+def measure(ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: int,
+            repeats: int, device: str = "cpu") -> tuple[float, float, float, float]:
+    """(predicted, measured, plain loop, predicted without the overheads) ms of one plan."""
     devices = [device] * stages  # one device: the stages take turns ([Note: shared devices])
     plan = autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=checkpoint)
     pipe = autopipe.pipeline(ex.model, ex.inputs, devices=devices, chunks=chunks,
@@ -162,9 +209,8 @@ def measure(name: str, ex: Example, prof: Profile, chunks: int, checkpoint: str,
     bare = _without(prof, OVERHEADS)
     before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
                                        checkpoint=checkpoint)
-    return Row(name, int(ex.inputs[0].shape[0]), chunks, checkpoint, plan.iteration_time,
-               median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2),
-               before.iteration_time)
+    return (plan.iteration_time, median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2),
+            before.iteration_time)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
@@ -174,7 +220,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--checkpoints", nargs="+", default=["never", "except_last", "always"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe"], choices=["gpipe", "1f1b"],
+                        help="--runtime distributed: the schedules to run (executor.GPipe is gpipe)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="profile anew and measure every plan this many times; the table holds "
+                             "the medians and the spread of measured / predicted over the rounds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the stages run")
     parser.add_argument("--no-overheads", action="store_true",
@@ -191,25 +242,31 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
               f"{(comm['comm_bandwidth'] or float('inf')) / 1e9:.2f} GB/s; stage call "
               f"{comm['stage_call_fwd_ms']:.3f} + {comm['stage_call_bwd_ms']:.3f} ms")
         rows = [r for m in args.models
-                for r in measure_distributed(m, args.batch, args.chunks, args.checkpoints, args.repeats, comm)]
+                for r in measure_distributed(m, args.batch, args.chunks, args.checkpoints, args.repeats,
+                                             comm, args.schedules, args.rounds)]
         print(table(rows))
         return rows
+    if args.schedules != ["gpipe"]:
+        parser.error("executor.GPipe runs gpipe only: --schedules 1f1b needs --runtime distributed")
     rows = [r for m in args.models
             for r in measure_model(m, args.batch, args.chunks, args.checkpoints, args.stages,
-                                   args.repeats, overheads=not args.no_overheads, device=args.device)]
+                                   args.repeats, overheads=not args.no_overheads, device=args.device,
+                                   rounds=args.rounds)]
     print(table(rows))
     return rows
 
 
 def table(rows: Sequence[Row]) -> str:
-    """The markdown table; ``before`` = the same plan predicted without the measured overheads."""
-    lines = ["| model | batch | chunks | checkpoint | predicted ms | measured ms | "
-             "measured / predicted | before: predicted ms | before: measured / predicted | "
+    """The markdown table: medians over the rounds, and the spread of measured / predicted;
+    ``before`` = the same plan predicted without the measured overheads."""
+    lines = ["| model | batch | chunks | schedule | checkpoint | predicted ms | measured ms | "
+             "measured / predicted | over rounds | before: predicted ms | before: measured / predicted | "
              "plain loop ms | executor / loop |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.model} | {r.batch} | {r.chunks} | {r.checkpoint} | "
+        lines.append(f"| {r.model} | {r.batch} | {r.chunks} | {r.schedule} | {r.checkpoint} | "
                      f"{r.predicted_ms:.3f} | {r.measured_ms:.3f} | {r.ratio:.3f} | "
+                     f"{min(r.ratios):.2f}-{max(r.ratios):.2f} | "
                      f"{r.before_ms:.3f} | {r.before_ratio:.3f} | {r.loop_ms:.3f} | "
                      f"{r.measured_ms / r.loop_ms:.3f} |")
     return "\n".join(lines)

@@ -204,7 +204,7 @@ def test_prediction_benchmark_smoke() -> None:
     from benchmarks.executor_vs_prediction import main
 
     (row,) = main(["--models", "mlp", "--batch", "8", "--chunks", "2", "--checkpoints", "never",
-                   "--repeats", "2"])
+                   "--repeats", "2", "--rounds", "1"])
     assert row.predicted_ms > 0 and row.measured_ms > 0 and row.loop_ms > 0
     assert 0.05 < row.ratio < 20  # a sanity range, not a timing threshold
 

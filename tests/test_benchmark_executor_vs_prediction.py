@@ -10,17 +10,35 @@ from benchmarks import executor_vs_prediction
 
 def test_executor_vs_prediction_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     bench = executor_vs_prediction
-    rows = bench.main(["--batch", "8", "--chunks", "2", "--repeats", "1"])
+    rows = bench.main(["--batch", "8", "--chunks", "2", "--repeats", "1", "--rounds", "1"])
     assert [(r.model, r.checkpoint) for r in rows] == [
         (m, c) for m in ("mlp", "cnn", "gpt", "unet") for c in ("never", "except_last", "always")]
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 + len(rows)
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        predicted, measured, ratio, before, before_ratio = map(float, cells[4:9])
+        assert cells[3] == "gpipe"
+        predicted, measured, ratio = map(float, cells[5:8])
+        before, before_ratio = map(float, cells[9:11])
         assert predicted > 0 and measured > 0 and before > 0
         assert ratio == pytest.approx(measured / predicted, abs=2e-3, rel=2e-3)
+        low, high = map(float, cells[8].split("-"))
+        assert low == high == pytest.approx(ratio, abs=6e-3)  # one round
         assert before_ratio == pytest.approx(measured / before, abs=2e-3, rel=2e-3)
     for r in rows:  # without recomputation the overheads only add a call cost >= 0
         if r.checkpoint == "never":
             assert r.predicted_ms >= r.before_ms - 1e-9
+
+
+def test_rounds_pair_each_run_with_its_own_profile() -> None:
+    row = executor_vs_prediction.Row("mlp", 8, 2, "never")
+    for predicted, measured in ((10.0, 11.0), (20.0, 20.0), (10.0, 30.0)):
+        row.add(predicted, measured, loop=measured, before=predicted)
+    assert row.ratios == [1.1, 1.0, 3.0]
+    assert row.ratio == 1.1  # the median of the rounds' ratios, not of medians
+    assert (row.predicted_ms, row.measured_ms) == (10.0, 20.0)
+
+
+def test_schedules_other_than_gpipe_need_the_distributed_runtime() -> None:
+    with pytest.raises(SystemExit):
+        executor_vs_prediction.main(["--models", "mlp", "--schedules", "1f1b"])
