@@ -188,7 +188,8 @@ class DistributedPipeline:
         self.group = group if group is not None else dist.new_group(backend=dist.get_backend(), timeout=timedelta)
         self.stages = [s.to(self.device) for s in stages]
         self.wire_stages = [
-            WireStage(s, wires[i], wires[i + 1], last=i == num_stages - 1, device=self.device)
+            WireStage(s, wires[i], wires[i + 1], first=i == 0, last=i == num_stages - 1,
+                      device=self.device)
             for s, i in zip(self.stages, self.indices, strict=True)
         ]
         where = {id(p): (k, n) for k, s in enumerate(self.stages) for n, p in s.named_parameters()}

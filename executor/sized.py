@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from executor.errors import DistributedError
 from executor.spec import is_recomputed
-from executor.wire import Sizes, Wire, WireStage, check_sizes, wire_metas
+from executor.wire import Sizes, Wire, WireStage, check_sizes, cut_metas, wire_metas
 
 __all__ = ["SizedSchedules", "microbatch_sizes_of"]
 
@@ -98,7 +98,10 @@ class SizedSchedules:
         self.get(self.example)
 
     def get(self, sizes: Sizes) -> Any:
-        """The schedule for micro-batches of ``sizes``, built on first use."""
+        """The schedule for micro-batches of ``sizes``, built on first use; the wire stages
+        pack their cuts for those sizes ([Note: few messages per cut])."""
+        for w in self.wire_stages:
+            w.use(sizes)
         if sizes in self._built:
             self._built.move_to_end(sizes)
             return self._built[sizes][1]
@@ -107,9 +110,11 @@ class SizedSchedules:
         except ValueError as err:
             raise DistributedError(f"cannot size the pipeline's cuts for inputs {list(sizes)}: {err}; "
                                    "pass inputs shaped like the example") from None
+        last = self.num_stages - 1
         stages = [  # static metadata: no inference run on the first step
-            _Stage(m, w, (r, self.chunks), i, self.num_stages, self.device, input_args=wire_metas(at[i]),
-                   output_args=wire_metas(at[i + 1]), group=self.group)
+            _Stage(m, w, (r, self.chunks), i, self.num_stages, self.device,
+                   input_args=wire_metas(at[i]) if i == 0 else cut_metas(at[i]),
+                   output_args=wire_metas(at[i + 1]) if i == last else cut_metas(at[i + 1]), group=self.group)
             for m, w, r, i in zip(self.modules, self.wire_stages, self.recomputed, self.indices, strict=True)
         ]
         schedule = self.make_schedule(stages)

@@ -35,10 +35,12 @@ from torch import Tensor, nn
 from executor._torch_compat import TreeSpec, tree_flatten, tree_unflatten
 from executor.checkpoint import Checkpointing
 from executor.errors import DistributedError
+from executor.messages import Slot, layout, message_metas, pack, unpack
 from executor.microbatch import Batch
 from executor.symbolic import SymbolicRun, evaluate, symbolic_run
 
-__all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "Sizes", "input_sizes", "check_sizes"]
+__all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "cut_metas", "slots", "Sizes", "input_sizes",
+           "check_sizes"]
 
 Sizes = tuple[tuple[int, ...] | None, ...]  # each model input's shape (None: not a tensor)
 
@@ -99,7 +101,20 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def wire_metas(wires: Sequence[Wire]) -> tuple[Tensor, ...]:
+    """Every sent value's example tensor, as the model gives them (the inputs) or the loss takes
+    them (the outputs)."""
     return tuple(t for t in (w.meta() for w in wires) if t is not None)
+
+
+def slots(wires: Sequence[Wire]) -> tuple[Slot, ...]:
+    """The sent values of a cut, as [Note: few messages per cut] packs them."""
+    return tuple(Slot(tuple(int(n) for n in w.shape), w.dtype, w.requires_grad) for w in wires
+                 if w.kind != "const")
+
+
+def cut_metas(wires: Sequence[Wire]) -> tuple[Tensor, ...]:
+    """The messages of a cut between two ranks ([Note: few messages per cut])."""
+    return message_metas(slots(wires))
 
 
 def _encode(values: Sequence[Any], wires: Sequence[Wire], device: torch.device) -> tuple[Tensor, ...]:
@@ -236,45 +251,58 @@ def check_sizes(inputs: Sequence[Wire], sizes: Sizes, names: Sequence[str] = ())
 
 
 class WireStage(nn.Module):
-    """One stage as PipelineStage sees it: wire tensors in, wire tensors out.
+    """One stage as PipelineStage sees it: messages in, messages out.
 
-    ``last`` marks the last stage: its output pytree is flattened to tensor leaves
-    and :meth:`unflatten` rebuilds it for the loss. ``recompute`` is set per micro-batch by
-    the pipeline (see [Note: distributed recomputation]).
+    ``first`` and ``last`` mark the first and last stage: the first takes the model's inputs
+    as they are, the last flattens its output pytree to tensor leaves and :meth:`unflatten`
+    rebuilds it for the loss; between ranks, each cut's values travel packed ([Note: few
+    messages per cut]) at the input sizes :meth:`use` sets. ``recompute`` is set per
+    micro-batch by the pipeline (see [Note: distributed recomputation]).
     """
 
     def __init__(
-        self, stage: nn.Module, inputs: Sequence[Wire], outputs: Sequence[Wire], *, last: bool,
-        device: torch.device,
+        self, stage: nn.Module, inputs: Sequence[Wire], outputs: Sequence[Wire], *, first: bool,
+        last: bool, device: torch.device,
     ) -> None:
         super().__init__()
         self.stage = stage
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
-        self.last = last
+        self.first, self.last = first, last
         self.device = device
         self.recompute = False
         self._spec: TreeSpec | None = None
         self._consts: list[tuple[int, Any]] = []
+        self._sizes: Sizes | None = None
+        self._in, self._out = slots(self.inputs), slots(self.outputs)  # at the example's sizes
 
-    def forward(self, *wire: Tensor) -> tuple[Tensor, ...]:
+    def use(self, sizes: Sizes) -> None:
+        """Pack and unpack the cuts as they are for model inputs of ``sizes``."""
+        if sizes != self._sizes:
+            self._in = slots([w.at(sizes) for w in self.inputs])
+            self._out = slots([w.at(sizes) for w in self.outputs])
+            self._sizes = sizes
+
+    def forward(self, *received: Tensor) -> tuple[Tensor, ...]:
         if self.recompute and self.stage.training and torch.is_grad_enabled():
             # [Note: distributed recomputation]: executor.GPipe's checkpoint, recomputing when
             # the gradient arrives (no side lane: nothing to overlap it with here)
-            chk = Checkpointing(lambda batch: batch.call(self._run), Batch(wire), self.device)
+            chk = Checkpointing(lambda batch: batch.call(self._run), Batch(received), self.device)
             out = tuple(chk.checkpoint().tensors())
             if self.last:
                 return out
             # every float output of the checkpoint needs a gradient; the next stage sends one
             # only for those that needed it unchecked (torch's backward wants one for each)
-            sent = [w for w in self.outputs if w.kind != "const"]
-            return tuple(t if w.requires_grad else t.detach() for t, w in zip(out, sent, strict=True))
-        return self._run(*wire)
+            needs = [m.kind == "cat" or (m.kind == "alone" and self._out[m.members[0]].requires_grad)
+                     for m in layout(self._out)]
+            return tuple(t if g else t.detach() for t, g in zip(out, needs, strict=True))
+        return self._run(*received)
 
-    def _run(self, *wire: Tensor) -> tuple[Tensor, ...]:
+    def _run(self, *received: Tensor) -> tuple[Tensor, ...]:
+        wire = received if self.first else unpack(received, self._in)
         out = self.stage(*_decode(wire, self.inputs))
         if not self.last:
-            return _encode(_as_tuple(out), self.outputs, self.device)
+            return pack(_encode(_as_tuple(out), self.outputs, self.device), self._out)
         leaves, self._spec = tree_flatten(out)
         self._consts = [(k, v) for k, v in enumerate(leaves) if not isinstance(v, Tensor)]
         return tuple(v for v in leaves if isinstance(v, Tensor))

@@ -326,8 +326,8 @@ def test_infer_wires_and_last_stage_unflatten() -> None:
     stages = split_stages(graph, [graph.layers[:1], graph.layers[1:]])
     wires = infer_wires(stages, inputs)
     assert [w.kind for w in wires[1]].count("scalar") == 1
-    last = WireStage(stages[1], wires[1], wires[2], last=True, device=torch.device("cpu"))
-    first = WireStage(stages[0], wires[0], wires[1], last=False, device=torch.device("cpu"))
+    last = WireStage(stages[1], wires[1], wires[2], first=False, last=True, device=torch.device("cpu"))
+    first = WireStage(stages[0], wires[0], wires[1], first=True, last=False, device=torch.device("cpu"))
     out = last.unflatten(last(*first(*inputs)))
     assert_close(out["logits"], model(*inputs)["logits"])
     with pytest.raises(DistributedError, match="model inputs \\[1\\] are not tensors"):
