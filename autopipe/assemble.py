@@ -50,6 +50,8 @@ from executor.worker import normalize_device
 __all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory",
            "device_names", "plan_for_devices", "partition_checkpoint", "runtime_checkpoint"]
 
+DEFAULT_PIPELINE_CHUNKS = 8  # pipeline() and distributed_pipeline() without a plan or chunks
+
 
 class Pipeline(GPipe):
     """An executor.GPipe that also remembers its plan, re-evaluated for the devices it runs on
@@ -189,7 +191,7 @@ def pipeline(
     example_inputs: tuple[Any, ...] | torch.Tensor,
     *,
     devices: Sequence[str | torch.device],
-    chunks: int = 8,
+    chunks: int | None = None,
     checkpoint: str | Sequence[str] | None = None,
     plan: Plan | None = None,
     profile: Profile | None = None,
@@ -214,7 +216,7 @@ def pipeline(
             where the devices allow), so references the user holds stay valid.
         example_inputs: one mini-batch of positional inputs (as passed to ``model(...)``).
         devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"] * 4``.
-        chunks: micro-batches per mini-batch.
+        chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
         checkpoint: recomputation: ``"always"``, ``"except_last"`` or ``"never"``, or a list
             with one of them per stage; default: the plan's (its mode or per-stage list), and
             ``"except_last"`` to partition with. See :func:`runtime_checkpoint`.
@@ -239,6 +241,8 @@ def pipeline(
     devices = list(devices)
     if not devices:
         raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
+    if chunks is None:
+        chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     micro = microbatch_inputs(inputs, chunks)
     given = checkpoint if plan is not None else None  # else the plan is made with it
     # refused before tracing and profiling; unused with a plan

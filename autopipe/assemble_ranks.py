@@ -37,7 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.assemble import microbatch_inputs, partition_checkpoint, runtime_checkpoint
+from autopipe.assemble import (
+    DEFAULT_PIPELINE_CHUNKS,
+    microbatch_inputs,
+    partition_checkpoint,
+    runtime_checkpoint,
+)
 from autopipe.assemble_mesh import replicas_of, replicated_pipeline
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError, first_line
@@ -104,7 +109,7 @@ def distributed_pipeline(
     loss_fn: Callable[[Any, Any], Tensor],
     plan: Plan | None = None,
     method: str = "auto",
-    chunks: int = 8,
+    chunks: int | None = None,
     checkpoint: str | Sequence[str] | None = None,
     schedule: str = "gpipe",
     stages_per_rank: int | None = None,
@@ -126,7 +131,7 @@ def distributed_pipeline(
         plan: a Plan with ``world_size / data_parallel * stages_per_rank`` stages; default:
             rank 0 partitions.
         method: the partitioner's method when no plan is given.
-        chunks: micro-batches per mini-batch.
+        chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
         checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
             (see :func:`autopipe.assemble.runtime_checkpoint`), ``"except_last"`` to partition.
         schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank).
@@ -173,6 +178,8 @@ def distributed_pipeline(
                          f"start {n * replicas} ranks (torchrun --nproc_per_node {n * replicas}) or make "
                          f"a plan of {k} stages (`autopipe partition --stages {k}`)")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if chunks is None:
+        chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     micro = microbatch_inputs(inputs, chunks)
     given = checkpoint if plan is not None else None  # else the plan is made with it
     mode = partition_checkpoint(checkpoint, k) if plan is None else ""

@@ -101,6 +101,13 @@ def test_plan_for_the_devices_used_is_kept_as_is() -> None:
     assert pipe.plan is plan
 
 
+def test_chunks_default_to_the_plans() -> None:
+    ex, _, _, plan = _mlp_plan(devices=["cpu", "cpu"])
+    assert plan.chunks == 2  # not the library's default of 8, which would trace another micro-batch
+    pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], plan=plan)
+    assert pipe.chunks == 2 and pipe.plan is plan
+
+
 def test_a_plan_for_another_schedule_is_predicted_as_the_gpipe_it_runs() -> None:
     ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"], schedule="1f1b")
     assert plan.schedule == "1f1b"
