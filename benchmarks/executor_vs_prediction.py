@@ -10,6 +10,11 @@ micro-batches run through the same stage modules by a plain Python loop, which s
 cost of micro-batching itself from the runtime's scheduling overhead. Prints a markdown table
 of medians and ratios (measured / predicted; target within 10%).
 
+This machine's speed drifts by up to a third within seconds, so ``--rounds`` (default 3)
+repeats the whole measurement: each round profiles the model anew and then runs every plan,
+and a row gives the median over the rounds of each run against the profile taken just before
+it, with the spread.
+
     python3 benchmarks/executor_vs_prediction.py --threads 1
     python3 benchmarks/executor_vs_prediction.py --runtime distributed   # 2 gloo ranks
 
@@ -20,6 +25,7 @@ the distributed runtime's own call cost, measured once by autopipe.frontend.comm
 measured transfer]); "before" then drops those and the recompute ratio (the model before any
 measured overhead: no call cost, bandwidth 1e10), and "plain loop" is ONE process running the
 model over the same micro-batches, so "executor / loop" is the inverse of the 2-rank speedup.
+``--schedules gpipe 1f1b`` runs torch's 1F1B beside GPipe there.
 """
 
 from __future__ import annotations
