@@ -42,3 +42,12 @@ def test_rounds_pair_each_run_with_its_own_profile() -> None:
 def test_schedules_other_than_gpipe_need_the_distributed_runtime() -> None:
     with pytest.raises(SystemExit):
         executor_vs_prediction.main(["--models", "mlp", "--schedules", "1f1b"])
+
+
+def test_two_ranks_under_both_schedules() -> None:
+    rows = executor_vs_prediction.main(["--runtime", "distributed", "--models", "mlp", "--batch", "8",
+                                        "--chunks", "2", "--checkpoints", "except_last", "--repeats", "1",
+                                        "--rounds", "1", "--schedules", "gpipe", "1f1b"])
+    assert [(r.schedule, r.checkpoint) for r in rows] == [("gpipe", "except_last"), ("1f1b", "except_last")]
+    for r in rows:  # the measured transfer and call cost only add to the prediction before them
+        assert r.measured_ms > 0 and r.predicted_ms > r.before_ms > 0
