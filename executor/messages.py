@@ -24,13 +24,14 @@ autopipe/core/cost.py), which this makes nearly true.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["ALONE_BYTES", "Message", "layout", "message_metas", "pack", "unpack"]
+__all__ = ["ALONE_BYTES", "Message", "Slot", "layout", "message_metas", "pack", "unpack"]
 
 ALONE_BYTES = 1 << 16
 _ALIGN = 8
@@ -63,20 +64,17 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def layout(slots: Sequence[Slot]) -> tuple[Message, ...]:
+@functools.lru_cache(maxsize=256)
+def layout(slots: tuple[Slot, ...]) -> tuple[Message, ...]:
     """The messages of a cut whose sent values are ``slots`` ([Note: few messages per cut]),
-    ordered by their first member."""
+    ordered by their first member (computed once per cut and input size)."""
     alone: list[Message] = []
     cat: dict[torch.dtype, list[int]] = {}
     rest: list[int] = []
@@ -94,7 +92,7 @@ def layout(slots: Sequence[Slot]) -> tuple[Message, ...]:
     return tuple(sorted(out, key=lambda g: g.members[0]))
 
 
-def message_metas(slots: Sequence[Slot], device: torch.device | str = "meta") -> tuple[Tensor, ...]:
+def message_metas(slots: tuple[Slot, ...], device: torch.device | str = "meta") -> tuple[Tensor, ...]:
     """An example of each message (meta device): the buffers PipelineStage receives into."""
     metas = []
     for msg in layout(slots):
@@ -111,7 +109,7 @@ def message_metas(slots: Sequence[Slot], device: torch.device | str = "meta") ->
     return tuple(metas)
 
 
-def pack(values: Sequence[Tensor], slots: Sequence[Slot]) -> tuple[Tensor, ...]:
+def pack(values: Sequence[Tensor], slots: tuple[Slot, ...]) -> tuple[Tensor, ...]:
     """The messages of ``values`` (a cut's sent values, contiguous, described by ``slots``)."""
     out = []
     for msg in layout(slots):
@@ -131,7 +129,7 @@ def pack(values: Sequence[Tensor], slots: Sequence[Slot]) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def unpack(messages: Sequence[Tensor], slots: Sequence[Slot]) -> list[Tensor]:
+def unpack(messages: Sequence[Tensor], slots: tuple[Slot, ...]) -> list[Tensor]:
     """The cut's sent values from its ``messages``: views, no copies."""
     values: list[Tensor | None] = [None] * len(slots)
     for msg, data in zip(layout(slots), messages, strict=True):

@@ -274,14 +274,19 @@ class WireStage(nn.Module):
         self._spec: TreeSpec | None = None
         self._consts: list[tuple[int, Any]] = []
         self._sizes: Sizes | None = None
-        self._in, self._out = slots(self.inputs), slots(self.outputs)  # at the example's sizes
+        self._slots(self.inputs, self.outputs)  # at the example's sizes
 
     def use(self, sizes: Sizes) -> None:
         """Pack and unpack the cuts as they are for model inputs of ``sizes``."""
         if sizes != self._sizes:
-            self._in = slots([w.at(sizes) for w in self.inputs])
-            self._out = slots([w.at(sizes) for w in self.outputs])
+            self._slots([w.at(sizes) for w in self.inputs], [w.at(sizes) for w in self.outputs])
             self._sizes = sizes
+
+    def _slots(self, inputs: Sequence[Wire], outputs: Sequence[Wire]) -> None:
+        self._in, self._out = slots(inputs), slots(outputs)
+        # under recomputation, which output messages get a gradient back (as unchecked)
+        self._needs = [m.kind == "cat" or (m.kind == "alone" and self._out[m.members[0]].requires_grad)
+                       for m in layout(self._out)]
 
     def forward(self, *received: Tensor) -> tuple[Tensor, ...]:
         if self.recompute and self.stage.training and torch.is_grad_enabled():
@@ -293,9 +298,7 @@ class WireStage(nn.Module):
                 return out
             # every float output of the checkpoint needs a gradient; the next stage sends one
             # only for those that needed it unchecked (torch's backward wants one for each)
-            needs = [m.kind == "cat" or (m.kind == "alone" and self._out[m.members[0]].requires_grad)
-                     for m in layout(self._out)]
-            return tuple(t if g else t.detach() for t, g in zip(out, needs, strict=True))
+            return tuple(t if g else t.detach() for t, g in zip(out, self._needs, strict=True))
         return self._run(*received)
 
     def _run(self, *received: Tensor) -> tuple[Tensor, ...]:

@@ -26,16 +26,16 @@ def _values() -> list[torch.Tensor]:
 
 
 def test_layout_sends_big_values_alone_the_rest_in_one_message_each_kind() -> None:
-    slots = [_slot(v) for v in _values()]
+    slots = tuple(_slot(v) for v in _values())
     assert layout(slots) == (Message("cat", (0, 4)), Message("bytes", (1, 2, 5, 6)), Message("alone", (3,)))
     # a group of one travels as it is; nothing to pack, nothing sent
     assert layout(slots[:1]) == (Message("alone", (0,)),)
-    assert layout([]) == ()
+    assert layout(()) == ()
 
 
 def test_pack_unpack_round_trip_and_metas_match() -> None:
     values = _values()
-    slots = [_slot(v) for v in values]
+    slots = tuple(_slot(v) for v in values)
     messages = pack(values, slots)
     assert len(messages) == 3
     for got, meta in zip(messages, message_metas(slots), strict=True):
@@ -50,7 +50,7 @@ def test_pack_unpack_round_trip_and_metas_match() -> None:
 
 def test_gradients_reach_each_value_through_its_message() -> None:
     values = _values()
-    slots = [_slot(v) for v in values]
+    slots = tuple(_slot(v) for v in values)
     received = [m.detach().clone().requires_grad_(m.requires_grad) for m in pack(values, slots)]
     hidden, _, mask, big, residual, _, _ = unpack(received, slots)
     loss = (hidden * 2).sum() + (residual * mask.float().sum()).sum() + big.square().sum()
