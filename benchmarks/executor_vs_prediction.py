@@ -103,7 +103,8 @@ class Row:
         return statistics.median(m / b for m, b in zip(self.measured, self.before, strict=True))
 
 
-OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "recompute_ratio")
+OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms", "stage_call_1f1b_bwd_ms",
+             "recompute_ratio")
 COMM = ("comm_latency_ms", "comm_bandwidth")  # [Note: measured transfer]
 
 
@@ -246,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         comm = measure_comm("cpu", chunks=args.chunks)
         print(f"between two ranks: {comm['comm_latency_ms']:.3f} ms + bytes / "
               f"{(comm['comm_bandwidth'] or float('inf')) / 1e9:.2f} GB/s; stage call "
-              f"{comm['stage_call_fwd_ms']:.3f} + {comm['stage_call_bwd_ms']:.3f} ms")
+              f"{comm['stage_call_fwd_ms']:.3f} + {comm['stage_call_bwd_ms']:.3f} ms (1f1b: "
+              f"{comm['stage_call_1f1b_fwd_ms']:.3f} + {comm['stage_call_1f1b_bwd_ms']:.3f} ms)")
         rows = [r for m in args.models
                 for r in measure_distributed(m, args.batch, args.chunks, args.checkpoints, args.repeats,
                                              comm, args.schedules, args.rounds)]

@@ -63,7 +63,9 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         bandwidth = m.get("comm_bandwidth")
         lines.append(f"between two ranks ({m['comm_backend']}): {m.get('comm_latency_ms')} ms + bytes / "
                      f"{format_bytes(bandwidth) + '/s' if bandwidth else 'no measurable bandwidth'}; "
-                     f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call")
+                     f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call"
+                     + (f" ({m['stage_call_1f1b_fwd_ms']} + {m.get('stage_call_1f1b_bwd_ms')} under 1f1b)"
+                        if "stage_call_1f1b_fwd_ms" in m else ""))
     if m.get("mode") == "layers":
         peak = m.get("peak_memory_bytes")
         lines.append(

@@ -16,7 +16,9 @@ the stage's busy time per iteration; the slowest stage (the bottleneck) sets the
   through ONE stage module, forward and backward, whatever its layers (the module's call, the
   runtime's per-task bookkeeping, the autograd engine's per-stage work, the micro-batch split
   and join spread over the calls). It is host time, so it is added to a stage's time as is,
-  not divided by the device's ``speed``; every stage pays it once per micro-batch.
+  not divided by the device's ``speed``; every stage pays it once per micro-batch. A ``--comm``
+  profile also has the distributed runtime's under 1F1B (``stage_call_1f1b_*``), which 1F1B
+  and interleaved 1F1B plans pay instead (``LayerCosts.call_for``).
 - ``recompute_ratio``: what recomputing a checkpointed micro-batch really costs, as a multiple
   of the layers' profiled forward. Recomputation is not one extra forward: the checkpointed
   forward itself runs without autograd (cheaper), the recompute runs with it, and the
@@ -346,6 +348,7 @@ def stage_costs(
             reach = int(stage[list(users)].max())
             cut[stage[u]:reach] += costs.value_bytes[u]
             resaved[stage[u]:reach] += costs.resaved[u]
+    call_fwd, call_bwd = costs.call_for(options.schedule)
     result = []
     for s, dev in enumerate(devices):
         mask = stage == s
@@ -369,8 +372,8 @@ def stage_costs(
             input_bytes=cut_in,
             output_bytes=cut_out,
             saved_bytes=saved,
-            call_fwd_ms=costs.call_fwd_ms,
-            call_bwd_ms=costs.call_bwd_ms,
+            call_fwd_ms=call_fwd,
+            call_bwd_ms=call_bwd,
             recompute_ratio=costs.recompute_ratio,
             latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
             grad_sync_ms=grad_sync_ms(params, *replicas),

@@ -60,6 +60,8 @@ class LayerCosts:
     # [Note: measured overheads]: absent from a profile's metadata = today's model
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
+    # the distributed runtime's call cost under 1F1B where measured ([Note: measured transfer])
+    call_1f1b_ms: tuple[float, float] | None = None
     recompute_ratio: float = 1.0
     # [Note: transfer cost]: measured between two ranks (autopipe profile --comm), else absent
     comm_latency_ms: float = 0.0
@@ -69,6 +71,13 @@ class LayerCosts:
     def call_ms(self) -> float:
         """The fixed cost of one stage call per micro-batch, forward + backward."""
         return self.call_fwd_ms + self.call_bwd_ms
+
+    def call_for(self, schedule: str) -> tuple[float, float]:
+        """(forward, backward) call cost under ``schedule``: the 1F1B one for 1F1B and
+        interleaved 1F1B where the profile measured it, else the one measured for GPipe."""
+        if schedule != "gpipe" and self.call_1f1b_ms is not None:
+            return self.call_1f1b_ms
+        return self.call_fwd_ms, self.call_bwd_ms
 
     @classmethod
     def from_profile(cls, profile: Profile) -> LayerCosts:
@@ -110,6 +119,9 @@ class LayerCosts:
             tie_groups=tuple(ties),
             call_fwd_ms=_meta_float(profile, "stage_call_fwd_ms", 0.0),
             call_bwd_ms=_meta_float(profile, "stage_call_bwd_ms", 0.0),
+            call_1f1b_ms=((_meta_float(profile, "stage_call_1f1b_fwd_ms", 0.0),
+                           _meta_float(profile, "stage_call_1f1b_bwd_ms", 0.0))
+                          if "stage_call_1f1b_fwd_ms" in profile.meta else None),
             recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
             comm_latency_ms=_meta_float(profile, "comm_latency_ms", 0.0),
             comm_bandwidth=_meta_float(profile, "comm_bandwidth", 0.0) or None,

@@ -15,7 +15,12 @@ and two GPUs are there), each with one CPU thread, as the distributed runtime's 
   near-EMPTY stages (one 1-element weight each), ``chunks`` micro-batches, GPipe. The simulator
   charges such a pipeline ``(M + 1) x (fwd + bwd call) + 2 M x latency`` for a training step and
   ``(M + 1) x fwd call + M x latency`` for a forward-only one (``eval_step``), so the two timed
-  steps give the call costs. They describe this runtime (its schedule, PipelineStage's
+  steps give the call costs (:func:`fit_call_ms` inverts the simulator itself for the first).
+  The same empty pipeline under torch's 1F1B, whose every crossing sits on the critical path
+  and which posts no receive ahead, costs more per micro-batch (about twice GPipe's on 2 gloo
+  ranks sharing 2 cores): its fit is ``stage_call_1f1b_fwd_ms`` / ``_bwd_ms`` (split as
+  GPipe's), which 1F1B and interleaved 1F1B plans pay ([Note: measured overheads] in
+  autopipe/core/cost.py). They describe this runtime (its schedule, PipelineStage's
   bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: the
   profile's ``stage_call_fwd_ms`` / ``stage_call_bwd_ms`` become them and executor.GPipe's move
   to ``gpipe_call_fwd_ms`` / ``gpipe_call_bwd_ms``, so a ``--comm`` profile predicts the
@@ -49,7 +54,7 @@ from autopipe.errors import ProfileError
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_SIZES", "fit_transfer", "measure_comm", "with_comm"]
+__all__ = ["COMM_SIZES", "fit_call_ms", "fit_transfer", "measure_comm", "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
@@ -99,14 +104,17 @@ class _Scale(nn.Module):
         return x * self.w
 
 
-def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> tuple[float, float]:
-    """Median training and forward-only step ms of a 2-rank pipeline of near-empty stages."""
+def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> tuple[float, float, float]:
+    """Median ms of a 2-rank pipeline of near-empty stages: a GPipe training step, a GPipe
+    forward-only step, a 1F1B training step."""
     from executor.distributed import DistributedPipeline, infer_wires
 
     stages = [_Scale().to(device), _Scale().to(device)]
     x = torch.ones(chunks, 1, device=device)
-    pipe = DistributedPipeline([stages[rank]], [rank], 2, loss_fn=lambda out, _: out.sum(), chunks=chunks,
-                               checkpoint="never", wires=infer_wires(stages, (x[:1],)), device=device)
+    wires = infer_wires(stages, (x[:1],))
+    pipe, pipe_1f1b = (DistributedPipeline([stages[rank]], [rank], 2, loss_fn=lambda out, _: out.sum(),
+                                           chunks=chunks, checkpoint="never", wires=wires, device=device,
+                                           schedule=schedule) for schedule in ("gpipe", "1f1b"))
     target = torch.zeros(chunks, device=device)
 
     def median_ms(step: Any) -> float:
@@ -120,7 +128,7 @@ def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int)
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-    return median_ms(pipe.step), median_ms(pipe.eval_step)
+    return median_ms(pipe.step), median_ms(pipe.eval_step), median_ms(pipe_1f1b.step)
 
 
 def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], repeats: int,
@@ -135,8 +143,9 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
         _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
         ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
               for n in sizes]
-        train, fwd = _empty_pipeline_ms(rank, device, chunks, steps)
-        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "train": train, "fwd": fwd}))
+        train, fwd, train_1f1b = _empty_pipeline_ms(rank, device, chunks, steps)
+        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "train": train, "fwd": fwd,
+                                                         "train_1f1b": train_1f1b}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -161,15 +170,45 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
     ms = [max(a, b) for a, b in zip(ranks[0]["ms"], ranks[1]["ms"], strict=True)]
     latency, bandwidth = fit_transfer([max(n // 4, 1) * 4 for n in sizes], ms)
-    train, fwd = (max(r[k] for r in ranks) for k in ("train", "fwd"))
-    hop = latency + 4 * 1000.0 / bandwidth  # one float32 crossing
-    call = max(train - 2 * chunks * hop, 0.0) / (chunks + 1)
-    call_fwd = min(max(fwd - chunks * hop, 0.0) / (chunks + 1), call)
+    train, fwd, train_1f1b = (max(r[k] for r in ranks) for k in ("train", "fwd", "train_1f1b"))
+    ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
+    call = fit_call_ms(train, "gpipe", chunks, latency, ms_per_byte)
+    # the forward-only step: M + 1 forward calls and M crossings in a row
+    call_fwd = min(max(fwd - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
+    share = call_fwd / call if call > 0 else 0.5
+    call_1f1b = fit_call_ms(train_1f1b, "1f1b", chunks, latency, ms_per_byte, share)
     return {"comm_backend": backend, "comm_latency_ms": round(latency, 6),
             "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
             "comm_sizes": [max(n // 4, 1) * 4 for n in sizes], "comm_ms": [round(t, 6) for t in ms],
             "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
+            "stage_call_1f1b_fwd_ms": round(call_1f1b * share, 6),
+            "stage_call_1f1b_bwd_ms": round(call_1f1b * (1 - share), 6),
             "stage_call_of": "DistributedPipeline"}
+
+
+def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, ms_per_byte: float,
+                fwd_share: float = 0.5) -> float:
+    """The call cost per stage and micro-batch (forward + backward, split ``fwd_share``) whose
+    SIMULATED training step of two empty stages under ``schedule`` (one float crossing each
+    way per micro-batch) takes ``step_ms``: the simulator's own formula, inverted by bisection."""
+    from autopipe.core.simulator import simulate_stages  # not in the spawned ranks
+    from autopipe.core.stage_cost import StageCost
+
+    def simulated(call: float) -> float:
+        stage = StageCost(fwd_ms=0.0, bwd_ms=0.0, recompute_ms=0.0, transfer_ms=0.0, param_bytes=0,
+                          activation_bytes=0, input_bytes=4, output_bytes=4, saved_bytes=0,
+                          call_fwd_ms=call * fwd_share, call_bwd_ms=call * (1 - fwd_share),
+                          latency_ms=latency_ms)
+        return simulate_stages([stage, stage], chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+                               schedule=schedule).iteration_time
+
+    low, high = 0.0, max(step_ms, 0.0)
+    if simulated(low) >= step_ms:
+        return 0.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if simulated(mid) < step_ms else (low, mid)
+    return (low + high) / 2
 
 
 def with_comm(profile: Profile, device: str | torch.device | None = None, **kwargs: Any) -> Profile:

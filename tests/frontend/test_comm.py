@@ -11,6 +11,8 @@ from autopipe.app.cli import main
 from autopipe.core.cost import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
+from autopipe.core.simulator import simulate_stages
+from autopipe.core.stage_cost import StageCost
 from autopipe.frontend import comm
 from autopipe.solvers.synthetic import random_chain
 
@@ -65,3 +67,35 @@ def test_two_real_ranks() -> None:
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
     assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
     assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
+    assert meta["stage_call_1f1b_fwd_ms"] >= 0 and meta["stage_call_1f1b_bwd_ms"] >= 0
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 8])
+def test_the_call_cost_fit_inverts_the_simulator(chunks: int) -> None:
+    latency, ms_per_byte = 0.05, 1 / 4e6
+    hop = latency + 4 * ms_per_byte
+    # GPipe: the closed form of [Note: measured transfer], (M + 1) calls and 2 M crossings
+    gpipe = (chunks + 1) * 0.3 + 2 * chunks * hop
+    assert comm.fit_call_ms(gpipe, "gpipe", chunks, latency, ms_per_byte) == pytest.approx(0.3, rel=1e-6)
+    # 1F1B: its own order, simulated with the fitted call, takes the measured step
+    one_f = comm.fit_call_ms(2 * gpipe, "1f1b", chunks, latency, ms_per_byte, fwd_share=0.4)
+    stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
+                      call_fwd_ms=0.4 * one_f, call_bwd_ms=0.6 * one_f, latency_ms=latency)
+    again = simulate_stages([stage, stage], chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+                            schedule="1f1b").iteration_time
+    assert one_f > 0.3 and again == pytest.approx(2 * gpipe, rel=1e-6)
+    assert comm.fit_call_ms(0.0, "1f1b", chunks, latency, ms_per_byte) == 0.0  # faster than free
+
+
+def test_1f1b_plans_pay_the_call_cost_measured_under_1f1b() -> None:
+    base = random_chain(6, 1)
+    meta = {**base.meta, **MEASURED, "stage_call_1f1b_fwd_ms": 0.5, "stage_call_1f1b_bwd_ms": 0.7}
+    prof = Profile(base.df, base.edges, meta)
+    assert LayerCosts.from_profile(prof).call_for("1f1b") == (0.5, 0.7)
+    assert LayerCosts.from_profile(prof).call_for("gpipe") == (0.2, 0.3)
+    split = [prof.layers[:3], prof.layers[3:]]
+    for schedule, want in (("gpipe", (0.2, 0.3)), ("1f1b", (0.5, 0.7))):
+        plan = Plan.from_stages(prof, split, chunks=4, schedule=schedule)
+        assert {(st.call_fwd_ms, st.call_bwd_ms) for st in plan.breakdown} == {want}
+    older = Profile(base.df, base.edges, {**base.meta, **MEASURED})  # measured before 1F1B was
+    assert LayerCosts.from_profile(older).call_for("1f1b") == (0.2, 0.3)
