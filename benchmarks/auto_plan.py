@@ -38,7 +38,10 @@ executor.GPipe, 1 thread): it runs only gpipe, so there the auto plan is searche
 ``schedule="gpipe"``; its stages share one CPU and take turns, so besides the plan's own
 prediction (2 devices) the table gives ``pipe.plan``'s, re-simulated for one shared device.
 Two gloo ranks x 1 thread (``distributed_pipeline(..., plan=)``, the plan's schedule): the
-devices the plan was made for, when the machine has two idle cores; there the auto plan
+devices the plan was made for, when the machine has two idle cores. Its plans are made from the
+same profile plus what ``autopipe profile --comm`` measures once per run (the transfer between
+two ranks and the distributed runtime's call cost under GPipe and under 1F1B: [Note: measured
+transfer]), as a user planning for ranks would; there the auto plan
 searched with ``schedule="gpipe"`` runs too ("auto, gpipe") when the search chose another
 schedule. The plans of a runtime are built first and then take turns step by step, so a change
 in the machine's load hits them alike. Times are the median, min and max of ``--steps`` steps
@@ -403,9 +406,11 @@ def two_ranks(example: str, batch: int, plans: Sequence[Plan], steps: int, warmu
     return [[max(a, b) for a, b in zip(x, y, strict=True)] for x, y in zip(*per_rank, strict=True)]
 
 
-def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True) -> list[Timed]:
-    """Every plan of ``plans`` on one process and (``ranks``) on 2 ranks, where the auto plan
-    searched for gpipe runs too when it differs; a plan equal to another is run once."""
+def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True,
+            rank_plans: Plans | None = None) -> list[Timed]:
+    """Every plan of ``plans`` on one process and (``ranks``) those of ``rank_plans`` (default:
+    ``plans``) on 2 ranks, where the auto plan searched for gpipe runs too when it differs; a
+    plan equal to another is run once."""
     rows: list[Timed] = []
     ex, b, lim = plans.example, plans.batch, plans.limit
     named = [(n, p) for n, p in (("auto", plans.auto_gpipe), ("recipe", plans.recipe),
@@ -417,6 +422,7 @@ def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True) -> list[T
         rows.append(Timed(plans.label, lim, "1 process", name, plan, *done[_key(plan)], note=note))
     if not ranks:
         return rows
+    plans = rank_plans or plans
     named = [(n, p) for n, p in (("auto", plans.auto), ("recipe", plans.recipe), ("single", plans.single),
                                  ("auto, gpipe", plans.auto_gpipe if plans.auto_gpipe is not plans.auto else None))
              if p is not None]
@@ -464,11 +470,18 @@ def measured_table(rows: Sequence[Timed]) -> str:
 
 def measured_main(args: argparse.Namespace) -> str:
     rows: list[Timed] = []
+    comm: dict[str, Any] = {}
+    if not args.no_ranks:  # [Note: measured transfer], once: the ranks' plans are made with it
+        from autopipe.frontend.comm import measure_comm
+
+        comm = measure_comm("cpu", chunks=4 * RECIPE_DEVICES)
     for example in args.examples:
         batch = args.measured_batch or MEASURED_BATCH[example]
         prof = measured_profile(example, batch, args.profile_repeats)
         plans = measured_plans(example, prof, args.fraction)
-        rows += measure(plans, args.steps, args.warmup, ranks=not args.no_ranks)
+        rank_plans = (measured_plans(example, Profile(prof.df, prof.edges, {**prof.meta, **comm}), args.fraction)
+                      if comm else None)
+        rows += measure(plans, args.steps, args.warmup, ranks=not args.no_ranks, rank_plans=rank_plans)
     head = (f"Measured on CPU: 1 thread per process, {args.steps} steps after {args.warmup}; "
             f"memory limit {args.fraction:.2f} of the way from the GPipe recipe's peak to never-"
             f"recompute's at M = {4 * RECIPE_DEVICES}. 1 process runs gpipe only, its stages "
