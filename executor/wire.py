@@ -274,15 +274,15 @@ class WireStage(nn.Module):
         self._spec: TreeSpec | None = None
         self._consts: list[tuple[int, Any]] = []
         self._sizes: Sizes | None = None
-        self._slots(self.inputs, self.outputs)  # at the example's sizes
+        self._size_cuts(self.inputs, self.outputs)  # at the example's sizes
 
     def use(self, sizes: Sizes) -> None:
         """Pack and unpack the cuts as they are for model inputs of ``sizes``."""
         if sizes != self._sizes:
-            self._slots([w.at(sizes) for w in self.inputs], [w.at(sizes) for w in self.outputs])
+            self._size_cuts([w.at(sizes) for w in self.inputs], [w.at(sizes) for w in self.outputs])
             self._sizes = sizes
 
-    def _slots(self, inputs: Sequence[Wire], outputs: Sequence[Wire]) -> None:
+    def _size_cuts(self, inputs: Sequence[Wire], outputs: Sequence[Wire]) -> None:
         self._in, self._out = slots(inputs), slots(outputs)
         # under recomputation, which output messages get a gradient back (as unchecked)
         self._needs = [m.kind == "cat" or (m.kind == "alone" and self._out[m.members[0]].requires_grad)
