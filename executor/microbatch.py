@@ -23,6 +23,8 @@ from executor.spec import microbatch_sizes
 
 __all__ = ["Batch", "scatter", "gather", "batch_size"]
 
+_LEAVES = (int, float, bool, str, type(None))  # exact types pytree never opens
+
 
 class Batch:
     """The values one micro-batch carries between two stages (the linear-chain convention).
@@ -53,14 +55,22 @@ class Batch:
         """Call ``function(*values)`` and wrap its result."""
         return Batch.from_output(function(*self.values))
 
+    def _flat(self) -> bool:
+        """Whether every value is a leaf itself (a tensor or a plain scalar): the common case,
+        where walking the values beats pytree's flatten and unflatten (a few per stage call)."""
+        return all(type(v) in _LEAVES or isinstance(v, Tensor) for v in self.values)
+
     def tensors(self) -> list[Tensor]:
         """Every tensor leaf, in a stable (pytree) order."""
-        return [x for x in tree_leaves(self.values) if isinstance(x, Tensor)]
+        values = self.values if self._flat() else tree_leaves(self.values)
+        return [x for x in values if isinstance(x, Tensor)]
 
     def with_tensors(self, tensors: Sequence[Tensor]) -> Batch:
         """A batch of the same structure whose tensor leaves are replaced, in order."""
-        leaves, spec = tree_flatten(self.values)
         it = iter(tensors)
+        if self._flat():
+            return Batch(tuple(next(it) if isinstance(x, Tensor) else x for x in self.values), self.atomic)
+        leaves, spec = tree_flatten(self.values)
         new = [next(it) if isinstance(x, Tensor) else x for x in leaves]
         return Batch(tree_unflatten(new, spec), self.atomic)
 

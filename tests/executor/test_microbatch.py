@@ -57,6 +57,18 @@ def test_batch_tensors_and_with_tensors_keep_structure() -> None:
     assert Batch.from_output((a, 3)).output() == (a, 3)
 
 
+def test_flat_batches_take_the_short_path_to_the_same_answer() -> None:
+    # values that are leaves themselves skip pytree; anything it would open does not
+    a, b = torch.ones(2), torch.zeros(3)
+    flat = Batch((a, 3, None, "x", 1.5, True, b), atomic=False)
+    assert flat._flat() and flat.tensors() == [a, b]
+    swapped = flat.with_tensors([b, a])
+    assert swapped.values[0] is b and swapped.values[1:6] == (3, None, "x", 1.5, True) and swapped.values[6] is a
+    for nested in (Batch((a, (b,))), Batch((a, [b])), Batch(({"k": b}, a))):
+        assert not nested._flat()
+        assert {id(t) for t in nested.tensors()} == {id(a), id(b)}
+
+
 def test_chunks_greater_than_batch_size() -> None:
     with pytest.raises(MicroBatchError, match=r"chunks=8 > batch size 4: .*use chunks <= 4"):
         scatter((torch.randn(4, 2),), 8)
