@@ -23,6 +23,11 @@ the stage's busy time per iteration; the slowest stage (the bottleneck) sets the
   of the layers' profiled forward. Recomputation is not one extra forward: the checkpointed
   forward itself runs without autograd (cheaper), the recompute runs with it, and the
   checkpoint saves and restores RNG state. ``recompute_ms`` scales by it.
+- ``recompute_call_ms``: the checkpoint's own fixed host cost per stage and recomputed
+  micro-batch (its autograd nodes, the RNG state saved and restored, the nested backward),
+  whatever the stage's layers: ~0.1 ms on this machine, as much as a small stage's forward.
+  ``recompute_ms(..., fixed_ms=)`` adds it per stage; a per-layer sum never carries it, so the
+  DPs add it with the call cost (``stage_fixed_ms``).
 
 [Note: transfer cost] A value (a layer's output, ``bytes`` = its largest outgoing edge) lives
 from the stage that produces it up to the last stage that consumes it; it crosses every cut in
@@ -97,6 +102,7 @@ __all__ = [
     "StageCost",
     "layer_work",
     "recompute_ms",
+    "stage_fixed_ms",
     "activation_terms",
     "activation_bytes",
     "activation_peak",
@@ -122,10 +128,19 @@ Amount = Any
 # its arguments, so one definition serves all of them. Change a formula here, and only here.
 
 
-def recompute_ms(fwd: Amount, recomputed: int, chunks: int, ratio: float = 1.0) -> Amount:
-    """Average recomputation per micro-batch: ``ratio`` x the forward for R of the M
-    micro-batches ([Note: measured overheads]; 1 = exactly a second forward)."""
-    return fwd * (ratio * recomputed / chunks)
+def recompute_ms(fwd: Amount, recomputed: int, chunks: int, ratio: float = 1.0,
+                 fixed_ms: float = 0.0) -> Amount:
+    """Average recomputation per micro-batch: ``ratio`` x the forward, plus the checkpoint's own
+    ``fixed_ms`` (once per stage and recomputed micro-batch: give it for a whole stage, never
+    for a layer), for R of the M micro-batches ([Note: measured overheads]; 1 = exactly a
+    second forward)."""
+    return (fwd * ratio + fixed_ms) * (recomputed / chunks)
+
+
+def stage_fixed_ms(call_ms: float, recompute_call_ms: float, recomputed: int, chunks: int) -> float:
+    """The fixed host cost per micro-batch of a stage recomputing R of M: its call and the
+    checkpoint's own work ([Note: measured overheads])."""
+    return call_ms + float(recompute_ms(0.0, recomputed, chunks, fixed_ms=recompute_call_ms))
 
 
 def layer_work(fwd: Amount, bwd: Amount, recomputed: int, chunks: int,
@@ -364,7 +379,7 @@ def stage_costs(
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
-            recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio),
+            recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio, costs.recompute_call_ms),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)),
@@ -375,6 +390,7 @@ def stage_costs(
             call_fwd_ms=call_fwd,
             call_bwd_ms=call_bwd,
             recompute_ratio=costs.recompute_ratio,
+            recompute_call_ms=costs.recompute_call_ms,
             latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
             grad_sync_ms=grad_sync_ms(params, *replicas),
             param_gather_ms=param_gather_ms(params, *replicas),

@@ -63,6 +63,7 @@ class LayerCosts:
     # the distributed runtime's call cost under 1F1B where measured ([Note: measured transfer])
     call_1f1b_ms: tuple[float, float] | None = None
     recompute_ratio: float = 1.0
+    recompute_call_ms: float = 0.0  # per stage and recomputed micro-batch
     # [Note: transfer cost]: measured between two ranks (autopipe profile --comm), else absent
     comm_latency_ms: float = 0.0
     comm_bandwidth: float | None = None  # bytes/s
@@ -123,6 +124,7 @@ class LayerCosts:
                            _meta_float(profile, "stage_call_1f1b_bwd_ms", 0.0))
                           if "stage_call_1f1b_fwd_ms" in profile.meta else None),
             recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
+            recompute_call_ms=_meta_float(profile, "recompute_call_ms", 0.0),
             comm_latency_ms=_meta_float(profile, "comm_latency_ms", 0.0),
             comm_bandwidth=_meta_float(profile, "comm_bandwidth", 0.0) or None,
         )

@@ -169,7 +169,8 @@ def simulate_stages(
                     s, i, "transfer", end, crossing_ms(st.output_bytes, ms_per_byte, st.latency_ms))
         else:
             if is_recomputed(i, m, rec[s]):
-                start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio))
+                start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio,
+                                                                   st.recompute_call_ms))
             end = emit(s, i, "backward", start, st.bwd_ms + st.call_bwd_ms)
             backwards[s] += 1
             if backwards[s] == m and st.grad_sync_ms > 0:  # after the last backward's compute

@@ -28,6 +28,7 @@ class StageCost:
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
     recompute_ratio: float = 1.0
+    recompute_call_ms: float = 0.0  # per recomputed micro-batch, in recompute_ms
     latency_ms: float = 0.0  # of each crossing, in transfer_ms ([Note: transfer cost])
     # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
     grad_sync_ms: float = 0.0  # after the stage's last backward

@@ -18,7 +18,8 @@ dividing by them gives the layers' times alone. The relative weights of the laye
 partitioner balances, are the ones measured alone; only their sum is the sequence's.
 
 It then runs the same graph as ONE stage of executor.GPipe (one micro-batch) with
-``checkpoint="never"`` and ``"always"``: the extra time of the second over the whole forward is
+``checkpoint="never"`` and ``"always"``: the extra time of the second, less what checkpointing
+costs any stage call (``recompute_call_ms``, paid per stage), over the whole forward is
 ``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/overheads.py), which
 replaces the ratio sampled on layers alone. The three runs take turns in every round: this
 machine's speed drifts by tens of percent over minutes, and separate batches of repeats
@@ -94,8 +95,9 @@ def _pipes(gm: fx.GraphModule, device: torch.device) -> tuple[GPipe, GPipe] | No
 
 def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dict[str, Any]],
                      device: torch.device, timer: Timer, repeats: int, warmup: int,
-                     harness: tuple[float, float]) -> SequenceScales:
-    """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone).
+                     harness: tuple[float, float], recompute_call_ms: float = 0.0) -> SequenceScales:
+    """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone);
+    ``recompute_call_ms``: what checkpointing any stage call adds, netted out of the ratio.
 
     The plain graph and the two GPipe runs take turns in every round, so a machine whose speed
     drifts over the measurement slows all three alike (their medians are compared)."""
@@ -120,7 +122,7 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
     ratio = None
     if len(times) == 3 and fwd_ms > 0:
         never, always = (median([f + b for f, b in t]) for t in times[1:])
-        ratio = _clamped((always - never) / fwd_ms, RATIO_RANGE)
+        ratio = _clamped((always - never - recompute_call_ms) / fwd_ms, RATIO_RANGE)
     return SequenceScales(_scale(fwd_ms, sum(float(r["fwd_ms"]) for r in rows)),
                           _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio)
 

@@ -12,7 +12,11 @@ timed alone misses two costs a pipeline pays:
   runtime's own machinery, over ``CALL_STAGES`` EMPTY stages (inputs -> outputs, no op) on
   the profiled device with the profile's ``chunks``, one iteration forward + backward, and
   divides by stages x micro-batches. What is per iteration (split, join) is thereby spread
-  over ``CALL_STAGES`` stages; a plan with another stage count gets it slightly wrong.
+  over ``CALL_STAGES`` stages; a plan with another stage count gets it slightly wrong. The same
+  empty stages checkpointed give ``recompute_call_ms``: what a checkpointed call adds whatever
+  its layers (two more autograd nodes and a nested backward, the RNG state saved and
+  restored), about 0.1 ms here, paid per stage and recomputed micro-batch; the whole graph's
+  recompute ratio ([Note: layers in sequence]) is taken net of it.
 - Recomputation. A checkpointed micro-batch runs its forward WITHOUT autograd (cheaper than the
   profiled forward), then recomputes it WITH autograd in backward, saving and restoring the RNG
   state around it; "one extra forward" is only roughly that. :class:`RecomputeSampler` times a
@@ -61,11 +65,9 @@ def _empty_stage() -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), graph)
 
 
-def stage_call_ms(timer: Timer, device: torch.device, chunks: int) -> tuple[float, float]:
-    """Forward and backward ms of one EMPTY stage call per micro-batch through executor.GPipe
-    ([Note: measured overheads])."""
+def _empty_calls_ms(timer: Timer, device: torch.device, chunks: int, checkpoint: str) -> tuple[float, float]:
     stages = [_empty_stage() for _ in range(CALL_STAGES)]
-    pipe = GPipe(stages, [device] * CALL_STAGES, chunks=chunks, checkpoint="never")
+    pipe = GPipe(stages, [device] * CALL_STAGES, chunks=chunks, checkpoint=checkpoint)
     x = torch.zeros(chunks, 1, device=device)
 
     def make_forward() -> Callable[[], Any]:
@@ -74,6 +76,14 @@ def stage_call_ms(timer: Timer, device: torch.device, chunks: int) -> tuple[floa
     fwd, bwd = time_runs(timer, make_forward, CALL_REPEATS, CALL_WARMUP)
     calls = CALL_STAGES * chunks
     return fwd / calls, bwd / calls
+
+
+def stage_call_ms(timer: Timer, device: torch.device, chunks: int) -> tuple[float, float, float]:
+    """Forward and backward ms of one EMPTY stage call per micro-batch through executor.GPipe,
+    and what checkpointing it adds ([Note: measured overheads])."""
+    fwd, bwd = _empty_calls_ms(timer, device, chunks, "never")
+    c_fwd, c_bwd = _empty_calls_ms(timer, device, chunks, "always")
+    return fwd, bwd, max(0.0, (c_fwd + c_bwd) - (fwd + bwd))
 
 
 class RecomputeSampler:
@@ -123,9 +133,10 @@ class RecomputeSampler:
         return min(high, max(low, sum(e for _, e in self.top) / fwd))
 
 
-def overhead_meta(timer: Timer, device: torch.device, chunks: int, ratio: float) -> dict[str, float]:
-    """The profile's metadata of [Note: measured overheads]: the stage call timed here, and the
-    recompute ``ratio`` a :class:`RecomputeSampler` found."""
-    fwd, bwd = stage_call_ms(timer, device, chunks)
+def overhead_meta(calls: tuple[float, float, float], ratio: float) -> dict[str, float]:
+    """The profile's metadata of [Note: measured overheads]: the stage ``calls`` as
+    :func:`stage_call_ms` timed them, and the recompute ``ratio`` (a :class:`RecomputeSampler`'s
+    or the whole graph's)."""
+    fwd, bwd, recompute = calls
     return {"stage_call_fwd_ms": round(fwd, 6), "stage_call_bwd_ms": round(bwd, 6),
-            "recompute_ratio": round(ratio, 4)}
+            "recompute_call_ms": round(recompute, 6), "recompute_ratio": round(ratio, 4)}

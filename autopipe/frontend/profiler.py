@@ -52,7 +52,7 @@ from autopipe.frontend.layer_timing import (
 )
 from autopipe.frontend.layerwise import LayerRun, layer_by_layer
 from autopipe.frontend.materialize import has_meta_tensors
-from autopipe.frontend.overheads import RecomputeSampler, overhead_meta
+from autopipe.frontend.overheads import RecomputeSampler, overhead_meta, stage_call_ms
 from autopipe.frontend.preserve import preserved
 from autopipe.frontend.process_memory import PeakRss
 from autopipe.frontend.replay import graph_args, layer_calls, record_values
@@ -202,6 +202,7 @@ def _measure_at(
     progress: bool | None,
     dedupe: bool,
     trace_kwargs: dict[str, Any],
+    recompute_call_ms: float = 0.0,
 ) -> Measured:
     """Trace one micro-batch (unless ``graph``) and measure every layer, whole or layer by layer."""
     if chosen == "whole":
@@ -214,7 +215,7 @@ def _measure_at(
                 rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
                                        warmup, progress)
                 seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,
-                                       warmup, extra[:2])  # [Note: layers in sequence]
+                                       warmup, extra[:2], recompute_call_ms)  # [Note: layers in sequence]
                 rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:
@@ -297,10 +298,11 @@ def profile(
     chosen = _choose_mode(mode, model, dev, memory_budget)
     timer = timer or timer_for(dev)
     others = other_sizes(micro_batch_sizes, micro)
+    calls = stage_call_ms(timer, dev, chunks)  # [Note: measured overheads]
 
     def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> Measured:
         return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
-                           dedupe, trace_kwargs)
+                           dedupe, trace_kwargs, calls[2])
 
     with PeakRss() as rss:
         if dev.type == "cuda":
@@ -334,7 +336,7 @@ def profile(
         "fingerprint": g.fingerprint,
         "harness_fwd_ms": round(fwd_extra, 6),
         "harness_bwd_ms": round(bwd_extra, 6),
-        **overhead_meta(timer, dev, chunks, ratio), **scales.meta(),  # [Note: measured overheads]
+        **overhead_meta(calls, ratio), **scales.meta(),  # [Note: measured overheads]
         "source": g.source,
         "mode": chosen,
         "dedupe": bool(dedupe) if chosen == "layers" else False,

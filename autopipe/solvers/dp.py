@@ -27,6 +27,7 @@ from autopipe.core.cost import (
     activation_bytes,
     layer_work,
     schedule_ranks,
+    stage_fixed_ms,
     stage_terms,
     stage_time,
     state_bytes,
@@ -71,7 +72,8 @@ class RangeCosts:
         self.terms = terms
         zero = np.zeros(1)
         work = layer_work(costs.fwd, costs.bwd, rec_n, m, costs.recompute_ratio)
-        self.call_ms, self.latency_ms = costs.call_ms, costs.comm_latency_ms
+        self.call_ms = stage_fixed_ms(sum(costs.call_for(options.schedule)), costs.recompute_call_ms, rec_n, m)
+        self.latency_ms = costs.comm_latency_ms
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)
         self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]

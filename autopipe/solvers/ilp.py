@@ -39,6 +39,7 @@ from autopipe.core.cost import (
     lower_bound,
     schedule_ranks,
     stage_costs,
+    stage_fixed_ms,
     stage_time,
     state_bytes,
 )
@@ -141,7 +142,8 @@ def _solve(
             return pulp.lpSum([])
         return pulp.lpSum(int(per_value[u]) * z[u, s] for u in senders if per_value[u])
 
-    lower = lower_bound(work_array, [d.speed for d in devices], costs.call_ms)
+    call = sum(costs.call_for(options.schedule))
+    lower = lower_bound(work_array, [d.speed for d in devices], call)
     prob += t >= lower
 
     def total(values: Sequence[float] | npt.NDArray[Any], s: int) -> pulp.LpAffineExpression:
@@ -150,7 +152,9 @@ def _solve(
     for s, dev in enumerate(devices):
         prob += pulp.lpSum(x(v, s) for v in range(n)) >= 1
         prob += t >= stage_time(total(stage_work[s], s), dev.speed, crossing(s - 1), crossing(s),
-                                options.ms_per_byte, costs.call_ms, costs.comm_latency_ms)
+                                options.ms_per_byte,
+                                stage_fixed_ms(call, costs.recompute_call_ms, recomputed[s], m),
+                                costs.comm_latency_ms)
         if dev.memory is not None:
             if options.ties == "share":
                 tied = pulp.lpSum(nbytes * h[g, s] for g, (_, nbytes) in enumerate(costs.tie_groups))

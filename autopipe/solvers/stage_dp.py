@@ -36,6 +36,7 @@ from autopipe.core.cost import (
     activation_bytes,
     layer_work,
     schedule_ranks,
+    stage_fixed_ms,
     stage_terms,
     stage_time,
     state_bytes,
@@ -63,7 +64,8 @@ class StageBlocks:
     def __init__(self, costs: LayerCosts, options: CostOptions) -> None:
         n = len(costs)
         self.n, self.m, self.options = n, options.chunks, options
-        self.ratio, self.call_ms = costs.recompute_ratio, costs.call_ms
+        self.ratio, self.call_ms = costs.recompute_ratio, sum(costs.call_for(options.schedule))
+        self.recompute_call_ms = costs.recompute_call_ms
         self.latency_ms = costs.comm_latency_ms
         zero = np.zeros(1)
         self.fwd = np.concatenate([zero, np.cumsum(costs.fwd)])
@@ -113,7 +115,8 @@ class StageBlocks:
         xfer = self._cached(("xfer", j0), lambda: stage_time(
             0.0, 1.0, cut[:j1, None], cut[None, j0:j1], self.options.ms_per_byte, self.call_ms,
             self.latency_ms))
-        out: FloatArray = work / speed + xfer  # cost.stage_time, transfers + call cost cached
+        fixed = stage_fixed_ms(0.0, self.recompute_call_ms, recomputed, self.m)
+        out: FloatArray = work / speed + xfer + fixed  # cost.stage_time, transfers + call cost cached
         return out
 
     def state(self, j0: int, j1: int) -> FloatArray:

@@ -17,6 +17,7 @@ from autopipe.core.cost import (
     lower_bound,
     recompute_ms,
     stage_costs,
+    stage_fixed_ms,
     stage_time,
 )
 from autopipe.core.plan import Plan
@@ -24,7 +25,8 @@ from autopipe.core.profile_table import Profile
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain
 
-OVERHEADS = {"stage_call_fwd_ms": 0.3, "stage_call_bwd_ms": 0.2, "recompute_ratio": 1.5}
+OVERHEADS = {"stage_call_fwd_ms": 0.3, "stage_call_bwd_ms": 0.2, "recompute_ratio": 1.5,
+             "recompute_call_ms": 0.4}
 
 
 def _with(profile: Profile, meta: dict[str, object]) -> Profile:
@@ -34,6 +36,8 @@ def _with(profile: Profile, meta: dict[str, object]) -> Profile:
 def test_formulas_default_to_todays_model() -> None:
     assert recompute_ms(4.0, 1, 2) == 2.0
     assert recompute_ms(4.0, 1, 2, 1.5) == 3.0
+    assert recompute_ms(4.0, 1, 2, 1.5, fixed_ms=0.4) == pytest.approx(3.2)  # per stage, not layer
+    assert stage_fixed_ms(0.5, 0.4, 3, 4) == pytest.approx(0.8)
     assert layer_work(4.0, 8.0, 2, 2, 1.5) == 4.0 + 6.0 + 8.0
     assert stage_time(10.0, 2.0, 0, 0, 0.0) == 5.0
     assert stage_time(10.0, 2.0, 0, 0, 0.0, call_ms=0.5) == 5.5  # host time: not scaled
@@ -56,9 +60,10 @@ def test_stage_costs_add_the_call_and_scale_the_recompute(checkpoint: str) -> No
     split = [0] * 6 + [1] * 6
     before = stage_costs(LayerCosts.from_profile(prof), split, devices, options)
     after = stage_costs(LayerCosts.from_profile(_with(prof, OVERHEADS)), split, devices, options)
+    share = {"never": 0, "except_last": 3, "always": 4}[checkpoint] / 4  # R / M
     for b, a in zip(before, after, strict=True):
-        assert a.recompute_ms == pytest.approx(1.5 * b.recompute_ms)
-        assert a.time_ms == pytest.approx(b.time_ms + 0.5 * b.recompute_ms + 0.5)
+        assert a.recompute_ms == pytest.approx(1.5 * b.recompute_ms + 0.4 * share)
+        assert a.time_ms == pytest.approx(b.time_ms + 0.5 * b.recompute_ms + 0.4 * share + 0.5)
 
 
 @pytest.mark.parametrize("method", ["dp", "ilp"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.profile_table import Profile
 from autopipe.solvers.stage_dp import StageBlocks, budget_devices, solve_counts, solve_split
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
 from executor.spec import CHECKPOINT_MODES
@@ -40,6 +41,11 @@ def test_per_stage_modes_match_brute_force(seed: int) -> None:
     prof = random_chain(n, seed)
     if seed % 3 == 0:  # layers that save their input again ([Note: saved once]): copies across cuts
         prof.df["saved_shared_bytes"] = (prof.df["saved_bytes"] * rng.uniform(0, 1, n)).astype("int64")
+    if seed % 4 == 1:  # measured overheads: per-schedule calls and checkpointing's fixed cost
+        prof = Profile(prof.df, prof.edges, {
+            **prof.meta, "stage_call_fwd_ms": 0.2, "stage_call_bwd_ms": 0.1, "recompute_ratio": 1.3,
+            "recompute_call_ms": float(rng.uniform(0.1, 2.0)), "stage_call_1f1b_fwd_ms": 0.5,
+            "stage_call_1f1b_bwd_ms": 0.3})
     lc = LayerCosts.from_profile(prof)
     schedule = ("gpipe", "1f1b")[seed % 2]
     opts = CostOptions(chunks=int(rng.integers(1, 6)), schedule=schedule,
