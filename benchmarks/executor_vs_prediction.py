@@ -104,7 +104,8 @@ class Row:
 
 
 OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms", "stage_call_1f1b_bwd_ms",
-             "recompute_ratio")
+             "stage_call_interleaved1f1b_fwd_ms", "stage_call_interleaved1f1b_bwd_ms", "recompute_ratio",
+             "recompute_call_ms")
 COMM = ("comm_latency_ms", "comm_bandwidth")  # [Note: measured transfer]
 
 

@@ -64,8 +64,8 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         lines.append(f"between two ranks ({m['comm_backend']}): {m.get('comm_latency_ms')} ms + bytes / "
                      f"{format_bytes(bandwidth) + '/s' if bandwidth else 'no measurable bandwidth'}; "
                      f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call"
-                     + (f" ({m['stage_call_1f1b_fwd_ms']} + {m.get('stage_call_1f1b_bwd_ms')} under 1f1b)"
-                        if "stage_call_1f1b_fwd_ms" in m else ""))
+                     + "".join(f" ({m[f'stage_call_{s}_fwd_ms']} + {m.get(f'stage_call_{s}_bwd_ms')} under {s})"
+                               for s in ("1f1b", "interleaved1f1b") if f"stage_call_{s}_fwd_ms" in m))
     if m.get("mode") == "layers":
         peak = m.get("peak_memory_bytes")
         lines.append(

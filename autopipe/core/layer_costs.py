@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from autopipe.core.profile_table import Profile
+from executor.spec import SCHEDULES
 
 __all__ = ["FloatArray", "IntArray", "LayerCosts"]
 
@@ -60,8 +61,9 @@ class LayerCosts:
     # [Note: measured overheads]: absent from a profile's metadata = today's model
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
-    # the distributed runtime's call cost under 1F1B where measured ([Note: measured transfer])
-    call_1f1b_ms: tuple[float, float] | None = None
+    # the distributed runtime's call cost under other schedules, where measured:
+    # (schedule, forward, backward) ([Note: measured transfer])
+    schedule_calls: tuple[tuple[str, float, float], ...] = ()
     recompute_ratio: float = 1.0
     recompute_call_ms: float = 0.0  # per stage and recomputed micro-batch
     # [Note: transfer cost]: measured between two ranks (autopipe profile --comm), else absent
@@ -74,10 +76,12 @@ class LayerCosts:
         return self.call_fwd_ms + self.call_bwd_ms
 
     def call_for(self, schedule: str) -> tuple[float, float]:
-        """(forward, backward) call cost under ``schedule``: the 1F1B one for 1F1B and
-        interleaved 1F1B where the profile measured it, else the one measured for GPipe."""
-        if schedule != "gpipe" and self.call_1f1b_ms is not None:
-            return self.call_1f1b_ms
+        """(forward, backward) call cost under ``schedule``: the one the profile measured for it;
+        for interleaved 1F1B without one, 1F1B's; else the one measured for GPipe."""
+        measured = {name: (fwd, bwd) for name, fwd, bwd in self.schedule_calls}
+        for name in (schedule, "1f1b") if schedule == "interleaved1f1b" else (schedule,):
+            if name in measured:
+                return measured[name]
         return self.call_fwd_ms, self.call_bwd_ms
 
     @classmethod
@@ -120,9 +124,9 @@ class LayerCosts:
             tie_groups=tuple(ties),
             call_fwd_ms=_meta_float(profile, "stage_call_fwd_ms", 0.0),
             call_bwd_ms=_meta_float(profile, "stage_call_bwd_ms", 0.0),
-            call_1f1b_ms=((_meta_float(profile, "stage_call_1f1b_fwd_ms", 0.0),
-                           _meta_float(profile, "stage_call_1f1b_bwd_ms", 0.0))
-                          if "stage_call_1f1b_fwd_ms" in profile.meta else None),
+            schedule_calls=tuple((name, _meta_float(profile, f"stage_call_{name}_fwd_ms", 0.0),
+                                  _meta_float(profile, f"stage_call_{name}_bwd_ms", 0.0))
+                                 for name in SCHEDULES if f"stage_call_{name}_fwd_ms" in profile.meta),
             recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
             recompute_call_ms=_meta_float(profile, "recompute_call_ms", 0.0),
             comm_latency_ms=_meta_float(profile, "comm_latency_ms", 0.0),

@@ -19,8 +19,9 @@ and two GPUs are there), each with one CPU thread, as the distributed runtime's 
   The same empty pipeline under torch's 1F1B, whose every crossing sits on the critical path
   and which posts no receive ahead, costs more per micro-batch (about twice GPipe's on 2 gloo
   ranks sharing 2 cores): its fit is ``stage_call_1f1b_fwd_ms`` / ``_bwd_ms`` (split as
-  GPipe's), which 1F1B and interleaved 1F1B plans pay ([Note: measured overheads] in
-  autopipe/core/cost.py). They describe this runtime (its schedule, PipelineStage's
+  GPipe's), which 1F1B plans pay ([Note: measured overheads] in autopipe/core/cost.py); and
+  4 such stages, 2 per rank, under interleaved 1F1B give ``stage_call_interleaved1f1b_*``
+  where torch's schedule takes the chunks (else interleaved plans pay 1F1B's). They describe this runtime (its schedule, PipelineStage's
   bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: the
   profile's ``stage_call_fwd_ms`` / ``stage_call_bwd_ms`` become them and executor.GPipe's move
   to ``gpipe_call_fwd_ms`` / ``gpipe_call_bwd_ms``, so a ``--comm`` profile predicts the
@@ -50,11 +51,14 @@ from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
 from autopipe.errors import ProfileError
+from executor.spec import SCHEDULES
+
+SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPipe
 
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_SIZES", "fit_call_ms", "fit_transfer", "measure_comm", "with_comm"]
+__all__ = ["COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
@@ -104,17 +108,27 @@ class _Scale(nn.Module):
         return x * self.w
 
 
-def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> tuple[float, float, float]:
-    """Median ms of a 2-rank pipeline of near-empty stages: a GPipe training step, a GPipe
-    forward-only step, a 1F1B training step."""
+def interleaves(chunks: int) -> bool:
+    """Whether torch's interleaved 1F1B runs ``chunks`` micro-batches on 2 ranks."""
+    return chunks % max(1, chunks // 2) == 0
+
+
+def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> dict[str, float]:
+    """Median ms of a 2-rank pipeline of near-empty stages: a training step under each schedule
+    (interleaved: 4 stages, 2 per rank, where the chunks allow), a GPipe forward-only step."""
     from executor.distributed import DistributedPipeline, infer_wires
 
-    stages = [_Scale().to(device), _Scale().to(device)]
+    stages = [_Scale().to(device) for _ in range(4)]
     x = torch.ones(chunks, 1, device=device)
-    wires = infer_wires(stages, (x[:1],))
-    pipe, pipe_1f1b = (DistributedPipeline([stages[rank]], [rank], 2, loss_fn=lambda out, _: out.sum(),
-                                           chunks=chunks, checkpoint="never", wires=wires, device=device,
-                                           schedule=schedule) for schedule in ("gpipe", "1f1b"))
+
+    def pipeline(schedule: str) -> DistributedPipeline:
+        k = 4 if schedule == "interleaved1f1b" else 2
+        mine = list(range(rank, k, 2))
+        return DistributedPipeline([stages[i] for i in mine], mine, k, loss_fn=lambda out, _: out.sum(),
+                                   chunks=chunks, checkpoint="never", wires=infer_wires(stages[:k], (x[:1],)),
+                                   device=device, schedule=schedule)
+
+    pipes = {s: pipeline(s) for s in ("gpipe", *SCHEDULE_CALLS) if s != "interleaved1f1b" or interleaves(chunks)}
     target = torch.zeros(chunks, device=device)
 
     def median_ms(step: Any) -> float:
@@ -128,7 +142,7 @@ def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int)
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-    return median_ms(pipe.step), median_ms(pipe.eval_step), median_ms(pipe_1f1b.step)
+    return {"fwd": median_ms(pipes["gpipe"].eval_step), **{s: median_ms(p.step) for s, p in pipes.items()}}
 
 
 def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], repeats: int,
@@ -143,9 +157,8 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
         _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
         ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
               for n in sizes]
-        train, fwd, train_1f1b = _empty_pipeline_ms(rank, device, chunks, steps)
-        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "train": train, "fwd": fwd,
-                                                         "train_1f1b": train_1f1b}))
+        steps_ms = _empty_pipeline_ms(rank, device, chunks, steps)
+        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, **steps_ms}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -170,27 +183,32 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
     ms = [max(a, b) for a, b in zip(ranks[0]["ms"], ranks[1]["ms"], strict=True)]
     latency, bandwidth = fit_transfer([max(n // 4, 1) * 4 for n in sizes], ms)
-    train, fwd, train_1f1b = (max(r[k] for r in ranks) for k in ("train", "fwd", "train_1f1b"))
+    step = {k: max(r[k] for r in ranks) for k in ranks[0] if k != "ms"}
     ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
-    call = fit_call_ms(train, "gpipe", chunks, latency, ms_per_byte)
+    call = fit_call_ms(step["gpipe"], "gpipe", chunks, latency, ms_per_byte)
     # the forward-only step: M + 1 forward calls and M crossings in a row
-    call_fwd = min(max(fwd - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
+    call_fwd = min(max(step["fwd"] - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
     share = call_fwd / call if call > 0 else 0.5
-    call_1f1b = fit_call_ms(train_1f1b, "1f1b", chunks, latency, ms_per_byte, share)
-    return {"comm_backend": backend, "comm_latency_ms": round(latency, 6),
-            "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
-            "comm_sizes": [max(n // 4, 1) * 4 for n in sizes], "comm_ms": [round(t, 6) for t in ms],
-            "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
-            "stage_call_1f1b_fwd_ms": round(call_1f1b * share, 6),
-            "stage_call_1f1b_bwd_ms": round(call_1f1b * (1 - share), 6),
-            "stage_call_of": "DistributedPipeline"}
+    meta: dict[str, Any] = {
+        "comm_backend": backend, "comm_latency_ms": round(latency, 6),
+        "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
+        "comm_sizes": [max(n // 4, 1) * 4 for n in sizes], "comm_ms": [round(t, 6) for t in ms],
+        "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
+        "stage_call_of": "DistributedPipeline"}
+    for schedule in SCHEDULE_CALLS:
+        if schedule in step:
+            fitted = fit_call_ms(step[schedule], schedule, chunks, latency, ms_per_byte, share)
+            meta[f"stage_call_{schedule}_fwd_ms"] = round(fitted * share, 6)
+            meta[f"stage_call_{schedule}_bwd_ms"] = round(fitted * (1 - share), 6)
+    return meta
 
 
 def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, ms_per_byte: float,
                 fwd_share: float = 0.5) -> float:
     """The call cost per stage and micro-batch (forward + backward, split ``fwd_share``) whose
-    SIMULATED training step of two empty stages under ``schedule`` (one float crossing each
-    way per micro-batch) takes ``step_ms``: the simulator's own formula, inverted by bisection."""
+    SIMULATED training step of empty stages on 2 ranks under ``schedule`` (2 stages; 4 for
+    interleaved 1F1B; one float crossing each way per micro-batch and cut) takes ``step_ms``:
+    the simulator's own formula, inverted by bisection."""
     from autopipe.core.simulator import simulate_stages  # not in the spawned ranks
     from autopipe.core.stage_cost import StageCost
 
@@ -199,8 +217,9 @@ def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, m
                           activation_bytes=0, input_bytes=4, output_bytes=4, saved_bytes=0,
                           call_fwd_ms=call * fwd_share, call_bwd_ms=call * (1 - fwd_share),
                           latency_ms=latency_ms)
-        return simulate_stages([stage, stage], chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
-                               schedule=schedule).iteration_time
+        k = 4 if schedule == "interleaved1f1b" else 2
+        return simulate_stages([stage] * k, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+                               schedule=schedule, devices=[f"rank{s % 2}" for s in range(k)]).iteration_time
 
     low, high = 0.0, max(step_ms, 0.0)
     if simulated(low) >= step_ms:

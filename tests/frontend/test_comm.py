@@ -67,7 +67,9 @@ def test_two_real_ranks() -> None:
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
     assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
     assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
-    assert meta["stage_call_1f1b_fwd_ms"] >= 0 and meta["stage_call_1f1b_bwd_ms"] >= 0
+    for schedule in ("1f1b", "interleaved1f1b"):  # 2 chunks: interleaved runs too
+        assert meta[f"stage_call_{schedule}_fwd_ms"] >= 0 and meta[f"stage_call_{schedule}_bwd_ms"] >= 0
+    assert comm.interleaves(2) and comm.interleaves(4) and comm.interleaves(3) and not comm.interleaves(5)
 
 
 @pytest.mark.parametrize("chunks", [1, 4, 8])
@@ -84,6 +86,13 @@ def test_the_call_cost_fit_inverts_the_simulator(chunks: int) -> None:
     again = simulate_stages([stage, stage], chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
                             schedule="1f1b").iteration_time
     assert one_f > 0.3 and again == pytest.approx(2 * gpipe, rel=1e-6)
+    # interleaved: 4 stages, 2 per rank, in torch's interleaved order
+    looped = comm.fit_call_ms(3 * gpipe, "interleaved1f1b", chunks, latency, ms_per_byte)
+    stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
+                      call_fwd_ms=0.5 * looped, call_bwd_ms=0.5 * looped, latency_ms=latency)
+    again = simulate_stages([stage] * 4, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+                            schedule="interleaved1f1b", devices=["a", "b", "a", "b"]).iteration_time
+    assert looped > 0 and again == pytest.approx(3 * gpipe, rel=1e-6)
     assert comm.fit_call_ms(0.0, "1f1b", chunks, latency, ms_per_byte) == 0.0  # faster than free
 
 
@@ -97,5 +106,11 @@ def test_1f1b_plans_pay_the_call_cost_measured_under_1f1b() -> None:
     for schedule, want in (("gpipe", (0.2, 0.3)), ("1f1b", (0.5, 0.7))):
         plan = Plan.from_stages(prof, split, chunks=4, schedule=schedule)
         assert {(st.call_fwd_ms, st.call_bwd_ms) for st in plan.breakdown} == {want}
+    # interleaved 1F1B: its own where measured, else 1F1B's
+    assert LayerCosts.from_profile(prof).call_for("interleaved1f1b") == (0.5, 0.7)
+    both = Profile(base.df, base.edges, {**meta, "stage_call_interleaved1f1b_fwd_ms": 0.9,
+                                         "stage_call_interleaved1f1b_bwd_ms": 1.1})
+    assert LayerCosts.from_profile(both).call_for("interleaved1f1b") == (0.9, 1.1)
     older = Profile(base.df, base.edges, {**base.meta, **MEASURED})  # measured before 1F1B was
     assert LayerCosts.from_profile(older).call_for("1f1b") == (0.2, 0.3)
+    assert LayerCosts.from_profile(older).call_for("interleaved1f1b") == (0.2, 0.3)
