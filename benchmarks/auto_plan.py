@@ -40,7 +40,7 @@ prediction (2 devices) the table gives ``pipe.plan``'s, re-simulated for one sha
 Two gloo ranks x 1 thread (``distributed_pipeline(..., plan=)``, the plan's schedule): the
 devices the plan was made for, when the machine has two idle cores. Its plans are made from the
 same profile plus what ``autopipe profile --comm`` measures once per run (the transfer between
-two ranks and the distributed runtime's call cost under GPipe and under 1F1B: [Note: measured
+two ranks and the distributed runtime's call cost under each schedule: [Note: measured
 transfer]), as a user planning for ranks would; there the auto plan
 searched with ``schedule="gpipe"`` runs too ("auto, gpipe") when the search chose another
 schedule. The plans of a runtime are built first and then take turns step by step, so a change
