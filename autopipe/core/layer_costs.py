@@ -70,10 +70,10 @@ class LayerCosts:
     comm_latency_ms: float = 0.0
     comm_bandwidth: float | None = None  # bytes/s
 
-    @property
-    def call_ms(self) -> float:
-        """The fixed cost of one stage call per micro-batch, forward + backward."""
-        return self.call_fwd_ms + self.call_bwd_ms
+    def call_ms(self, schedule: str = "gpipe") -> float:
+        """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
+        backward (:meth:`call_for`)."""
+        return sum(self.call_for(schedule))
 
     def call_for(self, schedule: str) -> tuple[float, float]:
         """(forward, backward) call cost under ``schedule``: the one the profile measured for it;

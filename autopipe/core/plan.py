@@ -159,7 +159,7 @@ class Plan:
         least = min(recomputed_microbatches(mode, chunks) for mode in modes)
         work = layer_work(costs.fwd, costs.bwd, least, chunks, costs.recompute_ratio)
         big = int(np.argmax(work))
-        lower = lower_bound(work, [d.speed for d in specs], sum(costs.call_for(schedule)))
+        lower = lower_bound(work, [d.speed for d in specs], costs.call_ms(schedule))
         times = [c.time_ms for c in breakdown]
         ordered = [[n for n in layers if where[n] == s] for s in range(len(stages))]
         replica_batch = _int_or_none(profile.meta.get("batch_size"))

@@ -72,7 +72,7 @@ class RangeCosts:
         self.terms = terms
         zero = np.zeros(1)
         work = layer_work(costs.fwd, costs.bwd, rec_n, m, costs.recompute_ratio)
-        self.call_ms = stage_fixed_ms(sum(costs.call_for(options.schedule)), costs.recompute_call_ms, rec_n, m)
+        self.call_ms = stage_fixed_ms(costs.call_ms(options.schedule), costs.recompute_call_ms, rec_n, m)
         self.latency_ms = costs.comm_latency_ms
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)

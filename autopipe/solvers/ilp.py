@@ -142,7 +142,7 @@ def _solve(
             return pulp.lpSum([])
         return pulp.lpSum(int(per_value[u]) * z[u, s] for u in senders if per_value[u])
 
-    call = sum(costs.call_for(options.schedule))
+    call = costs.call_ms(options.schedule)
     lower = lower_bound(work_array, [d.speed for d in devices], call)
     prob += t >= lower
 

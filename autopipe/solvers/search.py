@@ -349,8 +349,8 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     opts = CostOptions(c.chunks, tuple(best.split.modes), setting.optimizer, setting.bandwidth,
                        setting.ties, c.schedule, setting.data_parallel, setting.dp_mode)
     work = costs.fwd + costs.bwd
-    call = sum(costs.call_for(c.schedule))
-    if best.split.bottleneck <= 1.005 * lower_bound(work, [d.speed for d in devices], call):
+    bound = lower_bound(work, [d.speed for d in devices], costs.call_ms(c.schedule))
+    if best.split.bottleneck <= 1.005 * bound:
         return None  # within the ILP's gap of a bound no split beats
     if method == "auto" and len(costs) * (k - 1) > ILP_MAX_VARIABLES:
         return None

@@ -64,7 +64,7 @@ class StageBlocks:
     def __init__(self, costs: LayerCosts, options: CostOptions) -> None:
         n = len(costs)
         self.n, self.m, self.options = n, options.chunks, options
-        self.ratio, self.call_ms = costs.recompute_ratio, sum(costs.call_for(options.schedule))
+        self.ratio, self.call_ms = costs.recompute_ratio, costs.call_ms(options.schedule)
         self.recompute_call_ms = costs.recompute_call_ms
         self.latency_ms = costs.comm_latency_ms
         zero = np.zeros(1)
