@@ -12,10 +12,12 @@ checkpoint pair around a whole stage.
 So, when the model runs whole (``mode="whole"``), the profiler times the traced graph itself
 (``g.gm``: all layers in sequence, on the recorded micro-batch), forward and backward, with the
 harness's own cost subtracted once ([Note: harness overhead] in layer_timing.py), and scales
-every layer's forward by ``whole forward / sum of the layers' forwards`` and every backward
-likewise. The scales are kept in the metadata (``sequence_fwd_scale``, ``sequence_bwd_scale``);
-dividing by them gives the layers' times alone. The relative weights of the layers, which the
-partitioner balances, are the ones measured alone; only their sum is the sequence's.
+the layers' forwards to sum to the whole forward, and their backwards likewise. The scales
+``whole / sum of the layers alone`` are kept in the metadata (``sequence_fwd_scale``,
+``sequence_bwd_scale``). How the sum is split between the layers, which the partitioner
+balances, is measured in sequence too: a stamped copy of the graph takes turns with the runs
+below and gives each layer's share ([Note: layer shares in sequence] in layer_stamps.py); a graph
+the stamps cannot run keeps the shares measured alone (one scale for every layer).
 
 It then runs the same graph as ONE stage of executor.GPipe (one micro-batch) with
 ``checkpoint="never"`` and ``"always"``: the extra time of the second, less what checkpointing
@@ -32,13 +34,14 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
+from autopipe.frontend.layer_stamps import LayerStamps
 from autopipe.frontend.layer_timing import fresh, timed_step
 from autopipe.frontend.overheads import RATIO_RANGE
 from autopipe.frontend.timing import Timer, median
@@ -52,11 +55,14 @@ SCALE_RANGE = (0.5, 2.5)  # outside it, a measurement is noise: clamp
 @dataclass(frozen=True)
 class SequenceScales:
     """Whole-graph time / sum of layer times, forward and backward; the runtime's recompute
-    ratio (None: keep the sampled one)."""
+    ratio (None: keep the sampled one); each layer's share of the whole forward and backward
+    measured in sequence (empty: the shares alone)."""
 
     fwd: float = 1.0
     bwd: float = 1.0
     recompute_ratio: float | None = None
+    fwd_shares: tuple[float, ...] = ()
+    bwd_shares: tuple[float, ...] = ()
 
     def meta(self) -> dict[str, float]:
         return {"sequence_fwd_scale": round(self.fwd, 4), "sequence_bwd_scale": round(self.bwd, 4)}
@@ -93,21 +99,33 @@ def _pipes(gm: fx.GraphModule, device: torch.device) -> tuple[GPipe, GPipe] | No
         return None
 
 
+def _stamps(gm: fx.GraphModule, node_layer: Mapping[str, str] | None, rows: Sequence[dict[str, Any]],
+            device: torch.device) -> LayerStamps | None:
+    if node_layer is None:
+        return None
+    try:
+        return LayerStamps(gm, node_layer, [str(r["layer"]) for r in rows], device)
+    except (RuntimeError, TypeError, ValueError):  # a graph fx cannot regenerate: shares alone
+        return None
+
+
 def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dict[str, Any]],
                      device: torch.device, timer: Timer, repeats: int, warmup: int,
-                     harness: tuple[float, float], recompute_call_ms: float = 0.0) -> SequenceScales:
+                     harness: tuple[float, float], recompute_call_ms: float = 0.0,
+                     node_layer: Mapping[str, str] | None = None) -> SequenceScales:
     """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone);
-    ``recompute_call_ms``: what checkpointing any stage call adds, netted out of the ratio.
+    ``recompute_call_ms``: what checkpointing any stage call adds, netted out of the ratio;
+    ``node_layer`` (fx node name -> layer, as LayerGraph's): stamp the layers' shares in sequence.
 
-    The plain graph and the two GPipe runs take turns in every round, so a machine whose speed
-    drifts over the measurement slows all three alike (their medians are compared)."""
+    The plain graph, the two GPipe runs and the stamped graph take turns in every round, so a
+    machine whose speed drifts over the measurement slows them alike (their medians are compared)."""
     gm = _flat(gm)
-    runs: list[Callable[[], Any]] = [gm]
+    stamps = _stamps(gm, node_layer, rows, device)
     pipes = _pipes(gm, device)
-    runs += list(pipes or ())
+    runs: list[Callable[..., Any]] = [gm, *(pipes or ())]
     times: list[list[tuple[float, float]]] = [[] for _ in runs]
     for i in range(warmup + repeats):
-        for run, kept in zip(runs, times, strict=True):
+        for k, run in enumerate(runs):
             try:
                 step = timed_step(timer, functools.partial(run, *fresh(list(args))))
             except (RuntimeError, TypeError, ValueError):  # GPipe cannot run it after all
@@ -116,18 +134,42 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
                 runs, times = runs[:1], times[:1]
                 break
             if i >= warmup:
-                kept.append(step)
+                times[k].append(step)
+        if stamps is not None:
+            stamps = _stamped_run(stamps, args, keep=i >= warmup)
     fwd_ms = max(0.0, median([f for f, _ in times[0]]) - harness[0])
     bwd_ms = max(0.0, median([b for _, b in times[0]]) - harness[1])
     ratio = None
     if len(times) == 3 and fwd_ms > 0:
         never, always = (median([f + b for f, b in t]) for t in times[1:])
         ratio = _clamped((always - never - recompute_call_ms) / fwd_ms, RATIO_RANGE)
+    fwd_shares, bwd_shares = stamps.shares() if stamps is not None else ([], [])
     return SequenceScales(_scale(fwd_ms, sum(float(r["fwd_ms"]) for r in rows)),
-                          _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio)
+                          _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio,
+                          tuple(fwd_shares), tuple(bwd_shares))
+
+
+def _stamped_run(stamps: LayerStamps, args: Sequence[Any], keep: bool) -> LayerStamps | None:
+    """One round of the stamped graph (kept after the warmup); None once it cannot run."""
+    try:
+        stamps.run(*fresh(list(args)), keep=keep)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return stamps
+
+
+def _split(alone: list[float], scale: float, shares: tuple[float, ...]) -> list[float]:
+    """``alone`` scaled to sum to ``scale x sum(alone)``, split by ``shares`` when there is one
+    per layer and they add up (else every layer keeps its weight alone)."""
+    if len(shares) != len(alone) or sum(shares) <= 0:
+        return [t * scale for t in alone]
+    total = scale * sum(alone)
+    return [total * s for s in shares]
 
 
 def scale_rows(rows: list[dict[str, Any]], scales: SequenceScales) -> list[dict[str, Any]]:
-    """The rows with every layer's forward and backward scaled to the sequence's sum."""
-    return [{**r, "fwd_ms": round(float(r["fwd_ms"]) * scales.fwd, 6),
-             "bwd_ms": round(float(r["bwd_ms"]) * scales.bwd, 6)} for r in rows]
+    """The rows with the layers' forwards and backwards summing to the sequence's, split as
+    measured in sequence ([Note: layer shares in sequence])."""
+    fwd = _split([float(r["fwd_ms"]) for r in rows], scales.fwd, scales.fwd_shares)
+    bwd = _split([float(r["bwd_ms"]) for r in rows], scales.bwd, scales.bwd_shares)
+    return [{**r, "fwd_ms": round(f, 6), "bwd_ms": round(b, 6)} for r, f, b in zip(rows, fwd, bwd, strict=True)]

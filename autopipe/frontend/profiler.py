@@ -214,8 +214,8 @@ def _measure_at(
                 g.gm.to(dev)
                 rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
                                        warmup, progress)
-                seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,
-                                       warmup, extra[:2], recompute_call_ms)  # [Note: layers in sequence]
+                seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,  # [Note:
+                                       warmup, extra[:2], recompute_call_ms, g.node_layer)  # layers in sequence]
                 rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:

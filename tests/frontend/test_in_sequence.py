@@ -85,3 +85,39 @@ def test_a_graph_gpipe_cannot_run_keeps_the_sampled_ratio(monkeypatch: pytest.Mo
     s = measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([3.0]), repeats=1,
                          warmup=0, harness=(0.0, 0.0))
     assert s.recompute_ratio is None and SequenceScales().recompute_ratio is None
+
+
+def test_shares_measured_in_sequence_split_the_sum() -> None:
+    s = SequenceScales(fwd=2.0, bwd=1.0, fwd_shares=(0.25, 0.75), bwd_shares=(0.5, 0.5))
+    scaled = scale_rows(ROWS, s)  # alone: fwd 1 + 3, bwd 2 + 2
+    assert [r["fwd_ms"] for r in scaled] == [2.0, 6.0] and [r["bwd_ms"] for r in scaled] == [2.0, 2.0]
+    # shares for another graph, or none timed: every layer keeps its weight alone
+    other = SequenceScales(fwd=2.0, bwd=1.0, fwd_shares=(1.0,), bwd_shares=(0.0, 0.0))
+    assert [(r["fwd_ms"], r["bwd_ms"]) for r in scale_rows(ROWS, other)] == [(2.0, 2.0), (6.0, 2.0)]
+
+
+def _chain_rows() -> tuple[torch.fx.GraphModule, list[torch.Tensor], dict[str, str], list[dict[str, object]]]:
+    x = torch.randn(4, 8, requires_grad=True)
+    g = trace(Chain((8, 8, 8)), (x,))
+    return g.gm, [x], g.node_layer, [{"layer": name, "fwd_ms": 1.0, "bwd_ms": 1.0} for name in g.layers]
+
+
+def test_the_stamped_graph_takes_turns_and_gives_one_share_per_layer() -> None:
+    gm, args, node_layer, rows = _chain_rows()
+    s = measure_sequence(gm, args, rows, torch.device("cpu"), ScriptedTimer([3.0]), repeats=2,
+                         warmup=1, harness=(0.0, 0.0), node_layer=node_layer)
+    assert len(s.fwd_shares) == len(s.bwd_shares) == len(rows)
+    assert sum(s.fwd_shares) == pytest.approx(1.0) and sum(s.bwd_shares) == pytest.approx(1.0)
+    assert sum(r["fwd_ms"] for r in scale_rows(rows, s)) == pytest.approx(s.fwd * len(rows))
+
+
+def test_a_graph_the_stamps_cannot_run_keeps_the_shares_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    gm, args, node_layer, rows = _chain_rows()
+
+    def refuse(*_: object, **__: object) -> None:
+        raise RuntimeError("cannot stamp this graph")
+
+    monkeypatch.setattr("autopipe.frontend.layer_stamps.LayerStamps.run", refuse)
+    s = measure_sequence(gm, args, rows, torch.device("cpu"), ScriptedTimer([3.0]), repeats=1,
+                         warmup=0, harness=(0.0, 0.0), node_layer=node_layer)
+    assert s.fwd_shares == s.bwd_shares == () and s.fwd == 3.0 / len(rows)
