@@ -106,7 +106,7 @@ class Row:
 OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms", "stage_call_1f1b_bwd_ms",
              "stage_call_interleaved1f1b_fwd_ms", "stage_call_interleaved1f1b_bwd_ms", "recompute_ratio",
              "recompute_call_ms")
-COMM = ("comm_latency_ms", "comm_bandwidth")  # [Note: measured transfer]
+COMM = ("comm_latency_ms", "comm_bandwidth", "comm_receive_share")  # [Note: measured transfer]
 
 
 def _without(prof: Profile, keys: Sequence[str]) -> Profile:

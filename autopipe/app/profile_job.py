@@ -62,7 +62,9 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
     if m.get("comm_backend"):
         bandwidth = m.get("comm_bandwidth")
         lines.append(f"between two ranks ({m['comm_backend']}): {m.get('comm_latency_ms')} ms + bytes / "
-                     f"{format_bytes(bandwidth) + '/s' if bandwidth else 'no measurable bandwidth'}; "
+                     f"{format_bytes(bandwidth) + '/s' if bandwidth else 'no measurable bandwidth'}"
+                     + (f", the receiver {m['comm_receive_share']} x the bytes' time again" if "comm_receive_share" in m
+                        else "") + "; "
                      f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call"
                      + "".join(f" ({m[f'stage_call_{s}_fwd_ms']} + {m.get(f'stage_call_{s}_bwd_ms')} under {s})"
                                for s in ("1f1b", "interleaved1f1b") if f"stage_call_{s}_fwd_ms" in m))

@@ -29,17 +29,7 @@ the stage's busy time per iteration; the slowest stage (the bottleneck) sets the
   ``recompute_ms(..., fixed_ms=)`` adds it per stage; a per-layer sum never carries it, so the
   DPs add it with the call cost (``stage_fixed_ms``).
 
-[Note: transfer cost] A value (a layer's output, ``bytes`` = its largest outgoing edge) lives
-from the stage that produces it up to the last stage that consumes it; it crosses every cut in
-between, including the cuts of stages it merely passes through. Crossing a cut costs
-``latency + bytes / bandwidth`` (``crossing_ms``: one message) forward and again backward (the
-gradient). Each transfer is charged to the stage that SENDS it: stage s pays its outgoing cut's
-activations and its incoming cut's gradients (``transfer_ms``). Transfers are assumed not to
-overlap compute (blocking sends), which is pessimistic on GPUs with copy engines.
-``bandwidth=None`` or 0 makes transfers free, latency included. Graph inputs cost nothing.
-Latency and (unless the caller gives one) bandwidth are measured between two ranks by
-``autopipe profile --comm`` (autopipe/frontend/comm.py) into the profile's ``comm_latency_ms``
-and ``comm_bandwidth``; without them: latency 0, ``DEFAULT_BANDWIDTH``, as before measuring.
+[Note: transfer cost] is in autopipe/core/transfer.py.
 
 [Note: stage memory] parameters x optimizer factor (``none`` 1 = weights only, ``sgd`` 2 =
 +grads, ``momentum`` 3, ``adam``/``adamw`` 4) + buffers + activations. Activations of one
@@ -76,7 +66,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 
@@ -85,6 +74,7 @@ from autopipe.core.layer_costs import FloatArray, LayerCosts
 from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.core.stage_cost import StageCost
+from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms
 from autopipe.errors import PartitionError
 from executor.spec import (
     CHECKPOINT_MODES,
@@ -111,6 +101,7 @@ __all__ = [
     "stage_time",
     "transfer_ms",
     "crossing_ms",
+    "receive_ms",
     "DEFAULT_BANDWIDTH",
     "lower_bound",
     "resolve_devices",
@@ -119,10 +110,10 @@ __all__ = [
 ]
 
 OPTIMIZER_FACTOR: dict[str, int] = {"none": 1, "sgd": 2, "momentum": 3, "adam": 4, "adamw": 4}
-# A number, a numpy array or a PuLP expression: each formula below takes any of them.
-Amount = Any
+# Amount: a number, a numpy array or a PuLP expression: each formula below takes any of them.
 
-# --- [Note: cost model] Every formula of stage time and memory is written once, below. ----------
+# --- [Note: cost model] Every formula of stage time and memory is written once, below (a cut's
+# crossing in autopipe/core/transfer.py). ---------------------------------------------------------
 # The DP evaluates them on numpy arrays of whole (first layer, last layer) blocks, the ILP on PuLP
 # expressions, stage_costs / Plan / the baselines on floats; each function is plain arithmetic on
 # its arguments, so one definition serves all of them. Change a formula here, and only here.
@@ -150,35 +141,15 @@ def layer_work(fwd: Amount, bwd: Amount, recomputed: int, chunks: int,
     return fwd + recompute_ms(fwd, recomputed, chunks, ratio) + bwd
 
 
-DEFAULT_BANDWIDTH = 10e9  # bytes/s between stages when neither the caller nor the profile says
-
-
-def crossing_ms(nbytes: Amount, ms_per_byte: float, latency_ms: float = 0.0) -> Amount:
-    """One cut crossed once by ``nbytes``: latency + bytes / bandwidth; nothing when nothing
-    crosses or transfers are free ([Note: transfer cost]). A PuLP sum of bytes is a message
-    unless it is empty (the outer cut of a first or last stage)."""
-    if not ms_per_byte or not latency_ms:
-        return nbytes * ms_per_byte
-    sent = nbytes > 0 if isinstance(nbytes, np.ndarray | int | float | np.number) else bool(nbytes)
-    return nbytes * ms_per_byte + latency_ms * sent
-
-
-def transfer_ms(input_bytes: Amount, output_bytes: Amount, ms_per_byte: float,
-                latency_ms: float = 0.0) -> Amount:
-    """What a stage spends sending: the gradients of its inputs and its output activations
-    ([Note: transfer cost])."""
-    return (crossing_ms(input_bytes, ms_per_byte, latency_ms)
-            + crossing_ms(output_bytes, ms_per_byte, latency_ms))
-
-
 def stage_time(
     work: Amount, speed: float, input_bytes: Amount, output_bytes: Amount, ms_per_byte: float,
-    call_ms: float = 0.0, latency_ms: float = 0.0,
+    call_ms: float = 0.0, latency_ms: float = 0.0, receive_share: float = 0.0,
 ) -> Amount:
     """A stage's time per micro-batch: its work on a device of relative ``speed``, the fixed
     cost of one stage call (host time, not scaled: [Note: measured overheads]), plus the
-    transfers at both of its cuts ([Note: stage time])."""
-    return work / speed + call_ms + transfer_ms(input_bytes, output_bytes, ms_per_byte, latency_ms)
+    transfers at both of its cuts ([Note: stage time], [Note: transfer cost])."""
+    return work / speed + call_ms + transfer_ms(input_bytes, output_bytes, ms_per_byte, latency_ms,
+                                                receive_share)
 
 
 Terms = tuple[tuple[int, int], ...]  # (a, b): a x input_bytes + b x saved_bytes
@@ -380,7 +351,8 @@ def stage_costs(
             fwd_ms=fwd,
             bwd_ms=bwd,
             recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio, costs.recompute_call_ms),
-            transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms),
+            transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms,
+                                    costs.comm_receive_share),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)),
             activation_bytes=int(activation_bytes(cut_in, saved, terms[s])),
@@ -392,6 +364,7 @@ def stage_costs(
             recompute_ratio=costs.recompute_ratio,
             recompute_call_ms=costs.recompute_call_ms,
             latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
+            receive_share=costs.comm_receive_share if options.ms_per_byte else 0.0,
             grad_sync_ms=grad_sync_ms(params, *replicas),
             param_gather_ms=param_gather_ms(params, *replicas),
         ))

@@ -69,6 +69,7 @@ class LayerCosts:
     # [Note: transfer cost]: measured between two ranks (autopipe profile --comm), else absent
     comm_latency_ms: float = 0.0
     comm_bandwidth: float | None = None  # bytes/s
+    comm_receive_share: float = 0.0  # of a crossing's bytes, paid by the receiver too
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -131,6 +132,7 @@ class LayerCosts:
             recompute_call_ms=_meta_float(profile, "recompute_call_ms", 0.0),
             comm_latency_ms=_meta_float(profile, "comm_latency_ms", 0.0),
             comm_bandwidth=_meta_float(profile, "comm_bandwidth", 0.0) or None,
+            comm_receive_share=_meta_float(profile, "comm_receive_share", 0.0),
         )
 
     def __len__(self) -> int:

@@ -11,7 +11,9 @@ A forward of micro-batch m on stage s waits for stage s-1's forward of m and its
 backward waits for stage s+1's backward of m and the gradient's transfer. A checkpointed
 micro-batch (see [Note: stage memory] in autopipe.core.cost) is recomputed right before its
 backward, once the gradient has arrived. After a forward the stage sends its output activations,
-after a backward its input gradients; sends occupy the sender ([Note: transfer cost]).
+after a backward its input gradients; sends occupy the sender, and receiving occupies the
+receiver for its share of the bytes right before the forward or backward that reads them
+([Note: transfer cost]).
 
 Replicas ([Note: pipeline x data parallel] in autopipe/core/replicas.py): a stage with a
 ``param_gather_ms`` all-gathers its parameters right before its first forward, on its device;
@@ -40,6 +42,7 @@ from autopipe.core.cost import (
     StageCost,
     activation_peak,
     crossing_ms,
+    receive_ms,
     recompute_ms,
     stage_costs,
 )
@@ -158,6 +161,8 @@ def simulate_stages(
         s, kind, i = op
         st = stages[s]
         if kind == "F":
+            if s > 0:  # the receiving end of the crossing ([Note: transfer cost])
+                start = emit(s, i, "transfer", start, receive_ms(st.input_bytes, ms_per_byte, st.receive_share))
             if forwards[s] == 0 and st.param_gather_ms > 0:  # fsdp: gathered once, not prefetched
                 start = comm_free[resource[q]] = emit(s, i, "allgather", start, st.param_gather_ms)
             forwards[s] += 1
@@ -168,6 +173,8 @@ def simulate_stages(
                 end = ready["F", s + 1, i] = emit(
                     s, i, "transfer", end, crossing_ms(st.output_bytes, ms_per_byte, st.latency_ms))
         else:
+            if s < k - 1:
+                start = emit(s, i, "transfer", start, receive_ms(st.output_bytes, ms_per_byte, st.receive_share))
             if is_recomputed(i, m, rec[s]):
                 start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio,
                                                                    st.recompute_call_ms))

@@ -30,6 +30,7 @@ class StageCost:
     recompute_ratio: float = 1.0
     recompute_call_ms: float = 0.0  # per recomputed micro-batch, in recompute_ms
     latency_ms: float = 0.0  # of each crossing, in transfer_ms ([Note: transfer cost])
+    receive_share: float = 0.0  # what the receiver pays of a crossing's bytes, in transfer_ms
     # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
     grad_sync_ms: float = 0.0  # after the stage's last backward
     param_gather_ms: float = 0.0  # before its first forward (fsdp)

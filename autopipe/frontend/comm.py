@@ -11,6 +11,11 @@ and two GPUs are there), each with one CPU thread, as the distributed runtime's 
   the median round trip is one crossing. :func:`fit_transfer` fits ``latency + bytes /
   bandwidth`` to them, weighing relative errors alike (a least-squares line on absolute times
   would let the largest size decide the latency too).
+- A late receive of the largest size: rank 1 sends, rank 0 posts its receive ``_LATE_MS``
+  later; what that receive takes beyond the latency, over the same bytes' time on the wire,
+  is ``comm_receive_share``: the receiving stage's share of a crossing ([Note: transfer cost]
+  in autopipe/core/transfer.py; about 1 over gloo here: the bytes move only once the receive
+  is posted).
 - The distributed runtime's own cost per micro-batch: executor.DistributedPipeline over two
   near-EMPTY stages (one 1-element weight each), ``chunks`` micro-batches, GPipe. The simulator
   charges such a pipeline ``(M + 1) x (fwd + bwd call) + 2 M x latency`` for a training step and
@@ -58,12 +63,14 @@ SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPi
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "with_comm"]
+__all__ = ["COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "receive_share",
+           "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
 EMPTY_STEPS = 30
 _WARMUP = 3
+_LATE_MS = 5.0  # how long a receive is posted after its send
 
 
 def fit_transfer(nbytes: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
@@ -97,6 +104,25 @@ def _one_way_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
         if i >= _WARMUP:
             times.append((time.perf_counter() - t0) * 1e3 / 2)
     return statistics.median(times)
+
+
+def _late_receive_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
+    """Rank 0's receive of ``x``, posted ``_LATE_MS`` after rank 1 posted its send: what the
+    receiving end of a crossing costs when the message waited ([Note: transfer cost])."""
+    times = []
+    for i in range(_WARMUP + repeats):
+        dist.barrier()
+        if rank == 1:
+            dist.send(x, 0)
+            continue
+        time.sleep(_LATE_MS / 1e3)
+        t0 = time.perf_counter()
+        dist.recv(x, 1)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        if i >= _WARMUP:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times) if times else 0.0
 
 
 class _Scale(nn.Module):
@@ -157,8 +183,9 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
         _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
         ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
               for n in sizes]
+        late = _late_receive_ms(torch.zeros(max(sizes) // 4, device=device), rank, repeats)
         steps_ms = _empty_pipeline_ms(rank, device, chunks, steps)
-        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, **steps_ms}))
+        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "late": late, **steps_ms}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -183,8 +210,10 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
     ms = [max(a, b) for a, b in zip(ranks[0]["ms"], ranks[1]["ms"], strict=True)]
     latency, bandwidth = fit_transfer([max(n // 4, 1) * 4 for n in sizes], ms)
-    step = {k: max(r[k] for r in ranks) for k in ranks[0] if k != "ms"}
+    step = {k: max(r[k] for r in ranks) for k in ranks[0] if k not in ("ms", "late")}
     ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
+    largest = max(max(n // 4, 1) * 4 for n in sizes)
+    receive = receive_share(ranks[0]["late"], largest, latency, ms_per_byte)
     call = fit_call_ms(step["gpipe"], "gpipe", chunks, latency, ms_per_byte)
     # the forward-only step: M + 1 forward calls and M crossings in a row
     call_fwd = min(max(step["fwd"] - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
@@ -193,6 +222,7 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
         "comm_backend": backend, "comm_latency_ms": round(latency, 6),
         "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
         "comm_sizes": [max(n // 4, 1) * 4 for n in sizes], "comm_ms": [round(t, 6) for t in ms],
+        "comm_late_receive_ms": round(ranks[0]["late"], 6), "comm_receive_share": round(receive, 4),
         "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
         "stage_call_of": "DistributedPipeline"}
     for schedule in SCHEDULE_CALLS:
@@ -201,6 +231,19 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
             meta[f"stage_call_{schedule}_fwd_ms"] = round(fitted * share, 6)
             meta[f"stage_call_{schedule}_bwd_ms"] = round(fitted * (1 - share), 6)
     return meta
+
+
+RECEIVE_SHARE_RANGE = (0.0, 2.0)  # outside it, a measurement is noise: clamp
+
+
+def receive_share(late_ms: float, nbytes: int, latency_ms: float, ms_per_byte: float) -> float:
+    """What a late receive of ``nbytes`` cost beyond the latency, over the bytes' time on the
+    wire: the receiving end's share of a crossing ([Note: transfer cost]); 0 where transfers
+    are free."""
+    if ms_per_byte <= 0 or nbytes <= 0:
+        return 0.0
+    share = max(late_ms - latency_ms, 0.0) / (nbytes * ms_per_byte)
+    return min(max(share, RECEIVE_SHARE_RANGE[0]), RECEIVE_SHARE_RANGE[1])
 
 
 def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, ms_per_byte: float,

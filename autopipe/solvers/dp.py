@@ -74,6 +74,7 @@ class RangeCosts:
         work = layer_work(costs.fwd, costs.bwd, rec_n, m, costs.recompute_ratio)
         self.call_ms = stage_fixed_ms(costs.call_ms(options.schedule), costs.recompute_call_ms, rec_n, m)
         self.latency_ms = costs.comm_latency_ms
+        self.receive_share = costs.comm_receive_share
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)
         self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
@@ -103,7 +104,8 @@ class RangeCosts:
     def time(self, j0: int, j1: int, speed: float) -> FloatArray:
         c, cut = self.compute, self.cut
         out: FloatArray = stage_time(c[None, j0:j1] - c[:, None], speed, cut[:, None],
-                                     cut[None, j0:j1], self.ms_per_byte, self.call_ms, self.latency_ms)
+                                     cut[None, j0:j1], self.ms_per_byte, self.call_ms, self.latency_ms,
+                                     self.receive_share)
         return out
 
     def memory(self, j0: int, j1: int) -> FloatArray:

@@ -154,7 +154,7 @@ def _solve(
         prob += t >= stage_time(total(stage_work[s], s), dev.speed, crossing(s - 1), crossing(s),
                                 options.ms_per_byte,
                                 stage_fixed_ms(call, costs.recompute_call_ms, recomputed[s], m),
-                                costs.comm_latency_ms)
+                                costs.comm_latency_ms, costs.comm_receive_share)
         if dev.memory is not None:
             if options.ties == "share":
                 tied = pulp.lpSum(nbytes * h[g, s] for g, (_, nbytes) in enumerate(costs.tie_groups))

@@ -67,6 +67,7 @@ class StageBlocks:
         self.ratio, self.call_ms = costs.recompute_ratio, costs.call_ms(options.schedule)
         self.recompute_call_ms = costs.recompute_call_ms
         self.latency_ms = costs.comm_latency_ms
+        self.receive_share = costs.comm_receive_share
         zero = np.zeros(1)
         self.fwd = np.concatenate([zero, np.cumsum(costs.fwd)])
         self.bwd = np.concatenate([zero, np.cumsum(costs.bwd)])
@@ -114,7 +115,7 @@ class StageBlocks:
             self.ratio))
         xfer = self._cached(("xfer", j0), lambda: stage_time(
             0.0, 1.0, cut[:j1, None], cut[None, j0:j1], self.options.ms_per_byte, self.call_ms,
-            self.latency_ms))
+            self.latency_ms, self.receive_share))
         fixed = stage_fixed_ms(0.0, self.recompute_call_ms, recomputed, self.m)
         out: FloatArray = work / speed + xfer + fixed  # cost.stage_time, transfers + call cost cached
         return out

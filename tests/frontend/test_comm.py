@@ -31,7 +31,7 @@ def test_the_fit_recovers_latency_and_bandwidth() -> None:
 
 
 MEASURED = {"comm_backend": "gloo", "comm_latency_ms": 0.07, "comm_bandwidth": 3e9,
-            "comm_sizes": [64, 1024], "comm_ms": [0.07, 0.08], "stage_call_fwd_ms": 0.2,
+            "comm_sizes": [64, 1024], "comm_ms": [0.07, 0.08], "comm_receive_share": 0.9, "stage_call_fwd_ms": 0.2,
             "stage_call_bwd_ms": 0.3, "stage_call_of": "DistributedPipeline"}
 
 
@@ -45,6 +45,7 @@ def test_the_measurement_rides_in_the_profile(monkeypatch: pytest.MonkeyPatch, t
     path = prof.save(f"{tmp_path}/p.csv")
     costs = LayerCosts.from_profile(Profile.load(path))
     assert (costs.comm_latency_ms, costs.comm_bandwidth, costs.call_fwd_ms) == (0.07, 3e9, 0.2)
+    assert costs.comm_receive_share == 0.9
 
 
 def test_profile_comm_on_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -53,7 +54,8 @@ def test_profile_comm_on_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_p
     out, plan = tmp_path / "chain.csv", tmp_path / "plan.json"
     argv = ["profile", "tests.models:make_chain", "--out", str(out), "--repeats", "2", "--warmup", "0"]
     assert main([*argv, "--comm"]) == 0
-    assert "between two ranks (gloo): 0.07 ms + bytes / 2.8 GiB/s" in capsys.readouterr().out
+    assert "between two ranks (gloo): 0.07 ms + bytes / 2.8 GiB/s, the receiver 0.9 x the bytes' time again" \
+        in capsys.readouterr().out
     assert main(["partition", str(out), "--stages", "2", "--out", str(plan)]) == 0
     assert Plan.load(plan).bandwidth == 3e9  # the measured bandwidth, not the default 1e10
     assert main(["partition", str(out), "--stages", "2", "--out", str(plan), "--force",
@@ -67,6 +69,8 @@ def test_two_real_ranks() -> None:
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
     assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
     assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
+    assert comm.RECEIVE_SHARE_RANGE[0] <= meta["comm_receive_share"] <= comm.RECEIVE_SHARE_RANGE[1]
+    assert meta["comm_late_receive_ms"] > 0
     for schedule in ("1f1b", "interleaved1f1b"):  # 2 chunks: interleaved runs too
         assert meta[f"stage_call_{schedule}_fwd_ms"] >= 0 and meta[f"stage_call_{schedule}_bwd_ms"] >= 0
     assert comm.interleaves(2) and comm.interleaves(4) and comm.interleaves(3) and not comm.interleaves(5)
@@ -114,3 +118,11 @@ def test_1f1b_plans_pay_the_call_cost_measured_under_1f1b() -> None:
     older = Profile(base.df, base.edges, {**base.meta, **MEASURED})  # measured before 1F1B was
     assert LayerCosts.from_profile(older).call_for("1f1b") == (0.2, 0.3)
     assert LayerCosts.from_profile(older).call_for("interleaved1f1b") == (0.2, 0.3)
+
+
+def test_the_receive_share_is_the_late_receive_beyond_the_latency_over_the_bytes() -> None:
+    # 4 MB at 4 GB/s is 1 ms on the wire; a late receive of 1.05 ms with 0.05 ms latency: 1.0
+    assert comm.receive_share(1.05, 4_000_000, 0.05, 1 / 4e6) == pytest.approx(1.0)
+    assert comm.receive_share(0.01, 4_000_000, 0.05, 1 / 4e6) == 0.0  # faster than the latency
+    assert comm.receive_share(50.0, 4_000_000, 0.05, 1 / 4e6) == comm.RECEIVE_SHARE_RANGE[1]  # noise
+    assert comm.receive_share(1.0, 4_000_000, 0.05, 0.0) == 0.0  # free transfers: nothing to share

@@ -45,7 +45,7 @@ def test_per_stage_modes_match_brute_force(seed: int) -> None:
         prof = Profile(prof.df, prof.edges, {
             **prof.meta, "stage_call_fwd_ms": 0.2, "stage_call_bwd_ms": 0.1, "recompute_ratio": 1.3,
             "recompute_call_ms": float(rng.uniform(0.1, 2.0)), "stage_call_1f1b_fwd_ms": 0.5,
-            "stage_call_1f1b_bwd_ms": 0.3})
+            "stage_call_1f1b_bwd_ms": 0.3, "comm_latency_ms": 0.05, "comm_receive_share": 1.1})
     lc = LayerCosts.from_profile(prof)
     schedule = ("gpipe", "1f1b")[seed % 2]
     opts = CostOptions(chunks=int(rng.integers(1, 6)), schedule=schedule,
