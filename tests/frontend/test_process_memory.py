@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.frontend.process_memory import PeakRss, rss_anon
+from autopipe.frontend.process_memory import rss_anon
 
 pytestmark = pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
 
