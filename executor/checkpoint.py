@@ -183,7 +183,7 @@ class _Shared:
         self.device = device
         self.span = span
         self.rng: RNGState | None = None
-        self.output: Batch | None = None  # output structure from the first run
+        self.output: Batch | None = None  # the first run's output, until checkpoint() takes it
         self.recomputed: tuple[list[Tensor], list[Tensor]] | None = None  # (outputs, input leaves)
 
 
@@ -268,7 +268,12 @@ class Checkpointing:
         phony = get_phony(shared.device, requires_grad=True)  # keeps the node in the graph
         outputs = _Checkpoint.apply(phony, shared, *shared.batch.tensors())
         assert shared.output is not None
-        return shared.output.with_tensors(outputs)
+        result = shared.output.with_tensors(outputs)
+        # Its tensors are the node's own outputs, whose grad_fn holds ctx.shared: kept here, that
+        # cycle runs through C++ autograd nodes, which Python's gc cannot see, and every
+        # checkpointed micro-batch's outputs would stay alive forever.
+        shared.output = None
+        return result
 
     def recompute(self, batch: Batch) -> Batch:
         """Hang the recomputation on a side lane of ``batch`` (this node's output)."""
