@@ -247,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
 
         comm = measure_comm("cpu", chunks=args.chunks)
         print(f"between two ranks: {comm['comm_latency_ms']:.3f} ms + bytes / "
-              f"{(comm['comm_bandwidth'] or float('inf')) / 1e9:.2f} GB/s; stage call "
+              f"{(comm['comm_bandwidth'] or float('inf')) / 1e9:.2f} GB/s, the receiver "
+              f"{comm['comm_receive_share']} x the bytes' time again; stage call "
               f"{comm['stage_call_fwd_ms']:.3f} + {comm['stage_call_bwd_ms']:.3f} ms (1f1b: "
               f"{comm['stage_call_1f1b_fwd_ms']:.3f} + {comm['stage_call_1f1b_bwd_ms']:.3f} ms)")
         rows = [r for m in args.models
