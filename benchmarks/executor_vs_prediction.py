@@ -49,6 +49,7 @@ import autopipe
 from autopipe.app.train import median_ms
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
+from autopipe.frontend.loss_timing import with_loss
 
 __all__ = ["Row", "main"]
 
@@ -103,8 +104,8 @@ class Row:
         return statistics.median(m / b for m, b in zip(self.measured, self.before, strict=True))
 
 
-OVERHEADS = ("stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms", "stage_call_1f1b_bwd_ms",
-             "stage_call_interleaved1f1b_fwd_ms", "stage_call_interleaved1f1b_bwd_ms", "recompute_ratio",
+OVERHEADS = ("loss_fwd_ms", "loss_bwd_ms", "stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms",
+             "stage_call_1f1b_bwd_ms", "stage_call_interleaved1f1b_fwd_ms", "stage_call_interleaved1f1b_bwd_ms", "recompute_ratio",
              "recompute_call_ms")
 COMM = ("comm_latency_ms", "comm_bandwidth", "comm_receive_share")  # [Note: measured transfer]
 
@@ -134,8 +135,10 @@ def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
 
 
 def _profile(ex: Example, chunks: int, repeats: int, device: str = "cpu") -> Profile:
-    return autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
+    """As `autopipe profile` measures an example: its layers, then its loss."""
+    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
                             device=device)
+    return with_loss(prof, ex.model, ex.inputs, ex.target, ex.loss_fn, device=device)
 
 
 def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequence[str],

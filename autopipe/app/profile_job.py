@@ -20,6 +20,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
 from autopipe.frontend.comm import with_comm
+from autopipe.frontend.loss_timing import with_loss
 from autopipe.frontend.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
 
 __all__ = ["profile_to_file", "summary_table", "parse_shape"]
@@ -68,6 +69,8 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
                      f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call"
                      + "".join(f" ({m[f'stage_call_{s}_fwd_ms']} + {m.get(f'stage_call_{s}_bwd_ms')} under {s})"
                                for s in ("1f1b", "interleaved1f1b") if f"stage_call_{s}_fwd_ms" in m))
+    if "loss_fwd_ms" in m:
+        lines.append(f"the loss: {m['loss_fwd_ms']} + {m.get('loss_bwd_ms')} ms per micro-batch, paid by the last stage")
     if m.get("mode") == "layers":
         peak = m.get("peak_memory_bytes")
         lines.append(
@@ -186,6 +189,8 @@ def profile_to_file(
         )
     finally:
         torch.set_num_threads(before)
+    if loaded.loss_fn is not None and loaded.target is not None:  # [Note: the loss in the last stage]
+        prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn, device=device)
     if comm:
         prof = with_comm(prof, device=device)
     return prof, prof.save(csv_path, overwrite=force)

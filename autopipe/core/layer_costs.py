@@ -111,10 +111,13 @@ class LayerCosts:
         shared = df["saved_shared_bytes"].to_numpy(dtype=np.int64)
         resaved = np.array([min(int(value[u]), int(shared[max(consumers[u])])) if consumers[u] else 0
                             for u in range(n)], dtype=np.int64)
+        bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
+        if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
+            bwd[-1] += _meta_float(profile, "loss_fwd_ms", 0.0) + _meta_float(profile, "loss_bwd_ms", 0.0)
         return cls(
             names=names,
             fwd=df["fwd_ms"].to_numpy(dtype=np.float64),
-            bwd=df["bwd_ms"].to_numpy(dtype=np.float64),
+            bwd=bwd,
             params=params,
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
             saved=np.maximum(saved - shared, 0),
