@@ -30,6 +30,8 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, BuildError
 from autopipe.frontend.graph import trace
+from autopipe.frontend.loss_timing import with_loss
+from autopipe.frontend.profiler import profile as profile_model
 from executor.spec import microbatch_sizes
 
 __all__ = ["TrainReport", "median_ms", "train_example"]
@@ -157,6 +159,10 @@ def train_example(
     k, m, b, chosen = _sizes(loaded_plan, loaded_profile, stages, chunks, batch_size, devices)
     ex = load_model(name, b, for_training="autopipe train")
     graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
+    if loaded_plan is None and loaded_profile is None:  # measured with its loss, which the last
+        assert ex.loss_fn is not None  # stage pays ([Note: the loss in the last stage])
+        measured = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph)
+        loaded_profile = with_loss(measured, ex.model, ex.inputs, ex.target, ex.loss_fn, device=chosen[0])
     pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,
                     plan=loaded_plan, profile=loaded_profile, method=method, graph=graph)
     run = f"autopipe run {name} --nproc {k} --batch-size {b} --chunks {m}"
