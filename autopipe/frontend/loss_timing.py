@@ -14,8 +14,9 @@ into ``meta["loss_fwd_ms"]`` and ``meta["loss_bwd_ms"]``. The cost model adds bo
 layer's backward (autopipe/core/layer_costs.py): the last stage always holds the last layer, and
 a backward is never recomputed, so every solver, the Plan and the simulator charge it once per
 micro-batch to the last stage. At another micro-batch size it scales with the rows
-([Note: micro-batch scaling] in autopipe/core/scaling.py). A model on the meta device is never
-run ([Note: layer by layer]): its profile keeps no loss time.
+([Note: micro-batch scaling] in autopipe/core/scaling.py). A model on the meta device, or one
+profiled layer by layer (which may not fit the device whole), is never run whole ([Note: layer
+by layer]): its profile keeps no loss time.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: A
     from autopipe.core.profile_table import Profile
 
     meta = dict(profile.meta)
-    if has_meta_tensors(model):
-        return profile  # never run: no output to time the loss on
+    if has_meta_tensors(model) or meta.get("mode") == "layers":
+        return profile  # never run whole: it may not fit where it was profiled
     chunks = int(meta.get("chunks") or 1)
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     try:

@@ -79,8 +79,10 @@ def test_bad_losses_and_targets_say_what_to_do() -> None:
         with_loss(prof, model, (x,), torch.tensor(1), F.cross_entropy)
 
 
-def test_a_model_on_the_meta_device_keeps_no_loss_time() -> None:
-    _, x, target, prof = _chain()
+def test_a_model_never_run_whole_keeps_no_loss_time() -> None:
+    model, x, target, prof = _chain()
     with torch.device("meta"):
         ghost = Chain()
     assert with_loss(prof, ghost, (x,), target, F.cross_entropy) is prof
+    layers = autopipe.profile(model, (x,), chunks=2, mode="layers", repeats=1, warmup=0, progress=False)
+    assert with_loss(layers, model, (x,), target, F.cross_entropy) is layers  # it may not fit whole
