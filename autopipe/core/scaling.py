@@ -99,9 +99,11 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
                            "`autopipe profile ...`")
     base = int(profile.meta["micro_batch_size"])
     meta = {**profile.meta, "micro_batch_size": rows}
-    for key in ("loss_fwd_ms", "loss_bwd_ms"):  # [Note: the loss in the last stage]: per row
-        if isinstance(meta.get(key), int | float) and rows != base:
-            meta[key] = float(meta[key]) * rows / base
+    if rows != base and "loss_fwd_ms" in meta:  # [Note: the loss in the last stage]: per row
+        for key in ("loss_fwd_ms", "loss_bwd_ms"):
+            if isinstance(meta.get(key), int | float):
+                meta[key] = float(meta[key]) * rows / base
+        meta["loss_micro_batch_size"] = rows
     if batch_size is not None:
         meta["batch_size"] = batch_size
     if chunks is not None:

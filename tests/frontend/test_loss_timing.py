@@ -57,6 +57,7 @@ def test_at_another_micro_batch_the_loss_scales_with_the_rows() -> None:
                                           "loss_bwd_ms": 0.8})
     half = profile_at(prof, 4)
     assert (half.meta["loss_fwd_ms"], half.meta["loss_bwd_ms"]) == (pytest.approx(0.2), pytest.approx(0.4))
+    assert half.meta["loss_micro_batch_size"] == 4
     assert profile_at(prof, 8).meta["loss_fwd_ms"] == 0.4
 
 
