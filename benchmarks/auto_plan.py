@@ -247,17 +247,20 @@ class Timed:
 
 
 def measured_profile(example: str, batch: int, repeats: int) -> Profile:
-    """The example profiled here, one thread, at M = 8 and at every power-of-two micro-batch."""
+    """The example profiled here, one thread, at M = 8 and at every power-of-two micro-batch,
+    with its loss ([Note: the loss in the last stage]), as `autopipe profile` measures it."""
     import torch
 
     from autopipe.examples import get_example
+    from autopipe.frontend.loss_timing import with_loss
     from autopipe.frontend.profiler import profile
 
     torch.set_num_threads(1)
     ex = get_example(example, batch_size=batch)
     sizes = [1 << i for i in range(batch.bit_length()) if 1 << i <= batch]
-    return profile(ex.model, ex.inputs, chunks=4 * RECIPE_DEVICES, repeats=repeats, warmup=1,
+    prof = profile(ex.model, ex.inputs, chunks=4 * RECIPE_DEVICES, repeats=repeats, warmup=1,
                    micro_batch_sizes=sizes, progress=False)
+    return with_loss(prof, ex.model, ex.inputs, ex.target, ex.loss_fn)
 
 
 def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
