@@ -19,12 +19,13 @@ A group of one is sent as it is. Both sides compute the same layout from the wir
 step's input sizes ([Note: wires at other sizes]): the sender in :func:`pack`, the receiver
 in :func:`unpack` and in :func:`message_metas`, which gives PipelineStage its buffers. The
 cost model charges one latency per cut and direction ([Note: transfer cost] in
-autopipe/core/cost.py), which this makes nearly true.
+autopipe/core/transfer.py), which this makes nearly true.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,10 +58,7 @@ class Slot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

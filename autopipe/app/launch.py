@@ -143,8 +143,8 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         try:
             prof = profile(loaded.model, loaded.inputs, chunks=chunks, graph=graph, name=loaded.name,
                            progress=False)
-            if loaded.loss_fn is not None and loaded.target is not None:  # [Note: the loss in the last stage]
-                prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn)
+            # [Note: the loss in the last stage]
+            prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn)
         finally:
             torch.set_num_threads(before)
         if replicas == 1 and not auto:

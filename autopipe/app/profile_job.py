@@ -189,8 +189,8 @@ def profile_to_file(
         )
     finally:
         torch.set_num_threads(before)
-    if loaded.loss_fn is not None and loaded.target is not None:  # [Note: the loss in the last stage]
-        prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn, device=device)
+    # [Note: the loss in the last stage]: timed when the model comes with a target and a loss
+    prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn, device=device)
     if comm:
         prof = with_comm(prof, device=device)
     return prof, prof.save(csv_path, overwrite=force)

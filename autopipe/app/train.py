@@ -159,8 +159,7 @@ def train_example(
     k, m, b, chosen = _sizes(loaded_plan, loaded_profile, stages, chunks, batch_size, devices)
     ex = load_model(name, b, for_training="autopipe train")
     graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
-    if loaded_plan is None and loaded_profile is None:  # measured with its loss, which the last
-        assert ex.loss_fn is not None  # stage pays ([Note: the loss in the last stage])
+    if loaded_plan is None and loaded_profile is None:  # with the loss the last stage pays
         measured = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph)
         loaded_profile = with_loss(measured, ex.model, ex.inputs, ex.target, ex.loss_fn, device=chosen[0])
     pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,

@@ -7,7 +7,7 @@ alone, so both count it; the profile's ``saved_shared_bytes`` says how much of a
 ``LayerCosts.saved`` is the difference, so a stage's sum counts such a tensor once, in the
 layer that made it. The graph's own inputs (the caller's batch, which a first layer saves a
 view of) are shared too: they are not the pipeline's to hold ([Note: transfer cost] in
-cost.py: graph inputs cost nothing). Where a cut separates the two, the consuming stage holds
+transfer.py: graph inputs cost nothing). Where a cut separates the two, the consuming stage holds
 its own copy (its received input): ``resaved[u]``, the bytes of u's output that u and its LAST
 consumer both save (the last consumer is beyond every cut the value crosses; an earlier
 consumer may not be), is charged to every stage u's value crosses into (``cut_bytes(resaved)``,

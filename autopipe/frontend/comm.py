@@ -3,7 +3,7 @@
     prof = with_comm(profile(model, inputs, chunks=8))    # autopipe profile --comm
     prof.meta["comm_latency_ms"], prof.meta["comm_bandwidth"]
 
-[Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/cost.py)
+[Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/transfer.py)
 Two processes are spawned and joined by gloo (NCCL, one GPU each, when the profile is for CUDA
 and two GPUs are there), each with one CPU thread, as the distributed runtime's ranks run:
 
@@ -209,11 +209,11 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
                                "profile without --comm") from None
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
     ms = [max(a, b) for a, b in zip(ranks[0]["ms"], ranks[1]["ms"], strict=True)]
-    latency, bandwidth = fit_transfer([max(n // 4, 1) * 4 for n in sizes], ms)
+    sent = [max(n // 4, 1) * 4 for n in sizes]  # whole float32s
+    latency, bandwidth = fit_transfer(sent, ms)
     step = {k: max(r[k] for r in ranks) for k in ranks[0] if k not in ("ms", "late")}
     ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
-    largest = max(max(n // 4, 1) * 4 for n in sizes)
-    receive = receive_share(ranks[0]["late"], largest, latency, ms_per_byte)
+    receive = receive_share(ranks[0]["late"], max(sent), latency, ms_per_byte)
     call = fit_call_ms(step["gpipe"], "gpipe", chunks, latency, ms_per_byte)
     # the forward-only step: M + 1 forward calls and M crossings in a row
     call_fwd = min(max(step["fwd"] - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
@@ -221,7 +221,7 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
     meta: dict[str, Any] = {
         "comm_backend": backend, "comm_latency_ms": round(latency, 6),
         "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
-        "comm_sizes": [max(n // 4, 1) * 4 for n in sizes], "comm_ms": [round(t, 6) for t in ms],
+        "comm_sizes": sent, "comm_ms": [round(t, 6) for t in ms],
         "comm_late_receive_ms": round(ranks[0]["late"], 6), "comm_receive_share": round(receive, 4),
         "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
         "stage_call_of": "DistributedPipeline"}

@@ -74,13 +74,16 @@ def loss_ms(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any], timer:
 
 
 def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: Any,
-              loss_fn: Callable[[Any, Any], Any], device: str | torch.device | None = None) -> Profile:
+              loss_fn: Callable[[Any, Any], Any] | None, device: str | torch.device | None = None) -> Profile:
     """``profile`` with the loss's time per micro-batch in its metadata ([Note: the loss in the
     last stage]); ``example_inputs`` and ``target`` are the batch the profile was measured on
-    (each sliced to one micro-batch by the profile's chunks, as the profiler does)."""
+    (each sliced to one micro-batch by the profile's chunks, as the profiler does). Without a
+    loss or a target (a model given without them), the profile as it is."""
     from autopipe.core.profile_table import Profile
 
     meta = dict(profile.meta)
+    if loss_fn is None or target is None:
+        return profile
     if has_meta_tensors(model) or meta.get("mode") == "layers":
         return profile  # never run whole: it may not fit where it was profiled
     chunks = int(meta.get("chunks") or 1)

@@ -105,7 +105,7 @@ def partition(
     (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
     ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free; ``"measured"``, the default: the profile's own from
-    ``autopipe profile --comm``, else 1e10, [Note: transfer cost] in autopipe/core/cost.py). ``chunks`` defaults to the number of micro-batches
+    ``autopipe profile --comm``, else 1e10, [Note: transfer cost] in autopipe/core/transfer.py). ``chunks`` defaults to the number of micro-batches
     the profile was measured for (its ``meta["chunks"]``), else 8: the plan's fingerprint is the
     profiled micro-batch's, so that is the pipeline it fits. Given ``stages`` and no ``devices``,
     each stage gets its own device of the kind the profile was measured on (``cpu:0``,

@@ -85,5 +85,7 @@ def test_a_model_never_run_whole_keeps_no_loss_time() -> None:
     with torch.device("meta"):
         ghost = Chain()
     assert with_loss(prof, ghost, (x,), target, F.cross_entropy) is prof
+    assert with_loss(prof, model, (x,), None, F.cross_entropy) is prof  # no target or loss given
+    assert with_loss(prof, model, (x,), target, None) is prof
     layers = autopipe.profile(model, (x,), chunks=2, mode="layers", repeats=1, warmup=0, progress=False)
     assert with_loss(layers, model, (x,), target, F.cross_entropy) is layers  # it may not fit whole
