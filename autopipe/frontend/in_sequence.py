@@ -25,8 +25,12 @@ costs any stage call (``recompute_call_ms``, paid per stage), over the whole for
 ``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/overheads.py), which
 replaces the ratio sampled on layers alone. The three runs take turns in every round: this
 machine's speed drifts by tens of percent over minutes, and separate batches of repeats
-measured the drift, not the recomputation. A graph GPipe cannot run as one stage keeps the
-sampled ratio. Layer by layer (``mode="layers"``) there is no whole run: scales are 1.
+measured the drift, not the recomputation. A small graph's round takes a few milliseconds, and
+its ``repeats`` rounds then measured the noise as much as the graph (the recompute ratio of a
+64-row gpt micro-batch came out 1.04-1.14 over five profiles with 10 rounds, 1.02-1.08 with
+40): the rounds go on past ``repeats`` until ``repeats x SEQUENCE_MS_PER_REPEAT`` of them have
+passed (at most ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds), which a large graph reaches in
+its first ``repeats``. A graph GPipe cannot run as one stage keeps the sampled ratio. Layer by layer (``mode="layers"``) there is no whole run: scales are 1.
 Timings are noisy, so each scale is clamped to ``SCALE_RANGE``.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +52,17 @@ from autopipe.frontend.overheads import RATIO_RANGE
 from autopipe.frontend.timing import Timer, median
 from executor.gpipe import GPipe
 
-__all__ = ["SCALE_RANGE", "SequenceScales", "measure_sequence", "scale_rows"]
+__all__ = ["MAX_ROUNDS_PER_REPEAT", "SCALE_RANGE", "SEQUENCE_MS_PER_REPEAT", "SequenceScales", "measure_sequence",
+           "scale_rows", "sequence_budget_s"]
 
 SCALE_RANGE = (0.5, 2.5)  # outside it, a measurement is noise: clamp
+SEQUENCE_MS_PER_REPEAT = 40.0  # the rounds' time budget per requested repeat
+MAX_ROUNDS_PER_REPEAT = 20
+
+
+def sequence_budget_s(repeats: int) -> float:
+    """How long the rounds of [Note: layers in sequence] go on at least (seconds)."""
+    return repeats * SEQUENCE_MS_PER_REPEAT / 1e3
 
 
 @dataclass(frozen=True)
@@ -63,9 +76,11 @@ class SequenceScales:
     recompute_ratio: float | None = None
     fwd_shares: tuple[float, ...] = ()
     bwd_shares: tuple[float, ...] = ()
+    rounds: int = 0  # timed rounds behind these numbers
 
     def meta(self) -> dict[str, float]:
-        return {"sequence_fwd_scale": round(self.fwd, 4), "sequence_bwd_scale": round(self.bwd, 4)}
+        return {"sequence_fwd_scale": round(self.fwd, 4), "sequence_bwd_scale": round(self.bwd, 4),
+                "sequence_rounds": self.rounds}
 
 
 def _clamped(value: float, bounds: tuple[float, float]) -> float:
@@ -112,10 +127,12 @@ def _stamps(gm: fx.GraphModule, node_layer: Mapping[str, str] | None, rows: Sequ
 def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dict[str, Any]],
                      device: torch.device, timer: Timer, repeats: int, warmup: int,
                      harness: tuple[float, float], recompute_call_ms: float = 0.0,
-                     node_layer: Mapping[str, str] | None = None) -> SequenceScales:
+                     node_layer: Mapping[str, str] | None = None, budget_s: float = 0.0) -> SequenceScales:
     """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone);
     ``recompute_call_ms``: what checkpointing any stage call adds, netted out of the ratio;
-    ``node_layer`` (fx node name -> layer, as LayerGraph's): stamp the layers' shares in sequence.
+    ``node_layer`` (fx node name -> layer, as LayerGraph's): stamp the layers' shares in sequence;
+    ``budget_s``: timed rounds go on past ``repeats`` until that long has passed (at most
+    ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds).
 
     The plain graph, the two GPipe runs and the stamped graph take turns in every round, so a
     machine whose speed drifts over the measurement slows them alike (their medians are compared)."""
@@ -124,7 +141,9 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
     pipes = _pipes(gm, device)
     runs: list[Callable[..., Any]] = [gm, *(pipes or ())]
     times: list[list[tuple[float, float]]] = [[] for _ in runs]
-    for i in range(warmup + repeats):
+    start, i = time.perf_counter(), 0
+    while i < warmup + repeats or (time.perf_counter() - start < budget_s
+                                   and i < warmup + MAX_ROUNDS_PER_REPEAT * repeats):
         for k, run in enumerate(runs):
             try:
                 step = timed_step(timer, functools.partial(run, *fresh(list(args))))
@@ -137,6 +156,7 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
                 times[k].append(step)
         if stamps is not None:
             stamps = _stamped_run(stamps, args, keep=i >= warmup)
+        i += 1
     fwd_ms = max(0.0, median([f for f, _ in times[0]]) - harness[0])
     bwd_ms = max(0.0, median([b for _, b in times[0]]) - harness[1])
     ratio = None
@@ -146,7 +166,7 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
     fwd_shares, bwd_shares = stamps.shares() if stamps is not None else ([], [])
     return SequenceScales(_scale(fwd_ms, sum(float(r["fwd_ms"]) for r in rows)),
                           _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio,
-                          tuple(fwd_shares), tuple(bwd_shares))
+                          tuple(fwd_shares), tuple(bwd_shares), rounds=i - warmup)
 
 
 def _stamped_run(stamps: LayerStamps, args: Sequence[Any], keep: bool) -> LayerStamps | None:

@@ -39,7 +39,7 @@ from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.core.units import parse_bytes
 from autopipe.errors import AutopipeError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
-from autopipe.frontend.in_sequence import SequenceScales, measure_sequence, scale_rows
+from autopipe.frontend.in_sequence import SequenceScales, measure_sequence, scale_rows, sequence_budget_s
 from autopipe.frontend.inputs import micro_batch, other_sizes, target_device, to_device, with_rows
 from autopipe.frontend.layer_timing import (
     fresh,
@@ -215,7 +215,8 @@ def _measure_at(
                 rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
                                        warmup, progress)
                 seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,  # [Note:
-                                       warmup, extra[:2], recompute_call_ms, g.node_layer)  # layers in sequence]
+                                       warmup, extra[:2], recompute_call_ms, g.node_layer,  # layers in sequence]
+                                       budget_s=sequence_budget_s(repeats))
                 rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:
@@ -256,7 +257,8 @@ def profile(
         device: "cpu" or "cuda[:N]": where to measure (the whole model is moved there and
             back; layer by layer, only one layer's copy is ever there).
         chunks: micro-batches per batch; one micro-batch is ``ceil(batch / chunks)`` rows.
-        repeats: timed runs per layer; the profile holds the median.
+        repeats: timed runs per layer; the profile holds the median. The whole graph's rounds
+            go on past it for a small graph ([Note: layers in sequence]).
         warmup: untimed runs per layer before the timed ones.
         graph: a LayerGraph already traced on one micro-batch (else it is traced here).
         name: the model's name in the metadata (default: its class name).

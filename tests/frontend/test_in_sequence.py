@@ -10,7 +10,15 @@ import torch
 
 import autopipe
 from autopipe.frontend.graph import trace
-from autopipe.frontend.in_sequence import SCALE_RANGE, SequenceScales, measure_sequence, scale_rows
+from autopipe.frontend.in_sequence import (
+    MAX_ROUNDS_PER_REPEAT,
+    SCALE_RANGE,
+    SEQUENCE_MS_PER_REPEAT,
+    SequenceScales,
+    measure_sequence,
+    scale_rows,
+    sequence_budget_s,
+)
 from autopipe.frontend.overheads import RATIO_RANGE
 from autopipe.frontend.timing import Timer
 from tests.models import Chain
@@ -50,7 +58,22 @@ def test_scales_are_whole_over_sum_less_the_harness_once() -> None:
     scaled = scale_rows(ROWS, s)
     assert [r["fwd_ms"] for r in scaled] == [1.5, 4.5] and [r["bwd_ms"] for r in scaled] == [4.0, 4.0]
     assert ROWS[0]["fwd_ms"] == 1.0  # the caller's rows are not modified
-    assert s.meta() == {"sequence_fwd_scale": 1.5, "sequence_bwd_scale": 2.0}
+    assert s.meta() == {"sequence_fwd_scale": 1.5, "sequence_bwd_scale": 2.0, "sequence_rounds": 3}
+
+
+def test_a_small_graph_runs_rounds_past_repeats_until_its_budget() -> None:
+    gm, args = _graph()
+    counted = ScriptedTimer([1.0])
+    s = measure_sequence(gm, args, ROWS, torch.device("cpu"), counted, repeats=2, warmup=1,
+                         harness=(0.0, 0.0), budget_s=0.05)
+    assert 2 < s.rounds <= MAX_ROUNDS_PER_REPEAT * 2
+    assert counted.calls == 2 * 3 * (1 + s.rounds)  # forward + backward of 3 runs a round
+    # a budget no graph reaches stops at the cap; none at all stops at repeats
+    assert measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([1.0]), repeats=1, warmup=0,
+                            harness=(0.0, 0.0), budget_s=3600.0).rounds == MAX_ROUNDS_PER_REPEAT
+    assert measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([1.0]), repeats=2, warmup=0,
+                            harness=(0.0, 0.0)).rounds == 2
+    assert sequence_budget_s(10) == pytest.approx(10 * SEQUENCE_MS_PER_REPEAT / 1e3)
 
 
 def test_noise_is_clamped_and_empty_layers_keep_scale_one() -> None:
