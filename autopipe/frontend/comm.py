@@ -53,9 +53,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing.spawn import start_processes
+from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
-from autopipe.errors import ProfileError
+from autopipe.errors import ProfileError, first_line
 from executor.spec import SCHEDULES
 
 SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPipe
@@ -205,6 +205,11 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
             start_processes(_rank, args=(port, out, backend, list(sizes), repeats, chunks, steps),
                             nprocs=2, start_method="spawn")
         except Exception as err:  # noqa: BLE001 - a child's traceback: one line
+            if isinstance(err, ProcessExitedException) or "bootstrapping phase" in str(err):
+                # a rank died before measuring, or this IS a rank re-running the caller's script
+                raise ProfileError(f"a measuring rank exited before it measured ({first_line(err)}); from a "
+                                   "script, call this under `if __name__ == \"__main__\":` (the two ranks are "
+                                   "spawned and import the script first), or profile without --comm") from None
             raise ProfileError(f"the 2-process transfer measurement failed ({str(err).strip().splitlines()[-1]}); "
                                "profile without --comm") from None
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,21 @@ def test_the_receive_share_is_the_late_receive_beyond_the_latency_over_the_bytes
     assert comm.receive_share(0.01, 4_000_000, 0.05, 1 / 4e6) == 0.0  # faster than the latency
     assert comm.receive_share(50.0, 4_000_000, 0.05, 1 / 4e6) == comm.RECEIVE_SHARE_RANGE[1]  # noise
     assert comm.receive_share(1.0, 4_000_000, 0.05, 0.0) == 0.0  # free transfers: nothing to share
+
+
+def test_a_script_without_a_main_guard_gets_one_line_that_says_so(tmp_path: Path) -> None:
+    # the spawned ranks import the script first, which calls measure_comm again while they bootstrap
+    script = tmp_path / "unguarded.py"
+    script.write_text("from autopipe.errors import ProfileError\n"
+                      "from autopipe.frontend.comm import measure_comm\n"
+                      "try:\n"
+                      "    measure_comm('cpu', chunks=2, repeats=1, steps=1)\n"
+                      "except ProfileError as err:\n"
+                      "    print('ERROR', err, flush=True)\n"
+                      "    raise SystemExit(2)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    said = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
+    # the caller (its rank died) and each rank (its own spawn refused while bootstrapping)
+    assert run.returncode == 2 and any("ProcessExitedException" in line for line in said), run.stdout + run.stderr
+    assert all('under `if __name__ == "__main__":`' in line for line in said), said
