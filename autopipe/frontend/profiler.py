@@ -39,7 +39,12 @@ from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.core.units import parse_bytes
 from autopipe.errors import AutopipeError, ProfileError
 from autopipe.frontend.graph import LayerGraph, trace
-from autopipe.frontend.in_sequence import SequenceScales, measure_sequence, scale_rows, sequence_budget_s
+from autopipe.frontend.in_sequence import (
+    SequenceScales,
+    measure_sequence,
+    scale_rows,
+    sequence_budget_s,
+)
 from autopipe.frontend.inputs import micro_batch, other_sizes, target_device, to_device, with_rows
 from autopipe.frontend.layer_timing import (
     fresh,
