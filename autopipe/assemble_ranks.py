@@ -111,7 +111,7 @@ def distributed_pipeline(
     method: str = "auto",
     chunks: int | None = None,
     checkpoint: str | Sequence[str] | None = None,
-    schedule: str = "gpipe",
+    schedule: str | None = None,
     stages_per_rank: int | None = None,
     data_parallel: int | str | None = None,
     dp_mode: str | None = None,
@@ -134,7 +134,8 @@ def distributed_pipeline(
         chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
         checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
             (see :func:`autopipe.assemble.runtime_checkpoint`), ``"except_last"`` to partition.
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank).
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank); default:
+            the plan's (the schedule its prediction is for), else ``gpipe``.
         stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / ranks
             per replica).
         data_parallel: D replicas of a pipeline of world / D ranks, on a (dp, pp) DeviceMesh
@@ -162,6 +163,8 @@ def distributed_pipeline(
     if not dist.is_initialized():
         raise BuildError("torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) on every rank first")
+    if schedule is None:
+        schedule = plan.schedule if plan is not None else "gpipe"
     if schedule not in SCHEDULES:
         raise BuildError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
     rank, everyone = dist.get_rank(), dist.get_world_size()

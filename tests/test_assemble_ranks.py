@@ -242,6 +242,24 @@ def test_interleaved_four_stages_on_two_ranks() -> None:
     _assert_matches_reference("mlp", values)
 
 
+def _planned(rank: int, schedule: str) -> dict[str, Any]:
+    model, inputs, target, loss_fn = _case("mlp")
+    prof = autopipe.profile(model, inputs, chunks=CHUNKS, repeats=1, warmup=0, progress=False)
+    plan = autopipe.partition(prof, stages=2, method="uniform", schedule=schedule)  # same on both ranks
+    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, plan=plan, timeout=20)
+    loss = pipe.step(*inputs, target=target)
+    return {"loss": loss, "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()},
+            "schedule": type(pipe._schedule).__name__}
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_runs_the_schedule_it_was_made_for() -> None:
+    # the plan's prediction is for its schedule: without schedule=, that is the one that runs
+    values = _ok(spawn(_planned, "1f1b"))
+    assert [v["schedule"] for v in values] == ["Schedule1F1B"] * 2
+    _assert_matches_reference("mlp", values)
+
+
 def _train_and_save(rank: int, case: str, out: str) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case(case)
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform", timeout=20)
