@@ -190,7 +190,7 @@ class TrainConfig:
                                     f"else {DEFAULT_STAGES})")
     chunks: int | None = _opt(None, _chunks("the --plan's, else the --profile's"))
     batch_size: int | None = _opt(None, _batch("the --plan's, else the --profile's"))
-    steps: int = _opt(5, "training steps (default 5)")
+    steps: int = _opt(10, "training steps (default 10; the summary times steps 2..10)")
     checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, per stage, "
                                                "else except_last)")
     devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")

@@ -139,7 +139,7 @@ def train_example(
     stages: int | None = None,
     chunks: int | None = None,
     batch_size: int | None = None,
-    steps: int = 5,
+    steps: int = 10,
     checkpoint: str | None = None,
     devices: Sequence[str] | None = None,
     method: str = "auto",
