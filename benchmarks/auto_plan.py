@@ -263,6 +263,18 @@ def measured_profile(example: str, batch: int, repeats: int) -> Profile:
     return with_loss(prof, ex.model, ex.inputs, ex.target, ex.loss_fn)
 
 
+def rank_profile(example: str, prof: Profile, comm: dict[str, Any]) -> Profile:
+    """``prof`` as `autopipe profile --comm` leaves it for ranks on this host: the measured
+    transfer and call costs, and how much slower the example computes beside a copy of itself
+    ([Note: ranks sharing a host])."""
+    from autopipe.examples import get_example
+    from autopipe.frontend.rank_contention import with_rank_contention
+
+    ex = get_example(example, batch_size=int(prof.meta["batch_size"]))
+    ranked = with_rank_contention(prof, ex.model, ex.inputs)
+    return Profile(ranked.df, ranked.edges, {**ranked.meta, **comm})
+
+
 def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
     """The auto plan, the GPipe recipe and the best single mode under a limit that binds."""
     batch = int(prof.meta["batch_size"])
@@ -482,7 +494,7 @@ def measured_main(args: argparse.Namespace) -> str:
         batch = args.measured_batch or MEASURED_BATCH[example]
         prof = measured_profile(example, batch, args.profile_repeats)
         plans = measured_plans(example, prof, args.fraction)
-        rank_plans = (measured_plans(example, Profile(prof.df, prof.edges, {**prof.meta, **comm}), args.fraction)
+        rank_plans = (measured_plans(example, rank_profile(example, prof, comm), args.fraction)
                       if comm else None)
         rows += measure(plans, args.steps, args.warmup, ranks=not args.no_ranks, rank_plans=rank_plans)
     head = (f"Measured on CPU: 1 thread per process, {args.steps} steps after {args.warmup}; "

@@ -50,6 +50,7 @@ from autopipe.app.train import median_ms
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
 from autopipe.frontend.loss_timing import with_loss
+from autopipe.frontend.rank_contention import with_rank_contention
 
 __all__ = ["Row", "main"]
 
@@ -107,7 +108,8 @@ class Row:
 OVERHEADS = ("loss_fwd_ms", "loss_bwd_ms", "stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms",
              "stage_call_1f1b_bwd_ms", "stage_call_interleaved1f1b_fwd_ms", "stage_call_interleaved1f1b_bwd_ms", "recompute_ratio",
              "recompute_call_ms")
-COMM = ("comm_latency_ms", "comm_bandwidth", "comm_receive_share")  # [Note: measured transfer]
+COMM = ("comm_latency_ms", "comm_bandwidth", "comm_receive_share",  # [Note: measured transfer]
+        "rank_compute_slowdown")  # [Note: ranks sharing a host]
 
 
 def _without(prof: Profile, keys: Sequence[str]) -> Profile:
@@ -157,7 +159,7 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
             ex.loss_fn(ex.model(*inputs), target).backward()
 
     for _ in range(rounds):
-        prof = _profile(ex, chunks, repeats)
+        prof = with_rank_contention(_profile(ex, chunks, repeats), ex.model, ex.inputs)  # as --comm does
         prof = Profile(prof.df, prof.edges, {**prof.meta, **comm})
         plans = [autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=r.checkpoint,
                                     schedule=r.schedule) for r in rows]

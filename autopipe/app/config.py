@@ -118,9 +118,10 @@ class ProfileConfig:
                              "profile it layer by layer")
     micro_batch_sizes: str | None = _opt(None, "more micro-batch sizes to measure, e.g. 1,2,4,8, "
                                                "for `partition --chunks auto`")
-    comm: bool = _opt(False, "also measure a transfer between two ranks (latency, bandwidth) and "
-                             "the distributed runtime's cost per micro-batch, for plans run with "
-                             "`autopipe run` (two processes, a few seconds)")
+    comm: bool = _opt(False, "also measure a transfer between two ranks (latency, bandwidth), "
+                             "the distributed runtime's cost per micro-batch and, on a CPU, how much "
+                             "slower the model computes with a copy beside it, for plans run with "
+                             "`autopipe run` on this host (a few seconds)")
 
 
 @dataclass(frozen=True)

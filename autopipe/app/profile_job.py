@@ -69,6 +69,10 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
                      f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call"
                      + "".join(f" ({m[f'stage_call_{s}_fwd_ms']} + {m.get(f'stage_call_{s}_bwd_ms')} under {s})"
                                for s in ("1f1b", "interleaved1f1b") if f"stage_call_{s}_fwd_ms" in m))
+    if "rank_compute_slowdown" in m:
+        lines.append(f"ranks on this host compute {m['rank_compute_slowdown']}x slower beside each other "
+                     "(the model with a copy of itself running beside it); plans from this profile "
+                     "predict ranks")
     if "loss_fwd_ms" in m:
         lines.append(f"the loss: {m['loss_fwd_ms']} + {m.get('loss_bwd_ms')} ms per micro-batch, paid by the last stage")
     if m.get("mode") == "layers":
@@ -192,5 +196,5 @@ def profile_to_file(
     # [Note: the loss in the last stage]: timed when the model comes with a target and a loss
     prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn, device=device)
     if comm:
-        prof = with_comm(prof, device=device)
+        prof = with_comm(prof, device=device, model=loaded.model, example_inputs=loaded.inputs)
     return prof, prof.save(csv_path, overwrite=force)

@@ -114,10 +114,13 @@ class LayerCosts:
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
             bwd[-1] += _meta_float(profile, "loss_fwd_ms", 0.0) + _meta_float(profile, "loss_bwd_ms", 0.0)
+        # [Note: ranks sharing a host] (autopipe/frontend/rank_contention.py): a --comm profile's
+        # ranks compute beside each other, each this much slower than the profile timed it alone
+        beside = max(_meta_float(profile, "rank_compute_slowdown", 1.0), 1.0)
         return cls(
             names=names,
-            fwd=df["fwd_ms"].to_numpy(dtype=np.float64),
-            bwd=bwd,
+            fwd=df["fwd_ms"].to_numpy(dtype=np.float64) * beside,
+            bwd=bwd * beside,
             params=params,
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
             saved=np.maximum(saved - shared, 0),

@@ -278,10 +278,17 @@ def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, m
     return (low + high) / 2
 
 
-def with_comm(profile: Profile, device: str | torch.device | None = None, **kwargs: Any) -> Profile:
+def with_comm(profile: Profile, device: str | torch.device | None = None, *, model: nn.Module | None = None,
+              example_inputs: Any = None, **kwargs: Any) -> Profile:
     """``profile`` with [Note: measured transfer]'s metadata (on the profiled device and chunks
-    unless given); executor.GPipe's stage call kept as ``gpipe_call_*_ms``."""
+    unless given); executor.GPipe's stage call kept as ``gpipe_call_*_ms``. With the profiled
+    ``model`` and ``example_inputs`` (on a CPU), also how much slower a rank computes beside
+    another ([Note: ranks sharing a host] in autopipe/frontend/rank_contention.py)."""
     from autopipe.core.profile_table import Profile
+    from autopipe.frontend.rank_contention import with_rank_contention
+
+    if model is not None and example_inputs is not None:
+        profile = with_rank_contention(profile, model, example_inputs)
 
     meta = dict(profile.meta)
     kwargs.setdefault("chunks", int(meta.get("chunks") or 8))

@@ -146,3 +146,15 @@ def test_a_script_without_a_main_guard_gets_one_line_that_says_so(tmp_path: Path
     # the caller (its rank died) and each rank (its own spawn refused while bootstrapping)
     assert run.returncode == 2 and any("ProcessExitedException" in line for line in said), run.stdout + run.stderr
     assert all('under `if __name__ == "__main__":`' in line for line in said), said
+
+
+def test_profile_comm_measures_the_ranks_slowdown_beside_each_other(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(comm, "measure_comm", lambda device, **kw: dict(MEASURED))
+    out = tmp_path / "chain.csv"
+    assert main(["profile", "tests.models:make_chain", "--out", str(out), "--repeats", "2", "--warmup", "0",
+                 "--comm"]) == 0
+    slowdown = Profile.load(out).meta["rank_compute_slowdown"]
+    assert 1.0 <= slowdown <= 1.5
+    assert f"ranks on this host compute {slowdown}x slower beside each other" in capsys.readouterr().out
