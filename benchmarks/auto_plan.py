@@ -195,6 +195,8 @@ def table(rows: Sequence[Row]) -> str:
         a = r.auto
         modes = a.checkpoint if isinstance(a.checkpoint, str) else ",".join(
             m[0] for m in a.checkpoint)  # a = always, e = except_last, n = never, per stage
+        if a.recompute_layers:  # [Note: recomputed layers]
+            modes += f" + {len(a.recompute_layers)} layers alone"
         uni = f"{r.uniform.iteration_time:.1f}" + ("" if _fits(r.uniform, r.limit) else " (over the limit)")
         single = (f"{r.single.checkpoint}: {r.single.iteration_time:.1f} ms" if r.single else "none fits")
         ratio = f"{r.single.iteration_time / a.iteration_time:.2f}x" if r.single else ""
@@ -453,9 +455,10 @@ def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True,
 
 
 def _modes(plan: Plan) -> str:
+    alone = f" + {len(plan.recompute_layers)} layers alone" if plan.recompute_layers else ""
     if isinstance(plan.checkpoint, str):
-        return plan.checkpoint
-    return ",".join(m[0] for m in plan.checkpoint)  # a = always, e = except_last, n = never
+        return plan.checkpoint + alone
+    return ",".join(m[0] for m in plan.checkpoint) + alone  # a = always, e = except_last, n = never
 
 
 def measured_table(rows: Sequence[Timed]) -> str:

@@ -30,6 +30,7 @@ from torch.testing import assert_close
 import autopipe
 from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
 from autopipe.errors import BuildError
+from autopipe.frontend.stages import RecomputedLayer
 from executor.distributed import (
     DistributedError,
     DistributedPipeline,
@@ -242,14 +243,18 @@ def test_interleaved_four_stages_on_two_ranks() -> None:
     _assert_matches_reference("mlp", values)
 
 
-def _planned(rank: int, schedule: str) -> dict[str, Any]:
+def _planned(rank: int, schedule: str, recompute: bool = False) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case("mlp")
     prof = autopipe.profile(model, inputs, chunks=CHUNKS, repeats=1, warmup=0, progress=False)
     plan = autopipe.partition(prof, stages=2, method="uniform", schedule=schedule)  # same on both ranks
+    if recompute:  # [Note: recomputed layers]: every layer of both stages, each alone
+        plan = autopipe.Plan.from_stages(prof, plan.stages, chunks=plan.chunks, checkpoint="never",
+                                         schedule=schedule, recompute_layers=prof.layers)
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, plan=plan, timeout=20)
     loss = pipe.step(*inputs, target=target)
     return {"loss": loss, "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()},
-            "schedule": type(pipe._schedule).__name__}
+            "schedule": type(pipe._schedule).__name__,
+            "recomputed": sum(isinstance(m, RecomputedLayer) for m in pipe.stage_module.modules())}
 
 
 @pytest.mark.timeout(60)
@@ -257,6 +262,13 @@ def test_a_plan_runs_the_schedule_it_was_made_for() -> None:
     # the plan's prediction is for its schedule: without schedule=, that is the one that runs
     values = _ok(spawn(_planned, "1f1b"))
     assert [v["schedule"] for v in values] == ["Schedule1F1B"] * 2
+    _assert_matches_reference("mlp", values)
+
+
+@pytest.mark.timeout(60)
+def test_layers_recomputed_alone_on_two_ranks_match_one_process() -> None:
+    values = _ok(spawn(_planned, "gpipe", True))
+    assert all(v["recomputed"] > 0 for v in values)
     _assert_matches_reference("mlp", values)
 
 

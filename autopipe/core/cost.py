@@ -71,6 +71,7 @@ import numpy as np
 
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import FloatArray, LayerCosts
+from autopipe.core.recomputed_layers import freed_bytes, recompute_alone_ms
 from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.core.stage_cost import StageCost
@@ -113,7 +114,7 @@ OPTIMIZER_FACTOR: dict[str, int] = {"none": 1, "sgd": 2, "momentum": 3, "adam": 
 # Amount: a number, a numpy array or a PuLP expression: each formula below takes any of them.
 
 # --- [Note: cost model] Every formula of stage time and memory is written once, below (a cut's
-# crossing in autopipe/core/transfer.py). ---------------------------------------------------------
+# crossing in autopipe/core/transfer.py, a layer recomputed alone in recomputed_layers.py). ---------------------------------------------------------
 # The DP evaluates them on numpy arrays of whole (first layer, last layer) blocks, the ILP on PuLP
 # expressions, stage_costs / Plan / the baselines on floats; each function is plain arithmetic on
 # its arguments, so one definition serves all of them. Change a formula here, and only here.
@@ -260,8 +261,11 @@ class CostOptions:
     schedule: str = "gpipe"
     data_parallel: int = 1  # [Note: pipeline x data parallel]
     dp_mode: str = "ddp"
+    recompute_layers: tuple[str, ...] = ()  # [Note: recomputed layers], in stages that never recompute
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recompute_layers, tuple):
+            object.__setattr__(self, "recompute_layers", tuple(self.recompute_layers))
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise PartitionError(f"chunks={self.chunks!r}: need an integer number of micro-batches >= 1")
         if not isinstance(self.checkpoint, str | tuple):
@@ -312,6 +316,24 @@ def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
         raise PartitionError(str(err)) from None
 
 
+def _recomputed_mask(costs: LayerCosts, stage: np.ndarray, modes: Sequence[str],
+                     names: Sequence[str]) -> np.ndarray:
+    """Which layers are recomputed alone ([Note: recomputed layers]); PartitionError for a name
+    the profile lacks or one in a stage that recomputes as a whole."""
+    mask = np.zeros(len(costs), dtype=bool)
+    index = {name: i for i, name in enumerate(costs.names)}
+    for name in names:
+        if name not in index:
+            raise PartitionError(f"recompute_layers names {name!r}, which is not a layer of the profile")
+        s = int(stage[index[name]])
+        if modes[s] != "never":
+            raise PartitionError(f"layer {name!r} is recomputed alone but its stage {s} recomputes as a whole "
+                                 f"(checkpoint {modes[s]!r}); recompute layers only in stages whose mode "
+                                 "is 'never'")
+        mask[index[name]] = True
+    return mask
+
+
 def stage_costs(
     costs: LayerCosts,
     assignment: Sequence[int],
@@ -335,16 +357,20 @@ def stage_costs(
             cut[stage[u]:reach] += costs.value_bytes[u]
             resaved[stage[u]:reach] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
+    chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
+    freed = freed_bytes(costs)
     result = []
     for s, dev in enumerate(devices):
         mask = stage == s
+        picked = mask & chosen  # [Note: recomputed layers]: their saves dropped, their forward again
         fwd = float(costs.fwd[mask].sum()) / dev.speed
-        bwd = float(costs.bwd[mask].sum()) / dev.speed
+        bwd = float(costs.bwd[mask].sum()) / dev.speed + recompute_alone_ms(
+            float(costs.fwd[picked].sum()), int(picked.sum()), costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
         params = int(costs.params[mask].sum())
         for members, nbytes in costs.tie_groups:
             if mask[list(members)].any():
                 params += nbytes
-        saved = int(costs.saved[mask].sum()) + (int(resaved[s - 1]) if s > 0 else 0)
+        saved = int(costs.saved[mask].sum() - freed[picked].sum()) + (int(resaved[s - 1]) if s > 0 else 0)
         cut_in = int(cut[s - 1]) if s > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
         result.append(StageCost(

@@ -11,7 +11,8 @@ older plan loads: ``checkpoint`` is one mode or, since per-stage recomputation, 
 mode per stage (a plan whose stages all share a mode stores the single mode, as before);
 ``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
 ``device_memory`` were added with the automatic search; ``data_parallel`` (replicas of the
-pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel. A plan made for another micro-batch
+pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel;
+``recompute_layers`` (default none) with [Note: recomputed layers]. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -115,6 +116,7 @@ class Plan:
     device_memory: dict[str, int] = field(default_factory=dict)  # peak per device, all its stages
     data_parallel: int = 1  # replicas of this pipeline ([Note: pipeline x data parallel])
     dp_mode: str = "ddp"  # how replicas share gradients: "ddp" (all-reduce) or "fsdp" (sharded)
+    recompute_layers: list[str] = field(default_factory=list)  # [Note: recomputed layers]
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -136,6 +138,7 @@ class Plan:
         alternatives: Sequence[Alternative] = (),
         data_parallel: int = 1,
         dp_mode: str = "ddp",
+        recompute_layers: Sequence[str] = (),
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
@@ -143,13 +146,15 @@ class Plan:
         executor.spec.SCHEDULES (``interleaved1f1b`` cycles the stages over the distinct device
         names). ``data_parallel`` replicas of it, synced as ``dp_mode`` says, each run
         ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/replicas.py).
+        ``recompute_layers``: layers recomputed alone, in stages of mode ``never`` ([Note:
+        recomputed layers] in autopipe/core/recomputed_layers.py).
         Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
         specs = resolve_devices(len(stages), devices, memory_limit)
         modes = CostOptions(chunks, _one(checkpoint), optimizer, bandwidth, ties, schedule).modes(len(stages))
         options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule,
-                              data_parallel, dp_mode)
+                              data_parallel, dp_mode, tuple(recompute_layers))
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
         costs = LayerCosts.from_profile(profile)
@@ -175,6 +180,7 @@ class Plan:
             micro_batch_size=_int_or_none(profile.meta.get("micro_batch_size")),
             schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
             data_parallel=data_parallel, dp_mode=dp_mode,
+            recompute_layers=[n for n in layers if n in set(recompute_layers)],
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -191,7 +197,8 @@ class Plan:
     def cost_options(self) -> CostOptions:
         """The options every cost of this plan was computed with."""
         return CostOptions(self.chunks, _one(self.checkpoint), self.optimizer, self.bandwidth,
-                           self.ties, self.schedule, self.data_parallel, self.dp_mode)
+                           self.ties, self.schedule, self.data_parallel, self.dp_mode,
+                           tuple(self.recompute_layers))
 
     def profile_for(self, profile: Profile) -> Profile:
         """``profile`` checked against this plan and, when the plan was made for another
@@ -284,7 +291,8 @@ class Plan:
                             f"re-run `autopipe partition ...`")
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
-                    "alternatives", "device_memory", "data_parallel", "dp_mode")  # older plans lack them
+                    "alternatives", "device_memory", "data_parallel", "dp_mode",
+                    "recompute_layers")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -331,6 +339,11 @@ def _check_types(plan: Plan) -> None:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
     if plan.dp_mode not in DATA_PARALLEL_MODES:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
+    where = {n: s for s, names in enumerate(plan.stages) for n in names}
+    modes = plan.stage_checkpoints
+    if not isinstance(plan.recompute_layers, list) or not all(
+            isinstance(n, str) and modes[where.get(n, 0)] == "never" and n in where for n in plan.recompute_layers):
+        raise TypeError("'recompute_layers' must list layers of stages whose checkpoint is 'never'")
 
 
 def _one(checkpoint: str | Sequence[str]) -> str | list[str]:

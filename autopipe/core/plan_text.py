@@ -137,6 +137,9 @@ def explain(plan: Plan) -> str:
     else:
         parts.append("Every layer costs 0 ms.")
     parts.append(f"Limited by {_limit(plan, s)}.")
+    if plan.recompute_layers:
+        parts.append(f"{len(plan.recompute_layers)} layer(s) recompute alone instead of whole stages "
+                     f"(those that save most for their forward time): " + "; ".join(_recomputed_lines(plan)) + ".")
     if plan.solver.gap is not None:
         parts.append(f"Solver status {plan.solver.status}, gap {100 * plan.solver.gap:.2f}%.")
     text = " ".join(parts)
@@ -186,7 +189,19 @@ def table(plan: Plan) -> str:
             f"{b.transfer_ms:>8.3f} {format_bytes(plan.stage_memory[s]):>10}  "
             f"{100 * plan.stage_times[s] / total:>4.0f}%  {plan.stage_checkpoints[s]:<11}"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + _recomputed_lines(plan))
+
+
+def _recomputed_lines(plan: Plan) -> list[str]:
+    """Per stage, the layers it recomputes alone ([Note: recomputed layers]), a few named."""
+    chosen = set(plan.recompute_layers)
+    lines = []
+    for s, names in enumerate(plan.stages):
+        mine = [n for n in names if n in chosen]
+        if mine:
+            shown = ", ".join(mine[:4]) + (f" and {len(mine) - 4} more" if len(mine) > 4 else "")
+            lines.append(f"stage {s} recomputes {len(mine)} layer(s) alone in its backward: {shown}")
+    return lines
 
 
 def describe(a: Alternative) -> str:

@@ -16,10 +16,12 @@ saves]), stage.state_dict() keys are the original model's keys.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from autopipe.core.plan import assign_stages
 from autopipe.errors import BuildError
@@ -30,7 +32,7 @@ from executor._torch_compat import tree_unflatten
 if TYPE_CHECKING:
     from autopipe.core.plan import Plan
 
-__all__ = ["build", "split_stages", "stage_boundaries"]
+__all__ = ["RecomputedLayer", "build", "recompute_alone", "split_stages", "stage_boundaries"]
 
 
 def _check_stages(graph: LayerGraph, stages: Sequence[Sequence[str]]) -> dict[str, int]:
@@ -119,7 +121,58 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
         )
     for i, stage in enumerate(stages):
         registry.apply(stage, i)
+    recomputed = set(plan.recompute_layers)
+    for stage, names in zip(stages, plan.stages, strict=True):
+        for layer in (n for n in names if n in recomputed):
+            recompute_alone(stage, [n for n, owner in graph.node_layer.items() if owner == layer], layer)
     return stages
+
+
+class RecomputedLayer(nn.Module):
+    """One layer of a stage, its saves dropped after the forward and recomputed in the backward
+    ([Note: recomputed layers] in autopipe/core/recomputed_layers.py)."""
+
+    def __init__(self, layer: fx.GraphModule) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any) -> Any:
+        # the checkpoint keeps its own copy of each input: a later in-place op on the original (an
+        # in-place ReLU after a residual add) must not change what the backward recomputes from;
+        # and the layer runs on another copy, as it may write its input in place
+        return checkpoint(self._run, *_copies(args), use_reentrant=False)
+
+    def _run(self, *args: Any) -> Any:
+        return self.layer(*_copies(args))
+
+
+def _copies(args: tuple[Any, ...]) -> list[Any]:
+    return [a.clone() if isinstance(a, Tensor) else a for a in args]
+
+
+def recompute_alone(stage: fx.GraphModule, node_names: Sequence[str], layer: str) -> None:
+    """Replace the nodes of ``layer`` (an interval of ``stage``'s graph) by one call of a
+    :class:`RecomputedLayer` holding them; the stage computes the same values."""
+    names = set(node_names)
+    nodes = [n for n in stage.graph.nodes if n.name in names and n.op not in ("placeholder", "output", "get_attr")]
+    if not nodes:
+        return
+    inside = set(nodes)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    cut = GraphCut(grow_inputs=True)
+    cut.copy(nodes)
+    target = f"recomputed_{len([m for m in stage.children() if isinstance(m, RecomputedLayer)])}"
+    stage.add_submodule(target, RecomputedLayer(cut.module(stage, tuple(outputs), f"Recomputed_{layer}")))
+    with stage.graph.inserting_after(nodes[-1]):
+        call = stage.graph.call_module(target, tuple(cut.inputs))
+    with stage.graph.inserting_after(call):
+        for j, out in enumerate(outputs):
+            item = stage.graph.call_function(operator.getitem, (call, j))
+            out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(nodes):
+        stage.graph.erase_node(node)
+    stage.graph.lint()
+    stage.recompile()
 
 
 class _Registry:

@@ -49,6 +49,7 @@ from autopipe.solvers.bounds import config_bound, split_bound
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import solve_ilp
+from autopipe.solvers.layer_recompute import recompute_layers_where_faster
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
 from executor.spec import CHECKPOINT_MODES, check_schedule
 
@@ -331,11 +332,13 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     seconds = time.perf_counter() - start
     info = info or SolverInfo(f"best of {len(s.results)} simulated configurations "
                               f"({s.solved} DP solves)", best.split.bottleneck, None, None, seconds)
-    return Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, checkpoint=best.split.modes,
+    plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, checkpoint=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
                             method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
                             alternatives=alternatives, data_parallel=setting.data_parallel,
                             dp_mode=setting.dp_mode)
+    auto = "auto" in setting.checkpoints  # [Note: recomputed layers]: a few layers, not a stage
+    return recompute_layers_where_faster(plan, prof) if auto else plan
 
 
 def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting: Setting,

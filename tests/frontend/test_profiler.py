@@ -19,6 +19,7 @@ from autopipe import ProfileError
 from autopipe.core.profile_table import Profile
 from autopipe.examples import get_example
 from autopipe.frontend.graph import trace
+from autopipe.frontend.in_sequence import MAX_ROUNDS_PER_REPEAT
 from autopipe.frontend.inputs import micro_batch
 from autopipe.frontend.overheads import CALL_REPEATS, CALL_WARMUP
 from autopipe.frontend.profiler import DEFAULT_REPEATS, profile, time_model
@@ -236,9 +237,11 @@ def test_repeats_warmup_and_harness_subtraction_with_a_fake_timer() -> None:
     calibration = 2 * (50 + 2)  # the empty layer: forward + backward per run
     # the empty stage call, plain and checkpointed: [Note: measured overheads]
     calibration += 2 * 2 * (CALL_REPEATS + CALL_WARMUP)
-    # the whole graph in sequence, then as one GPipe stage never / always, in turns:
-    # [Note: layers in sequence]
-    calibration += 3 * 2 * (4 + 3)
+    # the whole graph in sequence, then as one GPipe stage never / always, in turns, for the
+    # repeats at least and then until its time budget: [Note: layers in sequence]
+    rounds = prof.meta["sequence_rounds"]
+    assert 4 <= rounds <= MAX_ROUNDS_PER_REPEAT * 4
+    calibration += 3 * 2 * (rounds + 3)
     assert timer.calls == calibration + len(prof) * 2 * (4 + 3)
     # every call "takes" 1 ms, exactly what the empty layer takes: nothing is left
     assert prof.meta["harness_fwd_ms"] == prof.meta["harness_bwd_ms"] == 1.0

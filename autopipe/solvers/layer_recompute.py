@@ -1,0 +1,82 @@
+"""After the split: a stage that recomputes as a whole recomputes a few layers instead, if faster.
+
+The search ([Note: automatic search] in search.py) gives each stage its fastest checkpoint mode
+that fits. A stage that had to recompute (``always`` or ``except_last``) pays a whole second
+forward for its recomputed micro-batches; often a few of its layers hold most of its saves for
+little of its forward ([Note: recomputed layers] in autopipe/core/recomputed_layers.py). For
+each such stage this pass takes mode ``never`` instead, with the fewest layers recomputed alone
+(most bytes freed per ms first) that bring its peak under its device's memory, and keeps the
+change where the stage gets faster. The plan is then evaluated again and kept only if its
+simulated iteration is faster and every device still fits (interleaved stages share one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from autopipe.core.cost import (
+    LayerCosts,
+    StageCost,
+    activation_bytes,
+    schedule_ranks,
+    stage_costs,
+)
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
+from autopipe.core.recomputed_layers import choose
+from autopipe.solvers.stage_dp import budget_devices
+
+__all__ = ["recompute_layers_where_faster"]
+
+
+def _saved_to_fit(stage: StageCost, terms: tuple[tuple[int, int], ...], limit: int) -> float:
+    """The largest ``saved_bytes`` with which ``stage``'s state and activations fit ``limit``
+    (-inf where even none fit)."""
+    room = limit - (stage.memory_bytes - int(activation_bytes(stage.input_bytes, stage.saved_bytes, terms)))
+    bounds = [(room - a * stage.input_bytes) / b for a, b in terms if b > 0]
+    if any(room - a * stage.input_bytes < 0 for a, b in terms if b == 0):
+        return -np.inf
+    return min(bounds, default=np.inf)
+
+
+def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
+    """``plan`` with layers recomputed alone instead of whole-stage recomputation where that is
+    faster and fits; ``plan`` itself otherwise. ``profile`` is the one ``plan`` was made from."""
+    modes = plan.stage_checkpoints
+    if all(m == "never" for m in modes) or plan.recompute_layers:
+        return plan
+    costs = LayerCosts.from_profile(profile)
+    where = {n: s for s, names in enumerate(plan.stages) for n in names}
+    assignment = [where[n] for n in costs.names]
+    options = plan.cost_options
+    k = plan.num_stages
+    trial = replace(options, checkpoint=("never",) * k, recompute_layers=())
+    never = stage_costs(costs, assignment, plan.devices, trial)
+    terms = trial.terms(k, schedule_ranks(options.schedule, plan.devices))
+    budgets = budget_devices(plan.devices, plan.schedule)  # [Note: interleaved memory]: a share each
+    new_modes, chosen = list(modes), []
+    for s, mode in enumerate(modes):
+        limit = budgets[s].memory
+        if mode == "never" or limit is None:
+            continue
+        fit = _saved_to_fit(never[s], terms[s], limit)
+        picks = choose(costs, [i for i, st in enumerate(assignment) if st == s], never[s].saved_bytes - fit)
+        if fit == -np.inf or (never[s].saved_bytes > fit and not picks):
+            continue
+        names = [costs.names[i] for i in picks]
+        stage = stage_costs(costs, assignment, plan.devices, replace(trial, recompute_layers=tuple(names)))[s]
+        if stage.memory_bytes <= limit and stage.time_ms < plan.breakdown[s].time_ms:
+            new_modes[s] = "never"
+            chosen += names
+    if not chosen and new_modes == modes:
+        return plan
+    candidate = Plan.from_stages(
+        profile, plan.stages, devices=plan.devices, chunks=plan.chunks, checkpoint=new_modes,
+        optimizer=plan.optimizer, bandwidth=plan.bandwidth, ties=plan.ties, method=plan.method,
+        solver=plan.solver, schedule=plan.schedule, alternatives=plan.alternatives,
+        data_parallel=plan.data_parallel, dp_mode=plan.dp_mode, recompute_layers=chosen)
+    fits = all(d.memory is None or candidate.device_memory.get(d.name, 0) <= d.memory for d in plan.devices)
+    return candidate if fits and candidate.iteration_time < plan.iteration_time else plan
+
