@@ -71,7 +71,7 @@ import numpy as np
 
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import FloatArray, LayerCosts
-from autopipe.core.recomputed_layers import freed_bytes, recompute_alone_ms
+from autopipe.core.recomputed_layers import recompute_alone_ms, segment_freed, segments
 from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.core.stage_cost import StageCost
@@ -358,19 +358,21 @@ def stage_costs(
             resaved[stage[u]:reach] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
     chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
-    freed = freed_bytes(costs)
+    runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
     result = []
     for s, dev in enumerate(devices):
         mask = stage == s
-        picked = mask & chosen  # [Note: recomputed layers]: their saves dropped, their forward again
+        mine = [r for r in runs if stage[r[0]] == s]
         fwd = float(costs.fwd[mask].sum()) / dev.speed
         bwd = float(costs.bwd[mask].sum()) / dev.speed + recompute_alone_ms(
-            float(costs.fwd[picked].sum()), int(picked.sum()), costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
+            sum(float(costs.fwd[r].sum()) for r in mine), len(mine), costs.recompute_ratio,
+            costs.recompute_call_ms, dev.speed)
         params = int(costs.params[mask].sum())
         for members, nbytes in costs.tie_groups:
             if mask[list(members)].any():
                 params += nbytes
-        saved = int(costs.saved[mask].sum() - freed[picked].sum()) + (int(resaved[s - 1]) if s > 0 else 0)
+        saved = int(costs.saved[mask].sum()) - sum(segment_freed(costs, r) for r in mine) + (
+            int(resaved[s - 1]) if s > 0 else 0)
         cut_in = int(cut[s - 1]) if s > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
         result.append(StageCost(

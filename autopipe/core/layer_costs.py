@@ -54,7 +54,6 @@ class LayerCosts:
     buffers: IntArray
     saved: IntArray
     resaved: IntArray  # of each layer's output, what it and a consumer both save ([Note: saved once])
-    inputs: IntArray  # bytes each layer reads from other layers (the graph's inputs excluded)
     value_bytes: IntArray  # bytes of each layer's output value as sent across a cut
     consumers: tuple[tuple[int, ...], ...]
     last_use: IntArray  # index of the last consumer (the layer itself when none)
@@ -93,12 +92,10 @@ class LayerCosts:
         index = {name: i for i, name in enumerate(names)}
         n = len(names)
         value = np.zeros(n, dtype=np.int64)
-        inputs = np.zeros(n, dtype=np.int64)
         consumers: list[list[int]] = [[] for _ in range(n)]
         for src, dst, nbytes in profile.edges:
             u, v = index[src], index[dst]
             value[u] = max(value[u], nbytes)
-            inputs[v] += nbytes
             consumers[u].append(v)
         last = np.array([max(c, default=i) for i, c in enumerate(consumers)], dtype=np.int64)
         params = df["param_bytes"].to_numpy(dtype=np.int64).copy()
@@ -128,7 +125,6 @@ class LayerCosts:
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
             saved=np.maximum(saved - shared, 0),
             resaved=resaved,
-            inputs=inputs,
             value_bytes=value,
             consumers=tuple(tuple(sorted(set(c))) for c in consumers),
             last_use=last,

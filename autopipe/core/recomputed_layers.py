@@ -1,32 +1,36 @@
-"""Recomputing chosen layers inside a stage: what each frees and what it costs.
+"""Recomputing chosen layers inside a stage: what each run of them frees and what it costs.
 
 [Note: recomputed layers] A stage's checkpoint mode recomputes a whole stage for some
 micro-batches ([Note: per-stage recomputation] in executor/spec.py). Finer: a stage that
-never recomputes as a whole can still drop, after every forward, what a few of its layers
-save for backward and recompute those layers in the backward (each layer wrapped in
-``torch.utils.checkpoint(..., use_reentrant=False)`` by autopipe/frontend/stages.py): the
-layers whose saves are large for their forward time (an attention's probabilities, an
-activation's input). ``Plan.recompute_layers`` names them; only a stage in mode ``never`` may
-have any (a stage checkpointed as a whole recomputes them anyway).
+never recomputes as a whole can still drop, after every forward, what some of its layers save
+for backward and recompute them in the backward, those whose saves are large for their forward
+time. ``Plan.recompute_layers`` names them; only a stage in mode ``never`` may have any (a stage
+checkpointed as a whole recomputes them anyway). Layers next to each other in the profile's
+order and in the same stage form one SEGMENT: one ``torch.utils.checkpoint(...,
+use_reentrant=False)`` around all of them, built by autopipe/frontend/stages.py, which copies
+the segment's inputs (a later in-place op on one, an in-place ReLU after a residual add, must
+not change what the backward recomputes from).
 
-For layer u, in the terms of [Note: saved once] (autopipe/core/layer_costs.py):
+For a segment G, in the terms of [Note: saved once] (autopipe/core/layer_costs.py):
 
-- held before: ``saved[u]``, its saves net of what its producers save too;
-- held after: the copy of its inputs its checkpoint keeps, ``inputs[u]`` (a copy: a later
-  in-place op on an input, an in-place ReLU after a residual add, must not change what the
-  backward recomputes from), and its output where a consumer saves it as well (``resaved[u]``:
-  u no longer does, the consumer still does);
-- so it frees ``freed_bytes = max(saved[u] - inputs[u] - resaved[u], 0)`` per micro-batch held
-  (a layer that frees nothing is never chosen: a Linear, which saves its input);
-- and its backward runs its forward again first: ``recompute_alone_ms = fwd[u] x
-  recompute_ratio + recompute_call_ms`` per micro-batch, the profile's measured recompute ratio and the fixed
-  cost of a checkpoint call ([Note: measured overheads] in cost.py). Measured here on a
-  Linear + GELU: extra = 1.2-1.5 x its no-grad forward + 0.13 ms.
+- held before: ``sum(saved[G])``, its layers' saves net of what their producers save too;
+- held after: the copy of the values entering G from earlier layers (``value_bytes`` of each
+  producer outside G: the caller's batch is not counted), and G's outputs where a consumer
+  outside G saves them too (``resaved``: G no longer does, the consumer still does);
+- so it frees ``segment_freed`` = before - after per micro-batch held (never below 0): a
+  single Linear, which saves its input, frees nothing, but ``fc1 -> gelu -> fc2`` frees all its
+  hidden activations for one copy of its input;
+- and its backward runs its forward again first: ``recompute_alone_ms`` = ``sum(fwd[G]) x
+  recompute_ratio + recompute_call_ms`` per micro-batch, the profile's measured ratio and the
+  fixed cost of a checkpoint call ([Note: measured overheads] in cost.py); measured on a Linear
+  + GELU, 1.2-1.5 x its no-grad forward + 0.13 ms.
 
-``stage_costs`` (cost.py) subtracts the freed bytes from the stage's ``saved_bytes`` and adds the
-extra time to its backward, for every micro-batch. :func:`choose` picks the layers of one stage
-greedily, the most bytes freed per ms first, until the stage's activations fit; the planner
-applies it after the split (autopipe/solvers/layer_recompute.py).
+``stage_costs`` (cost.py) subtracts each segment's freed bytes from its stage's ``saved_bytes``
+and adds its time to the stage's backward, for every micro-batch. :func:`choose` picks the
+segments of one stage that free at least the bytes asked for at the least time: a DP over the
+stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
+bisected; segments are at most ``MAX_SEGMENT`` layers. The planner applies it after the split
+(autopipe/solvers/layer_recompute.py).
 """
 
 from __future__ import annotations
@@ -35,43 +39,136 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopipe.core.layer_costs import FloatArray, IntArray, LayerCosts
+from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.transfer import Amount
 
-__all__ = ["choose", "extra_ms", "freed_bytes", "recompute_alone_ms"]
+__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "segment_freed", "segments"]
 
-
-def freed_bytes(costs: LayerCosts) -> IntArray:
-    """Bytes per held micro-batch each layer frees when recomputed ([Note: recomputed layers])."""
-    return np.maximum(costs.saved - costs.inputs - costs.resaved, 0)
+MAX_SEGMENT = 64  # layers in one recomputed segment, at most, when choosing
+_BISECTIONS = 40
 
 
 def recompute_alone_ms(fwd: Amount, count: Amount, ratio: float, call_ms: float, speed: float = 1.0) -> Amount:
-    """What ``count`` layers of forward ``fwd`` (their sum), each recomputed alone, add to a
-    backward per micro-batch on a device of relative ``speed``: the forward again x the
-    measured ratio, and each checkpoint's call (host time, not scaled)."""
+    """What ``count`` segments of forward ``fwd`` (their sum) add to a backward per micro-batch
+    on a device of relative ``speed``: the forward again x the measured ratio, and each
+    checkpoint's call (host time, not scaled)."""
     return fwd * ratio / speed + count * call_ms
 
 
-def extra_ms(costs: LayerCosts) -> FloatArray:
-    """Backward time per micro-batch each layer adds when recomputed ([Note: recomputed layers])."""
-    return np.asarray(recompute_alone_ms(costs.fwd, 1, costs.recompute_ratio, costs.recompute_call_ms))
+def segments(chosen: Sequence[int], stage: Sequence[int]) -> list[list[int]]:
+    """``chosen`` layer indices as runs of consecutive indices in one stage (``stage[i]``)."""
+    runs: list[list[int]] = []
+    for i in sorted(chosen):
+        if runs and runs[-1][-1] == i - 1 and stage[i - 1] == stage[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
+    """Bytes per held micro-batch a segment (consecutive layer indices) frees when recomputed."""
+    lo, hi = segment[0], segment[-1]
+    entering = {p for p in range(lo) if any(lo <= c <= hi for c in costs.consumers[p])}
+    kept = sum(int(costs.value_bytes[p]) for p in entering)
+    leaving = sum(int(costs.resaved[u]) for u in segment if int(costs.last_use[u]) > hi)
+    return max(int(costs.saved[lo:hi + 1].sum()) - kept - leaving, 0)
+
+
+def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every run of up to MAX_SEGMENT consecutive ``layers`` that frees bytes: (start, end)
+    positions in ``layers`` and (freed bytes, extra ms) each."""
+    producers: dict[int, list[int]] = {}
+    ending: dict[int, list[int]] = {}  # layer -> the layers whose last consumer it is
+    for u, users in enumerate(costs.consumers):
+        for c in users:
+            producers.setdefault(c, []).append(u)
+        ending.setdefault(int(costs.last_use[u]), []).append(u)
+    out: list[tuple[int, int, int, float]] = []
+    for a, first in enumerate(layers):
+        entering: set[int] = set()
+        saved = kept = leaving = 0
+        fwd = 0.0
+        for b in range(a, min(len(layers), a + MAX_SEGMENT)):
+            i = layers[b]
+            if i != first + (b - a):
+                break  # not consecutive: a segment cannot span it
+            saved += int(costs.saved[i])
+            fwd += float(costs.fwd[i])
+            for p in producers.get(i, []):
+                if p < first and p not in entering:
+                    entering.add(p)
+                    kept += int(costs.value_bytes[p])
+            if int(costs.last_use[i]) > i:
+                leaving += int(costs.resaved[i])
+            leaving -= sum(int(costs.resaved[u]) for u in ending.get(i, []) if first <= u < i)
+            freed = saved - kept - leaving
+            if freed > 0:
+                out.append((a, b, freed, float(recompute_alone_ms(fwd, 1, costs.recompute_ratio,
+                                                                  costs.recompute_call_ms))))
+    table = np.array(out, dtype=np.float64).reshape(-1, 4)
+    return table[:, 0].astype(np.int64), table[:, 1].astype(np.int64), table[:, 2], table[:, 3]
+
+
+def _best(starts: np.ndarray, ends: np.ndarray, freed: np.ndarray, extra: np.ndarray, n: int,
+          lam: float) -> list[int]:
+    """Disjoint intervals minimising sum(extra - lam x freed): the indices of those chosen."""
+    best = np.zeros(n + 1)
+    pick = np.full(n + 1, -1, dtype=np.int64)
+    by_end = [np.flatnonzero(ends == b) for b in range(n)]
+    for b in range(n):
+        best[b + 1], pick[b + 1] = best[b], -1
+        here = by_end[b]
+        if here.size:
+            values = best[starts[here]] + extra[here] - lam * freed[here]
+            k = int(np.argmin(values))
+            if values[k] < best[b + 1]:
+                best[b + 1], pick[b + 1] = values[k], here[k]
+    chosen, b = [], n
+    while b > 0:
+        if pick[b] < 0:
+            b -= 1
+        else:
+            chosen.append(int(pick[b]))
+            b = int(starts[pick[b]])
+    return chosen
 
 
 def choose(costs: LayerCosts, layers: Sequence[int], need_bytes: float) -> list[int]:
-    """Of ``layers`` (indices, one stage's), the ones to recompute so that at least
-    ``need_bytes`` are freed per held micro-batch, the most bytes per ms first; [] when
-    ``need_bytes <= 0``, and every layer that frees anything when all of them are not enough."""
+    """Of ``layers`` (one stage's indices), the ones to recompute, as segments freeing at least
+    ``need_bytes`` per held micro-batch at the least added time ([Note: recomputed layers]);
+    [] when ``need_bytes <= 0``; the most bytes any choice frees when nothing frees enough."""
     if need_bytes <= 0:
         return []
-    freed, cost = freed_bytes(costs), extra_ms(costs)
-    useful = [i for i in layers if freed[i] > 0]
-    useful.sort(key=lambda i: (-freed[i] / max(float(cost[i]), 1e-9), i))
-    chosen: list[int] = []
-    total = 0
-    for i in useful:
-        if total >= need_bytes:
-            break
-        chosen.append(i)
-        total += int(freed[i])
-    return sorted(chosen)
+    layers = sorted(layers)
+    starts, ends, freed, extra = _intervals(costs, layers)
+    if not freed.size:
+        return []
+
+    def solve(lam: float) -> tuple[list[int], float]:
+        chosen = _best(starts, ends, freed, extra, len(layers), lam)
+        return chosen, float(freed[chosen].sum())
+
+    high = float(extra.max() / freed.min()) * 2 + 1.0  # every useful interval pays at this price
+    picked, got = solve(high)
+    if got >= need_bytes:
+        low, short = 0.0, []
+        for _ in range(_BISECTIONS):
+            mid = (low + high) / 2
+            trial, amount = solve(mid)
+            if amount >= need_bytes:
+                high, picked = mid, trial
+            else:
+                low, short = mid, trial
+        # the relaxation can overshoot a knapsack by a whole interval: also weigh the cheapest
+        # single interval that frees enough, and the best choice just short plus one more
+        alone = np.flatnonzero(freed >= need_bytes)
+        options = [picked] + ([[int(alone[np.argmin(extra[alone])])]] if alone.size else [])
+        apart = np.ones(freed.size, dtype=bool)
+        for j in short:
+            apart &= (ends < starts[j]) | (starts > ends[j])
+        more = np.flatnonzero(apart & (freed >= need_bytes - freed[short].sum()))
+        if more.size:
+            options.append([*short, int(more[np.argmin(extra[more])])])
+        picked = min(options, key=lambda ks: float(extra[ks].sum()))
+    return sorted(layers[p] for k in picked for p in range(int(starts[k]), int(ends[k]) + 1))

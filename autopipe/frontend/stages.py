@@ -24,7 +24,8 @@ from torch import Tensor, fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from autopipe.core.plan import assign_stages
-from autopipe.errors import BuildError
+from autopipe.core.recomputed_layers import segments
+from autopipe.errors import BuildError, first_line
 from autopipe.frontend.fx_cut import GraphCut
 from autopipe.frontend.graph import LayerGraph
 from executor._torch_compat import tree_unflatten
@@ -121,25 +122,30 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
         )
     for i, stage in enumerate(stages):
         registry.apply(stage, i)
+    order = {name: i for i, name in enumerate(graph.layers)}
     recomputed = set(plan.recompute_layers)
-    for stage, names in zip(stages, plan.stages, strict=True):
-        for layer in (n for n in names if n in recomputed):
-            recompute_alone(stage, [n for n, owner in graph.node_layer.items() if owner == layer], layer)
+    for stage, names in zip(stages, plan.stages, strict=True):  # [Note: recomputed layers]
+        mine = [order[n] for n in names if n in recomputed]
+        for run in segments(mine, [0] * len(order)):
+            layers = {graph.layers[i] for i in run}
+            recompute_alone(stage, [n for n, owner in graph.node_layer.items() if owner in layers],
+                            f"{graph.layers[run[0]]}..{graph.layers[run[-1]]}")
     return stages
 
 
 class RecomputedLayer(nn.Module):
-    """One layer of a stage, its saves dropped after the forward and recomputed in the backward
-    ([Note: recomputed layers] in autopipe/core/recomputed_layers.py)."""
+    """A segment of a stage (consecutive layers), its saves dropped after the forward and
+    recomputed in the backward ([Note: recomputed layers] in autopipe/core/recomputed_layers.py)."""
 
     def __init__(self, layer: fx.GraphModule) -> None:
         super().__init__()
         self.layer = layer
 
     def forward(self, *args: Any) -> Any:
-        # the checkpoint keeps its own copy of each input: a later in-place op on the original (an
-        # in-place ReLU after a residual add) must not change what the backward recomputes from;
-        # and the layer runs on another copy, as it may write its input in place
+        # the layers run on a copy of their inputs, as one may write its input in place (cnn's
+        # in-place ReLU: the recompute then failed); and the checkpoint keeps a copy of its own,
+        # so that a later in-place op on an original cannot change what the backward recomputes
+        # from. The kept copy is what the cost model charges ([Note: recomputed layers]).
         return checkpoint(self._run, *_copies(args), use_reentrant=False)
 
     def _run(self, *args: Any) -> Any:
@@ -150,8 +156,8 @@ def _copies(args: tuple[Any, ...]) -> list[Any]:
     return [a.clone() if isinstance(a, Tensor) else a for a in args]
 
 
-def recompute_alone(stage: fx.GraphModule, node_names: Sequence[str], layer: str) -> None:
-    """Replace the nodes of ``layer`` (an interval of ``stage``'s graph) by one call of a
+def recompute_alone(stage: fx.GraphModule, node_names: Sequence[str], label: str) -> None:
+    """Replace the nodes of a segment (an interval of ``stage``'s graph) by one call of a
     :class:`RecomputedLayer` holding them; the stage computes the same values."""
     names = set(node_names)
     nodes = [n for n in stage.graph.nodes if n.name in names and n.op not in ("placeholder", "output", "get_attr")]
@@ -162,7 +168,7 @@ def recompute_alone(stage: fx.GraphModule, node_names: Sequence[str], layer: str
     cut = GraphCut(grow_inputs=True)
     cut.copy(nodes)
     target = f"recomputed_{len([m for m in stage.children() if isinstance(m, RecomputedLayer)])}"
-    stage.add_submodule(target, RecomputedLayer(cut.module(stage, tuple(outputs), f"Recomputed_{layer}")))
+    stage.add_submodule(target, RecomputedLayer(cut.module(stage, tuple(outputs), "RecomputedSegment")))
     with stage.graph.inserting_after(nodes[-1]):
         call = stage.graph.call_module(target, tuple(cut.inputs))
     with stage.graph.inserting_after(call):
@@ -171,7 +177,11 @@ def recompute_alone(stage: fx.GraphModule, node_names: Sequence[str], layer: str
             out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
     for node in reversed(nodes):
         stage.graph.erase_node(node)
-    stage.graph.lint()
+    try:
+        stage.graph.lint()
+    except RuntimeError as err:  # a node between its layers reads it: not one interval
+        raise BuildError(f"layers {label} cannot be recomputed as one segment ({first_line(err)}); "
+                         "leave them out of the plan's recompute_layers") from None
     stage.recompile()
 
 

@@ -10,7 +10,7 @@ import pytest
 from autopipe.core.cost import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
-from autopipe.core.recomputed_layers import choose, extra_ms, freed_bytes
+from autopipe.core.recomputed_layers import choose, segment_freed, segments
 from autopipe.errors import PartitionError, PlanError
 from autopipe.solvers.synthetic import transformer_dag
 
@@ -27,14 +27,19 @@ def _split(prof: Profile) -> list[list[str]]:
     return [prof.layers[:half], prof.layers[half:]]
 
 
-def test_a_layer_frees_its_saves_less_its_inputs_and_pays_its_forward_again() -> None:
+def test_a_segment_frees_its_saves_less_a_copy_of_what_enters_it() -> None:
     costs = LayerCosts.from_profile(_dag())
     i = costs.names.index("h0.attn")  # saves 4 x hidden, reads ln1's hidden
-    assert costs.saved[i] == 4 << 20 and costs.inputs[i] == 1 << 20 and costs.resaved[i] == 0
-    assert freed_bytes(costs)[i] == 3 << 20
-    assert extra_ms(costs)[i] == pytest.approx(costs.fwd[i] * 1.2 + 0.1)
-    j = costs.names.index("h0.ln1")  # saves what it reads: frees nothing
-    assert freed_bytes(costs)[j] == 0
+    assert costs.saved[i] == 4 << 20 and costs.resaved[i] == 0
+    assert segment_freed(costs, [i]) == 3 << 20
+    j = costs.names.index("h0.ln1")  # saves what it reads: alone it frees nothing
+    assert segment_freed(costs, [j]) == 0
+    # ln1 -> attn -> proj as one segment: one copy of ln1's input for all their saves
+    run = [j, j + 1, j + 2]
+    entering = costs.value_bytes[costs.names.index("embed")]
+    assert segment_freed(costs, run) == int(costs.saved[run].sum()) - entering
+    assert segment_freed(costs, run) > sum(segment_freed(costs, [k]) for k in run)
+    assert segments([5, 3, 4, 9, 10], [0] * 10 + [1]) == [[3, 4, 5], [9], [10]]  # 10: next stage
 
 
 def test_the_stage_keeps_less_and_its_backward_recomputes() -> None:
@@ -44,9 +49,10 @@ def test_the_stage_keeps_less_and_its_backward_recomputes() -> None:
     plain = Plan.from_stages(prof, split, chunks=4, checkpoint="never")
     chosen = Plan.from_stages(prof, split, chunks=4, checkpoint="never", recompute_layers=["h0.fc1", "h0.attn"])
     costs = LayerCosts.from_profile(prof)
-    picked = [costs.names.index(n) for n in ("h0.attn", "h0.fc1")]
+    picked = [costs.names.index(n) for n in ("h0.attn", "h0.fc1")]  # two segments of one layer
     assert chosen.recompute_layers == ["h0.attn", "h0.fc1"]  # in the profile's order
-    assert plain.breakdown[0].saved_bytes - chosen.breakdown[0].saved_bytes == int(freed_bytes(costs)[picked].sum())
+    assert plain.breakdown[0].saved_bytes - chosen.breakdown[0].saved_bytes == sum(
+        segment_freed(costs, [i]) for i in picked)
     assert chosen.breakdown[0].bwd_ms - plain.breakdown[0].bwd_ms == pytest.approx(
         sum(costs.fwd[i] * 1.2 + 0.1 for i in picked))
     assert chosen.breakdown[0].activation_bytes < plain.breakdown[0].activation_bytes
@@ -77,13 +83,29 @@ def test_only_stages_that_never_recompute_as_a_whole_take_them() -> None:
         Plan.from_stages(prof, _split(prof), chunks=4, checkpoint="never", recompute_layers=["nope"])
 
 
-def test_choose_takes_the_most_bytes_per_ms_first_until_enough() -> None:
+def _brute_force(costs: LayerCosts, layers: list[int], need: int) -> float:
+    """The least added time of any choice of layers whose segments free ``need`` bytes."""
+    import itertools
+
+    best = float("inf")
+    for r in range(len(layers) + 1):
+        for combo in itertools.combinations(layers, r):
+            runs = segments(list(combo), [0] * len(costs))
+            if sum(segment_freed(costs, run) for run in runs) >= need:
+                best = min(best, sum(float(costs.fwd[run].sum()) * 1.2 + 0.1 for run in runs))
+    return best
+
+
+def test_choose_frees_enough_at_about_the_least_time() -> None:
     costs = LayerCosts.from_profile(_dag())
-    stage = list(range(len(costs)))
-    freed, cost = freed_bytes(costs), extra_ms(costs)
+    stage = list(range(2, 12))  # h0.ln1 .. h1.ln2: ten layers, 2**10 choices
     assert choose(costs, stage, 0) == []
-    one = choose(costs, stage, 1)
-    best = max((i for i in stage if freed[i] > 0), key=lambda i: freed[i] / cost[i])
-    assert one == [best]
-    everything = choose(costs, stage, 1 << 40)  # more than all of them free: every useful layer
-    assert everything == [i for i in stage if freed[i] > 0]
+    for need in (1 << 20, 3 << 20, 6 << 20, 12 << 20):
+        picked = choose(costs, stage, need)
+        runs = segments(picked, [0] * len(costs))
+        assert sum(segment_freed(costs, run) for run in runs) >= need
+        spent = sum(float(costs.fwd[run].sum()) * 1.2 + 0.1 for run in runs)
+        assert spent <= _brute_force(costs, stage, need) * 1.25  # the Lagrangian DP: near the optimum
+    everything = choose(costs, stage, 1 << 40)  # more than any choice frees: the most it can
+    assert sum(segment_freed(costs, run) for run in segments(everything, [0] * len(costs))) >= max(
+        segment_freed(costs, list(range(a, b))) for a in stage for b in range(a + 1, stage[-1] + 2))

@@ -70,6 +70,37 @@ def test_recomputed_layers_give_the_plain_models_gradients_and_keep_the_predicte
     assert all(a < b for a, b in zip(counted, counted_plain, strict=True))
 
 
+def test_consecutive_op_layers_recompute_as_one_segment() -> None:
+    # traced op by op, fc1 -> gelu -> fc2 each saves what it reads: alone each frees nothing,
+    # together they keep one copy of the block's input instead of its hidden activations
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(32, 8), torch.randn(32, 4)
+    reference = copy.deepcopy(model)
+    prof = autopipe.profile(model, (x,), chunks=4, repeats=1, warmup=0, progress=False)
+    block = ["b2.fc1", "gelu_1", "b2.fc2"]
+    assert set(block) <= set(prof.layers)
+    cut = prof.layers.index("b2.fc2") + 1
+    split = [prof.layers[:cut], prof.layers[cut:]]
+    on = dict(devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    plain = autopipe.Plan.from_stages(prof, split, **on)
+    one = autopipe.Plan.from_stages(prof, split, **on, recompute_layers=block[1:2])
+    assert one.breakdown[0].saved_bytes == plain.breakdown[0].saved_bytes  # gelu alone: nothing
+    plan = autopipe.Plan.from_stages(prof, split, **on, recompute_layers=block)
+    assert plan.breakdown[0].saved_bytes < plain.breakdown[0].saved_bytes
+    pipe = autopipe.pipeline(model, (x,), plan=plan, devices=["cpu", "cpu"])
+    assert sum(isinstance(m, RecomputedLayer) for m in pipe.modules()) == 1
+    meter = ActivationMeter(pipe.stages, inputs=(x,))
+    with meter:
+        out = pipe(x)
+        with meter.outside():
+            loss = F.mse_loss(out, y)
+        loss.backward()
+    assert meter.peaks == [b.activation_bytes for b in pipe.plan.breakdown]
+    F.mse_loss(torch.cat([reference(c) for c in x.chunk(4)]), y).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert_close(p.grad, q.grad, msg=name)
+
+
 def test_a_model_with_in_place_ops_recomputes_any_layer() -> None:
     # cnn: an in-place ReLU writes the output of a residual add; recomputing the layers around it
     # must not see the written values
@@ -77,7 +108,7 @@ def test_a_model_with_in_place_ops_recomputes_any_layer() -> None:
     reference = copy.deepcopy(ex.model)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=2, repeats=1, warmup=0, progress=False)
     plan = autopipe.partition(prof, devices=["cpu", "cpu"], chunks=2, checkpoint="never", method="uniform")
-    layers = [name for stage in plan.stages for name in stage]
+    layers = [name for stage in plan.stages for name in stage][::2]  # one-layer segments, ops between
     plan = autopipe.Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=2, checkpoint="never",
                                      recompute_layers=layers)
     pipe = autopipe.pipeline(ex.model, ex.inputs, plan=plan, devices=["cpu", "cpu"])
