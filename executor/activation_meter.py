@@ -14,7 +14,8 @@ a pipeline holds are counted where autograd keeps them: every tensor saved for b
 through ``torch.autograd.graph.saved_tensors_hooks``. The pack hook charges the tensor's
 storage to the stage that ran last (a forward pre-hook on each stage module, which also covers
 executor.checkpoint's recomputation and the stage inputs its Checkpoint nodes save just after
-the stage's call); code between the pipeline and its backward, the loss, runs under
+the stage's call, and on each module of only one stage, which covers a part of a stage
+recomputed in the backward); code between the pipeline and its backward, the loss, runs under
 :meth:`ActivationMeter.outside`, which counts nothing and returns a small holder; autograd drops the holder
 when it frees the saved tensor (after that node's backward), and the holder gives the bytes
 back. A storage saved several times by one stage (a ReLU's output read by the next Linear) is
@@ -113,9 +114,15 @@ class ActivationMeter:
             del self._refs[stage][key]
 
     def __enter__(self) -> ActivationMeter:
+        owners: dict[int, set[int]] = {}
         for i, stage in enumerate(self.stages):
-            self._handles.append(stage.register_forward_pre_hook(
-                lambda _m, _a, i=i: self._enter_stage(i)))
+            for m in stage.modules():
+                owners.setdefault(id(m), set()).add(i)
+        for i, stage in enumerate(self.stages):
+            # every module of one stage only, not just the stage: a part of it recomputed in the
+            # backward (a checkpointed segment) saves for this stage while another ran last
+            for m in (stage, *(m for m in stage.modules() if m is not stage and owners[id(m)] == {i})):
+                self._handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: self._enter_stage(i)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

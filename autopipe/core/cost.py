@@ -71,7 +71,12 @@ import numpy as np
 
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import FloatArray, LayerCosts
-from autopipe.core.recomputed_layers import recompute_alone_ms, segment_freed, segments
+from autopipe.core.recomputed_layers import (
+    recompute_alone_ms,
+    recompute_peak,
+    segment_freed,
+    segments,
+)
 from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.core.stage_cost import StageCost
@@ -383,7 +388,8 @@ def stage_costs(
                                     costs.comm_receive_share),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)),
-            activation_bytes=int(activation_bytes(cut_in, saved, terms[s])),
+            activation_bytes=int(activation_bytes(cut_in, saved, terms[s])) + recompute_peak(
+                costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
             input_bytes=cut_in,
             output_bytes=cut_out,
             saved_bytes=saved,

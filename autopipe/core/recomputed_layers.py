@@ -26,7 +26,11 @@ For a segment G, in the terms of [Note: saved once] (autopipe/core/layer_costs.p
   + GELU, 1.2-1.5 x its no-grad forward + 0.13 ms.
 
 ``stage_costs`` (cost.py) subtracts each segment's freed bytes from its stage's ``saved_bytes``
-and adds its time to the stage's backward, for every micro-batch. :func:`choose` picks the
+and adds its time to the stage's backward, for every micro-batch. While a segment recomputes,
+its saves live again for that micro-batch, after the backward of the stage's later layers freed
+theirs: :func:`recompute_peak` adds the largest ``sum(saved[G]) - sum(saved[later layers not
+recomputed])`` (at least 0) to the stage's peak once (counted to the byte by
+executor.ActivationMeter in tests/frontend/test_recompute_alone.py). :func:`choose` picks the
 segments of one stage that free at least the bytes asked for at the least time: a DP over the
 stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
 bisected; segments are at most ``MAX_SEGMENT`` layers. The planner applies it after the split
@@ -42,7 +46,7 @@ import numpy as np
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.transfer import Amount
 
-__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "segment_freed", "segments"]
+__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "recompute_peak", "segment_freed", "segments"]
 
 MAX_SEGMENT = 64  # layers in one recomputed segment, at most, when choosing
 _BISECTIONS = 40
@@ -64,6 +68,15 @@ def segments(chosen: Sequence[int], stage: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
+
+
+def recompute_peak(costs: LayerCosts, runs: Sequence[Sequence[int]], kept: Sequence[int]) -> int:
+    """What one stage's recomputation adds to its peak: the largest segment of ``runs`` alive
+    again, less the saves of the stage's layers ``kept`` (not recomputed) after it, which their
+    backward freed first ([Note: recomputed layers])."""
+    later = np.asarray(kept, dtype=np.int64)
+    return max((max(int(costs.saved[list(r)].sum()) - int(costs.saved[later[later > r[-1]]].sum()), 0)
+                for r in runs), default=0)
 
 
 def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:

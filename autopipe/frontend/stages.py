@@ -146,7 +146,13 @@ class RecomputedLayer(nn.Module):
         # in-place ReLU: the recompute then failed); and the checkpoint keeps a copy of its own,
         # so that a later in-place op on an original cannot change what the backward recomputes
         # from. The kept copy is what the cost model charges ([Note: recomputed layers]).
-        return checkpoint(self._run, *_copies(args), use_reentrant=False)
+        # torch's reentrant checkpoint: a forward without autograd, recomputed with it, as
+        # executor.GPipe's own (what the profile's recompute ratio measures); the non-reentrant
+        # one hooks every saved tensor in Python and cost gpt 1.6x its prediction. It needs an
+        # input with a gradient to reach the parameters inside; a segment on the raw batch (an
+        # embedding of token ids) has none and takes the non-reentrant one.
+        reentrant = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        return checkpoint(self._run, *_copies(args), use_reentrant=reentrant)
 
     def _run(self, *args: Any) -> Any:
         return self.layer(*_copies(args))

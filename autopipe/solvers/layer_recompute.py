@@ -62,11 +62,16 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
         if mode == "never" or limit is None:
             continue
         fit = _saved_to_fit(never[s], terms[s], limit)
-        picks = choose(costs, [i for i, st in enumerate(assignment) if st == s], never[s].saved_bytes - fit)
-        if fit == -np.inf or (never[s].saved_bytes > fit and not picks):
+        if fit == -np.inf:
             continue
-        names = [costs.names[i] for i in picks]
-        stage = stage_costs(costs, assignment, plan.devices, replace(trial, recompute_layers=tuple(names)))[s]
+        need, held = never[s].saved_bytes - fit, max(b for _, b in terms[s])
+        mine = [i for i, st in enumerate(assignment) if st == s]
+        for _ in range(4):  # a segment's recompute lives again at the peak: ask for that much more
+            names = [costs.names[i] for i in choose(costs, mine, need)]
+            stage = stage_costs(costs, assignment, plan.devices, replace(trial, recompute_layers=tuple(names)))[s]
+            if stage.memory_bytes <= limit or not names:
+                break
+            need += (stage.memory_bytes - limit) / max(held, 1)
         if stage.memory_bytes <= limit and stage.time_ms < plan.breakdown[s].time_ms:
             new_modes[s] = "never"
             chosen += names
