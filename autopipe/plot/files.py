@@ -63,7 +63,9 @@ def plot_plan_file(
             loaded.profile_for(prof), loaded.stages, devices=loaded.devices, chunks=loaded.chunks,
             checkpoint=loaded.checkpoint, optimizer=loaded.optimizer, bandwidth=loaded.bandwidth,
             ties=loaded.ties, method=loaded.method, solver=loaded.solver,
-            schedule=loaded.schedule, alternatives=loaded.alternatives)
+            schedule=loaded.schedule, alternatives=loaded.alternatives,
+            data_parallel=loaded.data_parallel, dp_mode=loaded.dp_mode,
+            recompute_layers=loaded.recompute_layers)
     if figure == "balance":
         fig = plot_balance(loaded)
     elif figure == "layers":
