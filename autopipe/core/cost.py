@@ -119,7 +119,7 @@ OPTIMIZER_FACTOR: dict[str, int] = {"none": 1, "sgd": 2, "momentum": 3, "adam": 
 # Amount: a number, a numpy array or a PuLP expression: each formula below takes any of them.
 
 # --- [Note: cost model] Every formula of stage time and memory is written once, below (a cut's
-# crossing in autopipe/core/transfer.py, a layer recomputed alone in recomputed_layers.py). ---------------------------------------------------------
+# crossing in transfer.py, a recomputed segment of layers in recomputed_layers.py). --------------
 # The DP evaluates them on numpy arrays of whole (first layer, last layer) blocks, the ILP on PuLP
 # expressions, stage_costs / Plan / the baselines on floats; each function is plain arithmetic on
 # its arguments, so one definition serves all of them. Change a formula here, and only here.

@@ -30,8 +30,9 @@ its ``repeats`` rounds then measured the noise as much as the graph (the recompu
 64-row gpt micro-batch came out 1.04-1.14 over five profiles with 10 rounds, 1.02-1.08 with
 40): the rounds go on past ``repeats`` until ``repeats x SEQUENCE_MS_PER_REPEAT`` of them have
 passed (at most ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds), which a large graph reaches in
-its first ``repeats``. A graph GPipe cannot run as one stage keeps the sampled ratio. Layer by layer (``mode="layers"``) there is no whole run: scales are 1.
-Timings are noisy, so each scale is clamped to ``SCALE_RANGE``.
+its first ``repeats``. A graph GPipe cannot run as one stage keeps the sampled ratio. Layer by
+layer (``mode="layers"``) there is no whole run: scales are 1. Timings are noisy, so each scale
+is clamped to ``SCALE_RANGE``.
 """
 
 from __future__ import annotations

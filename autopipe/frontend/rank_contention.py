@@ -14,8 +14,9 @@ once per profile on the whole model: its forward and backward on one micro-batch
 alone and then with a forked copy of the process running the same step in a loop, in turns
 (``TWIN_ROUNDS`` rounds of ``TWIN_RUNS`` runs each: a machine whose speed drifts moves both);
 the median over the rounds of (beside / alone) is ``rank_compute_slowdown``, clamped to
-``SLOWDOWN_RANGE``. The whole model beside itself measured 1.02-1.04 for the bundled examples
-(mlp, cnn, gpt, unet at 64-row micro-batches), as the stages beside each other did.
+``SLOWDOWN_RANGE``. The whole model beside itself measured 1.02-1.08 for the bundled examples
+(mlp, cnn, gpt, unet at 64-row micro-batches; gpt 1.03 twice, as its stages beside each other),
+with 7 runs a side 0.99-1.06 and rounds as far apart as the effect: hence 15.
 
 It is measured only with ``--comm`` (the profile is for ranks on this host, as the transfer
 is) and only on a CPU: GPUs do not share their compute, and a CUDA process must not fork. A

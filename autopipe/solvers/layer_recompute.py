@@ -4,9 +4,10 @@ The search ([Note: automatic search] in search.py) gives each stage its fastest 
 that fits. A stage that had to recompute (``always`` or ``except_last``) pays a whole second
 forward for its recomputed micro-batches; often a few of its layers hold most of its saves for
 little of its forward ([Note: recomputed layers] in autopipe/core/recomputed_layers.py). For
-each such stage this pass takes mode ``never`` instead, with the fewest layers recomputed alone
-(most bytes freed per ms first) that bring its peak under its device's memory, and keeps the
-change where the stage gets faster. The plan is then evaluated again and kept only if its
+each such stage this pass takes mode ``never`` instead, with the segments of layers that bring
+its peak under its device's memory at the least added time (``choose``), asking again for more
+where a segment's own recompute peak still overflows, and keeps the change where the stage gets
+faster. The plan is then evaluated again and kept only if its
 simulated iteration is faster and every device still fits (interleaved stages share one).
 """
 
@@ -84,4 +85,3 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
         data_parallel=plan.data_parallel, dp_mode=plan.dp_mode, recompute_layers=chosen)
     fits = all(d.memory is None or candidate.device_memory.get(d.name, 0) <= d.memory for d in plan.devices)
     return candidate if fits and candidate.iteration_time < plan.iteration_time else plan
-
