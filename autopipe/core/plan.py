@@ -146,8 +146,9 @@ class Plan:
         executor.spec.SCHEDULES (``interleaved1f1b`` cycles the stages over the distinct device
         names). ``data_parallel`` replicas of it, synced as ``dp_mode`` says, each run
         ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/replicas.py).
-        ``recompute_layers``: layers recomputed alone, in stages of mode ``never`` ([Note:
-        recomputed layers] in autopipe/core/recomputed_layers.py).
+        ``recompute_layers``: layers recomputed in the backward (consecutive ones as one
+        segment), in stages of mode ``never`` ([Note: recomputed layers] in
+        autopipe/core/recomputed_layers.py).
         Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
