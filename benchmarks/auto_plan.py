@@ -193,16 +193,12 @@ def table(rows: Sequence[Row]) -> str:
              "|---|---:|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         a = r.auto
-        modes = a.checkpoint if isinstance(a.checkpoint, str) else ",".join(
-            m[0] for m in a.checkpoint)  # a = always, e = except_last, n = never, per stage
-        if a.recompute_layers:  # [Note: recomputed layers]
-            modes += f" + {len(a.recompute_layers)} layers alone"
         uni = f"{r.uniform.iteration_time:.1f}" + ("" if _fits(r.uniform, r.limit) else " (over the limit)")
         single = (f"{r.single.checkpoint}: {r.single.iteration_time:.1f} ms" if r.single else "none fits")
         ratio = f"{r.single.iteration_time / a.iteration_time:.2f}x" if r.single else ""
         lines.append(
             f"| {r.profile} | {format_bytes(r.limit)} | {r.chunks} | {a.num_stages}, {a.chunks} of "
-            f"{a.micro_batch_size} rows, {a.schedule}, {modes} | {a.iteration_time:.1f} | "
+            f"{a.micro_batch_size} rows, {a.schedule}, {_modes(a)} | {a.iteration_time:.1f} | "
             f"{r.seconds:.2f} | {uni} | {r.uniform.iteration_time / a.iteration_time:.2f}x | "
             f"{single} | {ratio} |")
     return "\n".join(lines)
@@ -455,6 +451,8 @@ def measure(plans: Plans, steps: int, warmup: int, ranks: bool = True,
 
 
 def _modes(plan: Plan) -> str:
+    """One mode, or a letter per stage, and the layers recomputed in segments ([Note: recomputed
+    layers])."""
     alone = f" + {len(plan.recompute_layers)} layers alone" if plan.recompute_layers else ""
     if isinstance(plan.checkpoint, str):
         return plan.checkpoint + alone

@@ -17,13 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from autopipe.core.cost import (
-    LayerCosts,
-    StageCost,
-    activation_bytes,
-    schedule_ranks,
-    stage_costs,
-)
+from autopipe.core.cost import LayerCosts, StageCost, schedule_ranks, stage_costs
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.recomputed_layers import choose
@@ -35,7 +29,7 @@ __all__ = ["recompute_layers_where_faster"]
 def _saved_to_fit(stage: StageCost, terms: tuple[tuple[int, int], ...], limit: int) -> float:
     """The largest ``saved_bytes`` with which ``stage``'s state and activations fit ``limit``
     (-inf where even none fit)."""
-    room = limit - (stage.memory_bytes - int(activation_bytes(stage.input_bytes, stage.saved_bytes, terms)))
+    room = limit - stage.param_bytes  # what its state leaves for activations
     bounds = [(room - a * stage.input_bytes) / b for a, b in terms if b > 0]
     if any(room - a * stage.input_bytes < 0 for a, b in terms if b == 0):
         return -np.inf

@@ -109,3 +109,18 @@ def test_choose_frees_enough_at_about_the_least_time() -> None:
     everything = choose(costs, stage, 1 << 40)  # more than any choice frees: the most it can
     assert sum(segment_freed(costs, run) for run in segments(everything, [0] * len(costs))) >= max(
         segment_freed(costs, list(range(a, b))) for a in stage for b in range(a + 1, stage[-1] + 2))
+
+
+def test_the_choosers_running_sums_agree_with_segment_freed() -> None:
+    # choose() sums each interval's bytes as it grows; stage_costs asks segment_freed: one rule
+    from autopipe.core.recomputed_layers import _intervals
+
+    costs = LayerCosts.from_profile(_dag())
+    layers = list(range(len(costs)))
+    starts, ends, freed, _ = _intervals(costs, layers)
+    assert freed.size
+    for a, b, f in zip(starts, ends, freed, strict=True):
+        assert f == segment_freed(costs, layers[a:b + 1])
+    listed = set(zip(starts.tolist(), ends.tolist(), strict=True))
+    assert all(segment_freed(costs, layers[a:b + 1]) == 0 for a in layers for b in range(a, len(layers))
+               if (a, b) not in listed and b - a < 64)
