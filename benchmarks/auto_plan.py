@@ -66,6 +66,7 @@ from autopipe.core.units import format_bytes
 from autopipe.errors import AutopipeError
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import transformer_dag
+from executor.rank_cores import pin_local_rank
 from executor.spec import CHECKPOINT_MODES
 
 __all__ = ["main", "Row", "Plans", "Timed", "measured_plans", "measured_profile", "measure"]
@@ -392,6 +393,7 @@ def _rank_entry(rank: int, port: int, out: str, args: tuple[object, ...]) -> Non
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    pin_local_rank(rank, 2)  # as `autopipe run` places its ranks
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=120))
     times = _rank_steps(rank, *args)  # type: ignore[arg-type]

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
+from executor.rank_cores import pin_local_rank
+
 __all__ = ["EvenBlocks", "main"]
 MODELS = ("uneven", "even")
 
@@ -127,6 +129,7 @@ def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[Any, ...]
 
 def _entry(rank: int, port: int, out: str, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
+    pin_local_rank(rank, 2)  # as `autopipe run` places its ranks
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=120))
     times = _rank(rank, *args)

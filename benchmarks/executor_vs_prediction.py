@@ -51,6 +51,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
 from autopipe.frontend.loss_timing import with_loss
 from autopipe.frontend.rank_contention import with_rank_contention
+from executor.rank_cores import pin_local_rank
 
 __all__ = ["Row", "main"]
 
@@ -122,6 +123,7 @@ def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
     from autopipe.assemble_ranks import distributed_pipeline
 
     torch.set_num_threads(1)
+    pin_local_rank(rank, 2)  # as `autopipe run` places its ranks
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=120))
     times = []

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
+from executor.rank_cores import pin_local_rank
+
 __all__ = ["CONFIGS", "measured_table", "main"]
 
 WORLD = 4
@@ -80,6 +82,7 @@ def _rank(rank: int, batch: int, chunks: int, steps: int, warmup: int) -> list[l
 
 def _entry(rank: int, port: int, out: str, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
+    pin_local_rank(rank, WORLD)  # as `autopipe run` places its ranks
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=300))
     times = _rank(rank, *args)

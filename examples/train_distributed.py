@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import autopipe
+import executor
 
 
 class Net(nn.Module):
@@ -57,9 +58,12 @@ def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        cores = None
+    else:  # ranks sharing a CPU host: each on its own share of the cores, before gloo's threads start
+        cores = executor.pin_local_rank()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // world))
 
     torch.manual_seed(0)  # the same model and data on every rank
     model = Net()

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from executor.errors import DistributedError, ExecutorError, MicroBatchError, PlacementError
     from executor.gpipe import GPipe
     from executor.microbatch import gather, scatter
+    from executor.rank_cores import pin_local_rank
     from executor.replicas import ReplicatedPipeline, pipeline_mesh
     from executor.schedule import clock_cycles
     from executor.timeline import save_chrome_trace, to_chrome_trace
@@ -46,6 +47,7 @@ __all__: list[str] = [
     "pipeline_mesh",
     "DistributedError",
     "PipelineFailure",
+    "pin_local_rank",
 ]
 
 # public name -> module that defines it (imported on first attribute access)
@@ -67,6 +69,7 @@ _LAZY: dict[str, str] = {
     "PipelineFailure": "executor.distributed",
     "ReplicatedPipeline": "executor.replicas",
     "pipeline_mesh": "executor.replicas",
+    "pin_local_rank": "executor.rank_cores",
 }
 
 

@@ -217,6 +217,8 @@ class RunConfig:
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
     timeout: float = _opt(60.0, "seconds before a silent rank is an error (default 60)")
     threads: int = _opt(1, "torch threads per rank (default 1)")
+    no_pin_cores: bool = _opt(False, "on a CPU, leave the ranks to the OS scheduler (default: local rank r "
+                                     "of n runs on the r-th n-th of this process's cores)")
     data_parallel: str | None = _opt(None, "replicas D of the pipeline, each on --nproc / D ranks and "
                                            "--batch-size / D rows, or auto (without --plan): the "
                                            "planner picks D (default: the --plan's, else 1)",

@@ -4,7 +4,9 @@ Started by torchrun (see autopipe.app.launch), which sets RANK, WORLD_SIZE, LOCA
 rendezvous address; what to train arrives as ``--config JSON``, a RunConfig (autopipe.app.config)
 that the launcher has already checked and resolved (plan, chunks, batch, checkpoint), so the
 ranks and the command line share one set of defaults. Every rank builds the same model and
-inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA), builds its stage with
+inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA; a CPU rank first pins
+itself to its share of the host's cores: [Note: ranks pinned to cores] in executor/rank_cores.py,
+unless ``--no-pin-cores``), builds its stage with
 :func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters. The last
 rank prints the loss of every step and the throughput. With ``data_parallel`` D > 1 each
 replica trains its own batch / D rows of the (seeded, same on every rank) batch, and the last
@@ -36,6 +38,7 @@ from autopipe.core.plan import Plan
 from autopipe.errors import AutopipeError
 from executor.distributed import PipelineFailure
 from executor.errors import ExecutorError
+from executor.rank_cores import pin_local_rank
 
 __all__ = ["main", "train"]
 
@@ -102,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif not config.no_pin_cores:  # before the process group starts its threads
+        cores = pin_local_rank()
+        if cores is not None and config.threads > len(cores):
+            print(f"autopipe run: warning: --threads {config.threads} on {len(cores)} core(s) per rank; pass "
+                  f"--threads {len(cores)}, or --no-pin-cores to share all cores", file=sys.stderr, flush=True)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout))
     progress = Progress()
     try:

@@ -5,7 +5,9 @@
 
 [Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/transfer.py)
 Two processes are spawned and joined by gloo (NCCL, one GPU each, when the profile is for CUDA
-and two GPUs are there), each with one CPU thread, as the distributed runtime's ranks run:
+and two GPUs are there), each with one CPU thread (on a CPU, each pinned to its half of the
+cores: [Note: ranks pinned to cores] in executor/rank_cores.py), as the distributed runtime's
+ranks run:
 
 - A ping-pong at each of ``COMM_SIZES``: rank 0 sends, rank 1 sends the same bytes back; half
   the median round trip is one crossing. :func:`fit_transfer` fits ``latency + bytes /
@@ -56,6 +58,7 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
 from autopipe.errors import ProfileError, first_line
+from executor.rank_cores import pin_local_rank
 from executor.spec import SCHEDULES
 
 SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPipe
@@ -175,6 +178,8 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
           chunks: int, steps: int) -> None:
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cpu":  # as `autopipe run` places its ranks, before gloo starts its threads
+        pin_local_rank(rank, 2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",

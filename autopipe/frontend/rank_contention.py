@@ -12,7 +12,9 @@ in three rounds out of three; traced inside the ranks, 4-6%. That is a property 
 (how much memory traffic its kernels make) and of the host, not of a layer, so it is measured
 once per profile on the whole model: its forward and backward on one micro-batch, timed
 alone and then with a forked copy of the process running the same step in a loop, in turns
-(``TWIN_ROUNDS`` rounds of ``TWIN_RUNS`` runs each: a machine whose speed drifts moves both);
+(``TWIN_ROUNDS`` rounds of ``TWIN_RUNS`` runs each: a machine whose speed drifts moves both),
+each of the two on the cores a rank of ``autopipe run`` would take ([Note: ranks pinned to
+cores] in executor/rank_cores.py);
 the median over the rounds of (beside / alone) is ``rank_compute_slowdown``, clamped to
 ``SLOWDOWN_RANGE``. The whole model beside itself measured 1.02-1.08 for the bundled examples
 (mlp, cnn, gpt, unet at 64-row micro-batches; gpt 1.03 twice, as its stages beside each other),
@@ -44,11 +46,13 @@ from autopipe.frontend.inputs import micro_batch, to_device
 from autopipe.frontend.layer_timing import fresh, timed_step
 from autopipe.frontend.preserve import preserved
 from autopipe.frontend.timing import CpuTimer
+from executor.rank_cores import local_cores, pin_threads
 
 if TYPE_CHECKING:
     from autopipe.core.profile_table import Profile
 
-__all__ = ["SLOWDOWN_RANGE", "TWIN_BUDGET_S", "TWIN_ROUNDS", "TWIN_RUNS", "twin", "twin_slowdown", "with_rank_contention"]
+__all__ = ["SLOWDOWN_RANGE", "TWIN_BUDGET_S", "TWIN_ROUNDS", "TWIN_RUNS", "pinned_pair", "twin", "twin_slowdown",
+           "with_rank_contention"]
 
 SLOWDOWN_RANGE = (1.0, 1.5)  # below 1 is noise; above, the host is busy with something else
 TWIN_ROUNDS = 5
@@ -59,9 +63,26 @@ _TWIN_LIFETIME_S = 120.0  # a twin never outlives this, whatever happens to its 
 
 
 @contextlib.contextmanager
-def twin(step: Callable[[], object]) -> Iterator[int]:
-    """A forked copy of this process running ``step`` in a loop until the block ends (yields
-    its pid; it is reaped, or killed and reaped, on the way out)."""
+def pinned_pair() -> Iterator[list[int] | None]:
+    """This process on local rank 0's cores of two ([Note: ranks pinned to cores] in
+    executor/rank_cores.py) until the block ends; yields rank 1's cores, for its twin (None,
+    and nothing pinned, with fewer than 2 cores or no CPU affinity)."""
+    before = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    mine, other = local_cores(0, 2, before), local_cores(1, 2, before)
+    if mine is None:
+        yield None
+        return
+    pin_threads(mine)
+    try:
+        yield other
+    finally:
+        pin_threads(before)
+
+
+@contextlib.contextmanager
+def twin(step: Callable[[], object], cores: list[int] | None = None) -> Iterator[int]:
+    """A forked copy of this process running ``step`` in a loop until the block ends, on
+    ``cores`` when given (yields its pid; it is reaped, or killed and reaped, on the way out)."""
     stop_r, stop_w = os.pipe()
     ready_r, ready_w = os.pipe()
     with warnings.catch_warnings():  # "multi-threaded, use of fork() may lead to deadlocks": the
@@ -72,6 +93,8 @@ def twin(step: Callable[[], object]) -> Iterator[int]:
             os.close(stop_w)
             os.close(ready_r)
             deadline = time.monotonic() + _TWIN_LIFETIME_S
+            if cores is not None:
+                pin_threads(cores)
             step()
             os.write(ready_w, b"r")
             while time.monotonic() < deadline and not select.select([stop_r], [], [], 0)[0]:
@@ -101,15 +124,16 @@ def twin_slowdown(step: Callable[[], float], rounds: int = TWIN_ROUNDS, runs: in
     beside this process) / (the same alone, just before); ``step()`` returns its own ms. Fewer
     runs (3 at least) where they would take over ``TWIN_BUDGET_S``. Clamped to
     ``SLOWDOWN_RANGE`` ([Note: ranks sharing a host])."""
-    warm = [step() for _ in range(_WARMUP)]
-    runs = max(3, min(runs, int(TWIN_BUDGET_S * 1e3 / (2 * rounds * max(min(warm), 1e-3)))))
     ratios = []
-    for _ in range(rounds):
-        alone = statistics.median(step() for _ in range(runs))
-        with twin(step):
-            beside = statistics.median(step() for _ in range(runs))
-        if alone > 0:
-            ratios.append(beside / alone)
+    with pinned_pair() as other:  # as two ranks of `autopipe run` sit on this host
+        warm = [step() for _ in range(_WARMUP)]
+        runs = max(3, min(runs, int(TWIN_BUDGET_S * 1e3 / (2 * rounds * max(min(warm), 1e-3)))))
+        for _ in range(rounds):
+            alone = statistics.median(step() for _ in range(runs))
+            with twin(step, other):
+                beside = statistics.median(step() for _ in range(runs))
+            if alone > 0:
+                ratios.append(beside / alone)
     value = statistics.median(ratios) if ratios else 1.0
     return min(max(value, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
 

@@ -13,6 +13,7 @@ from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.profile_table import Profile
 from autopipe.frontend.rank_contention import (
     SLOWDOWN_RANGE,
+    pinned_pair,
     twin,
     twin_slowdown,
     with_rank_contention,
@@ -43,6 +44,23 @@ def test_a_twin_on_the_same_core_is_measured_and_gone_after() -> None:
     finally:
         os.sched_setaffinity(0, before)
     assert slowdown == SLOWDOWN_RANGE[1]  # 2x, clamped
+
+
+@needs_fork
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity (Linux) and 2 cores")
+def test_the_model_and_its_twin_sit_where_two_ranks_would() -> None:
+    # [Note: ranks pinned to cores]: this process on local rank 0's cores, the twin on rank 1's
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    half = len(cores) // 2
+    with pinned_pair() as other:
+        assert os.sched_getaffinity(0) == set(cores[:half])
+        assert other == cores[half:2 * half]
+        with twin(_spin_ms, other) as pid:
+            time.sleep(0.2)  # it pins itself first thing
+            assert os.sched_getaffinity(pid) == set(other)
+    assert os.sched_getaffinity(0) == before  # given back
 
 
 @needs_fork
