@@ -18,7 +18,8 @@ cores] in executor/rank_cores.py);
 the median over the rounds of (beside / alone) is ``rank_compute_slowdown``, clamped to
 ``SLOWDOWN_RANGE``. The whole model beside itself measured 1.02-1.08 for the bundled examples
 (mlp, cnn, gpt, unet at 64-row micro-batches; gpt 1.03 twice, as its stages beside each other),
-with 7 runs a side 0.99-1.06 and rounds as far apart as the effect: hence 15.
+with 7 runs a side 0.99-1.06 and rounds as far apart as the effect: hence 15. With the two
+pinned to a core each: mlp 1.01-1.04, cnn 1.05, gpt 1.01-1.02, unet 1.06-1.07 (two each).
 
 It is measured only with ``--comm`` (the profile is for ranks on this host, as the transfer
 is) and only on a CPU: GPUs do not share their compute, and a CUDA process must not fork. A
