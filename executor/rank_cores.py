@@ -13,13 +13,17 @@ and unpinned launches alternating, median step and range over the launches):
     gpt   gpipe  121.9 ms (115.6-128.6)           121.5 ms (117.8-127.5)
     gpt   1f1b   127.2 ms (121.7-129.2)           124.2 ms (119.6-128.9)
 
-Traced inside the ranks, an unpinned launch spent 1.5-3.5 ms of a 10-14 ms mlp step posting
-its sends and receives (about 0.05 ms each when timed alone); pinned, 0.3 ms. What takes the
-time is not the posting but gloo's I/O thread (``gloo_tcp_loop``), which handles every message
-and rendezvous notice: on an empty 2-rank pipeline of 4 micro-batches it used 1-2 ms of CPU a
-step, as much as the rank's own thread, and where it does the posting thread waits. Pinned, it
-shares its rank's core, so it no longer lands on the other rank's. So local rank r of
-n takes the r-th of n equal, disjoint runs of the cores this process may use (its affinity
+Traced inside the ranks, an unpinned launch of mlp spent 1.5-3.5 ms of a 10-14 ms step posting
+its sends and receives (a post timed alone takes 0.05 ms); pinned, 0.3 ms in five launches of
+six. The time is gloo's I/O thread's (``gloo_tcp_loop``), which handles every message and
+rendezvous notice: on an empty 2-rank pipeline of 4 micro-batches it used 1-2 ms of CPU a step,
+as much as the rank's own thread, and while it runs the posting thread waits. Pinned, it
+shares its own rank's core rather than landing on the other rank's; an empty pipeline, which
+is nothing but such messages, still paid it in about half the launches, pinned or not (3.1 ms
+a step against 4.1-4.6), the likely reason the call cost fitted on one ([Note: measured
+transfer] in autopipe/frontend/comm.py) takes one of two values.
+
+Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use (its affinity
 mask: a container's or ``taskset``'s cores, not the machine's), and every thread it has or
 starts runs there. With fewer cores than ranks nothing is pinned (the ranks share cores
 however they are placed). CPU ranks only: ``autopipe run`` (unless ``--no-pin-cores``),
