@@ -20,7 +20,7 @@ rendezvous notice: on an empty 2-rank pipeline of 4 micro-batches it used 1-2 ms
 as much as the rank's own thread, and while it runs the posting thread waits. Pinned, it
 shares its own rank's core rather than landing on the other rank's; an empty pipeline, which
 is nothing but such messages, still paid it in about half the launches, pinned or not (3.1 ms
-a step against 4.1-4.6), the likely reason the call cost fitted on one ([Note: measured
+an instrumented step against 4.1-4.6), the likely reason the call cost fitted on one ([Note: measured
 transfer] in autopipe/frontend/comm.py) takes one of two values.
 
 Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use (its affinity
