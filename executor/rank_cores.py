@@ -17,16 +17,16 @@ Traced inside the ranks, an unpinned launch of mlp spent 1.5-3.5 ms of a 10-14 m
 its sends and receives (a post timed alone takes 0.05 ms); pinned, 0.3 ms in five launches of
 six. The time is gloo's I/O thread's (``gloo_tcp_loop``), which handles every message and
 rendezvous notice: on an empty 2-rank pipeline of 4 micro-batches it used 1-2 ms of CPU a step,
-as much as the rank's own thread, and while it runs the posting thread waits. Pinned, it
-shares its own rank's core rather than landing on the other rank's; an empty pipeline, which
-is nothing but such messages, still paid it in about half the launches, pinned or not (3.1 ms
-an instrumented step against 4.1-4.6), the likely reason the call cost fitted on one ([Note: measured
-transfer] in autopipe/frontend/comm.py) takes one of two values.
+as much as the rank's own thread, and while it runs the posting thread waits. Pinned, it shares
+its own rank's core rather than landing on the other rank's; an empty pipeline, which is nothing
+but such messages, still paid it in about half the launches, pinned or not (3.1 ms an
+instrumented step against 4.1-4.6), the likely reason the call cost fitted on one
+([Note: measured transfer] in autopipe/frontend/comm.py) takes one of two values.
 
-Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use (its affinity
-mask: a container's or ``taskset``'s cores, not the machine's), and every thread it has or
-starts runs there. With fewer cores than ranks nothing is pinned (the ranks share cores
-however they are placed). CPU ranks only: ``autopipe run`` (unless ``--no-pin-cores``),
+Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use
+(its affinity mask: a container's or ``taskset``'s cores, not the machine's), and every thread
+it has or starts runs there. With fewer cores than ranks nothing is pinned (the ranks share
+cores however they are placed). CPU ranks only: ``autopipe run`` (unless ``--no-pin-cores``),
 ``autopipe profile --comm``'s two measuring ranks and the twin that measures [Note: ranks
 sharing a host] run pinned, so the profile predicts pinned ranks; a script that starts its own
 ranks under torchrun calls :func:`pin_local_rank` first.
@@ -57,7 +57,7 @@ def pin_threads(cores: Sequence[int]) -> None:
     for tid in tasks:
         try:
             os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile, or not ours to move
             continue
 
 
