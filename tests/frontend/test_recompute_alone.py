@@ -5,14 +5,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.testing import assert_close
 
 import autopipe
+from autopipe.errors import BuildError
 from autopipe.examples import get_example
-from autopipe.frontend.stages import RecomputedLayer
+from autopipe.frontend.stages import RecomputedLayer, recompute_alone
 from executor.activation_meter import ActivationMeter
 
 
@@ -117,3 +119,19 @@ def test_a_model_with_in_place_ops_recomputes_any_layer() -> None:
     pipe.eval()
     with torch.no_grad():  # evaluation runs the layers once, nothing to recompute
         assert_close(pipe(*ex.inputs), reference.eval()(*ex.inputs))
+
+
+class _ReadBetween(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        a = x + 1
+        b = a * 2  # between the segment's two nodes, and reads the first
+        return b + a
+
+
+def test_a_segment_that_is_not_one_interval_is_refused_in_one_line() -> None:
+    stage = fx.symbolic_trace(_ReadBetween())
+    first, between, last = [n.name for n in stage.graph.nodes if n.op == "call_function"]
+    with pytest.raises(BuildError, match=r"^layers add, add_1 cannot be recomputed as one segment \(.+\); "
+                                         r"leave them out of the plan's recompute_layers$"):
+        recompute_alone(stage, [first, last], "add, add_1")
+    assert between == "mul"
