@@ -7,7 +7,8 @@ for backward and recompute them in the backward, those whose saves are large for
 time. ``Plan.recompute_layers`` names them; only a stage in mode ``never`` may have any (a stage
 checkpointed as a whole recomputes them anyway). Layers next to each other in the profile's
 order and in the same stage form one SEGMENT: one ``torch.utils.checkpoint`` around all of
-them (reentrant, as executor.GPipe's own, where an input carries a gradient), built by
+them (reentrant, as executor.GPipe's own; an empty anchor tensor that needs a gradient among
+its inputs lets it reach the parameters of a segment fed by the caller's batch), built by
 autopipe/frontend/stages.py, which runs the segment on copies of its inputs (a later in-place
 op on one, an in-place ReLU after a residual add, must not change what the backward recomputes
 from).

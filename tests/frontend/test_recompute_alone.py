@@ -135,3 +135,32 @@ def test_a_segment_that_is_not_one_interval_is_refused_in_one_line() -> None:
                                          r"leave them out of the plan's recompute_layers$"):
         recompute_alone(stage, [first, last], "add, add_1")
     assert between == "mul"
+
+
+def test_a_segment_fed_by_the_callers_batch_recomputes_as_the_profile_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # gpt's first layers read the token ids, which need no gradient: the reentrant checkpoint
+    # (what the profile's recompute ratio measures) still reaches their parameters
+    import autopipe.frontend.stages as stages
+
+    ex = get_example("gpt", batch_size=4)
+    reference = copy.deepcopy(ex.model)
+    prof = autopipe.profile(ex.model, ex.inputs, chunks=2, repeats=1, warmup=0, progress=False)
+    split = autopipe.partition(prof, devices=["cpu", "cpu"], chunks=2, checkpoint="never", method="uniform")
+    plan = autopipe.Plan.from_stages(prof, split.stages, devices=split.devices, chunks=2, checkpoint="never",
+                                     recompute_layers=split.stages[0][:3])
+    reentrant: list[bool] = []
+    real = stages.checkpoint
+
+    def recorded(fn: Any, *args: Any, use_reentrant: bool) -> Any:
+        reentrant.append(use_reentrant)
+        return real(fn, *args, use_reentrant=use_reentrant)
+
+    monkeypatch.setattr(stages, "checkpoint", recorded)
+    pipe = autopipe.pipeline(ex.model, ex.inputs, plan=plan, devices=["cpu", "cpu"])
+    ex.loss_fn(pipe(*ex.inputs), ex.target).backward()
+    assert reentrant and all(reentrant)
+    pieces = zip(ex.inputs[0].chunk(2), ex.target.chunk(2), strict=True)
+    (sum(ex.loss_fn(reference(x), t) for x, t in pieces) / 2).backward()
+    for (name, p), q in zip(ex.model.named_parameters(), reference.parameters(), strict=True):
+        assert_close(p.grad, q.grad, msg=name)
