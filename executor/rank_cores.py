@@ -23,6 +23,11 @@ but such messages, still paid it in about half the launches, pinned or not (3.1 
 instrumented step against 4.1-4.6), the likely reason the call cost fitted on one
 ([Note: measured transfer] in autopipe/frontend/comm.py) takes one of two values.
 
+Pinning only the rank's own thread after ``init_process_group`` (gloo's threads, started by
+it, left on every core, free to run on the other rank's idle core) measured no better in a
+second A/B of 6 launches each: mlp 1F1B 10.83 ms against 9.94 pinned whole (13.27 unpinned),
+mlp GPipe 8.85 against 8.95 (9.38), gpt alike within 1%. So every thread is pinned.
+
 Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use
 (its affinity mask: a container's or ``taskset``'s cores, not the machine's), and every thread
 it has or starts runs there. With fewer cores than ranks nothing is pinned (the ranks share
