@@ -35,7 +35,13 @@ ranks run:
   distributed runtime ([Note: measured overheads]).
 
 On a CPU machine both ranks share the host: these numbers include the cores they compete for,
-as the pipeline's own transfers do.
+as the pipeline's own transfers do. An empty pipeline is nothing but messages, and in about half
+the launches gloo's I/O thread takes more of each step ([Note: ranks pinned to cores] in
+executor/rank_cores.py): its fitted call cost came out near one of two values per launch (GPipe
+0.17-0.25 or 0.44-0.49 ms per stage call on 2 pinned gloo ranks), and real pipelines ran as the
+higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms, 1.11-1.20x with
+0.17-0.23). So the ranks are launched ``COMM_LAUNCHES`` times: the crossings are the median
+launch's, the empty pipelines' steps the slower launch's.
 """
 
 from __future__ import annotations
@@ -66,12 +72,13 @@ SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPi
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "receive_share",
+__all__ = ["COMM_LAUNCHES", "COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "receive_share",
            "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
 EMPTY_STEPS = 30
+COMM_LAUNCHES = 2  # the empty pipelines' steps are fitted from the slower launch
 _WARMUP = 3
 _LATE_MS = 5.0  # how long a receive is posted after its send
 
@@ -196,12 +203,8 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
         dist.destroy_process_group()
 
 
-def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
-                 sizes: Sequence[int] = COMM_SIZES, repeats: int = COMM_REPEATS,
-                 steps: int = EMPTY_STEPS) -> dict[str, Any]:
-    """The profile metadata of [Note: measured transfer]: two ranks spawned here (a few seconds)."""
-    dev = torch.device(device)
-    backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+def _launch(backend: str, sizes: Sequence[int], repeats: int, chunks: int, steps: int) -> list[dict[str, Any]]:
+    """Each of two freshly spawned ranks' measurements (``_rank``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -217,13 +220,25 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
                                    "spawned and import the script first), or profile without --comm") from None
             raise ProfileError(f"the 2-process transfer measurement failed ({str(err).strip().splitlines()[-1]}); "
                                "profile without --comm") from None
-        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
-    ms = [max(a, b) for a, b in zip(ranks[0]["ms"], ranks[1]["ms"], strict=True)]
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
+
+
+def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
+                 sizes: Sequence[int] = COMM_SIZES, repeats: int = COMM_REPEATS,
+                 steps: int = EMPTY_STEPS, launches: int = COMM_LAUNCHES) -> dict[str, Any]:
+    """The profile metadata of [Note: measured transfer]: two ranks spawned here ``launches``
+    times (a few seconds each)."""
+    dev = torch.device(device)
+    backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+    runs = [_launch(backend, sizes, repeats, chunks, steps) for _ in range(max(1, launches))]
+    # a crossing: the slower rank's time, the median launch; a step: the slower launch
+    ms = [statistics.median(max(r[0]["ms"][i], r[1]["ms"][i]) for r in runs) for i in range(len(sizes))]
+    late = statistics.median(r[0]["late"] for r in runs)
+    step = {k: max(rank[k] for r in runs for rank in r) for k in runs[0][0] if k not in ("ms", "late")}
     sent = [max(n // 4, 1) * 4 for n in sizes]  # whole float32s
     latency, bandwidth = fit_transfer(sent, ms)
-    step = {k: max(r[k] for r in ranks) for k in ranks[0] if k not in ("ms", "late")}
     ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
-    receive = receive_share(ranks[0]["late"], max(sent), latency, ms_per_byte)
+    receive = receive_share(late, max(sent), latency, ms_per_byte)
     call = fit_call_ms(step["gpipe"], "gpipe", chunks, latency, ms_per_byte)
     # the forward-only step: M + 1 forward calls and M crossings in a row
     call_fwd = min(max(step["fwd"] - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
@@ -232,7 +247,8 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
         "comm_backend": backend, "comm_latency_ms": round(latency, 6),
         "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
         "comm_sizes": sent, "comm_ms": [round(t, 6) for t in ms],
-        "comm_late_receive_ms": round(ranks[0]["late"], 6), "comm_receive_share": round(receive, 4),
+        "comm_late_receive_ms": round(late, 6), "comm_receive_share": round(receive, 4),
+        "comm_launches": len(runs),
         "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
         "stage_call_of": "DistributedPipeline"}
     for schedule in SCHEDULE_CALLS:

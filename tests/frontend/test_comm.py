@@ -65,7 +65,25 @@ def test_profile_comm_on_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert Plan.load(plan).bandwidth is None
 
 
-@pytest.mark.timeout(60)
+def test_crossings_from_the_median_launch_steps_from_the_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    def rank(ms: list[float], late: float, gpipe: float) -> dict[str, object]:
+        return {"ms": ms, "late": late, "fwd": 1.0, "gpipe": gpipe, "1f1b": gpipe * 2}
+
+    launches = iter([
+        [rank([0.05, 0.30], 1.0, 2.0), rank([0.06, 0.20], 9.0, 2.2)],  # the faster launch
+        [rank([0.04, 0.50], 2.0, 3.0), rank([0.05, 0.10], 9.0, 2.9)],
+        [rank([0.07, 0.40], 3.0, 2.5), rank([0.01, 0.10], 9.0, 2.4)],
+    ])
+    monkeypatch.setattr(comm, "_launch", lambda *args: next(launches))
+    meta = comm.measure_comm("cpu", chunks=2, sizes=(64, 1 << 20), launches=3)
+    assert meta["comm_launches"] == 3
+    assert meta["comm_ms"] == [0.06, 0.4]  # each launch's slower rank, then the median launch
+    assert meta["comm_late_receive_ms"] == 2.0  # rank 0's late receive, the median launch
+    call = comm.fit_call_ms(3.0, "gpipe", 2, meta["comm_latency_ms"], 1000.0 / meta["comm_bandwidth"])
+    assert meta["stage_call_fwd_ms"] + meta["stage_call_bwd_ms"] == pytest.approx(call, abs=1e-5)
+
+
+@pytest.mark.timeout(90)
 def test_two_real_ranks() -> None:
     meta = comm.measure_comm("cpu", chunks=2, sizes=(64, 256 << 10), repeats=3, steps=3)
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
