@@ -41,7 +41,8 @@ executor/rank_cores.py): its fitted call cost came out near one of two values pe
 0.17-0.25 or 0.44-0.49 ms per stage call on 2 pinned gloo ranks), and real pipelines ran as the
 higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms, 1.11-1.20x with
 0.17-0.23). So the ranks are launched ``COMM_LAUNCHES`` times: the crossings are the median
-launch's, the empty pipelines' steps the slower launch's.
+launch's, each empty pipeline's step its slower launch's (two runs of the 2-rank table since:
+24 of 24 rows within 0.96-1.06x and 0.93-1.07x, where one launch had given 24, 23 and 21).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
     dev = torch.device(device)
     backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     runs = [_launch(backend, sizes, repeats, chunks, steps) for _ in range(max(1, launches))]
-    # a crossing: the slower rank's time, the median launch; a step: the slower launch
+    # a crossing: the slower rank's time, the median launch; each step: its slower launch
     ms = [statistics.median(max(r[0]["ms"][i], r[1]["ms"][i]) for r in runs) for i in range(len(sizes))]
     late = statistics.median(r[0]["late"] for r in runs)
     step = {k: max(rank[k] for r in runs for rank in r) for k in runs[0][0] if k not in ("ms", "late")}
