@@ -121,7 +121,7 @@ class ProfileConfig:
     comm: bool = _opt(False, "also measure a transfer between two ranks (latency, bandwidth), "
                              "the distributed runtime's cost per micro-batch and, on a CPU, how much "
                              "slower the model computes with a copy beside it, for plans run with "
-                             "`autopipe run` on this host (a few seconds)")
+                             "`autopipe run` on this host (10-20 s for the bundled examples)")
 
 
 @dataclass(frozen=True)
