@@ -7,7 +7,7 @@
 
 The packages, in the order data flows through them (docs/DESIGN.md has the map and the rules):
 
-    core/       torch-free values and the one cost model: Profile, Plan, simulator, units, files
+    core/       torch-free values and the one cost model: Profile, Plan, simulator, units, atomic files
     solvers/    torch-free: partition() with the exact DP, the ILP and the baselines
     frontend/   torch: trace a model, group layers, profile them, cut stage modules
     assemble*   pipeline() and distributed_pipeline(): frontend + solvers + executor
@@ -46,9 +46,9 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.core.profile_table import Profile
     from autopipe.core.simulator import simulate
     from autopipe.examples import EXAMPLES, get_example
-    from autopipe.frontend.graph import LayerGraph, trace
-    from autopipe.frontend.profiler import profile
-    from autopipe.frontend.stages import build
+    from autopipe.frontend.building.stages import build
+    from autopipe.frontend.profiling.profiler import profile
+    from autopipe.frontend.tracing.graph import LayerGraph, trace
     from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
     from autopipe.solvers.partitioner import partition
 
@@ -84,14 +84,14 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "EXAMPLES": "autopipe.examples",
     "get_example": "autopipe.examples",
-    "trace": "autopipe.frontend.graph",
-    "LayerGraph": "autopipe.frontend.graph",
-    "build": "autopipe.frontend.stages",
+    "trace": "autopipe.frontend.tracing.graph",
+    "LayerGraph": "autopipe.frontend.tracing.graph",
+    "build": "autopipe.frontend.building.stages",
     "pipeline": "autopipe.assemble",
     "distributed_pipeline": "autopipe.assemble_ranks",
     "merge_state_dicts": "autopipe.assemble_ranks",
     "Profile": "autopipe.core.profile_table",
-    "profile": "autopipe.frontend.profiler",
+    "profile": "autopipe.frontend.profiling.profiler",
     "partition": "autopipe.solvers.partitioner",
     "Plan": "autopipe.core.plan",
     "simulate": "autopipe.core.simulator",

@@ -36,12 +36,12 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate
 from autopipe.core.units import format_bytes
 from autopipe.errors import BuildError, ProfileError
-from autopipe.frontend.graph import LayerGraph, trace
-from autopipe.frontend.inputs import micro_batch
-from autopipe.frontend.materialize import materialize_stages
-from autopipe.frontend.profiler import profile as measure
-from autopipe.frontend.stages import build
-from autopipe.frontend.weights import Weights
+from autopipe.frontend.building.materialize import materialize_stages
+from autopipe.frontend.building.stages import build
+from autopipe.frontend.building.weights import Weights
+from autopipe.frontend.profiling.inputs import micro_batch
+from autopipe.frontend.profiling.profiler import profile as measure
+from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor import GPipe
 from executor.host_allocator import retain_freed_memory
 from executor.spec import check_stage_checkpoints

@@ -46,10 +46,10 @@ from autopipe.assemble import (
 from autopipe.assemble_mesh import replicas_of, replicated_pipeline
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError, first_line
-from autopipe.frontend.graph import trace
-from autopipe.frontend.materialize import has_meta_tensors, materialize_stages
-from autopipe.frontend.stages import build
-from autopipe.frontend.weights import Weights
+from autopipe.frontend.building.materialize import has_meta_tensors, materialize_stages
+from autopipe.frontend.building.stages import build
+from autopipe.frontend.building.weights import Weights
+from autopipe.frontend.tracing.graph import trace
 from executor.distributed import DistributedPipeline, infer_wires
 from executor.host_allocator import retain_freed_memory
 from executor.spec import SCHEDULES
@@ -70,7 +70,7 @@ def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: i
     """Rank 0 profiles and partitions; every rank receives its plan (see [Note: one plan...])."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        from autopipe.frontend.profiler import profile
+        from autopipe.frontend.profiling.profiler import profile
         from autopipe.solvers.partitioner import partition
 
         try:
@@ -139,7 +139,7 @@ def distributed_pipeline(
         stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / ranks
             per replica).
         data_parallel: D replicas of a pipeline of world / D ranks, on a (dp, pp) DeviceMesh
-            ([Note: replicas on a mesh] in executor/replicas.py); default: the plan's (1
+            ([Note: replicas on a mesh] in executor/replicated.py); default: the plan's (1
             without a plan). Each replica's ``example_inputs`` and ``step`` inputs are its own
             local batch. ``"auto"``: the plan's (made with ``partition(..., devices=N,
             batch_size=B, data_parallel="auto")``: D is chosen for one global batch B).

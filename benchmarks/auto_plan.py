@@ -251,8 +251,8 @@ def measured_profile(example: str, batch: int, repeats: int) -> Profile:
     import torch
 
     from autopipe.examples import get_example
-    from autopipe.frontend.loss_timing import with_loss
-    from autopipe.frontend.profiler import profile
+    from autopipe.frontend.profiling.loss_timing import with_loss
+    from autopipe.frontend.profiling.profiler import profile
 
     torch.set_num_threads(1)
     ex = get_example(example, batch_size=batch)
@@ -267,7 +267,7 @@ def rank_profile(example: str, prof: Profile, comm: dict[str, Any]) -> Profile:
     transfer and call costs, and how much slower the example computes beside a copy of itself
     ([Note: ranks sharing a host])."""
     from autopipe.examples import get_example
-    from autopipe.frontend.rank_contention import with_rank_contention
+    from autopipe.frontend.profiling.rank_contention import with_rank_contention
 
     ex = get_example(example, batch_size=int(prof.meta["batch_size"]))
     ranked = with_rank_contention(prof, ex.model, ex.inputs)
@@ -490,7 +490,7 @@ def measured_main(args: argparse.Namespace) -> str:
     rows: list[Timed] = []
     comm: dict[str, Any] = {}
     if not args.no_ranks:  # [Note: measured transfer], once: the ranks' plans are made with it
-        from autopipe.frontend.comm import measure_comm
+        from autopipe.frontend.profiling.comm import measure_comm
 
         comm = measure_comm("cpu", chunks=4 * RECIPE_DEVICES)
     for example in args.examples:

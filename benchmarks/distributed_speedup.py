@@ -17,7 +17,7 @@ split evenly, so that the runtime's own overhead is what separates it from the i
   ``PipelineStage`` + ``ScheduleGPipe``: what a user writes without autopipe.
 
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
-Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.comm (what
+Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.comm (what
 ``autopipe profile --comm`` stores for the cost model): a stage call of the runtime (empty
 stages: schedule, PipelineStage, Python) and a gloo crossing of each model's activation, next to
 the gap each model's measured step leaves to its ideal, per micro-batch slot.
@@ -152,7 +152,7 @@ def _two_ranks(*args: Any) -> list[float]:
 
 
 def _plans(model: str, batch: int, width: int, chunks: int) -> tuple[Any, Any]:
-    from autopipe.frontend.profiler import profile
+    from autopipe.frontend.profiling.profiler import profile
     from autopipe.solvers.partitioner import partition
 
     ex = _example(model, batch, width)
@@ -195,13 +195,13 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
 
 def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, int]]) -> list[str]:
     """The runtime's overhead per micro-batch next to each model's gap to its ideal."""
-    from autopipe.frontend.comm import measure_comm
+    from autopipe.frontend.profiling.comm import measure_comm
 
     comm = measure_comm("cpu", chunks=args.chunks)
     m, latency, bandwidth = args.chunks, comm["comm_latency_ms"], comm["comm_bandwidth"] or float("inf")
     call = comm["stage_call_fwd_ms"] + comm["stage_call_bwd_ms"]
     lines = [
-        f"Distributed runtime overhead per micro-batch (autopipe.frontend.comm, {comm['comm_backend']}): "
+        f"Distributed runtime overhead per micro-batch (autopipe.frontend.profiling.comm, {comm['comm_backend']}): "
         f"a stage call (empty stages: schedule, PipelineStage, Python) {comm['stage_call_fwd_ms']:.3f} ms "
         f"forward + {comm['stage_call_bwd_ms']:.3f} ms backward; a crossing {latency:.3f} ms + bytes / "
         f"{bandwidth / 1e9:.2f} GB/s (ping-pong medians {[round(t, 3) for t in comm['comm_ms']]} ms at "

@@ -8,7 +8,7 @@
 Simulated part: for each profile, device count N and per-device memory limit,
 ``partition(devices=N, data_parallel="auto", chunks="auto", checkpoint="auto",
 schedule="auto")`` (D replicas of a K = N / D stage pipeline, the global batch split over the
-replicas: [Note: pipeline x data parallel] in autopipe/core/replicas.py) is compared, by simulated
+replicas: [Note: pipeline x data parallel] in autopipe/core/data_parallel.py) is compared, by simulated
 time per global batch (autopipe.core.simulator), with the same search held at
 
 - pure pipeline: ``data_parallel=1``, one N-stage pipeline;

@@ -1,7 +1,7 @@
 """How close is a profile to the truth? Sum of per-layer times vs. one whole-model step.
 
 For each bundled example, profile one micro-batch (autopipe.profile) and time a whole-model
-forward + backward of the same micro-batch (autopipe.frontend.profiler.time_model) on the same machine in
+forward + backward of the same micro-batch (autopipe.frontend.profiling.profiler.time_model) on the same machine in
 the same run, alternating the two for several rounds so that load from other processes hits
 both alike. Prints a markdown table; the ratio column is
 
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from autopipe.examples import EXAMPLES, get_example
-from autopipe.frontend.profiler import profile, time_model
-from autopipe.frontend.timing import CpuTimer
+from autopipe.frontend.profiling.profiler import profile, time_model
+from autopipe.frontend.profiling.timing import CpuTimer
 
 __all__ = ["main", "SETTINGS"]
 

@@ -18,14 +18,14 @@ from executor.spec import TimelineEvent
 
 if TYPE_CHECKING:
     from executor.batchnorm import DeferredBatchNorm
-    from executor.checkpoint import is_checkpointing, is_recomputing
     from executor.distributed import DistributedPipeline, PipelineFailure
     from executor.errors import DistributedError, ExecutorError, MicroBatchError, PlacementError
+    from executor.fill_drain import clock_cycles
     from executor.gpipe import GPipe
     from executor.microbatch import gather, scatter
     from executor.rank_cores import pin_local_rank
-    from executor.replicas import ReplicatedPipeline, pipeline_mesh
-    from executor.schedule import clock_cycles
+    from executor.recompute import is_checkpointing, is_recomputing
+    from executor.replicated import ReplicatedPipeline, pipeline_mesh
     from executor.timeline import save_chrome_trace, to_chrome_trace
 
 __all__: list[str] = [
@@ -56,19 +56,19 @@ _LAZY: dict[str, str] = {
     "save_chrome_trace": "executor.timeline",
     "to_chrome_trace": "executor.timeline",
     "DeferredBatchNorm": "executor.batchnorm",
-    "clock_cycles": "executor.schedule",
+    "clock_cycles": "executor.fill_drain",
     "scatter": "executor.microbatch",
     "gather": "executor.microbatch",
-    "is_checkpointing": "executor.checkpoint",
-    "is_recomputing": "executor.checkpoint",
+    "is_checkpointing": "executor.recompute",
+    "is_recomputing": "executor.recompute",
     "ExecutorError": "executor.errors",
     "MicroBatchError": "executor.errors",
     "PlacementError": "executor.errors",
     "DistributedError": "executor.errors",
     "DistributedPipeline": "executor.distributed",
     "PipelineFailure": "executor.distributed",
-    "ReplicatedPipeline": "executor.replicas",
-    "pipeline_mesh": "executor.replicas",
+    "ReplicatedPipeline": "executor.replicated",
+    "pipeline_mesh": "executor.replicated",
     "pin_local_rank": "executor.rank_cores",
 }
 

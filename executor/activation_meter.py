@@ -13,7 +13,7 @@ whole process, and freed pages are reused or not at the allocator's whim), so th
 a pipeline holds are counted where autograd keeps them: every tensor saved for backward passes
 through ``torch.autograd.graph.saved_tensors_hooks``. The pack hook charges the tensor's
 storage to the stage that ran last (a forward pre-hook on each stage module, which also covers
-executor.checkpoint's recomputation and the stage inputs its Checkpoint nodes save just after
+executor.recompute's recomputation and the stage inputs its Checkpoint nodes save just after
 the stage's call, and on each module of only one stage, which covers a part of a stage
 recomputed in the backward); code between the pipeline and its backward, the loss, runs under
 :meth:`ActivationMeter.outside`, which counts nothing and returns a small holder; autograd drops the holder

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from executor._torch_compat import BatchNormBase as _BatchNorm
-from executor.checkpoint import is_recomputing
+from executor.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 

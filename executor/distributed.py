@@ -22,17 +22,17 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 
 [Note: what crosses a cut] is in executor/wire.py.
 
-[Note: distributed recomputation] ``checkpoint`` follows executor.checkpoint's modes, one for
+[Note: distributed recomputation] ``checkpoint`` follows executor.recompute's modes, one for
 every stage or one per stage ([Note: per-stage recomputation] in executor/spec.py): stage ``i``
 recomputes the last ``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last
 under torch's schedules ([Note: which micro-batches recompute]), never in eval mode or
-under no_grad (as in executor.GPipe). It uses executor.checkpoint's own checkpoint (RNG
+under no_grad (as in executor.GPipe). It uses executor.recompute's own checkpoint (RNG
 replayed), so a recomputation costs what it costs in executor.GPipe and what the profile's
 ``recompute_ratio`` measured there ([Note: layers in sequence]): the forward keeps no graph at
 all, where torch.utils.checkpoint's non-reentrant forward still builds one (1.2-1.6x the
 recompute cost on the bundled examples). A PipelineStage receives a gradient before it starts a
 micro-batch's backward, so there is nothing to overlap the recomputation with: it runs when the
-gradient arrives, without executor.checkpoint's early-recompute lane.
+gradient arrives, without executor.recompute's early-recompute lane.
 
 [Note: a dead rank is an error, not a hang] Gloo may wait for a dead or stuck peer for the
 whole process-group timeout (30 minutes by default), or forever (pytorch#132644). The
@@ -45,7 +45,7 @@ does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Peers then see the connection dro
 [Note: tied parameters across ranks] A Parameter used by stages on different ranks (a GPT's
 tied embedding and head) exists once per rank. After each step the owners all-reduce (sum) its
 gradient on a group of just those ranks, so every copy holds the full gradient and identical
-optimizer steps keep the copies equal. Replicas of a pipeline (executor/replicas.py) pass each
+optimizer steps keep the copies equal. Replicas of a pipeline (executor/replicated.py) pass each
 tie's group of their own replica, and an FSDP-sharded copy all-reduces its local shard (the
 copies are sharded alike across replicas, so shard i meets shard i).
 """
@@ -71,9 +71,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from executor._torch_compat import is_communication_error, prefetch_support, warn_no_prefetch
-from executor.checkpoint import checkpoint_stop
 from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
+from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import SCHEDULES, check_stage_checkpoints
 from executor.watchdog import armed
@@ -139,7 +139,7 @@ class DistributedPipeline:
             default: a new group of every rank.
     """
 
-    dp_rank, dp_size = 0, 1  # one replica; executor.replicas.ReplicatedPipeline has more
+    dp_rank, dp_size = 0, 1  # one replica; executor.replicated.ReplicatedPipeline has more
 
     def __init__(
         self,

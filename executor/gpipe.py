@@ -5,7 +5,7 @@ linear chain"): stage 0 is called as ``stage0(*inputs)`` on each micro-batch, st
 with ``*out`` if stage ``j`` returned a tuple, else with ``out``; non-tensor values pass
 through. The last stage's outputs are concatenated along dim 0.
 
-Forward follows :func:`executor.schedule.clock_cycles`: at each clock the pipeline first
+Forward follows :func:`executor.fill_drain.clock_cycles`: at each clock the pipeline first
 *fences* (orders micro-batch ``i - 1`` behind ``i`` for backward, copies inputs across devices
 on copy streams) and then *computes* (one task per (micro-batch, stage) on that device's
 worker). Backward is plain autograd over the graph this built, which the fences make run in
@@ -17,7 +17,7 @@ of its stages' ``state_dict``s without a ``stages.N.`` prefix (a tied parameter 
 and ``load_state_dict`` accepts the original model's ``state_dict`` and reports missing and
 unexpected keys and size mismatches under the original keys, as the model itself would. Which
 keys a stage saves is the stage's business (autopipe's stages save exactly what the model does:
-autopipe/frontend/stages.py [Note: a stage saves what the model saves]). Stages whose local
+autopipe/frontend/building/stages.py [Note: a stage saves what the model saves]). Stages whose local
 names differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one
 string per stage prepended to its local keys (``"net."``).
 
@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from executor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from executor.checkpoint import Checkpointing, checkpoint_stop, depend
 from executor.errors import ExecutorError
+from executor.fill_drain import clock_cycles
 from executor.microbatch import Batch, gather, scatter
 from executor.placement import check_devices, place
-from executor.schedule import clock_cycles
+from executor.recompute import Checkpointing, checkpoint_stop, depend
 from executor.spec import TimelineEvent, check_stage_checkpoints
 from executor.stream import (
     AbstractStream,

@@ -21,7 +21,7 @@ as much as the rank's own thread, and while it runs the posting thread waits. Pi
 its own rank's core rather than landing on the other rank's; an empty pipeline, which is nothing
 but such messages, still paid it in about half the launches, pinned or not (3.1 ms an
 instrumented step against 4.1-4.6), the likely reason the call cost fitted on one
-([Note: measured transfer] in autopipe/frontend/comm.py) takes one of two values.
+([Note: measured transfer] in autopipe/frontend/profiling/comm.py) takes one of two values.
 
 Pinning only the rank's own thread after ``init_process_group`` (gloo's threads, started by
 it, left on every core, free to run on the other rank's idle core) measured no better in a

@@ -34,7 +34,7 @@ _KEEP = 4  # sizes whose stages and schedule are kept
 
 class _Stage(PipelineStage):
     """PipelineStage that tells its WireStage which micro-batches to recompute. ``submodule`` is
-    the WireStage itself, or the DistributedDataParallel wrapping it (executor/replicas.py)."""
+    the WireStage itself, or the DistributedDataParallel wrapping it (executor/replicated.py)."""
 
     def __init__(self, submodule: torch.nn.Module, wire: WireStage, recomputed: tuple[int, int],
                  *args: Any, **kwargs: Any) -> None:

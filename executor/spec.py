@@ -38,7 +38,7 @@ CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
 
 # How replicas of a pipeline keep a stage's parameters equal: "ddp" (DistributedDataParallel,
 # an all-reduce of the gradients) or "fsdp" (FSDP2 fully_shard: sharded parameters, gradients and
-# optimizer state). [Note: pipeline x data parallel] in autopipe/core/replicas.py.
+# optimizer state). [Note: pipeline x data parallel] in autopipe/core/data_parallel.py.
 DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
 
 # The data-parallel collectives of a stage, as timeline phases.

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from executor.checkpoint import get_phony
+from executor.recompute import get_phony
 from executor.spec import TimelineEvent
 
 __all__ = ["TimelineRecorder", "to_chrome_trace", "save_chrome_trace"]

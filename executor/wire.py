@@ -33,10 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from executor._torch_compat import TreeSpec, tree_flatten, tree_unflatten
-from executor.checkpoint import Checkpointing
 from executor.errors import DistributedError
 from executor.messages import Slot, layout, message_metas, pack, unpack
 from executor.microbatch import Batch
+from executor.recompute import Checkpointing
 from executor.symbolic import SymbolicRun, evaluate, symbolic_run
 
 __all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "cut_metas", "slots", "Sizes", "input_sizes",

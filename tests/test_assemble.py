@@ -17,7 +17,7 @@ from autopipe import BuildError, PlanError, ProfileError
 from autopipe.assemble import microbatch_inputs, pipeline
 from autopipe.core.profile_table import Profile
 from autopipe.examples import TinyGPT, get_example
-from autopipe.frontend.graph import LayerGraph, trace
+from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from executor import GPipe
 from tests.models import tiny_gpt2

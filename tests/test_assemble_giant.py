@@ -20,7 +20,7 @@ from torch import Tensor
 
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.examples import TinyGPT
-from autopipe.frontend.process_memory import PeakRss, rss_anon
+from autopipe.frontend.profiling.process_memory import PeakRss, rss_anon
 from tests.test_assemble_ranks import _ok, spawn
 
 # 28 blocks of 12 x 1536^2 parameters plus a 8000-token tied embedding: 3.2 GB in fp32
@@ -110,7 +110,7 @@ def _write_giant_weights(folder: Path) -> Path:
 _BUILD_ONE_PROCESS = textwrap.dedent("""
     import sys, torch, autopipe
     from autopipe.examples import TinyGPT
-    from autopipe.frontend.process_memory import PeakRss
+    from autopipe.frontend.profiling.process_memory import PeakRss
     torch.set_num_threads(1)
     with torch.device("meta"):
         model = TinyGPT(**eval(sys.argv[2]))

@@ -20,7 +20,7 @@ from autopipe import TraceError
 from autopipe.assemble import microbatch_inputs
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.core.plan import Plan
-from autopipe.frontend.graph import trace
+from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.distributed import DistributedError, DistributedPipeline
 from tests.frontend.test_dynamic_shapes import FixedView, hf_model

@@ -16,7 +16,7 @@ from autopipe.assemble import microbatch_inputs, pipeline
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
-from autopipe.frontend.graph import LayerGraph, trace
+from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from tests.test_assemble import cost_profile
 

@@ -30,7 +30,7 @@ from torch.testing import assert_close
 import autopipe
 from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
 from autopipe.errors import BuildError
-from autopipe.frontend.stages import RecomputedLayer
+from autopipe.frontend.building.stages import RecomputedLayer
 from executor.distributed import (
     DistributedError,
     DistributedPipeline,
@@ -348,8 +348,8 @@ def test_wires_round_trip_python_values() -> None:
 
 
 def test_infer_wires_and_last_stage_unflatten() -> None:
-    from autopipe.frontend.graph import trace
-    from autopipe.frontend.stages import split_stages
+    from autopipe.frontend.building.stages import split_stages
+    from autopipe.frontend.tracing.graph import trace
 
     model, inputs, _, _ = _case("multi")
     graph = trace(model, inputs)

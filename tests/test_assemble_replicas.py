@@ -25,7 +25,7 @@ from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
-from autopipe.frontend.graph import trace
+from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.distributed import PipelineFailure
 from tests.models import Skip

@@ -17,7 +17,7 @@ import autopipe
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
-from autopipe.frontend.weights import WeightsError, save_sharded
+from autopipe.frontend.building.weights import WeightsError, save_sharded
 
 CHUNKS = 4
 DEVICES = ["cpu"] * 3  # the plans are made for where the tests run them: no placement warning

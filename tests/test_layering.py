@@ -45,10 +45,15 @@ def test_executor_never_imports_autopipe() -> None:
     assert _violations("executor", ("autopipe",)) == []
 
 
+APPLICATION = ("autopipe.app", "autopipe.assemble", "autopipe.assemble_ranks", "autopipe.assemble_mesh")
+# the runtime's modules as a library: what every package may use of it
+RUNTIME_SHARED = ("executor.spec", "executor._torch_compat")
+
+
 @pytest.mark.parametrize("package", ["autopipe/core", "autopipe/solvers"])
 def test_the_planner_imports_no_torch_and_nothing_downstream(package: str) -> None:
-    downstream = ("torch", "autopipe.frontend", "autopipe.assemble", "autopipe.assemble_ranks",
-                  "autopipe.plot", "autopipe.app", "autopipe.examples", "executor")
+    downstream = ("torch", "autopipe.frontend", "autopipe.plot", "autopipe.examples", "executor",
+                  *APPLICATION)
     assert _violations(package, downstream, allowed=("executor.spec",)) == []
 
 
@@ -57,9 +62,32 @@ def test_solvers_are_not_imported_by_the_core() -> None:
 
 
 def test_the_frontend_does_not_reach_the_application_or_the_solvers() -> None:
-    assert _violations("autopipe/frontend", ("autopipe.app", "autopipe.assemble",
-                                             "autopipe.assemble_ranks", "autopipe.plot",
-                                             "autopipe.solvers")) == []
+    assert _violations("autopipe/frontend", ("autopipe.plot", "autopipe.solvers", "autopipe.examples",
+                                             *APPLICATION)) == []
+
+
+def test_tracing_knows_no_measurement_no_stages_and_no_runtime() -> None:
+    """A LayerGraph is made from the model alone: tracing imports neither of the jobs after it,
+    nor the runtime beyond its shared rules."""
+    assert _violations("autopipe/frontend/tracing", ("autopipe.frontend.profiling",
+                                                     "autopipe.frontend.building", "executor"),
+                       allowed=RUNTIME_SHARED) == []
+
+
+def test_building_stages_needs_no_measurement_and_no_runtime() -> None:
+    """Stage modules are cut from the graph by the plan: no profiler, no runtime beyond the
+    shared rules (so the runtime can run stages built on a machine that never profiled)."""
+    assert _violations("autopipe/frontend/building", ("autopipe.frontend.profiling", "executor"),
+                       allowed=RUNTIME_SHARED) == []
+
+
+def test_profiling_measures_the_runtime_it_predicts() -> None:
+    """Profiling times the runtime's own machinery ([Note: measured overheads], [Note: measured
+    transfer]): exactly these runtime modules, and no other."""
+    measured = ("executor.gpipe", "executor.distributed", "executor.rank_cores",
+                "executor.host_allocator")
+    assert _violations("autopipe/frontend/profiling", ("executor",),
+                       allowed=(*RUNTIME_SHARED, *measured)) == []
 
 
 def test_plots_read_plans_and_profiles_only() -> None:

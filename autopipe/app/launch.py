@@ -108,7 +108,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     import torch
 
     from autopipe.assemble import microbatch_inputs
-    from autopipe.frontend.graph import trace
+    from autopipe.frontend.tracing.graph import trace
 
     config.check()
     plan = Plan.load(config.plan) if config.plan else None
@@ -134,8 +134,8 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         plan.check(graph.layers, graph.fingerprint, micro_batch_size=math.ceil(batch // replicas / chunks))
         where = str(config.plan)
     else:
-        from autopipe.frontend.loss_timing import with_loss
-        from autopipe.frontend.profiler import profile
+        from autopipe.frontend.profiling.loss_timing import with_loss
+        from autopipe.frontend.profiling.profiler import profile
         from autopipe.solvers.partitioner import partition
 
         before = torch.get_num_threads()

@@ -19,9 +19,9 @@ from autopipe.app.model_spec import load_model
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
-from autopipe.frontend.comm import with_comm
-from autopipe.frontend.loss_timing import with_loss
-from autopipe.frontend.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
+from autopipe.frontend.profiling.comm import with_comm
+from autopipe.frontend.profiling.loss_timing import with_loss
+from autopipe.frontend.profiling.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
 
 __all__ = ["profile_to_file", "summary_table", "parse_shape"]
 

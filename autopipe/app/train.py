@@ -29,9 +29,9 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, BuildError
-from autopipe.frontend.graph import trace
-from autopipe.frontend.loss_timing import with_loss
-from autopipe.frontend.profiler import profile as profile_model
+from autopipe.frontend.profiling.loss_timing import with_loss
+from autopipe.frontend.profiling.profiler import profile as profile_model
+from autopipe.frontend.tracing.graph import trace
 from executor.spec import microbatch_sizes
 
 __all__ = ["TrainReport", "median_ms", "train_example"]

@@ -10,7 +10,7 @@ call and the transfers it sends (see [Note: measured overheads], [Note: transfer
 the stage's busy time per iteration; the slowest stage (the bottleneck) sets the pipeline's pace.
 
 [Note: measured overheads] Two things the per-layer profile leaves out, measured by the profiler
-(autopipe/frontend/overheads.py) and kept in the profile's metadata; a profile without them
+(autopipe/frontend/profiling/overheads.py) and kept in the profile's metadata; a profile without them
 (older ones, synthetic ones) gets today's model: no fixed cost and a ratio of 1.
 - ``stage_call_fwd_ms`` / ``stage_call_bwd_ms``: the fixed cost of running ONE micro-batch
   through ONE stage module, forward and backward, whatever its layers (the module's call, the
@@ -52,7 +52,7 @@ order and checkpoints the mirror-image micro-batches, so the same formula is exa
 peaks equal these (tests/core/test_simulator.py).
 
 Replicas of the pipeline (``data_parallel``) change a stage's state bytes and add its
-collectives (per iteration, not per micro-batch): autopipe/core/replicas.py, [Note: pipeline x
+collectives (per iteration, not per micro-batch): autopipe/core/data_parallel.py, [Note: pipeline x
 data parallel].
 
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
@@ -69,6 +69,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from autopipe.core.data_parallel import (
+    check_data_parallel,
+    grad_sync_ms,
+    param_gather_ms,
+    state_factor,
+)
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import FloatArray, LayerCosts
 from autopipe.core.recomputed_layers import (
@@ -77,7 +83,6 @@ from autopipe.core.recomputed_layers import (
     segment_freed,
     segments,
 )
-from autopipe.core.replicas import check_data_parallel, grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.core.stage_cost import StageCost
 from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms

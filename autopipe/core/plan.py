@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from autopipe.core import plan_text
+from autopipe.core.atomic_files import atomic_write_text
 from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
@@ -40,7 +41,6 @@ from autopipe.core.cost import (
     resolve_devices,
     stage_costs,
 )
-from autopipe.core.files import atomic_write_text
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, PlanError
@@ -145,7 +145,7 @@ class Plan:
         ``checkpoint`` is one mode or a list of one mode per stage; ``schedule`` one of
         executor.spec.SCHEDULES (``interleaved1f1b`` cycles the stages over the distinct device
         names). ``data_parallel`` replicas of it, synced as ``dp_mode`` says, each run
-        ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/replicas.py).
+        ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/data_parallel.py).
         ``recompute_layers``: layers recomputed in the backward (consecutive ones as one
         segment), in stages of mode ``never`` ([Note: recomputed layers] in
         autopipe/core/recomputed_layers.py).

@@ -1,6 +1,6 @@
 """The Profile value: one row of measured costs per layer, plus the edges between layers.
 
-A Profile is what the partitioner reads. It is measured by ``autopipe.frontend.profiler`` (torch), but it
+A Profile is what the partitioner reads. It is measured by ``autopipe.frontend.profiling.profiler`` (torch), but it
 is a plain pandas table, so it can also be written by hand or converted from another tool::
 
     import pandas as pd
@@ -63,7 +63,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from autopipe.core.files import atomic_write_text
+from autopipe.core.atomic_files import atomic_write_text
 from autopipe.errors import ProfileError
 
 __all__ = ["Profile", "fingerprint_mismatch", "micro_batch_text"]
@@ -226,7 +226,7 @@ def fingerprint_mismatch(made_for: str | None, other: str | None) -> str | None:
     None when they match or either is unknown; ``"model"`` when the layers or their parameter
     shapes differ; ``"shape"`` when only the shapes flowing through them do (another
     micro-batch); ``"graph"`` when an older one-part fingerprint cannot tell which. Fingerprints
-    are ``FULL.STRUCTURE`` ([Note: two-part fingerprint] in autopipe/frontend/graph.py); FULL
+    are ``FULL.STRUCTURE`` ([Note: two-part fingerprint] in autopipe/frontend/tracing/graph.py); FULL
     alone decides whether they match, so files from before the STRUCTURE part still do.
     """
     if made_for is None or other is None:

@@ -9,7 +9,7 @@ checkpointed as a whole recomputes them anyway). Layers next to each other in th
 order and in the same stage form one SEGMENT: one ``torch.utils.checkpoint`` around all of
 them (reentrant, as executor.GPipe's own; an empty anchor tensor that needs a gradient among
 its inputs lets it reach the parameters of a segment fed by the caller's batch), built by
-autopipe/frontend/stages.py, which runs the segment on copies of its inputs (a later in-place
+autopipe/frontend/building/stages.py, which runs the segment on copies of its inputs (a later in-place
 op on one, an in-place ReLU after a residual add, must not change what the backward recomputes
 from).
 
@@ -35,7 +35,7 @@ and adds its time to the stage's backward, for every micro-batch. While a segmen
 its saves live again for that micro-batch, after the backward of the stage's later layers freed
 theirs: :func:`recompute_peak` adds the largest ``sum(saved[G]) - sum(saved[later layers not
 recomputed])`` (at least 0) to the stage's peak once (counted to the byte by
-executor.ActivationMeter in tests/frontend/test_recompute_alone.py). :func:`choose` picks the
+executor.ActivationMeter in tests/frontend/building/test_recompute_alone.py). :func:`choose` picks the
 segments of one stage that free at least the bytes asked for at the least time: a DP over the
 stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
 bisected; segments are at most ``MAX_SEGMENT`` layers. The planner applies it after the split

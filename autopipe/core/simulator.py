@@ -15,7 +15,7 @@ after a backward its input gradients; sends occupy the sender, and receiving occ
 receiver for its share of the bytes right before the forward or backward that reads them
 ([Note: transfer cost]).
 
-Replicas ([Note: pipeline x data parallel] in autopipe/core/replicas.py): a stage with a
+Replicas ([Note: pipeline x data parallel] in autopipe/core/data_parallel.py): a stage with a
 ``param_gather_ms`` all-gathers its parameters right before its first forward, on its device;
 its ``grad_sync_ms`` collective (all-reduce, or reduce-scatter after a gather) starts when its
 last backward's compute ends, on the device's communication stream (one collective at a time
@@ -46,7 +46,7 @@ from autopipe.core.cost import (
     recompute_ms,
     stage_costs,
 )
-from autopipe.core.replicas import sync_phase
+from autopipe.core.data_parallel import sync_phase
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
 from autopipe.errors import PlanError
 from executor.spec import (

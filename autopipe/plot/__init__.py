@@ -20,8 +20,8 @@ Each function is pure: it reads its arguments and returns a new ``matplotlib.fig
 from __future__ import annotations
 
 from autopipe.plot.balance import compare_plans, plot_balance
-from autopipe.plot.files import FIGURES, plot_plan_file, save_figure
 from autopipe.plot.per_layer import plot_profile
+from autopipe.plot.plan_file import FIGURES, plot_plan_file, save_figure
 from autopipe.plot.timeline import bubble_fraction, plot_timeline
 
 __all__ = [

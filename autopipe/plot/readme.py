@@ -19,7 +19,7 @@ from pathlib import Path
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate
 from autopipe.plot.balance import plot_balance
-from autopipe.plot.files import save_figure
+from autopipe.plot.plan_file import save_figure
 from autopipe.plot.timeline import plot_timeline
 from autopipe.solvers.partitioner import partition
 

@@ -7,7 +7,7 @@
 (:class:`CbcLog`) line by line. With ``on_progress`` it calls back with a
 :class:`SolverProgress` whenever the best split found (the incumbent) or the proven lower bound
 improves, and about every half second in between; :class:`ProgressLine` shows those as one
-tqdm line on stderr ([Note: progress on a terminal] in autopipe.frontend.profiler).
+tqdm line on stderr ([Note: progress on a terminal] in autopipe.frontend.profiling.profiler).
 
 [Note: CBC's log through a pseudo-terminal] CBC prints with C stdio, which buffers 4 KiB at a
 time when stdout is a file or a pipe, so tailing a log file shows nothing of a hard solve for

@@ -29,9 +29,9 @@ from autopipe.core.cost import (
     resolve_devices,
     schedule_ranks,
 )
+from autopipe.core.data_parallel import check_data_parallel, replica_devices
 from autopipe.core.plan import Plan, SolverInfo
 from autopipe.core.profile_table import Profile
-from autopipe.core.replicas import check_data_parallel, replica_devices
 from autopipe.core.scaling import measured_sizes, profile_at, rows_for
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
@@ -41,9 +41,9 @@ from autopipe.solvers.baselines import (
     uniform_sizes,
 )
 from autopipe.solvers.cbc_log import ProgressLine
+from autopipe.solvers.data_parallel_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import solve_ilp
-from autopipe.solvers.replicas_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.search import INTERLEAVED_PER_RANK, Setting, chunk_candidates, search
 from autopipe.solvers.stage_dp import budget_devices
 from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
@@ -117,7 +117,7 @@ def partition(
     rows of the global ``batch_size`` (default: the profile's), their gradients synced as
     ``dp_mode`` says (``ddp``: all-reduce, ``fsdp``: sharded state); ``data_parallel="auto"``
     tries every divisor D of N by simulated time per global batch ([Note: pipeline x data
-    parallel] in autopipe/core/replicas.py, autopipe/solvers/replicas_search.py). Raises
+    parallel] in autopipe/core/data_parallel.py, autopipe/solvers/data_parallel_search.py). Raises
     PartitionError when no split fits.
     """
     if not isinstance(profile, Profile):
@@ -153,7 +153,7 @@ def partition(
 
 
 def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:
-    """D replicas of a pipeline, or the fastest D: see autopipe/solvers/replicas_search.py."""
+    """D replicas of a pipeline, or the fastest D: see autopipe/solvers/data_parallel_search.py."""
     check_data_parallel(1 if data_parallel == "auto" else data_parallel, dp_mode)
     devices = args["devices"]
     pool = None if devices is None else resolve_devices(None, devices, args["memory_limit"])

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from executor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from executor.checkpoint import _flag, is_recomputing
 from executor.gpipe import GPipe
+from executor.recompute import _flag, is_recomputing
 from tests.models import BNNet
 
 

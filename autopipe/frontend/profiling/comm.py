@@ -1,0 +1,321 @@
+"""What crossing between two ranks costs: a point-to-point micro-benchmark and its fit.
+
+    prof = with_comm(profile(model, inputs, chunks=8))    # autopipe profile --comm
+    prof.meta["comm_latency_ms"], prof.meta["comm_bandwidth"]
+
+[Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/transfer.py)
+Two processes are spawned and joined by gloo (NCCL, one GPU each, when the profile is for CUDA
+and two GPUs are there), each with one CPU thread (on a CPU, each pinned to its half of the
+cores: [Note: ranks pinned to cores] in executor/rank_cores.py), as the distributed runtime's
+ranks run:
+
+- A ping-pong at each of ``COMM_SIZES``: rank 0 sends, rank 1 sends the same bytes back; half
+  the median round trip is one crossing. :func:`fit_transfer` fits ``latency + bytes /
+  bandwidth`` to them, weighing relative errors alike (a least-squares line on absolute times
+  would let the largest size decide the latency too).
+- A late receive of the largest size: rank 1 sends, rank 0 posts its receive ``_LATE_MS``
+  later; what that receive takes beyond the latency, over the same bytes' time on the wire,
+  is ``comm_receive_share``: the receiving stage's share of a crossing ([Note: transfer cost]
+  in autopipe/core/transfer.py; about 1 over gloo here: the bytes move only once the receive
+  is posted).
+- The distributed runtime's own cost per micro-batch: executor.DistributedPipeline over two
+  near-EMPTY stages (one 1-element weight each), ``chunks`` micro-batches, GPipe. The simulator
+  charges such a pipeline ``(M + 1) x (fwd + bwd call) + 2 M x latency`` for a training step and
+  ``(M + 1) x fwd call + M x latency`` for a forward-only one (``eval_step``), so the two timed
+  steps give the call costs (:func:`fit_call_ms` inverts the simulator itself for the first).
+  The same empty pipeline under torch's 1F1B, whose every crossing sits on the critical path
+  and which posts no receive ahead, costs more per micro-batch (about twice GPipe's on 2 gloo
+  ranks sharing 2 cores): its fit is ``stage_call_1f1b_fwd_ms`` / ``_bwd_ms`` (split as
+  GPipe's), which 1F1B plans pay ([Note: measured overheads] in autopipe/core/cost.py); and
+  4 such stages, 2 per rank, under interleaved 1F1B give ``stage_call_interleaved1f1b_*``
+  where torch's schedule takes the chunks (else interleaved plans pay 1F1B's). They describe this runtime (its schedule, PipelineStage's
+  bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: the
+  profile's ``stage_call_fwd_ms`` / ``stage_call_bwd_ms`` become them and executor.GPipe's move
+  to ``gpipe_call_fwd_ms`` / ``gpipe_call_bwd_ms``, so a ``--comm`` profile predicts the
+  distributed runtime ([Note: measured overheads]).
+
+On a CPU machine both ranks share the host: these numbers include the cores they compete for,
+as the pipeline's own transfers do. An empty pipeline is nothing but messages, and in about half
+the launches gloo's I/O thread takes more of each step ([Note: ranks pinned to cores] in
+executor/rank_cores.py): its fitted call cost came out near one of two values per launch (GPipe
+0.17-0.25 or 0.44-0.49 ms per stage call on 2 pinned gloo ranks), and real pipelines ran as the
+higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms, 1.11-1.20x with
+0.17-0.23). So the ranks are launched ``COMM_LAUNCHES`` times: the crossings are the median
+launch's, each empty pipeline's step its slower launch's (two runs of the 2-rank table since:
+24 of 24 rows within 0.96-1.06x and 0.93-1.07x, where one launch had given 24, 23 and 21).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.spawn import ProcessExitedException, start_processes
+
+from autopipe.errors import ProfileError, first_line
+from executor.rank_cores import pin_local_rank
+from executor.spec import SCHEDULES
+
+SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPipe
+
+if TYPE_CHECKING:  # the spawned ranks never load pandas
+    from autopipe.core.profile_table import Profile
+
+__all__ = ["COMM_LAUNCHES", "COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "receive_share",
+           "with_comm"]
+
+COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
+COMM_REPEATS = 20
+EMPTY_STEPS = 30
+COMM_LAUNCHES = 2  # the empty pipelines' steps are fitted from the slower launch
+_WARMUP = 3
+_LATE_MS = 5.0  # how long a receive is posted after its send
+
+
+def fit_transfer(nbytes: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
+    """``(latency ms, bandwidth bytes/s)`` of ``ms ~ latency + nbytes / bandwidth``, each point
+    weighted by ``1 / ms**2`` (relative errors); latency >= 0, bandwidth ``inf`` when the times
+    do not grow with the bytes."""
+    x, t = np.asarray(nbytes, dtype=np.float64), np.asarray(ms, dtype=np.float64)
+    if x.shape != t.shape or x.size < 2 or (t <= 0).any():
+        raise ProfileError(f"fit_transfer needs two or more (bytes, ms > 0) points, got {x.tolist()}, {t.tolist()}")
+    rows = np.stack([np.ones_like(x), x], axis=1) / t[:, None]  # relative errors: divide by t
+    latency, slope = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)[0]
+    if slope <= 1e-12:  # no growth with the bytes (over 1e15 bytes/s): a constant
+        return float(t.size / np.sum(1.0 / t)), math.inf
+    if latency < 0:  # through the origin
+        latency, slope = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    return float(latency), 1000.0 / float(slope)
+
+
+def _one_way_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
+    times = []
+    for i in range(_WARMUP + repeats):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        if i >= _WARMUP:
+            times.append((time.perf_counter() - t0) * 1e3 / 2)
+    return statistics.median(times)
+
+
+def _late_receive_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
+    """Rank 0's receive of ``x``, posted ``_LATE_MS`` after rank 1 posted its send: what the
+    receiving end of a crossing costs when the message waited ([Note: transfer cost])."""
+    times = []
+    for i in range(_WARMUP + repeats):
+        dist.barrier()
+        if rank == 1:
+            dist.send(x, 0)
+            continue
+        time.sleep(_LATE_MS / 1e3)
+        t0 = time.perf_counter()
+        dist.recv(x, 1)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        if i >= _WARMUP:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times) if times else 0.0
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def interleaves(chunks: int) -> bool:
+    """Whether torch's interleaved 1F1B runs ``chunks`` micro-batches on 2 ranks."""
+    return chunks % max(1, chunks // 2) == 0
+
+
+def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> dict[str, float]:
+    """Median ms of a 2-rank pipeline of near-empty stages: a training step under each schedule
+    (interleaved: 4 stages, 2 per rank, where the chunks allow), a GPipe forward-only step."""
+    from executor.distributed import DistributedPipeline, infer_wires
+
+    stages = [_Scale().to(device) for _ in range(4)]
+    x = torch.ones(chunks, 1, device=device)
+
+    def pipeline(schedule: str) -> DistributedPipeline:
+        k = 4 if schedule == "interleaved1f1b" else 2
+        mine = list(range(rank, k, 2))
+        return DistributedPipeline([stages[i] for i in mine], mine, k, loss_fn=lambda out, _: out.sum(),
+                                   chunks=chunks, checkpoint="never", wires=infer_wires(stages[:k], (x[:1],)),
+                                   device=device, schedule=schedule)
+
+    pipes = {s: pipeline(s) for s in ("gpipe", *SCHEDULE_CALLS) if s != "interleaved1f1b" or interleaves(chunks)}
+    target = torch.zeros(chunks, device=device)
+
+    def median_ms(step: Any) -> float:
+        times = []
+        for i in range(_WARMUP + steps):
+            t0 = time.perf_counter()
+            step(x, target=target)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= _WARMUP:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return {"fwd": median_ms(pipes["gpipe"].eval_step), **{s: median_ms(p.step) for s, p in pipes.items()}}
+
+
+def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], repeats: int,
+          chunks: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cpu":  # as `autopipe run` places its ranks, before gloo starts its threads
+        pin_local_rank(rank, 2)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
+        ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
+              for n in sizes]
+        late = _late_receive_ms(torch.zeros(max(sizes) // 4, device=device), rank, repeats)
+        steps_ms = _empty_pipeline_ms(rank, device, chunks, steps)
+        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "late": late, **steps_ms}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(backend: str, sizes: Sequence[int], repeats: int, chunks: int, steps: int) -> list[dict[str, Any]]:
+    """Each of two freshly spawned ranks' measurements (``_rank``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            start_processes(_rank, args=(port, out, backend, list(sizes), repeats, chunks, steps),
+                            nprocs=2, start_method="spawn")
+        except Exception as err:  # noqa: BLE001 - a child's traceback: one line
+            if isinstance(err, ProcessExitedException) or "bootstrapping phase" in str(err):
+                # a rank died before measuring, or this IS a rank re-running the caller's script
+                raise ProfileError(f"a measuring rank exited before it measured ({first_line(err)}); from a "
+                                   "script, call this under `if __name__ == \"__main__\":` (the two ranks are "
+                                   "spawned and import the script first), or profile without --comm") from None
+            raise ProfileError(f"the 2-process transfer measurement failed ({str(err).strip().splitlines()[-1]}); "
+                               "profile without --comm") from None
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
+
+
+def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
+                 sizes: Sequence[int] = COMM_SIZES, repeats: int = COMM_REPEATS,
+                 steps: int = EMPTY_STEPS, launches: int = COMM_LAUNCHES) -> dict[str, Any]:
+    """The profile metadata of [Note: measured transfer]: two ranks spawned here ``launches``
+    times (a few seconds each)."""
+    dev = torch.device(device)
+    backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+    runs = [_launch(backend, sizes, repeats, chunks, steps) for _ in range(max(1, launches))]
+    # a crossing: the slower rank's time, the median launch; each step: its slower launch
+    ms = [statistics.median(max(r[0]["ms"][i], r[1]["ms"][i]) for r in runs) for i in range(len(sizes))]
+    late = statistics.median(r[0]["late"] for r in runs)
+    step = {k: max(rank[k] for r in runs for rank in r) for k in runs[0][0] if k not in ("ms", "late")}
+    sent = [max(n // 4, 1) * 4 for n in sizes]  # whole float32s
+    latency, bandwidth = fit_transfer(sent, ms)
+    ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
+    receive = receive_share(late, max(sent), latency, ms_per_byte)
+    call = fit_call_ms(step["gpipe"], "gpipe", chunks, latency, ms_per_byte)
+    # the forward-only step: M + 1 forward calls and M crossings in a row
+    call_fwd = min(max(step["fwd"] - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
+    share = call_fwd / call if call > 0 else 0.5
+    meta: dict[str, Any] = {
+        "comm_backend": backend, "comm_latency_ms": round(latency, 6),
+        "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
+        "comm_sizes": sent, "comm_ms": [round(t, 6) for t in ms],
+        "comm_late_receive_ms": round(late, 6), "comm_receive_share": round(receive, 4),
+        "comm_launches": len(runs),
+        "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
+        "stage_call_of": "DistributedPipeline"}
+    for schedule in SCHEDULE_CALLS:
+        if schedule in step:
+            fitted = fit_call_ms(step[schedule], schedule, chunks, latency, ms_per_byte, share)
+            meta[f"stage_call_{schedule}_fwd_ms"] = round(fitted * share, 6)
+            meta[f"stage_call_{schedule}_bwd_ms"] = round(fitted * (1 - share), 6)
+    return meta
+
+
+RECEIVE_SHARE_RANGE = (0.0, 2.0)  # outside it, a measurement is noise: clamp
+
+
+def receive_share(late_ms: float, nbytes: int, latency_ms: float, ms_per_byte: float) -> float:
+    """What a late receive of ``nbytes`` cost beyond the latency, over the bytes' time on the
+    wire: the receiving end's share of a crossing ([Note: transfer cost]); 0 where transfers
+    are free."""
+    if ms_per_byte <= 0 or nbytes <= 0:
+        return 0.0
+    share = max(late_ms - latency_ms, 0.0) / (nbytes * ms_per_byte)
+    return min(max(share, RECEIVE_SHARE_RANGE[0]), RECEIVE_SHARE_RANGE[1])
+
+
+def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, ms_per_byte: float,
+                fwd_share: float = 0.5) -> float:
+    """The call cost per stage and micro-batch (forward + backward, split ``fwd_share``) whose
+    SIMULATED training step of empty stages on 2 ranks under ``schedule`` (2 stages; 4 for
+    interleaved 1F1B; one float crossing each way per micro-batch and cut) takes ``step_ms``:
+    the simulator's own formula, inverted by bisection."""
+    from autopipe.core.simulator import simulate_stages  # not in the spawned ranks
+    from autopipe.core.stage_cost import StageCost
+
+    def simulated(call: float) -> float:
+        stage = StageCost(fwd_ms=0.0, bwd_ms=0.0, recompute_ms=0.0, transfer_ms=0.0, param_bytes=0,
+                          activation_bytes=0, input_bytes=4, output_bytes=4, saved_bytes=0,
+                          call_fwd_ms=call * fwd_share, call_bwd_ms=call * (1 - fwd_share),
+                          latency_ms=latency_ms)
+        k = 4 if schedule == "interleaved1f1b" else 2
+        return simulate_stages([stage] * k, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+                               schedule=schedule, devices=[f"rank{s % 2}" for s in range(k)]).iteration_time
+
+    low, high = 0.0, max(step_ms, 0.0)
+    if simulated(low) >= step_ms:
+        return 0.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if simulated(mid) < step_ms else (low, mid)
+    return (low + high) / 2
+
+
+def with_comm(profile: Profile, device: str | torch.device | None = None, *, model: nn.Module | None = None,
+              example_inputs: Any = None, **kwargs: Any) -> Profile:
+    """``profile`` with [Note: measured transfer]'s metadata (on the profiled device and chunks
+    unless given); executor.GPipe's stage call kept as ``gpipe_call_*_ms``. With the profiled
+    ``model`` and ``example_inputs`` (on a CPU), also how much slower a rank computes beside
+    another ([Note: ranks sharing a host] in autopipe/frontend/profiling/rank_contention.py)."""
+    from autopipe.core.profile_table import Profile
+    from autopipe.frontend.profiling.rank_contention import with_rank_contention
+
+    if model is not None and example_inputs is not None:
+        profile = with_rank_contention(profile, model, example_inputs)
+
+    meta = dict(profile.meta)
+    kwargs.setdefault("chunks", int(meta.get("chunks") or 8))
+    measured = measure_comm(device if device is not None else str(meta.get("device_type") or "cpu"), **kwargs)
+    for phase in ("fwd", "bwd"):
+        if f"stage_call_{phase}_ms" in meta and meta.get("stage_call_of") != "DistributedPipeline":
+            meta[f"gpipe_call_{phase}_ms"] = meta[f"stage_call_{phase}_ms"]
+    return Profile(profile.df, profile.edges, {**meta, **measured})

@@ -1,0 +1,146 @@
+"""Time and measure one layer alone, forward and backward, on copies of the values it reads.
+
+[Note: in-place layers] A layer's inputs are recorded once and cloned before every repeat, and
+an input that needs a gradient is passed as a non-leaf clone of a fresh leaf. So a layer that
+writes its input in place (``ReLU(inplace=True)``) neither corrupts the recorded values of later
+repeats nor trips autograd's "leaf variable used in an in-place operation" check; torchgpipe's
+profiler breaks on exactly that.
+
+[Note: harness overhead] Timing a layer alone adds costs the real pipeline does not pay: the
+call of the layer's GraphModule, and above all one ``torch.autograd.backward`` call per layer
+(engine start-up, the input's clone and gradient accumulation), about 20 us on a CPU. For a
+small layer that is more than its work. The profiler times an EMPTY layer (inputs -> outputs,
+no op) through the very same code path and subtracts its median from every layer's (clamped at
+zero); the amounts are recorded in the metadata as ``harness_fwd_ms`` / ``harness_bwd_ms``.
+benchmarks/profile_accuracy.py checks the result: the sum over layers against a whole-model
+forward + backward of the same micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopipe.frontend.profiling.replay import LayerCall, Values
+from autopipe.frontend.profiling.timing import MemoryMeter, Timer, median
+from executor._torch_compat import tree_leaves, tree_map_only
+
+__all__ = ["probe", "shared_saved", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key"]
+
+CALIBRATION_REPEATS = 50
+CALIBRATION_WARMUP = 2
+
+
+def fresh(value: Any) -> Any:
+    """A private copy of a recorded value; tensors that need grad become non-leaf clones."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            return t.detach().clone().requires_grad_().clone()
+        return t.clone()
+
+    return tree_map_only(torch.Tensor, copy, value)
+
+
+def backward_roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Output tensors to backpropagate from, with all-ones output gradients."""
+    roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        storage = t.untyped_storage()
+        return int(storage.data_ptr()), int(storage.nbytes())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested ...)
+        return id(t), int(t.numel()) * t.element_size()
+
+
+def probe(
+    call: LayerCall, values: Values, meter: MemoryMeter, state: set[int]
+) -> tuple[int, list[int], int, int | None]:
+    """One untimed forward + backward: bytes saved for backward (all, of them each input's,
+    of them the outputs') and peak memory ([Note: saved once])."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = storage_key(t)
+        if ptr not in state:  # parameters and buffers are state, not activations
+            saved[ptr] = nbytes
+        return t
+
+    args = fresh(call.arguments(values))
+    meter.start()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call.module(*args)
+    roots, grads = backward_roots(out)
+    if roots:
+        torch.autograd.backward(roots, grads)
+    peak = meter.peak()
+
+    def of(value: Any) -> int:
+        keys = {storage_key(t)[0] for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
+        return sum(n for k, n in saved.items() if k in keys)
+
+    return sum(saved.values()), [of(a) for a in args], of(out), peak
+
+
+def shared_saved(edges: Iterable[tuple[str, str, int]],
+                 ends: dict[str, tuple[int, int, int]]) -> dict[str, int]:
+    """[Note: saved once] Of what each layer saves of its inputs, the bytes that are held
+    anyway: the graph's inputs (the caller's batch) and what its producers already save as
+    their outputs (``min(the rest, sum of the producers' saved outputs)``)."""
+    produced: dict[str, int] = dict.fromkeys(ends, 0)
+    for src, dst, _ in edges:
+        produced[dst] += ends[src][2]
+    return {name: batch + min(saved_in - batch, produced[name])
+            for name, (saved_in, batch, _) in ends.items()}
+
+
+def timed_step(timer: Timer, forward: Callable[[], Any]) -> tuple[float, float]:
+    """One timed forward and, if its output needs a gradient, one timed backward (ms)."""
+    timer.synchronize()
+    out, f_ms = timer(forward)
+    roots, grads = backward_roots(out)
+    if not roots:
+        return f_ms, 0.0
+    return f_ms, timer(functools.partial(torch.autograd.backward, roots, grads))[1]
+
+
+def time_runs(
+    timer: Timer, make_forward: Callable[[], Callable[[], Any]], repeats: int, warmup: int
+) -> tuple[float, float]:
+    """Median forward and backward ms over ``repeats`` steps after ``warmup`` untimed ones.
+
+    ``make_forward`` returns a fresh zero-argument forward for every step (fresh inputs).
+    """
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + repeats):
+        f_ms, b_ms = timed_step(timer, make_forward())
+        if i >= warmup:
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+    return median(fwd), median(bwd)
+
+
+def time_layer(
+    call: LayerCall, values: Values, timer: Timer, repeats: int, warmup: int
+) -> tuple[float, float]:
+    def make_forward() -> Callable[[], Any]:
+        return functools.partial(call.module, *fresh(call.arguments(values)))
+
+    return time_runs(timer, make_forward, repeats, warmup)
+
+
+def harness_overhead(timer: Timer, device: torch.device) -> tuple[float, float]:
+    """Forward and backward ms that timing an EMPTY layer costs: see [Note: harness overhead]."""
+    graph = fx.Graph()
+    graph.output((graph.placeholder("x"),))
+    call = LayerCall("<empty>", fx.GraphModule(nn.Module(), graph), ["x"], ["x"])
+    values = Values({"x": torch.zeros(1, device=device, requires_grad=True)})
+    return time_layer(call, values, timer, CALIBRATION_REPEATS, CALIBRATION_WARMUP)

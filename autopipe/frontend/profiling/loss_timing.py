@@ -1,0 +1,109 @@
+"""What the loss costs the last stage: timed on the model's output, into the profile's metadata.
+
+    prof = with_loss(profile(model, (x,), chunks=4), model, (x,), target, loss_fn)
+    prof.meta["loss_fwd_ms"], prof.meta["loss_bwd_ms"]
+
+[Note: the loss in the last stage] Every runtime computes the loss on the last stage's output and
+back-propagates it there first, so the last stage pays the loss's forward and backward for every
+micro-batch, and no layer of the traced graph holds them. Over a language model's logits it is
+not small: the bundled gpt's cross-entropy takes 0.24 + 0.21 ms per 64-row micro-batch (about 1%
+of its step, 3% of its last stage's), and a head over a 32k-150k-token vocabulary pays far more.
+:func:`with_loss` times ``loss_fn(output, target)`` and its backward on one micro-batch (the
+profile's rows, on the profiled device; the output detached as a leaf, so only the loss runs)
+into ``meta["loss_fwd_ms"]`` and ``meta["loss_bwd_ms"]``. The cost model adds both to the LAST
+layer's backward (autopipe/core/layer_costs.py): the last stage always holds the last layer, and
+a backward is never recomputed, so every solver, the Plan and the simulator charge it once per
+micro-batch to the last stage. At another micro-batch size it scales with the rows
+([Note: micro-batch scaling] in autopipe/core/scaling.py). A model on the meta device, or one
+profiled layer by layer (which may not fit the device whole), is never run whole ([Note: layer
+by layer]): its profile keeps no loss time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autopipe.errors import ProfileError
+from autopipe.frontend.building.materialize import has_meta_tensors
+from autopipe.frontend.profiling.inputs import micro_batch, to_device
+from autopipe.frontend.profiling.preserve import preserved
+from autopipe.frontend.profiling.timing import Timer, median, timer_for
+from executor._torch_compat import tree_map_only
+
+if TYPE_CHECKING:
+    from autopipe.core.profile_table import Profile
+
+__all__ = ["LOSS_REPEATS", "loss_ms", "with_loss"]
+
+LOSS_REPEATS = 10
+LOSS_WARMUP = 2
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+
+
+def loss_ms(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any], timer: Timer,
+            repeats: int = LOSS_REPEATS, warmup: int = LOSS_WARMUP) -> tuple[float, float]:
+    """Median ms of ``loss_fn(output, target)`` and of its backward, the output a fresh leaf
+    each time ([Note: the loss in the last stage])."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + repeats):
+        out = tree_map_only(torch.Tensor, _leaf, output)
+        timer.synchronize()
+        try:
+            loss, f_ms = timer(functools.partial(loss_fn, out, target))
+        except Exception as err:  # noqa: BLE001 - the user's loss: one line, not its traceback
+            raise ProfileError(f"loss_fn(output, target) failed on one micro-batch ({type(err).__name__}: "
+                               f"{err}); pass the loss and target the pipeline will train with") from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ProfileError(f"loss_fn(output, target) returned {type(loss).__name__}"
+                               f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}"
+                               "; it must return a scalar tensor, as the pipeline back-propagates it")
+        b_ms = timer(loss.backward)[1] if loss.requires_grad else 0.0
+        if i >= warmup:
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+    return median(fwd), median(bwd)
+
+
+def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: Any,
+              loss_fn: Callable[[Any, Any], Any] | None, device: str | torch.device | None = None) -> Profile:
+    """``profile`` with the loss's time per micro-batch in its metadata ([Note: the loss in the
+    last stage]); ``example_inputs`` and ``target`` are the batch the profile was measured on
+    (each sliced to one micro-batch by the profile's chunks, as the profiler does). Without a
+    loss or a target (a model given without them), the profile as it is."""
+    from autopipe.core.profile_table import Profile
+
+    meta = dict(profile.meta)
+    if loss_fn is None or target is None:
+        return profile
+    if has_meta_tensors(model) or meta.get("mode") == "layers":
+        return profile  # never run whole: it may not fit where it was profiled
+    chunks = int(meta.get("chunks") or 1)
+    inputs, batch, micro = micro_batch(example_inputs, chunks)
+    try:
+        targets, target_batch, _ = micro_batch(target, chunks)
+    except ProfileError as err:
+        raise ProfileError(f"target: {err}") from None
+    if batch != target_batch:
+        raise ProfileError(f"the target has {target_batch} rows and the inputs {batch}; pass the "
+                           "target of the same batch")
+    if meta.get("batch_size") not in (None, batch):
+        raise ProfileError(f"the profile was measured on a batch of {meta['batch_size']} rows, these "
+                           f"inputs have {batch}; pass the batch it was measured on")
+    dev = torch.device(device if device is not None else str(meta.get("device_type") or "cpu"))
+    with preserved(model, dev):
+        with torch.no_grad():
+            output = model(*to_device(inputs, dev))
+        on_device = to_device(targets, dev)
+        fwd, bwd = loss_ms(output, on_device if isinstance(target, tuple) else on_device[0], loss_fn,
+                           timer_for(dev))
+    meta.update({"loss_fwd_ms": round(fwd, 6), "loss_bwd_ms": round(bwd, 6), "loss_micro_batch_size": micro})
+    return Profile(profile.df, profile.edges, meta)

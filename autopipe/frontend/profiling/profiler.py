@@ -1,0 +1,409 @@
+"""profile(model, example_inputs) -> Profile: measure every layer of one micro-batch.
+
+    prof = autopipe.profile(model, (x,), chunks=4)       # x: one full batch
+    prof.df[["layer", "fwd_ms", "bwd_ms", "saved_bytes"]]
+    prof.save("profiles/mymodel.csv")
+
+A pipeline runs micro-batches, so the profiler slices the example batch to one micro-batch
+(``ceil(batch / chunks)`` rows) and traces it (autopipe.frontend.tracing.graph). Then, for a model that
+fits (``mode="whole"``), it runs the traced graph once to get every node's real value
+(autopipe.frontend.profiling.replay) and times each layer alone, forward and backward, on fresh copies of
+exactly the values it reads in the real run (autopipe.frontend.profiling.layer_timing). For a model that
+does not, or that lives on the meta device (``mode="layers"``), each layer is built alone on the
+device with made-up inputs of the traced shapes, and identical layers are measured once
+(autopipe.frontend.profiling.layerwise). Both give the same columns; ``measured_as`` names the layer
+whose measurement a row holds, and the metadata records the mode and the peak memory.
+
+[Note: progress on a terminal] Long work shows its progress on stderr by default only when
+stderr is a terminal, where a person is waiting for it: a bar over the layers here, the ILP's
+incumbent, bound and gap in autopipe.solvers.partitioner. A log file, a pipe or a test's captured
+stream stays clean. ``progress=True`` forces it, ``progress=False`` silences it. tqdm's
+``disable=None`` is exactly this rule, checked against ``sys.stderr`` when the bar is made.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import fx, nn
+from tqdm import tqdm
+
+from autopipe.core.profile_table import Profile
+from autopipe.core.scaling import SCALED_COLUMNS
+from autopipe.core.units import parse_bytes
+from autopipe.errors import AutopipeError, ProfileError
+from autopipe.frontend.building.materialize import has_meta_tensors
+from autopipe.frontend.profiling.in_sequence import (
+    SequenceScales,
+    measure_sequence,
+    scale_rows,
+    sequence_budget_s,
+)
+from autopipe.frontend.profiling.inputs import (
+    micro_batch,
+    other_sizes,
+    target_device,
+    to_device,
+    with_rows,
+)
+from autopipe.frontend.profiling.layer_timing import (
+    fresh,
+    harness_overhead,
+    probe,
+    shared_saved,
+    storage_key,
+    time_layer,
+    time_runs,
+)
+from autopipe.frontend.profiling.layerwise import LayerRun, layer_by_layer
+from autopipe.frontend.profiling.overheads import RecomputeSampler, overhead_meta, stage_call_ms
+from autopipe.frontend.profiling.preserve import preserved
+from autopipe.frontend.profiling.process_memory import PeakRss
+from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
+from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
+from autopipe.frontend.tracing.graph import LayerGraph, trace
+from executor.host_allocator import retain_freed_memory
+
+__all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
+
+DEFAULT_REPEATS = 10
+DEFAULT_WARMUP = 2
+_TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
+# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales
+Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales]
+
+
+# --- the public entry points -------------------------------------------------------------------
+def _check_counts(repeats: int, warmup: int) -> None:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ProfileError(f"repeats must be an int >= 1, got {repeats!r}; pass repeats=1 or more")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ProfileError(f"warmup must be an int >= 0, got {warmup!r}; pass warmup=0 or more")
+
+
+def _shapes(values: Sequence[Any]) -> list[list[int] | None]:
+    return [list(map(int, v.shape)) if isinstance(v, torch.Tensor) else None for v in values]
+
+
+def _check_graph(g: LayerGraph, inputs: tuple[Any, ...], micro: int, chunks: int) -> None:
+    placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"][: g.num_args]
+    traced = _shapes([n.meta.get("val") for n in placeholders])
+    wanted = _shapes(list(inputs))
+    if traced != wanted:
+        raise ProfileError(
+            f"graph was traced with input shapes {traced} but one micro-batch ({micro} rows, "
+            f"chunks={chunks}) has shapes {wanted}; trace the micro-batch or pass graph=None"
+        )
+
+
+def _state_pointers(model: nn.Module, g: LayerGraph) -> set[int]:
+    tensors = [*model.parameters(), *model.buffers(), *g.gm.parameters(), *g.gm.buffers()]
+    return {storage_key(t)[0] for t in tensors}
+
+
+def _dtype(model: nn.Module) -> str:
+    floats = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return str(next(floats, torch.get_default_dtype())).replace("torch.", "")
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def _home(gm: fx.GraphModule) -> torch.device | None:
+    tensor = next(iter([*gm.parameters(), *gm.buffers()]), None)
+    return None if tensor is None else tensor.device
+
+
+def _whole_model_runs(model: nn.Module, g: LayerGraph, args: tuple[Any, ...]) -> Iterator[LayerRun]:
+    """Each layer on the values of one real run of the whole model."""
+    values = record_values(g.gm, graph_args(g, args))
+    state = _state_pointers(model, g)
+    for call in layer_calls(g):
+        yield LayerRun(call, values, state, signature="")
+
+
+def _measure(
+    g: LayerGraph,
+    runs: Iterable[LayerRun],
+    timer: Timer,
+    dev: torch.device,
+    repeats: int,
+    warmup: int,
+    progress: bool | None,
+) -> tuple[list[dict[str, Any]], tuple[float, float, float]]:
+    """Every layer's row, the harness overhead subtracted, the recompute ratio (overheads.py)."""
+    meter = memory_meter_for(dev)
+    fwd_extra, bwd_extra = harness_overhead(timer, dev)
+    sampler = RecomputeSampler(timer, repeats, warmup)
+    rows: list[dict[str, Any]] = []
+    measured: dict[str, tuple[float, float, int, int | None]] = {}
+    ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
+    graph_inputs = {n.name for n in g.gm.graph.nodes if n.op == "placeholder"}
+    # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
+    bar = tqdm(runs, total=len(g.layers), desc="profiling", unit="layer", file=sys.stderr,
+               disable=None if progress is None else not progress, leave=False)
+    for run in bar:
+        if run.reuse_of is None:
+            saved, saved_in, saved_out, peak = probe(run.call, run.values, meter, run.state)
+            ends[run.call.name] = (sum(saved_in), sum(b for b, name in zip(
+                saved_in, run.call.inputs, strict=True) if name in graph_inputs), saved_out)
+            fwd_ms, bwd_ms = time_layer(run.call, run.values, timer, repeats, warmup)
+            fwd_ms = max(0.0, fwd_ms - fwd_extra)
+            bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
+            measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak)
+            sampler.offer(run.call, run.values, fwd_ms, bwd_ms)
+        source = run.reuse_of or run.call.name
+        rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
+        ends[run.call.name] = ends[source]
+    shared = shared_saved(g.edges(), ends)
+    return [{**r, "saved_shared_bytes": shared[r["layer"]]} for r in rows], \
+        (fwd_extra, bwd_extra, sampler.ratio())
+
+
+MODES = ("auto", "whole", "layers")
+
+
+def _state_bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _choose_mode(mode: str, model: nn.Module, dev: torch.device,
+                 memory_budget: int | str | None) -> str:
+    """[Note: whole or layer by layer] ``whole`` records one real run of the whole model on the
+    device, so it needs the model and its activations there; ``layers`` needs one layer at a
+    time ([Note: layer by layer]). ``auto`` takes ``layers`` when the model has tensors on the
+    meta device, or its parameters and buffers exceed ``memory_budget`` (default on CUDA: the
+    device's free memory); else ``whole``. Both give the same columns."""
+    if mode not in MODES:
+        raise ProfileError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
+    meta = has_meta_tensors(model)
+    if mode == "whole" and meta:
+        raise ProfileError("the model has tensors on the meta device, so it cannot run whole; "
+                           "profile it layer by layer: mode='layers' (or 'auto')")
+    if mode != "auto":
+        return mode
+    if meta:
+        return "layers"
+    try:
+        budget = parse_bytes(memory_budget)
+    except AutopipeError as err:
+        raise ProfileError(str(err).replace("memory limit", "memory_budget")) from None
+    if budget is None and dev.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(dev)[0])
+    return "layers" if budget is not None and _state_bytes(model) > budget else "whole"
+
+
+def _measure_at(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    graph: LayerGraph | None,
+    chosen: str,
+    dev: torch.device,
+    timer: Timer,
+    repeats: int,
+    warmup: int,
+    progress: bool | None,
+    dedupe: bool,
+    trace_kwargs: dict[str, Any],
+    recompute_call_ms: float = 0.0,
+) -> Measured:
+    """Trace one micro-batch (unless ``graph``) and measure every layer, whole or layer by layer."""
+    if chosen == "whole":
+        with preserved(model, dev):
+            args = to_device(inputs, dev)
+            g = graph if graph is not None else trace(model, args, **trace_kwargs)
+            home = _home(g.gm)  # a caller's graph goes back where it was
+            try:
+                g.gm.to(dev)
+                rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
+                                       warmup, progress)
+                seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,  # [Note:
+                                       warmup, extra[:2], recompute_call_ms, g.node_layer,  # layers in sequence]
+                                       budget_s=sequence_budget_s(repeats))
+                rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
+            finally:
+                if home is not None and graph is not None:
+                    g.gm.to(home)
+        return g, rows, extra, seq
+    # the model is never moved or run: see [Note: layer by layer]
+    with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
+        g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
+        rows, extra = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
+                               repeats, warmup, progress)
+    return g, rows, extra, SequenceScales()
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    device: str | torch.device = "cpu",
+    chunks: int = 1,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+    graph: LayerGraph | None = None,
+    name: str | None = None,
+    progress: bool | None = None,
+    timer: Timer | None = None,
+    mode: str = "auto",
+    dedupe: bool = True,
+    memory_budget: int | str | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    **trace_kwargs: Any,
+) -> Profile:
+    """Measure every layer of ``model`` on one micro-batch of ``example_inputs``.
+
+    Args:
+        model: the model to profile (left as it was: see [Note: profiling leaves the model
+            as it was]).
+        example_inputs: one full batch of positional inputs (a tensor or a tuple).
+        device: "cpu" or "cuda[:N]": where to measure (the whole model is moved there and
+            back; layer by layer, only one layer's copy is ever there).
+        chunks: micro-batches per batch; one micro-batch is ``ceil(batch / chunks)`` rows.
+        repeats: timed runs per layer; the profile holds the median. The whole graph's rounds
+            go on past it for a small graph ([Note: layers in sequence]).
+        warmup: untimed runs per layer before the timed ones.
+        graph: a LayerGraph already traced on one micro-batch (else it is traced here).
+        name: the model's name in the metadata (default: its class name).
+        progress: a progress bar over the layers on stderr: None (default) shows it when
+            stderr is a terminal, True always, False never.
+        timer: how to time a call (default: the device's, see autopipe.frontend.profiling.timing).
+        mode: ``"whole"`` (one real run of the model on the device), ``"layers"`` (each layer
+            alone, for models that do not fit or live on the meta device) or ``"auto"``: see
+            [Note: whole or layer by layer].
+        dedupe: layer by layer, measure identical layers once ([Note: identical layers]);
+            the ``measured_as`` column names the layer whose measurement a row reuses.
+        memory_budget: bytes (or "16GiB") the model's tensors may take on the device before
+            ``auto`` goes layer by layer (default on CUDA: its free memory).
+        micro_batch_sizes: more micro-batch sizes (rows) to measure, besides the one
+            ``chunks`` makes: their times and bytes go into columns ``fwd_ms@R`` ... and
+            ``meta["micro_batch_sizes"]``, from which ``partition(chunks="auto")``
+            interpolates ([Note: micro-batch scaling]). Rows beyond the example batch repeat it.
+        **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
+
+    Raises:
+        ProfileError: bad arguments, a device that is not there, batch < chunks, or a
+            ``graph`` traced at other input shapes.
+    """
+    unknown = sorted(set(trace_kwargs) - set(_TRACE_KWARGS))
+    if unknown:
+        raise ProfileError(f"unknown argument(s) {unknown}; profile() passes only {list(_TRACE_KWARGS)} to trace()")
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"profile() needs an nn.Module, got {type(model).__name__}")
+    _check_counts(repeats, warmup)
+    if progress is not None and not isinstance(progress, bool):
+        raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
+                           f"terminal), got {progress!r}")
+    inputs, batch, micro = micro_batch(example_inputs, chunks)
+    dev = target_device(device)
+    if dev.type == "cpu":
+        retain_freed_memory()  # as the pipeline will: [Note: freed memory stays in the process]
+    if graph is not None:
+        _check_graph(graph, inputs, micro, chunks)
+    chosen = _choose_mode(mode, model, dev, memory_budget)
+    timer = timer or timer_for(dev)
+    others = other_sizes(micro_batch_sizes, micro)
+    calls = stage_call_ms(timer, dev, chunks)  # [Note: measured overheads]
+
+    def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> Measured:
+        return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
+                           dedupe, trace_kwargs, calls[2])
+
+    with PeakRss() as rss:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        g, rows, (fwd_extra, bwd_extra, ratio), scales = measure_at(inputs, graph)
+        frame = pd.DataFrame(rows)
+        fingerprints = {str(micro): g.fingerprint}
+        for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
+            g_r, rows_r, _, _ = measure_at(with_rows(example_inputs, r), None)
+            if g_r.layers != g.layers:
+                raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
+                                   f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
+                                   "its own (micro_batch_sizes=None)")
+            for column in SCALED_COLUMNS:
+                frame[f"{column}@{r}"] = [row[column] for row in rows_r]
+            fingerprints[str(r)] = g_r.fingerprint
+    peak = (int(torch.cuda.max_memory_allocated(dev)), "cuda max_memory_allocated") \
+        if dev.type == "cuda" else (rss.bytes, "RssAnon of the process")
+    meta = {
+        "model": name or type(model).__name__,
+        "device": _device_name(dev),
+        "device_type": dev.type,
+        "dtype": _dtype(model),
+        "batch_size": batch,
+        "chunks": chunks,
+        "micro_batch_size": micro,
+        "repeats": repeats,
+        "warmup": warmup,
+        "cpu_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "fingerprint": g.fingerprint,
+        "harness_fwd_ms": round(fwd_extra, 6),
+        "harness_bwd_ms": round(bwd_extra, 6),
+        **overhead_meta(calls, ratio), **scales.meta(),  # [Note: measured overheads]
+        "source": g.source,
+        "mode": chosen,
+        "dedupe": bool(dedupe) if chosen == "layers" else False,
+        "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
+        "peak_memory_bytes": peak[0],
+        "peak_memory_of": peak[1],
+        **({"micro_batch_sizes": sorted([micro, *others]), "fingerprints": fingerprints}
+           if others else {}),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return Profile(frame, g.edges(), meta)
+
+
+def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,
+         measured_as: str) -> dict[str, Any]:
+    a = g.nx.nodes[layer]
+    return {
+        "layer": layer,
+        "fwd_ms": round(fwd_ms, 6),
+        "bwd_ms": round(bwd_ms, 6),
+        "param_bytes": int(a["param_bytes"]),
+        "output_bytes": int(a["output_bytes"]),
+        "saved_bytes": saved,
+        "peak_bytes": float("nan") if peak is None else float(peak),
+        "buffer_bytes": int(a["buffer_bytes"]),
+        "shared_bytes": int(a["shared_bytes"]),
+        "tie_group": str(a["tie_group"]),
+        "kind": str(a["kind"]),
+        "module_type": str(a["module_type"]),
+        "measured_as": measured_as,
+    }
+
+
+def time_model(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    device: str | torch.device = "cpu",
+    chunks: int = 1,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+    kwargs: dict[str, Any] | None = None,
+    timer: Timer | None = None,
+) -> tuple[float, float]:
+    """Median forward and backward ms of the WHOLE model on one micro-batch.
+
+    The peer measurement for a profile: the sum of a profile's per-layer times should be
+    close to this (benchmarks/profile_accuracy.py reports the ratio).
+    """
+    _check_counts(repeats, warmup)
+    inputs, _, _ = micro_batch(example_inputs, chunks)
+    dev = target_device(device)
+    with preserved(model, dev):
+        args, timer = to_device(inputs, dev), timer or timer_for(dev)
+        return time_runs(
+            timer, lambda: functools.partial(model, *fresh(args), **(kwargs or {})), repeats, warmup
+        )

@@ -1,0 +1,380 @@
+"""Capture a model as one flat torch.fx GraphModule: torch.fx first, torch.export as fallback.
+
+The result is a :class:`Capture`: the GraphModule, which of its nodes belong to which leaf
+module (``module_key``), and every node's output value as a fake tensor (``node.meta["val"]``),
+so that grouping nodes into layers and measuring shapes never runs the model for real.
+
+[Note: two tracers, one contract] ``torch.fx.symbolic_trace`` gives a readable graph of
+module calls and tensor ops, and keeps leaf modules whole, but fails on kwargs-heavy or dynamic
+forwards (HuggingFace GPT-2 / Llama / BERT). ``torch.export`` handles those, and gives an ATen
+graph whose nodes carry ``nn_module_stack``; we group those ATen nodes back into the same leaf
+granularity. Downstream code only sees "node -> module key or None" and never asks which tracer
+ran.
+
+Either way the graph is then made to serve ``train()`` and ``eval()`` ([Note: train and eval in
+one graph], modes.py) and other input sizes ([Note: dynamic sizes], shapes.py), torch's own
+output is kept quiet ([Note: a quiet tracer], diagnose.py), and a failure is one TraceError
+line naming the user's line of code and the fix that applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopipe.errors import TraceError, first_line
+from autopipe.frontend.tracing.diagnose import quiet, user_line, user_line_in
+from autopipe.frontend.tracing.modes import MODE_NAMES, ModeBinding, bind_modes
+from autopipe.frontend.tracing.shapes import (
+    add_input_check,
+    export_dynamic_shapes,
+    export_rules,
+    fx_rules,
+)
+from executor._torch_compat import tree_leaves, tree_map_only
+
+__all__ = ["Capture", "capture", "LeafSpec"]
+
+LeafSpec = Sequence[type[nn.Module] | str] | None
+
+
+@dataclass
+class Capture:
+    gm: fx.GraphModule
+    source: str  # "fx" or "export"
+    module_key: dict[str, str | None]  # node name -> qualified leaf-module name, or None
+    module_type: dict[str, str] = field(default_factory=dict)  # leaf-module name -> type name
+    kwargs: dict[str, Any] = field(default_factory=dict)  # concrete kwargs baked into the graph
+    modes: ModeBinding = field(default_factory=ModeBinding)  # train/eval in one graph, or not
+
+
+def _is_default_leaf(m: nn.Module) -> bool:
+    """Modules without children (Linear, Conv, norms, a custom RMSNorm) are leaves, and so is
+    MultiheadAttention, whose forward branches on tensor properties. Composite modules
+    (Transformer, TransformerEncoder[Layer], containers, user blocks) are traced into."""
+    return isinstance(m, nn.MultiheadAttention) or next(m.children(), None) is None
+
+
+class _LeafRule:
+    """Which submodules are kept whole as single layers."""
+
+    def __init__(self, leaf_modules: LeafSpec, max_depth: int | None) -> None:
+        if max_depth is not None and max_depth < 1:
+            raise TraceError(f"max_depth must be >= 1 (got {max_depth}); use 1 for top-level children")
+        self.types = tuple(t for t in (leaf_modules or ()) if isinstance(t, type))
+        self.names = {t for t in (leaf_modules or ()) if isinstance(t, str)}
+        bad = [t for t in (leaf_modules or ()) if not isinstance(t, type | str)]
+        if bad:
+            raise TraceError(
+                f"leaf_modules entries must be nn.Module types or qualified names, got {bad!r}"
+            )
+        self.max_depth = max_depth
+
+    def __call__(self, m: nn.Module, qualname: str) -> bool:
+        if qualname == "":
+            return False
+        if qualname in self.names or (self.types and isinstance(m, self.types)):
+            return True
+        if self.max_depth is not None and qualname.count(".") + 1 >= self.max_depth:
+            return True
+        return _is_default_leaf(m)
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, rule: _LeafRule) -> None:
+        super().__init__()
+        self.rule = rule
+        self.failed_in: str = ""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self.rule(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        path = self.path_of_module(m)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            self.failed_in = self.failed_in or path  # innermost module where tracing broke
+            raise
+
+
+@dataclass
+class _Failure:
+    """Why one tracer could not capture the model, for the one-line TraceError."""
+
+    tracer: str
+    cause: str  # first_line(err)
+    line: str = ""  # the user's line (see [Note: the user's line]), or ""
+    module: str | None = None  # torch.fx: the submodule it broke in ("" for the root)
+
+    def __str__(self) -> str:
+        where = ""
+        if self.module is not None:
+            where = f" in module '{self.module}'" if self.module else " in the model's own forward"
+        at = f" at {self.line}" if self.line else ""
+        return f"{self.tracer} failed{where}{at} ({self.cause})"
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Every module in ``training`` mode inside; each module's own flag restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in modes:
+            m.training = training
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """The model's buffers as they were, whatever tracing ran: under FakeTensorMode an in-place
+    op on a real 0-dim tensor still runs for real (BatchNorm's ``num_batches_tracked += 1``)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def _trace_fx(
+    model: nn.Module, rule: _LeafRule, kwargs: Mapping[str, Any]
+) -> tuple[fx.GraphModule | None, _Failure | None]:
+    tracer = _Tracer(rule)
+    tracer.record_stack_traces = True  # node.meta["stack_trace"]: the user's line of a node
+    try:
+        graph = tracer.trace(model, concrete_args=dict(kwargs) if kwargs else None)
+    except Exception as err:  # torch.fx raises many types; all mean "could not trace"
+        return None, _Failure("torch.fx", first_line(err), user_line(err), tracer.failed_in)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__), None
+
+
+def _export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: Any
+) -> tuple[torch.export.ExportedProgram | None, _Failure | None]:
+    try:
+        ep = torch.export.export(model, args, kwargs=dict(kwargs), strict=False,
+                                 dynamic_shapes=dynamic)
+    except Exception as err:
+        return None, _Failure("torch.export", first_line(err), user_line(err))
+    return ep, None
+
+
+def _trace_export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[torch.export.ExportedProgram | None, Any, _Failure | None]:
+    # [Note: dynamic sizes] (shapes.py): every dimension dynamic where the model allows it;
+    # retried fully static, should export refuse that outright.
+    dynamic: Any = export_dynamic_shapes(args) + tuple(None for _ in kwargs)  # kwargs: constants
+    ep, failure = _export(model, args, kwargs, dynamic)
+    if ep is None:
+        ep, _ = _export(model, args, kwargs, None)
+        dynamic = None
+    return ep, dynamic, failure
+
+
+def _leaf_key_export(
+    node: fx.Node, modules: Mapping[str, nn.Module], rule: _LeafRule
+) -> str | None:
+    """The outermost module on the node's nn_module_stack that the rule keeps whole."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _type in stack.values():
+        # export may prefix paths with "L['self']." style names in old versions; normalise.
+        name = str(path).replace("L['self'].", "").replace("L__self___", "")
+        sub = modules.get(name)
+        if sub is not None and rule(sub, name):
+            return name
+    return None
+
+
+class _GraphRunError(Exception):
+    """The traced graph failed on the example inputs: the error and the user's line of the node."""
+
+    def __init__(self, err: Exception, line: str) -> None:
+        super().__init__(str(err))
+        self.err, self.line = err, line
+
+
+def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> None:
+    """Store every node's output as a fake tensor in node.meta['val'] (no real activations)."""
+    from executor._torch_compat import FakeTensorMode
+
+    class _MetaRecorder(fx.Interpreter):
+        current: fx.Node | None = None
+
+        def run_node(self, n: fx.Node) -> Any:
+            self.current = n
+            result = super().run_node(n)
+            n.meta["val"] = result
+            return result
+
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
+        with mode:
+            _MetaRecorder(gm).run(*fake_args)
+        return
+    except Exception:  # an op without a fake kernel: fall back to one real forward
+        pass
+    recorder = _MetaRecorder(gm)
+    try:
+        with torch.no_grad():
+            recorder.run(*args)
+    except Exception as err:
+        node = recorder.current
+        raise _GraphRunError(err, user_line_in(node.meta.get("stack_trace") if node else None)) from err
+    for n in gm.graph.nodes:
+        n.meta["val"] = tree_map_only(
+            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), n.meta["val"]
+        )
+
+
+def _graph_failure(err: Exception) -> _Failure:
+    line = err.line if isinstance(err, _GraphRunError) else ""
+    cause = err.err if isinstance(err, _GraphRunError) else err
+    return _Failure("torch.fx", f"its graph did not run on the example inputs: {first_line(cause)}",
+                    line)
+
+
+def _default_kwargs(model: nn.Module, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = dict(kwargs or {})
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", None) and "use_cache" not in out:
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            out["use_cache"] = False  # HF caches are not training values
+    return out
+
+
+_DATA_DEPENDENT = ("data-dependent", "control flow", "Proxy", "symbolically traced")
+
+
+def _refuse_batched_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    rows = {int(x.shape[0]) for x in tree_leaves(args) if isinstance(x, torch.Tensor) and x.dim()}
+    for key, value in kwargs.items():
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() and int(leaf.shape[0]) in rows:
+                raise TraceError(_batched_kwarg(key, int(leaf.shape[0])))
+
+
+def _batched_kwarg(key: str, rows: int) -> str:
+    return (f"kwargs[{key!r}] is a tensor of {rows} rows, like the inputs' batch: tensors with a "
+            "batch dimension must be positional inputs (the pipeline splits those into "
+            "micro-batches; kwargs are constants of the graph); pass it in example_inputs, "
+            "through a wrapper module whose forward takes it positionally if the model's does not")
+
+
+def _advice(args: tuple[Any, ...], kwargs: Mapping[str, Any], fx_failure: _Failure,
+            ex_failure: _Failure) -> str:
+    rows = {int(x.shape[0]) for x in tree_leaves(args) if isinstance(x, torch.Tensor) and x.dim()}
+    for key, value in kwargs.items():  # a whole batch passed as a constant, traced on a micro-batch
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() and rows and all(
+                int(leaf.shape[0]) % r == 0 for r in rows
+            ):
+                return _batched_kwarg(key, int(leaf.shape[0]))
+    line = ex_failure.line or fx_failure.line
+    dynamic = any(m in f"{fx_failure.cause} {ex_failure.cause}" for m in _DATA_DEPENDENT)
+    at = f" at {line}" if line else ""
+    if dynamic or not line:
+        fix = (f"remove the data-dependent Python control flow{at} (if/for on tensor values, "
+               ".item(), int(tensor)) or pass the values it depends on as constant kwargs=...")
+    else:
+        fix = (f"the model's code{at} fails on these example inputs: check their shapes and "
+               "dtypes against what that line expects")
+    if fx_failure.module:  # a submodule: keeping it whole may let torch.fx trace the rest
+        fix = (f"mark '{fx_failure.module}' a leaf (trace(..., leaf_modules=['{fx_failure.module}']"
+               f")) so torch.fx keeps it whole, or {fix}")
+    return fix[0].upper() + fix[1:]
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    leaf_modules: LeafSpec = None,
+    max_depth: int | None = None,
+) -> Capture:
+    """Trace ``model`` into a flat GraphModule with fake output values on every node."""
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    rule = _LeafRule(leaf_modules, max_depth)
+    concrete = _default_kwargs(model, kwargs)
+    _refuse_batched_kwargs(example_inputs, concrete)
+    with quiet(), _buffers_kept(model):  # [Note: a quiet tracer]
+        cap = _capture_fx(model, rule, concrete, example_inputs)
+        if isinstance(cap, _Failure):
+            fx_failure = cap
+            cap = _capture_export(model, rule, concrete, example_inputs)
+            if isinstance(cap, _Failure):
+                raise TraceError(
+                    f"cannot trace {type(model).__name__}: {fx_failure}; {cap}. "
+                    + _advice(example_inputs, concrete, fx_failure, cap)
+                )
+    return cap
+
+
+def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
+                args: tuple[Any, ...]) -> Capture | _Failure:
+    traced = model.training
+    gm, failure = _trace_fx(model, rule, kwargs)
+    if gm is None:
+        assert failure is not None
+        return failure
+    with _in_mode(model, not traced):  # [Note: train and eval in one graph]
+        other, other_failure = _trace_fx(model, rule, kwargs)
+    binding = bind_modes(gm, other, traced, _untraceable(traced, other_failure))
+    try:
+        _fake_propagate(gm, args)
+    except Exception as err:  # traced, but the graph does not run on these inputs
+        return _graph_failure(err)
+    add_input_check(gm, fx_rules(gm, args), len(args))
+    keys = {n.name: str(n.target) if n.op == "call_module" else None for n in gm.graph.nodes}
+    return _finish(model, gm, "fx", keys, kwargs, binding)
+
+
+def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
+                    args: tuple[Any, ...]) -> Capture | _Failure:
+    traced = model.training
+    ep, dynamic, failure = _trace_export(model, args, kwargs)
+    if ep is None:
+        assert failure is not None
+        return failure
+    with _in_mode(model, not traced):  # [Note: train and eval in one graph]
+        other, other_failure = _export(model, args, kwargs, dynamic)
+    gm = ep.module()
+    binding = bind_modes(gm, other.module() if other is not None else None, traced,
+                         _untraceable(traced, other_failure))
+    _fake_propagate(gm, tuple(tree_leaves((args, kwargs))))  # concrete sizes of the example
+    add_input_check(gm, export_rules(ep, args), len(args))
+    modules = dict(model.named_modules())
+    keys = {n.name: _leaf_key_export(n, modules, rule) for n in gm.graph.nodes}
+    return _finish(model, gm, "export", keys, kwargs, binding)
+
+
+def _untraceable(traced: bool, failure: _Failure | None) -> str:
+    if failure is None:
+        return ""
+    return f"the model cannot be traced in {MODE_NAMES[not traced]} mode ({failure})"
+
+
+def _finish(model: nn.Module, gm: fx.GraphModule, source: str, keys: dict[str, str | None],
+            kwargs: dict[str, Any], binding: ModeBinding) -> Capture:
+    modules = dict(model.named_modules())
+    types = {k: type(modules[k]).__name__ for k in set(keys.values()) if k and k in modules}
+    return Capture(gm=gm, source=source, module_key=keys, module_type=types, kwargs=kwargs,
+                   modes=binding)

@@ -1,0 +1,85 @@
+"""[Note: layer shares in sequence]: each layer's share of the whole graph, stamped in sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe.frontend.profiling.in_sequence import _flat
+from autopipe.frontend.profiling.layer_stamps import LayerStamps, layer_shares
+from autopipe.frontend.profiling.replay import graph_args
+from autopipe.frontend.tracing.graph import trace
+from tests.conftest import skip_if_no_cuda
+from tests.models import MultiIO, Skip
+
+
+def test_each_interval_belongs_to_the_stamp_that_opens_it() -> None:
+    # layer 0: 0-2 ms, a gap owned by nobody (-1) 2-3, layer 1: 3-9, layer 0 again 9-10;
+    # the shares are of the 9 ms the layers own
+    stamps = [(0, 0.0), (-1, 2.0), (1, 3.0), (0, 9.0), (-1, 10.0)]
+    assert layer_shares(stamps, 3) == pytest.approx([3 / 9, 6 / 9, 0.0])
+    assert layer_shares([], 2) == [0.0, 0.0]
+    assert layer_shares([(0, 1.0), (0, 1.0)], 1) == [0.0]  # nothing timed: the caller keeps its own
+
+
+class HeavyThenLight(nn.Module):
+    """A large matmul, then a tiny one: the first layer must own nearly all the time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heavy = nn.Linear(512, 512)
+        self.light = nn.Linear(512, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.light(self.heavy(x))
+
+
+def _stamps(model: nn.Module, *inputs: Tensor, device: str = "cpu") -> tuple[LayerStamps, tuple[object, ...]]:
+    g = trace(model, inputs)
+    return LayerStamps(_flat(g.gm), g.node_layer, g.layers, torch.device(device)), graph_args(g, inputs)
+
+
+def test_the_heavy_layer_owns_most_of_both_passes() -> None:
+    stamps, args = _stamps(HeavyThenLight(), torch.randn(256, 512))
+    for _ in range(5):
+        stamps.run(*args)
+    fwd, bwd = stamps.shares()
+    assert stamps.layers == ["heavy", "light"]
+    assert fwd[0] > 0.8 and bwd[0] > 0.8
+    assert sum(fwd) == pytest.approx(1.0) and sum(bwd) == pytest.approx(1.0)
+
+
+def test_warmup_runs_are_not_kept_and_no_run_gives_no_shares() -> None:
+    stamps, args = _stamps(HeavyThenLight(), torch.randn(8, 512))
+    assert stamps.shares() == ([], [])
+    stamps.run(*args, keep=False)
+    assert stamps.shares() == ([], [])
+
+
+def test_the_stamped_graph_computes_what_the_plain_one_does() -> None:
+    model, x = Skip(), torch.randn(4, 8)
+    g = trace(model, (x,))
+    stamps = LayerStamps(_flat(g.gm), g.node_layer, g.layers, torch.device("cpu"))
+    torch.testing.assert_close(stamps.module(x), model(x))
+    stamps.run(x)  # a skip connection: every layer is stamped, the shares still add up
+    fwd, bwd = stamps.shares()
+    assert len(fwd) == len(g.layers) and min(fwd) >= 0 and sum(bwd) == pytest.approx(1.0)
+
+
+def test_outputs_without_gradient_leave_the_backward_unstamped() -> None:
+    model = MultiIO().requires_grad_(False)
+    stamps, args = _stamps(model, torch.randn(4, 8), torch.randn(4, 8))
+    stamps.run(*args)
+    fwd, bwd = stamps.shares()
+    assert sum(fwd) == pytest.approx(1.0) and bwd == [0.0] * len(fwd)
+
+
+@skip_if_no_cuda
+def test_cuda_stamps_are_events_read_after_one_synchronisation() -> None:
+    model = HeavyThenLight().cuda()
+    stamps, args = _stamps(model, torch.randn(256, 512, device="cuda"), device="cuda")
+    for _ in range(3):
+        stamps.run(*args)
+    fwd, bwd = stamps.shares()
+    assert fwd[0] > 0.5 and bwd[0] > 0.5 and sum(fwd) == pytest.approx(1.0)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import time
+
+import torch
+
+from autopipe.frontend.profiling.timing import (
+    CpuTimer,
+    CudaTimer,
+    MemoryMeter,
+    median,
+    memory_meter_for,
+    timer_for,
+)
+from tests.conftest import skip_if_no_cuda
+
+
+def test_cpu_timer_returns_result_and_milliseconds() -> None:
+    timer = timer_for(torch.device("cpu"))
+    assert isinstance(timer, CpuTimer)
+    out, short = timer(lambda: 7)
+    _, long = timer(lambda: time.sleep(0.02))
+    assert out == 7 and 0 <= short < long and long >= 19.0
+
+
+def test_process_clock_ignores_sleep() -> None:
+    _, ms = CpuTimer(time.process_time)(lambda: time.sleep(0.05))
+    assert ms < 25.0  # sleeping uses no CPU time; the wall clock would say 50 ms
+
+
+def test_median_and_cpu_memory_meter() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([]) == 0.0
+    meter = memory_meter_for(torch.device("cpu"))
+    assert type(meter) is MemoryMeter
+    meter.start()
+    assert meter.peak() is None
+
+
+@skip_if_no_cuda
+def test_cuda_timer_and_meter() -> None:
+    dev = torch.device("cuda", 0)
+    timer = timer_for(dev)
+    assert isinstance(timer, CudaTimer)
+    a = torch.randn(1024, 1024, device=dev)
+    _, small = timer(lambda: a[:64, :64] @ a[:64, :64])
+    _, big = timer(lambda: [a @ a for _ in range(20)])
+    assert 0 <= small < big
+    meter = memory_meter_for(dev)
+    meter.start()
+    b = torch.empty(1 << 20, device=dev)
+    peak = meter.peak()
+    del b
+    assert peak is not None and peak >= 4 << 20
