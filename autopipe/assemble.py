@@ -43,7 +43,7 @@ from autopipe.frontend.profiling.inputs import micro_batch
 from autopipe.frontend.profiling.profiler import profile as measure
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor import GPipe
-from executor.host_allocator import retain_freed_memory
+from executor.host_allocator import host_allocator_in_use, use_host_allocator
 from executor.spec import check_stage_checkpoints
 from executor.worker import normalize_device
 
@@ -186,6 +186,17 @@ def check_device_memory(
             )
 
 
+def _check_host_allocator(profile: Profile, in_use: str) -> None:
+    """One warning line when ``profile`` was measured under another host allocator setting than
+    the pipeline runs under ([Note: freed memory stays in the process])."""
+    measured = profile.meta.get("host_allocator")
+    if profile.meta.get("device_type") == "cpu" and measured not in (None, in_use):
+        warnings.warn(f"autopipe: the profile was measured with host_allocator={measured!r} but this "
+                      f"pipeline runs with {in_use!r}, so its step time will differ from the plan's "
+                      f"prediction; pass host_allocator={measured!r} or re-profile", UserWarning,
+                      stacklevel=3)
+
+
 def pipeline(
     model: nn.Module,
     example_inputs: tuple[Any, ...] | torch.Tensor,
@@ -202,6 +213,7 @@ def pipeline(
     graph: LayerGraph | None = None,
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    host_allocator: str = "system",
     **trace_kwargs: Any,
 ) -> Pipeline:
     """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
@@ -230,6 +242,10 @@ def pipeline(
             state_dict, or a mapping; keys are the model's ([Note: weights by key]).
         init: for a meta-device model without ``weights``: called as ``init(module)`` on each
             module whose tensors need values (default: its ``reset_parameters()``).
+        host_allocator: ``"system"`` (default: the process's allocator as it is) or
+            ``"retain"``: on a CPU, glibc keeps freed memory for reuse, as the command line
+            does ([Note: freed memory stays in the process] in executor/host_allocator.py);
+            one warning line when the profile was measured under the other setting.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     Raises:
@@ -247,6 +263,8 @@ def pipeline(
     given = checkpoint if plan is not None else None  # else the plan is made with it
     # refused before tracing and profiling; unused with a plan
     mode = partition_checkpoint(checkpoint, len(devices)) if plan is None else ""
+    on_cpu = any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int))
+    in_use = use_host_allocator(host_allocator) if on_cpu else host_allocator_in_use()
     if graph is None:
         graph = trace(model, micro, **trace_kwargs)
     if plan is None:
@@ -254,6 +272,7 @@ def pipeline(
             profile = measure(model, micro, device=str(devices[0]), graph=graph)
         else:
             profile.check_fingerprint(graph.fingerprint)
+            _check_host_allocator(profile, in_use)
             measured_on = profile.meta.get("device_type")
             target = torch.device(devices[0]).type
             if measured_on and measured_on != target:
@@ -278,8 +297,6 @@ def pipeline(
         )
     modes = runtime_checkpoint(plan, given)
     check_device_memory(plan, devices)
-    if any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int)):
-        retain_freed_memory()  # [Note: freed memory stays in the process]
     stages = build(model, plan, graph)
     initialised = materialize_stages(model, stages, devices, weights=weights, init=init)
     if initialised:

@@ -18,6 +18,7 @@ from autopipe.errors import BuildError
 from executor.distributed import DistributedPipeline
 from executor.replicated import ReplicatedPipeline, pipeline_mesh
 from executor.spec import DATA_PARALLEL_MODES
+from executor.watchdog import StepLimits
 
 __all__ = ["replicas_of", "replicated_pipeline"]
 
@@ -57,13 +58,17 @@ def replicas_of(plan: Plan | None, data_parallel: int | str | None, dp_mode: str
 
 def replicated_pipeline(
     stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, *, replicas: int,
-    dp_mode: str, device: torch.device, timeout: float, **kwargs: Any,
+    dp_mode: str, device: torch.device, timeout: float | None, first_step_timeout: float | None,
+    **kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's pipeline: one of ``replicas`` on a mesh, or the only one."""
     if replicas == 1:
-        return DistributedPipeline(stages, indices, num_stages, device=device, timeout=timeout, **kwargs)
+        return DistributedPipeline(stages, indices, num_stages, device=device, timeout=timeout,
+                                   first_step_timeout=first_step_timeout, **kwargs)
     from torch.distributed import get_world_size
 
-    mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device, timeout=timeout)
+    group_timeout = StepLimits(timeout, first_step_timeout).group_timeout  # [Note: the first
+    mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device,  # step's own limit]
+                         timeout=None if group_timeout is None else group_timeout.total_seconds())
     return ReplicatedPipeline(stages, indices, num_stages, mesh=mesh, dp_mode=dp_mode, device=device,
-                              timeout=timeout, **kwargs)
+                              timeout=timeout, first_step_timeout=first_step_timeout, **kwargs)

@@ -51,8 +51,9 @@ from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.tracing.graph import trace
 from executor.distributed import DistributedPipeline, infer_wires
-from executor.host_allocator import retain_freed_memory
+from executor.host_allocator import use_host_allocator
 from executor.spec import SCHEDULES
+from executor.watchdog import FIRST_STEP_TIMEOUT_S
 
 __all__ = ["distributed_pipeline", "merge_state_dicts"]
 
@@ -116,7 +117,9 @@ def distributed_pipeline(
     data_parallel: int | str | None = None,
     dp_mode: str | None = None,
     device: str | torch.device | None = None,
-    timeout: float = 60.0,
+    timeout: float | None = 60.0,
+    first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
+    host_allocator: str = "system",
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
     **trace_kwargs: Any,
@@ -146,7 +149,19 @@ def distributed_pipeline(
         dp_mode: how replicas share gradients: ``ddp`` (DistributedDataParallel) or ``fsdp``
             (FSDP2 ``fully_shard``); default: the plan's (``ddp`` without a plan).
         device: default ``cuda:LOCAL_RANK`` under NCCL, else CPU.
-        timeout: seconds a rank waits for a silent peer before failing with PipelineFailure.
+        timeout: seconds a step may take. A peer that dies fails the step at once, and one that
+            is silent for ``timeout`` fails it, with :class:`executor.PipelineFailure` on this
+            rank; a step still running ``timeout`` + 5 s after it began is ended by the
+            watchdog, which prints one ``PipelineFailure:`` line and ends the process with
+            ``os._exit(3)`` (``executor.WATCHDOG_EXIT_CODE``), as torch's NCCL watchdog does: a
+            hung step cannot be unwound. ``None`` turns the watchdog off (torch's own process
+            group timeouts remain).
+        first_step_timeout: the same for the first step, which builds the schedule, runs every
+            lazy initialiser and may compile or warm up (default 600 s;
+            [Note: the first step's own limit] in executor/watchdog.py).
+        host_allocator: ``"system"`` (default: the process's allocator as it is) or
+            ``"retain"`` (on a CPU, glibc keeps freed memory for reuse, as the command line
+            does): see [Note: freed memory stays in the process] in executor/host_allocator.py.
         weights: the model's weights file (or mapping), read by every rank for its own stage(s)
             only; see :func:`autopipe.pipeline`. Without it, rank 0's weights are broadcast.
         init: for a meta-device model without ``weights``: ``init(module)`` for each module
@@ -186,6 +201,9 @@ def distributed_pipeline(
     micro = microbatch_inputs(inputs, chunks)
     given = checkpoint if plan is not None else None  # else the plan is made with it
     mode = partition_checkpoint(checkpoint, k) if plan is None else ""
+    here = _device(device)
+    if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
+        use_host_allocator(host_allocator)
     graph = trace(model, micro, **trace_kwargs)
     on_meta = has_meta_tensors(model)
     if weights is None and not on_meta:
@@ -197,9 +215,6 @@ def distributed_pipeline(
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
     wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
     mine = list(range(rank % world, k, world))  # [Note: replicas on a mesh]: rank = dp x K + pp
-    here = _device(device)
-    if here.type == "cpu":
-        retain_freed_memory()  # [Note: freed memory stays in the process]
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
     for i, s in enumerate(stages):
@@ -214,7 +229,7 @@ def distributed_pipeline(
     return replicated_pipeline(
         [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp, loss_fn=loss_fn,
         chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
-        key_aliases=aliases, device=here, timeout=timeout,
+        key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
     )
 
 

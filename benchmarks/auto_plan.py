@@ -66,6 +66,7 @@ from autopipe.core.units import format_bytes
 from autopipe.errors import AutopipeError
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import transformer_dag
+from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
 from executor.spec import CHECKPOINT_MODES
 
@@ -381,7 +382,7 @@ def _rank_steps(rank: int, example: str, batch: int, plans: list[dict[str, objec
         plan = Plan.from_dict(data)
         ex = get_example(example, batch_size=batch)
         pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan,
-                                    chunks=plan.chunks, schedule=plan.schedule)
+                                    chunks=plan.chunks, schedule=plan.schedule, host_allocator="retain")
         runs.append(functools.partial(pipe.step, *ex.inputs, target=ex.target))
     return _steps(runs, steps, warmup, before=dist.barrier)  # each step starts on both ranks at once
 
@@ -511,6 +512,7 @@ def measured_main(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> str:
+    use_host_allocator("retain")  # as the CLI does: [Note: freed memory stays in the process]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.5, 0.35])

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
+from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
 
 __all__ = ["EvenBlocks", "main"]
@@ -96,7 +97,7 @@ def _autopipe_rank(rank: int, plan: dict[str, Any], model: str, batch: int, widt
 
     ex = _example(model, batch, width)
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=Plan.from_dict(plan),
-                                chunks=chunks, checkpoint="never")
+                                chunks=chunks, checkpoint="never", host_allocator="retain")
     return _median_ms(lambda: pipe.step(*ex.inputs, target=ex.target), steps, warmup)
 
 
@@ -220,6 +221,7 @@ def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, in
 
 
 def main(argv: Sequence[str] | None = None) -> str:
+    use_host_allocator("retain")  # as the CLI does: [Note: freed memory stays in the process]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--batch", type=int, default=1024)

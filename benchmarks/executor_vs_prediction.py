@@ -51,6 +51,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
 from autopipe.frontend.profiling.loss_timing import with_loss
 from autopipe.frontend.profiling.rank_contention import with_rank_contention
+from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
 
 __all__ = ["Row", "main"]
@@ -130,7 +131,7 @@ def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
     for plan in plans:
         ex = get_example(name, batch_size=batch)
         pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, chunks=chunks,
-                                    plan=autopipe.Plan.from_dict(plan))
+                                    plan=autopipe.Plan.from_dict(plan), host_allocator="retain")
         dist.barrier()
         times.append(median_ms(functools.partial(pipe.step, *ex.inputs, target=ex.target), repeats, warmup=2))
     torch.save(times, Path(out) / f"{rank}.pt")
@@ -229,6 +230,7 @@ def measure(ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: in
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
+    use_host_allocator("retain")  # as the CLI does: [Note: freed memory stays in the process]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt", "unet"])
     parser.add_argument("--batch", type=int, default=256)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from autopipe.examples import get_example
 from executor import GPipe
+from executor.host_allocator import use_host_allocator
 
 __all__ = ["Row", "flat_sequential", "measure", "main"]
 
@@ -140,6 +141,7 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
+    use_host_allocator("retain")  # as the CLI does: [Note: freed memory stays in the process]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--batch", type=int, default=64)

@@ -28,6 +28,7 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
 from executor.activation_meter import ActivationMeter
+from executor.host_allocator import use_host_allocator
 
 __all__ = ["Row", "main", "measure_model", "measure_plan", "recompute_copy"]
 
@@ -99,6 +100,7 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
+    use_host_allocator("retain")  # as the CLI does: [Note: freed memory stays in the process]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt", "unet"])
     parser.add_argument("--batch", type=int, default=64)

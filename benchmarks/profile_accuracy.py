@@ -31,6 +31,7 @@ import torch
 from autopipe.examples import EXAMPLES, get_example
 from autopipe.frontend.profiling.profiler import profile, time_model
 from autopipe.frontend.profiling.timing import CpuTimer
+from executor.host_allocator import use_host_allocator
 
 __all__ = ["main", "SETTINGS"]
 
@@ -70,6 +71,7 @@ def _measure(name: str, rounds: int, repeats: int, warmup: int) -> dict[str, flo
 
 
 def main(argv: Sequence[str] | None = None) -> str:
+    use_host_allocator("retain")  # as the CLI does: [Note: freed memory stays in the process]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", nargs="+", default=list(SETTINGS), choices=sorted(EXAMPLES))
     parser.add_argument("--rounds", type=int, default=5)

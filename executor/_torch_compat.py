@@ -22,7 +22,11 @@ name directly: it imports it from here, where
 - :func:`mesh_group_options` gives a DeviceMesh dimension's process groups a timeout:
   ``init_device_mesh(backend_override=...)`` takes backend options and reads their
   ``_timeout`` (torch's own code does); for other backends than gloo and NCCL it gives None,
-  the default timeout, and the pipeline's watchdog still ends a hung step.
+  the default timeout, and the pipeline's watchdog still ends a hung step;
+- :func:`set_group_timeout` shortens a process group's timeout after a pipeline's first step
+  ([Note: the first step's own limit] in executor/watchdog.py) through
+  ``torch.distributed.distributed_c10d._set_pg_timeout``, as torchtitan does; where it is
+  missing or refuses, it says so and the watchdog alone bounds later steps.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ __all__ = [
     "is_communication_error",
     "symbol_source",
     "mesh_group_options",
+    "set_group_timeout",
 ]
 
 BatchNormBase = _BatchNorm
@@ -212,3 +217,18 @@ def mesh_group_options(backend: str, timeout: datetime.timedelta) -> Any:
     except (AttributeError, TypeError):
         return None
     return options
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> bool:
+    """Set ``group``'s timeout for its later operations; False where this torch cannot."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError:
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "only supported for nccl or gloo": False below
+            _set_pg_timeout(timeout, group)
+    except (RuntimeError, ValueError, AssertionError, AttributeError, TypeError):
+        return False
+    return True

@@ -39,8 +39,12 @@ whole process-group timeout (30 minutes by default), or forever (pytorch#132644)
 pipeline therefore talks on its own process group created with ``timeout``, turns any
 communication error into :class:`PipelineFailure` naming the rank, step and schedule, and arms
 a watchdog per step: if a step overruns ``timeout`` plus a grace period the watchdog prints the
-same kind of one-line error and ends the process with exit status 3, as torch's NCCL watchdog
-does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Peers then see the connection drop and fail too.
+same kind of one-line error and ends the process with ``os._exit`` and exit status 3
+(:data:`WATCHDOG_EXIT_CODE`), as torch's NCCL watchdog does with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``: a hung step cannot be unwound from another thread. Peers
+then see the connection drop and fail too. The first step has its own, longer limit
+([Note: the first step's own limit] in executor/watchdog.py); ``timeout=None`` turns the
+watchdog off.
 
 [Note: tied parameters across ranks] A Parameter used by stages on different ranks (a GPT's
 tied embedding and head) exists once per rank. After each step the owners all-reduce (sum) its
@@ -52,12 +56,11 @@ copies are sharded alike across replicas, so shard i meets shard i).
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -70,13 +73,18 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from executor._torch_compat import is_communication_error, prefetch_support, warn_no_prefetch
+from executor._torch_compat import (
+    is_communication_error,
+    prefetch_support,
+    set_group_timeout,
+    warn_no_prefetch,
+)
 from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import SCHEDULES, check_stage_checkpoints
-from executor.watchdog import armed
+from executor.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits, armed
 from executor.wire import Wire, WireStage, infer_wires
 
 __all__ = [
@@ -134,9 +142,14 @@ class DistributedPipeline:
             same order on every rank: the ranks holding a copy (or a process group of them,
             None where this rank holds none), and this rank's copy.
         key_aliases: a state_dict key -> every key of the original model naming that tensor.
-        device: where this rank's stages run. timeout: seconds before a silent peer is an error.
-        group: the pipeline's process group (a mesh's "pp" group, created with ``timeout``);
-            default: a new group of every rank.
+        device: where this rank's stages run.
+        timeout: seconds a step may take before a silent peer is an error: the watchdog then
+            ends this process with ``os._exit(WATCHDOG_EXIT_CODE)`` ([Note: a dead rank is an
+            error, not a hang]); None turns the watchdog off.
+        first_step_timeout: the same for the first step, which builds, warms up and may compile
+            ([Note: the first step's own limit]); None: ``timeout`` for it too.
+        group: the pipeline's process group (a mesh's "pp" group, created with the first
+            step's limit); default: a new group of every rank.
     """
 
     dp_rank, dp_size = 0, 1  # one replica; executor.replicated.ReplicatedPipeline has more
@@ -155,7 +168,8 @@ class DistributedPipeline:
         ties: Sequence[tuple[Sequence[int] | dist.ProcessGroup | None, nn.Parameter | None]] = (),
         key_aliases: dict[str, list[str]] | None = None,
         device: torch.device | str = "cpu",
-        timeout: float = 60.0,
+        timeout: float | None = 60.0,
+        first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_initialized():
@@ -180,11 +194,13 @@ class DistributedPipeline:
         self.pp_rank, self.pp_size = self.rank, self.world
         self.indices = list(indices)
         self.num_stages, self.chunks, self.schedule_name = num_stages, chunks, schedule
+        self.limits = StepLimits(timeout, first_step_timeout)
         self.timeout = timeout
+        self._first_step_done = False
         self.device = torch.device(device)
         self.key_aliases = key_aliases or {}
         self._steps = 0
-        timedelta = datetime.timedelta(seconds=timeout)
+        timedelta = self.limits.group_timeout
         self.group = group if group is not None else dist.new_group(backend=dist.get_backend(), timeout=timedelta)
         self.stages = [s.to(self.device) for s in stages]
         self.wire_stages = [
@@ -387,10 +403,25 @@ class DistributedPipeline:
                 f"stages {self.indices}) failed: a peer rank died, hung or failed ({cause}); "
                 "see that rank's log")
 
-    def _watchdog(self) -> AbstractContextManager[None]:  # [Note: one watchdog thread]
+    def _groups(self) -> list[dist.ProcessGroup]:
+        """Every process group this pipeline talks on (a mesh adds its "dp" group)."""
+        return [self.group, *(g for g, _ in self._ties if g is not None)]
+
+    @contextmanager
+    def _watchdog(self) -> Iterator[None]:  # [Note: one watchdog thread]
+        first = not self._first_step_done
+        limit = self.limits.step_limit(first)
+
         def fire() -> None:
-            msg = self._failure(f"no progress for {self.timeout + _GRACE_S:.0f}s")
+            msg = self._failure(f"no progress for {limit + _GRACE_S:.0f}s" if limit else "hung")
             print(f"PipelineFailure: {msg}", file=sys.stderr, flush=True)
             os._exit(WATCHDOG_EXIT_CODE)
 
-        return armed(self.timeout + _GRACE_S, fire)
+        with armed(limit + _GRACE_S, fire) if limit is not None else nullcontext():
+            yield
+        if first:  # [Note: the first step's own limit]
+            self._first_step_done = True
+            steady = self.limits.steady_group_timeout
+            if steady is not None:
+                for group in self._groups():
+                    set_group_timeout(group, steady)

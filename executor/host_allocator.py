@@ -13,8 +13,13 @@ profile came out up to 1.4x short (benchmarks/executor_vs_prediction.py).
 :func:`retain_freed_memory` sets glibc's ``M_MMAP_THRESHOLD`` to its maximum (32 MiB: blocks
 up to that come from the heap) and ``M_TRIM_THRESHOLD`` to 2 GiB (freed heap memory is kept
 for reuse), once per process; the process keeps its peak resident memory instead of returning
-it between steps, which is what a training loop reuses anyway. autopipe calls it when it
-profiles or builds a pipeline on a CPU. It does nothing when the user chose an allocator
+it between steps, which is what a training loop reuses anyway. It cannot be undone, so the
+library does it only when asked: ``host_allocator="retain"`` on ``autopipe.profile()``,
+``pipeline()`` and ``distributed_pipeline()`` (the command line's default); the library's
+default, ``"system"``, leaves the process as it is. The profile records the setting it was
+measured under (``meta["host_allocator"]``: the process's state, which an earlier "retain" in
+the same process leaves set), and a pipeline that runs under another warns once, in one line,
+since its step time then differs from the prediction. It does nothing when the user chose an allocator
 (``MALLOC_*`` tunables or ``LD_PRELOAD``, e.g. jemalloc or tcmalloc as PyTorch's CPU
 performance guide suggests) or when the C library has no ``mallopt`` (not glibc).
 """
@@ -24,7 +29,11 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["retain_freed_memory"]
+from executor.errors import ExecutorError
+
+__all__ = ["HOST_ALLOCATORS", "host_allocator_in_use", "retain_freed_memory", "use_host_allocator"]
+
+HOST_ALLOCATORS = ("system", "retain")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -58,3 +67,20 @@ def retain_freed_memory() -> bool:
                 bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     _state["done"] = done
     return done
+
+
+def host_allocator_in_use() -> str:
+    """``"retain"`` once this process keeps freed memory (:func:`retain_freed_memory` took
+    effect), else ``"system"``."""
+    return "retain" if _state.get("done") else "system"
+
+
+def use_host_allocator(choice: str) -> str:
+    """Apply ``choice`` (one of :data:`HOST_ALLOCATORS`; ``"system"`` changes nothing) and
+    return the setting the process runs under afterwards (:func:`host_allocator_in_use`)."""
+    if choice not in HOST_ALLOCATORS:
+        raise ExecutorError(f"host_allocator={choice!r} is unknown; use 'system' (the process's "
+                            "allocator as it is) or 'retain' (glibc keeps freed memory for reuse)")
+    if choice == "retain":
+        retain_freed_memory()
+    return host_allocator_in_use()

@@ -61,34 +61,39 @@ from executor._torch_compat import mesh_group_options
 from executor.distributed import DistributedPipeline
 from executor.errors import DistributedError
 from executor.spec import DATA_PARALLEL_MODES
+from executor.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
 from executor.wire import WireStage
 
 __all__ = ["pipeline_mesh", "ReplicatedPipeline"]
 
 
 def pipeline_mesh(data_parallel: int, pp_size: int, *, device: torch.device | str,
-                  timeout: float = 60.0) -> DeviceMesh:
+                  timeout: float | None = 60.0) -> DeviceMesh:
     """The (dp, pp) DeviceMesh of ``data_parallel`` replicas of a ``pp_size``-rank pipeline, its
-    groups created with ``timeout`` (see [Note: replicas on a mesh]). Call it on every rank."""
+    groups created with ``timeout`` seconds (None: torch's default; see [Note: replicas on a
+    mesh]). Call it on every rank."""
     world = dist.get_world_size()
     if data_parallel < 1 or pp_size < 1 or data_parallel * pp_size != world:
         raise DistributedError(f"{data_parallel} replica(s) x {pp_size} pipeline rank(s) need "
                                f"{data_parallel * pp_size} ranks but the world has {world}; start "
                                "data_parallel x pipeline ranks")
-    timedelta = datetime.timedelta(seconds=timeout)
     backend = dist.get_backend()
     dims = ("dp", "pp")
-    override: dict[int | str, Any] = {d: mesh_group_options(backend, timedelta) for d in dims}
+    override: dict[int | str, Any] | None = None
+    if timeout is not None:
+        timedelta = datetime.timedelta(seconds=timeout)
+        override = {d: mesh_group_options(backend, timedelta) for d in dims}
     return init_device_mesh(torch.device(device).type, (data_parallel, pp_size), mesh_dim_names=dims,
-                            backend_override=override if None not in override.values() else None)
+                            backend_override=override if override and None not in override.values()
+                            else None)
 
 
-def _tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int], timeout: float) -> dist.ProcessGroup | None:
+def _tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int],
+               timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
     """This rank's group of ``pp_ranks`` within its own replica (one group per replica)."""
     layout = mesh.mesh  # (dp, pp) -> global rank
     per_replica = [[int(layout[d, r]) for r in sorted(pp_ranks)] for d in range(layout.shape[0])]
-    mine, _ = dist.new_subgroups_by_enumeration(per_replica,
-                                                timeout=datetime.timedelta(seconds=timeout))
+    mine, _ = dist.new_subgroups_by_enumeration(per_replica, timeout=timeout)
     return mine  # type: ignore[no-any-return]
 
 
@@ -109,7 +114,8 @@ class ReplicatedPipeline(DistributedPipeline):
         mesh: DeviceMesh,
         dp_mode: str = "ddp",
         ties: Sequence[tuple[Sequence[int], nn.Parameter | None]] = (),
-        timeout: float = 60.0,
+        timeout: float | None = 60.0,
+        first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         if mesh.mesh_dim_names != ("dp", "pp"):
@@ -119,9 +125,14 @@ class ReplicatedPipeline(DistributedPipeline):
             raise DistributedError(f"dp_mode={dp_mode!r} is unknown; use one of {list(DATA_PARALLEL_MODES)}")
         self.mesh, self.dp_mode = mesh, dp_mode
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh.size(0)
-        groups = [_tie_group(mesh, ranks, timeout) for ranks, _ in ties]
+        group_timeout = StepLimits(timeout, first_step_timeout).group_timeout
+        groups = [_tie_group(mesh, ranks, group_timeout) for ranks, _ in ties]
         super().__init__(stages, indices, num_stages, group=mesh.get_group("pp"), timeout=timeout,
+                         first_step_timeout=first_step_timeout,
                          ties=[(g, p) for g, (_, p) in zip(groups, ties, strict=True)], **kwargs)
+
+    def _groups(self) -> list[dist.ProcessGroup]:
+        return [*super()._groups(), self.mesh.get_group("dp")]
 
     def _replicate(self, wire: WireStage) -> nn.Module:
         dp_mesh = self.mesh["dp"]

@@ -8,18 +8,77 @@ Here one daemon thread serves every arming: :func:`armed` records a deadline and
 under a lock, and wakes the thread only when it sleeps towards a later deadline or none. In the
 steady state of back-to-back steps the thread sleeps towards an old deadline, wakes once per
 ``limit``, finds a later one and sleeps again: arming and disarming a step cost a lock each.
+
+[Note: the first step's own limit] A pipeline's first step does what no later step does: it
+builds torch's schedule and stages, runs the first forward through every lazy initialiser and
+(under torch.compile or on a GPU) compiles and warms up, so a first step may take minutes where
+the steady state takes milliseconds. As torchtitan gives initialisation its own timeout,
+:class:`StepLimits` gives the first guarded step ``first_step_timeout`` (default
+:data:`FIRST_STEP_TIMEOUT_S`) and every later one ``timeout``. The pipeline's process groups
+are created with the longer of the two and shortened to ``timeout`` once the first step is
+through (``executor._torch_compat.set_group_timeout``); where torch cannot shorten them, the
+watchdog alone bounds the later steps. ``timeout=None`` turns the watchdog off and leaves the
+groups at torch's default timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
-__all__ = ["armed"]
+from executor.errors import DistributedError
+
+__all__ = ["FIRST_STEP_TIMEOUT_S", "StepLimits", "armed"]
+
+FIRST_STEP_TIMEOUT_S = 600.0
+
+
+def _seconds(value: float | None, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise DistributedError(f"{name}={value!r} must be a number of seconds > 0 (or None: "
+                               f"no limit), e.g. {name}=60")
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """How long a pipeline step may run before the watchdog ends the process ([Note: the first
+    step's own limit]); None: no limit."""
+
+    timeout: float | None = 60.0
+    first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _seconds(self.timeout, "timeout")
+        _seconds(self.first_step_timeout, "first_step_timeout")
+
+    def step_limit(self, first: bool) -> float | None:
+        """Seconds the first (``first``) or a later step may take; None when unguarded."""
+        if self.timeout is None:
+            return None
+        if first and self.first_step_timeout is not None:
+            return max(self.timeout, self.first_step_timeout)
+        return self.timeout
+
+    @property
+    def group_timeout(self) -> datetime.timedelta | None:
+        """The process groups' timeout until the first step is through (None: torch's default)."""
+        limit = self.step_limit(first=True)
+        return None if limit is None else datetime.timedelta(seconds=limit)
+
+    @property
+    def steady_group_timeout(self) -> datetime.timedelta | None:
+        """The groups' timeout after the first step, where it differs from the first's."""
+        if self.timeout is None or self.step_limit(first=True) == self.timeout:
+            return None
+        return datetime.timedelta(seconds=self.timeout)
 
 
 class _Watchdog:

@@ -98,6 +98,7 @@ def _profile(args: argparse.Namespace) -> int:
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
         threads=config.threads, progress=not config.no_progress, mode=config.mode,
         meta=config.meta, micro_batch_sizes=config.micro_batch_sizes, comm=config.comm,
+        host_allocator=config.host_allocator,
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")
@@ -204,7 +205,7 @@ def _train(args: argparse.Namespace) -> int:
     train_example(config.model, stages=config.stages, chunks=config.chunks,
                   batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
                   devices=config.devices, method=config.method, plan=config.plan,
-                  profile=config.profile, lr=config.lr)
+                  profile=config.profile, lr=config.lr, host_allocator=config.host_allocator)
     return 0
 
 

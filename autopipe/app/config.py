@@ -42,13 +42,16 @@ __all__ = [
 ]
 
 Checkpoint = Literal["always", "except_last", "never"]
-Method = Literal["auto", "dp", "ilp", "uniform", "params", "blockpartition"]
+Method = Literal["auto", "exact", "ilp", "uniform", "params", "blockpartition"]  # "dp": exact
 Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
 Ties = Literal["share", "colocate"]
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
 ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "auto"]
 Figure = Literal["balance", "timeline", "layers"]
 ProfileMode = Literal["auto", "whole", "layers"]
+HostAllocator = Literal["retain", "system"]
+_HOST_ALLOCATOR = ("on a CPU, retain: glibc keeps freed memory for reuse, as a training loop "
+                   "reuses it (default); system: the allocator as it is. The profile records it")
 
 _EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
 _TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory returning "
@@ -122,6 +125,7 @@ class ProfileConfig:
                              "the distributed runtime's cost per micro-batch and, on a CPU, how much "
                              "slower the model computes with a copy beside it, for plans run with "
                              "`autopipe run` on this host (10-20 s for the bundled examples)")
+    host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,9 @@ class PartitionConfig:
     devices: list[str] | None = _opt(None, "the devices stages may use: a count N (N of the "
                                            "profiled kind) or names (cuda:0 cuda:1 ...); "
                                            "--stages auto needs it", nargs="+", metavar="DEVICE")
-    method: Method = _opt("auto", "partition method (default auto: DP for chains, ILP for DAGs)")
+    method: Method = _opt("auto", "partition method: exact (the DP over the topological order; "
+                                  "dp is an alias), ilp (over the DAG), a baseline, or auto "
+                                  "(default: exact, then the ILP only where a bound shows it can gain)")
     memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
     chunks: str | None = _opt(None, _chunks("the profile's"), metavar="M|auto")
     batch_size: int | None = _opt(None, "mini-batch size B: --chunks M plans micro-batches of "
@@ -150,8 +156,8 @@ class PartitionConfig:
     ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
     bandwidth: float | None = _opt(None, "bytes/s between stages, 0 = free (default: the "
                                          "profile's measured by `profile --comm`, else 1e10)")
-    time_limit: float | None = _opt(None, "ILP time limit in seconds (default 60; 2 in a search "
-                                          "with an auto choice)")
+    time_limit: float | None = _opt(None, "ILP time limit in seconds, shown on its progress line "
+                                          "(default 5; 2 in a search with an auto choice)")
     out: str = _opt(None, "plans/NAME.json", required=True)
     force: bool = _opt(False, "overwrite --out if it exists")
     no_progress: bool = _opt(False, "no search or ILP progress on stderr (default: shown when "
@@ -199,6 +205,7 @@ class TrainConfig:
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")
     profile: str | None = _opt(None, "use this saved profile instead of measuring")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
+    host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,11 @@ class RunConfig:
     schedule: Schedule | None = _opt(None, "pipeline schedule (default: the plan's, else gpipe)")
     checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
-    timeout: float = _opt(60.0, "seconds before a silent rank is an error (default 60)")
+    timeout: float = _opt(60.0, "seconds a step may take before a silent rank is an error and the "
+                                "watchdog ends the rank (exit 3) (default 60)")
+    first_step_timeout: float = _opt(600.0, "the same for the first step, which builds, warms up "
+                                            "and may compile (default 600)")
+    host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     threads: int = _opt(1, "torch threads per rank (default 1)")
     no_pin_cores: bool = _opt(False, "on a CPU, leave the ranks to the OS scheduler (default: local rank r "
                                      "of n runs on the r-th n-th of this process's cores)")
@@ -257,6 +268,9 @@ class RunConfig:
             raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
         if not self.timeout > 0:
             raise BuildError(f"--timeout {self.timeout} must be > 0 seconds, e.g. --timeout 60")
+        if not self.first_step_timeout > 0:
+            raise BuildError(f"--first-step-timeout {self.first_step_timeout} must be > 0 seconds, "
+                             "e.g. --first-step-timeout 600")
         if self.schedule is not None:
             _check_choice("--schedule", self.schedule, Schedule)
         if self.checkpoint is not None:

@@ -142,7 +142,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         torch.set_num_threads(config.threads)
         try:
             prof = profile(loaded.model, loaded.inputs, chunks=chunks, graph=graph, name=loaded.name,
-                           progress=False)
+                           progress=False, host_allocator=config.host_allocator)
             # [Note: the loss in the last stage]
             prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn)
         finally:

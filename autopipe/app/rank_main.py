@@ -67,7 +67,9 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
 
     pipe = distributed_pipeline(ex.model, tuple(local(x) for x in ex.inputs), loss_fn=ex.loss_fn, plan=plan,
                                 chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                                timeout=config.timeout, data_parallel=replicas, dp_mode=config.dp_mode)
+                                timeout=config.timeout, first_step_timeout=config.first_step_timeout,
+                                host_allocator=config.host_allocator, data_parallel=replicas,
+                                dp_mode=config.dp_mode)
     inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in map(local, ex.inputs))
     target = local(ex.target)
     target = target.to(pipe.device) if isinstance(target, torch.Tensor) else target
@@ -110,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cores is not None and config.threads > len(cores):
             print(f"autopipe run: warning: --threads {config.threads} on {len(cores)} core(s) per rank; pass "
                   f"--threads {len(cores)}, or --no-pin-cores to share all cores", file=sys.stderr, flush=True)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout))
+    # the default group waits while rank 0 plans and every rank builds: the first step's limit
+    dist.init_process_group(backend, timeout=datetime.timedelta(
+        seconds=max(config.timeout, config.first_step_timeout)))
     progress = Progress()
     try:
         train(config, progress)

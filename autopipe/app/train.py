@@ -147,6 +147,7 @@ def train_example(
     profile: Profile | str | None = None,
     lr: float = 1e-3,
     log: Callable[[str], None] | None = print,
+    host_allocator: str = "retain",
 ) -> TrainReport:
     """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
     returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
@@ -160,10 +161,12 @@ def train_example(
     ex = load_model(name, b, for_training="autopipe train")
     graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
     if loaded_plan is None and loaded_profile is None:  # with the loss the last stage pays
-        measured = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph)
+        measured = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph,
+                                 host_allocator=host_allocator)
         loaded_profile = with_loss(measured, ex.model, ex.inputs, ex.target, ex.loss_fn, device=chosen[0])
     pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,
-                    plan=loaded_plan, profile=loaded_profile, method=method, graph=graph)
+                    plan=loaded_plan, profile=loaded_profile, method=method, graph=graph,
+                    host_allocator=host_allocator)
     run = f"autopipe run {name} --nproc {k} --batch-size {b} --chunks {m}"
     report = TrainReport(ex.name if ":" in name else name, pipe.plan, batch_size=b, devices=chosen,
                          predicted_ms=_predict(pipe.plan, chosen),

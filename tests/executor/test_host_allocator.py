@@ -40,3 +40,39 @@ def test_without_mallopt_nothing_happens(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.delenv(name)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert host_allocator.retain_freed_memory() is False
+
+
+def test_use_host_allocator_refuses_an_unknown_choice_in_one_line() -> None:
+    with pytest.raises(ValueError, match="host_allocator='jemalloc' is unknown; use 'system'") as err:
+        host_allocator.use_host_allocator("jemalloc")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_library_leaves_the_allocator_alone_unless_asked_and_records_it() -> None:
+    """profile() and pipeline() change the process's allocator only with host_allocator="retain";
+    the profile records the setting, and a pipeline run under the other one warns in one line."""
+    code = """
+        import warnings
+        import torch
+        import autopipe
+        from executor.host_allocator import host_allocator_in_use
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        x = torch.randn(8, 8)
+        plain = autopipe.profile(model, (x,), chunks=2, repeats=1, warmup=0, mode="layers")
+        pipe = autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, profile=plain)
+        print(plain.meta["host_allocator"], host_allocator_in_use())
+        retained = autopipe.profile(model, (x,), chunks=2, repeats=1, warmup=0, mode="layers",
+                                    host_allocator="retain")
+        print(retained.meta["host_allocator"], host_allocator_in_use())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, profile=plain)
+        print([str(w.message) for w in caught if "host_allocator" in str(w.message)])
+    """
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), "OMP_NUM_THREADS": "1"}
+    lines = _run(code, base).splitlines()
+    assert lines[0] == "system system"  # asked for nothing: nothing changed
+    assert lines[1] == "retain retain"
+    assert "measured with host_allocator='system' but this pipeline runs with 'retain'" in lines[2]
+    assert "pass host_allocator='system' or re-profile" in lines[2]
