@@ -5,19 +5,18 @@ reaches micro-batch i, so a rank that finishes a forward then sits idle while th
 activation crosses the wire, and on CPU (gloo) that transfer competes with the compute it should
 have overlapped. Each micro-batch has its own receive buffer in a PipelineStage, so nothing stops
 us posting all of a phase's receives up front: the data lands while the rank computes, and the
-wait before each micro-batch is usually already over (README: "Two processes vs one" has the
-measured effect). The schedule, the loss handling and the gradient scaling are otherwise
+wait before each micro-batch is usually already over (measured: docs/benchmarks.md, "Two
+processes vs one"). The schedule, the loss handling and the gradient scaling are otherwise
 exactly ``ScheduleGPipe``'s.
 
 [Note: yield after sends] Over gloo a send posted before the peer's receive notice was handled
 moves its bytes from gloo's I/O thread, and on a rank pinned to one core ([Note: ranks pinned
 to cores] in executor/rank_cores.py) that thread waits for the core while the rank computes
-its next micro-batch: traced on 2 ranks (gpt, 8-row micro-batches), rank 0 waited for a
-gradient from 18.9 to 23.6 ms of a step, the whole of rank 1's next backward after it posted
-the send. So after posting its sends a CPU rank yields its core once (``os.sched_yield``, a
-microsecond when nothing else is runnable): over 6 launches each, gpt (8 rows, except_last)
-30.0 ms a step against 31.9 (range 27.8-31.7 against 27.9-34.5), never 23.8 against 24.1, mlp
-(64 rows, except_last) 11.2 against 11.6. torch's 1F1B waits for its sends itself.
+its next micro-batch, so the peer waits for those bytes through that whole computation. So
+after posting its sends a CPU rank yields its core once (``os.sched_yield``, a microsecond when
+nothing else is runnable), and the I/O thread moves the bytes first. torch's 1F1B waits for its
+sends itself. Measured: docs/benchmarks.md, "Measured vs predicted, two ranks"; the trace and
+A/B runs behind this Note are in CHANGELOG.md (2026-11-30, "GPipe ranks yield their core").
 
 The override and the helpers it calls are private to torch.distributed.pipelining: they come
 from executor._torch_compat, which checks their signatures ([Note: private torch API]); where

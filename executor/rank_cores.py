@@ -4,29 +4,16 @@
 
 [Note: ranks pinned to cores] Ranks on one host that are left to the OS scheduler share all of
 its cores: each rank's compute thread, gloo's I/O thread and the Python around them move
-between cores, and two ranks' compute threads land on one core for a while. On this 2-core
-machine, 2 gloo ranks x 1 thread (mlp and gpt, 4 micro-batches, 6 launches each way, pinned
-and unpinned launches alternating, median step and range over the launches):
-
-    mlp   gpipe  9.88 ms (8.63-11.14) unpinned    9.20 ms (8.22-9.41) pinned
-    mlp   1f1b  11.97 ms (9.77-13.08)            10.10 ms (8.69-11.97)
-    gpt   gpipe  121.9 ms (115.6-128.6)           121.5 ms (117.8-127.5)
-    gpt   1f1b   127.2 ms (121.7-129.2)           124.2 ms (119.6-128.9)
-
-Traced inside the ranks, an unpinned launch of mlp spent 1.5-3.5 ms of a 10-14 ms step posting
-its sends and receives (a post timed alone takes 0.05 ms); pinned, 0.3 ms in five launches of
-six. The time is gloo's I/O thread's (``gloo_tcp_loop``), which handles every message and
-rendezvous notice: on an empty 2-rank pipeline of 4 micro-batches it used 1-2 ms of CPU a step,
-as much as the rank's own thread, and while it runs the posting thread waits. Pinned, it shares
-its own rank's core rather than landing on the other rank's; an empty pipeline, which is nothing
-but such messages, still paid it in about half the launches, pinned or not (3.1 ms an
-instrumented step against 4.1-4.6), the likely reason the call cost fitted on one
-([Note: measured transfer] in autopipe/frontend/profiling/comm.py) takes one of two values.
-
-Pinning only the rank's own thread after ``init_process_group`` (gloo's threads, started by
-it, left on every core, free to run on the other rank's idle core) measured no better in a
-second A/B of 6 launches each: mlp 1F1B 10.83 ms against 9.94 pinned whole (13.27 unpinned),
-mlp GPipe 8.85 against 8.95 (9.38), gpt alike within 1%. So every thread is pinned.
+between cores, and two ranks' compute threads land on one core for a while. The cost shows in
+posting messages: gloo's I/O thread (``gloo_tcp_loop``) handles every message and rendezvous
+notice, and while it runs the posting thread waits; unpinned, it lands on the other rank's core
+and a post that takes 0.05 ms alone can hold a small step for milliseconds, in some launches and
+not others. Pinned, it shares its own rank's core. An empty pipeline, which is nothing but such
+messages, still pays it in some launches, pinned or not: the likely reason the call cost fitted
+on one ([Note: measured transfer] in autopipe/frontend/profiling/comm.py) takes one of two
+values. Every thread is pinned, not only the rank's compute thread: pinning that one alone
+measured no better. Measured: docs/benchmarks.md, "The runtime's own cost"; the A/B runs
+behind this Note are in CHANGELOG.md (2026-11-30, "Ranks are pinned to a core each").
 
 Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use
 (its affinity mask: a container's or ``taskset``'s cores, not the machine's), and every thread

@@ -24,11 +24,10 @@ For a segment G, in the terms of [Note: saved once] (autopipe/core/layer_costs.p
   hidden activations for one copy of its input;
 - and its backward runs its forward again first: ``recompute_alone_ms`` = ``sum(fwd[G]) x
   recompute_ratio + recompute_call_ms`` per micro-batch, the profile's measured ratio and the
-  fixed cost of a checkpoint call ([Note: measured overheads] in cost.py); measured in one
-  process against the same plan without them, gpt's two 15-layer segments added 6.2 ms a step
-  (7.2 predicted); cnn's plan with one 9-layer segment from its stem (and except_last in its
-  other stage) took 6.3 ms a step more than the same split never recomputing, 6.0 predicted.
-  The copies are not charged as time: run without them, that cnn plan took the same time.
+  fixed cost of a checkpoint call ([Note: measured overheads] in cost.py). The copies are
+  not charged as time: a plan run without them took the same time. Measured:
+  docs/benchmarks.md, "The automatic plan, run" (cnn's plan recomputes a 9-layer segment);
+  the A/B runs behind these figures are in CHANGELOG.md (2026-11-30, "Recomputed segments").
 
 ``stage_costs`` (cost.py) subtracts each segment's freed bytes from its stage's ``saved_bytes``
 and adds its time to the stage's backward, for every micro-batch. While a segment recomputes,

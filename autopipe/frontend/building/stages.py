@@ -149,11 +149,10 @@ class RecomputedLayer(nn.Module):
         # from. The kept copy is what the cost model charges ([Note: recomputed layers]).
         # torch's reentrant checkpoint: a forward without autograd, recomputed with it, as
         # executor.GPipe's own (what the profile's recompute ratio measures); the non-reentrant
-        # one hooks every saved tensor in Python and cost gpt 1.6x its prediction. It needs an
+        # one hooks every saved tensor in Python, which the profile does not measure. It needs an
         # input with a gradient to reach the parameters inside, which a segment on the raw batch
-        # (an image, token ids) lacks: the anchor is one. (Such segments took the non-reentrant
-        # one before: cnn's 9-layer segment from its stem made a step 8% slower than the
-        # except_last it was predicted to beat by 2%; with the anchor, 1.3% faster.)
+        # (an image, token ids) lacks: the anchor is one. (What each measured: CHANGELOG.md,
+        # 2026-11-30, "Recomputed segments fed by the caller's batch".)
         if not torch.is_grad_enabled():  # nothing is saved, nothing recomputed
             return self.layer(*args)
         return checkpoint(self._run, _anchor(), *_copies(args), use_reentrant=True)

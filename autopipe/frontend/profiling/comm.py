@@ -41,8 +41,9 @@ executor/rank_cores.py): its fitted call cost came out near one of two values pe
 0.17-0.25 or 0.44-0.49 ms per stage call on 2 pinned gloo ranks), and real pipelines ran as the
 higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms, 1.11-1.20x with
 0.17-0.23). So the ranks are launched ``COMM_LAUNCHES`` times: the crossings are the median
-launch's, each empty pipeline's step its slower launch's (two runs of the 2-rank table since:
-24 of 24 rows within 0.96-1.06x and 0.93-1.07x, where one launch had given 24, 23 and 21).
+launch's, each empty pipeline's step its slower launch's. Measured: docs/benchmarks.md,
+"Measured vs predicted, two ranks"; the runs before and after this choice are in CHANGELOG.md
+(2026-11-30, "The call cost comes from the slower of two launches").
 """
 
 from __future__ import annotations
