@@ -299,6 +299,8 @@ class Plan:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
         try:
             kw = {n: data[n] for n in names if n in data}
+            if kw.get("method") == "dp":  # the exact solver's name before "exact"
+                kw["method"] = "exact"
             kw["devices"] = [DeviceSpec(**d) for d in data["devices"]]
             kw["breakdown"] = [StageCost(**b) for b in data["breakdown"]]
             kw["solver"] = SolverInfo(**data.get("solver", {}))

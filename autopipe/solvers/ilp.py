@@ -46,7 +46,9 @@ from autopipe.core.cost import (
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 
-__all__ = ["ILPResult", "solve_ilp"]
+__all__ = ["GAP", "ILPResult", "solve_ilp"]
+
+GAP = 0.005  # relative: CBC stops once its incumbent is proven within this of optimal
 
 
 @dataclass(frozen=True)
@@ -66,18 +68,21 @@ def solve_ilp(
     *,
     warm_start: Sequence[int] | None = None,
     time_limit: float = 60.0,
-    gap: float = 0.005,
+    gap: float = GAP,
     threads: int | None = None,
     on_progress: Callable[[SolverProgress], None] | None = None,
+    bound: float | None = None,
 ) -> ILPResult:
-    """Solve the partition ILP; ``warm_start`` is a feasible assignment (e.g. the DP's).
+    """Solve the partition ILP; ``warm_start`` is a feasible assignment (e.g. the DP's), ``bound``
+    a known lower bound on every split's bottleneck (autopipe.solvers.dag_bound), a constraint.
 
     ``on_progress`` is called with the solver's incumbent, bound and gap while CBC works
     (autopipe.solvers.cbc_log.run_cbc), from a reader thread.
     """
     with warnings.catch_warnings():  # PuLP 3 warns about its own 4.0 API changes
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve(costs, devices, options, warm_start, time_limit, gap, threads, on_progress)
+        return _solve(costs, devices, options, warm_start, time_limit, gap, threads, on_progress,
+                      bound)
 
 
 def _solve(
@@ -89,6 +94,7 @@ def _solve(
     gap: float,
     threads: int | None,
     on_progress: Callable[[SolverProgress], None] | None,
+    known_bound: float | None,
 ) -> ILPResult:
     start_time = time.perf_counter()
     n, k = len(costs), len(devices)
@@ -143,7 +149,7 @@ def _solve(
         return pulp.lpSum(int(per_value[u]) * z[u, s] for u in senders if per_value[u])
 
     call = costs.call_ms(options.schedule)
-    lower = lower_bound(work_array, [d.speed for d in devices], call)
+    lower = max(lower_bound(work_array, [d.speed for d in devices], call), known_bound or 0.0)
     prob += t >= lower
 
     def total(values: Sequence[float] | npt.NDArray[Any], s: int) -> pulp.LpAffineExpression:

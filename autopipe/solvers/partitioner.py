@@ -41,16 +41,25 @@ from autopipe.solvers.baselines import (
     uniform_sizes,
 )
 from autopipe.solvers.cbc_log import ProgressLine
+from autopipe.solvers.dag_bound import dag_bound, forced_order
 from autopipe.solvers.data_parallel_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.dp import check_stage_count, solve_dp
-from autopipe.solvers.ilp import solve_ilp
-from autopipe.solvers.search import INTERLEAVED_PER_RANK, Setting, chunk_candidates, search
+from autopipe.solvers.ilp import GAP, solve_ilp
+from autopipe.solvers.search import (
+    ILP_MAX_VARIABLES,
+    INTERLEAVED_PER_RANK,
+    Setting,
+    chunk_candidates,
+    search,
+)
 from autopipe.solvers.stage_dp import budget_devices
 from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
 
 __all__ = ["METHODS", "partition", "is_chain"]
 
-METHODS: tuple[str, ...] = ("auto", "dp", "ilp", "uniform", "params", "blockpartition")
+METHODS: tuple[str, ...] = ("auto", "exact", "ilp", "uniform", "params", "blockpartition")
+METHOD_ALIASES = {"dp": "exact"}  # the exact solver's old name, in saved scripts and plans
+ILP_TIME_LIMIT = 5.0  # seconds of CBC for one configuration unless time_limit says otherwise
 MAX_AUTO_CHUNKS = 64  # chunks="auto" tries at most this many micro-batches
 
 
@@ -98,11 +107,14 @@ def partition(
     best alternatives. ``batch_size`` with a fixed ``chunks`` plans micro-batches of
     ``ceil(batch_size / chunks)`` rows.
 
-    method: ``dp`` (exact over the topological order), ``ilp`` (exact over the DAG, PuLP/CBC,
-    bounded by ``time_limit`` seconds, default 60; in a search 2), ``auto`` (DP for chains, ILP
-    otherwise, keeping the DP split if the ILP does not beat it in time; a search runs the ILP
-    only where it can gain), or a baseline: ``uniform``, ``params``, ``blockpartition``
-    (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
+    method: ``exact`` (the min-max DP, exact over the topological order; ``dp`` is an alias),
+    ``ilp`` (exact over the DAG, PuLP/CBC warm-started from the DP, bounded by ``time_limit``
+    seconds of CBC, default 5, in a search 2; the progress line shows it), ``auto`` (the DP,
+    then the ILP only where it can gain: not when the order is the DAG's only one, nor when the
+    DP is within the ILP's gap of a lower bound on every DAG split, [Note: when the ILP can
+    gain] in autopipe/solvers/dag_bound.py; the DP split is kept unless the ILP beats it in
+    time; ``plan.solver`` says which ran, its status, bound and gap), or a baseline:
+    ``uniform``, ``params``, ``blockpartition`` (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
     ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free; ``"measured"``, the default: the profile's own from
     ``autopipe profile --comm``, else 1e10, [Note: transfer cost] in autopipe/core/transfer.py). ``chunks`` defaults to the number of micro-batches
@@ -123,8 +135,13 @@ def partition(
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
                              f"load one with autopipe.Profile.load(path)")
-    if method not in METHODS:
+    if method not in METHODS and method not in METHOD_ALIASES:
         raise PartitionError(f"method={method!r} is unknown; choose one of {list(METHODS)}")
+    method = METHOD_ALIASES.get(method, method)
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int | float)
+                                   or not time_limit > 0):
+        raise PartitionError(f"time_limit={time_limit!r}: need the ILP's seconds > 0 (None: "
+                             f"{ILP_TIME_LIMIT:g} s, in a search 2 s)")
     if progress is not None and not isinstance(progress, bool):
         raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
                              f"terminal), got {progress!r}")
@@ -212,7 +229,7 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
     if searching:
         if method in ("uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "
-                                 f"choices use method='auto', 'dp' or 'ilp'")
+                                 f"choices use method='auto', 'exact' or 'ilp'")
         return _search(profile, stages, devices, chunks, checkpoint, schedule, batch_size,
                        memory_limit, optimizer, ties, bandwidth, method, time_limit, progress,
                        max_chunks, data_parallel, dp_mode)
@@ -220,7 +237,7 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
     if batch_size is not None and measured_sizes(profile):
         profile = profile_at(profile, rows_for(batch_size, chunks), batch_size=batch_size, chunks=chunks)
     return _fixed(profile, stages, devices, chunks, checkpoint, schedule, memory_limit, optimizer,
-                  ties, bandwidth, method, 60.0 if time_limit is None else time_limit, progress,
+                  ties, bandwidth, method, ILP_TIME_LIMIT if time_limit is None else time_limit, progress,
                   data_parallel, dp_mode)
 
 
@@ -285,7 +302,7 @@ def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | 
            memory_limit: int | str | None, optimizer: str, ties: str, bandwidth: float | None,
            method: str, time_limit: float, progress: bool | None, data_parallel: int,
            dp_mode: str) -> Plan:
-    """One given configuration: the DP, the ILP or a baseline."""
+    """One given configuration: the exact DP, the ILP where it can gain, or a baseline."""
     specs = resolve_devices(stages, devices, memory_limit)
     options = CostOptions(chunks, checkpoint if isinstance(checkpoint, str) else tuple(checkpoint),
                           optimizer, bandwidth, ties, schedule, data_parallel, dp_mode)
@@ -321,25 +338,34 @@ def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | 
 
     start = time.perf_counter()
     dp = solve_dp(costs, bounded, options)
-    chain = is_chain(profile)
-    dp_info = SolverInfo("optimal (over the topological order)" if method == "dp" or chain
-                         else "optimal over the topological order", dp.bottleneck, None, None,
-                         time.perf_counter() - start)
-    if method == "dp" or (method == "auto" and chain):
-        if chain:
-            dp_info = SolverInfo("optimal", dp.bottleneck, dp.bottleneck, 0.0, dp_info.seconds)
-        return plan(dp.assignment, "dp", dp_info)
+    dp_info = _exact_info(costs, bounded, options, dp.bottleneck, method != "exact", start)
+    # CBC overruns its time limit at the root of a large model: auto keeps to what builds in seconds
+    large = n * (k - 1) > ILP_MAX_VARIABLES
+    if method == "exact" or (method == "auto" and (dp_info.status == "optimal" or large)):
+        return plan(dp.assignment, "exact", dp_info)
     line = ProgressLine(time_limit, progress)  # [Note: progress on a terminal]
     try:
         ilp = solve_ilp(costs, bounded, options, warm_start=dp.assignment, time_limit=time_limit,
-                        on_progress=line if line.enabled else None)
+                        on_progress=line if line.enabled else None, bound=dp_info.bound)
     finally:
         line.close()
     info = SolverInfo(ilp.status, ilp.objective, ilp.bound, ilp.gap,
                       dp_info.seconds + ilp.seconds)
     if method == "auto" and ilp.objective >= dp.bottleneck * (1 - 1e-9):
-        return plan(dp.assignment, "dp", info)  # the ILP proved (or failed to beat) the DP
+        return plan(dp.assignment, "exact", info)  # the ILP proved (or failed to beat) the DP
     return plan(ilp.assignment, "ilp", info)
+
+
+def _exact_info(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions,
+                bottleneck: float, bounded: bool, start: float) -> SolverInfo:
+    """What the DP's split is proven to be over the DAG ([Note: when the ILP can gain]):
+    optimal when the order is the only one or (``bounded``) within the ILP's gap of the bound."""
+    if forced_order(costs):
+        return SolverInfo("optimal", bottleneck, bottleneck, 0.0, time.perf_counter() - start)
+    bound = dag_bound(costs, devices, options) if bounded else None
+    gap = None if bound is None or bottleneck <= 0 else max(0.0, (bottleneck - bound) / bottleneck)
+    status = "optimal" if gap is not None and gap <= GAP else "optimal over the topological order"
+    return SolverInfo(status, bottleneck, bound, gap, time.perf_counter() - start)
 
 
 def _param_counts(costs: LayerCosts) -> list[int]:

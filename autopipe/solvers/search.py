@@ -24,7 +24,8 @@ then times it. A lower bound on the iteration of every configuration, from total
 promising on, and the search stops when the next bound is no better than the best simulated
 time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
 in one DP pass (``stage_dp.solve_counts``). The ILP refines only the winner, only for a DAG
-whose DP split is more than its gap above the lower bound, and only when it is small enough to
+whose DP split is more than its gap above the bound on every DAG split ([Note: when the ILP
+can gain] in autopipe/solvers/dag_bound.py), and only when it is small enough to
 build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on 300-800-layer DAGs it ran
 40-105 s to improve the DP by 0-0.4%.
 """
@@ -47,14 +48,14 @@ from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PartitionError
 from autopipe.solvers.bounds import config_bound, split_bound
 from autopipe.solvers.cbc_log import ProgressLine
+from autopipe.solvers.dag_bound import dag_bound, forced_order
 from autopipe.solvers.dp import solve_dp
-from autopipe.solvers.ilp import solve_ilp
+from autopipe.solvers.ilp import GAP, solve_ilp
 from autopipe.solvers.layer_recompute import recompute_layers_where_faster
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
 from executor.spec import CHECKPOINT_MODES, check_schedule
 
-__all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates",
-           "is_chain_costs"]
+__all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
 INTERLEAVED_PER_RANK = 2  # stages per rank under interleaved1f1b (the runtime's default)
 ILP_MAX_VARIABLES = 1500  # layers x (stages - 1) the search's ILP may have
@@ -321,7 +322,7 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     c = best.config
     prof, costs = s.at(c.chunks)
     devices = _plan_devices(c.schedule, _pick(pool, c.ranks))
-    assignment, name, info = best.split.assignment, "dp", None
+    assignment, name, info = best.split.assignment, "exact", None
     gain = _refine(costs, devices, best, setting, method, time_limit, progress)
     if gain is not None:
         assignment, name, info = gain
@@ -347,13 +348,14 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     """The ILP on the winner's configuration, where it can gain ([Note: automatic search])."""
     c = best.config
     k = len(devices)
-    if method not in ("auto", "ilp") or k == 1 or is_chain_costs(costs):
-        return None
+    if method not in ("auto", "ilp") or k == 1 or forced_order(costs):
+        return None  # the order is the DAG's only one: the DP's split is exact
     opts = CostOptions(c.chunks, tuple(best.split.modes), setting.optimizer, setting.bandwidth,
                        setting.ties, c.schedule, setting.data_parallel, setting.dp_mode)
     work = costs.fwd + costs.bwd
-    bound = lower_bound(work, [d.speed for d in devices], costs.call_ms(c.schedule))
-    if best.split.bottleneck <= 1.005 * bound:
+    bound = max(lower_bound(work, [d.speed for d in devices], costs.call_ms(c.schedule)),
+                dag_bound(costs, devices, opts) or 0.0)
+    if best.split.bottleneck <= (1 + GAP) * bound:
         return None  # within the ILP's gap of a bound no split beats
     if method == "auto" and len(costs) * (k - 1) > ILP_MAX_VARIABLES:
         return None
@@ -362,23 +364,18 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     try:
         ilp = solve_ilp(costs, budget_devices(devices, c.schedule), opts,
                         warm_start=best.split.assignment, time_limit=budget,
-                        on_progress=line if line.enabled else None)
+                        on_progress=line if line.enabled else None, bound=bound)
     finally:
         line.close()
     info = SolverInfo(ilp.status, ilp.objective, ilp.bound, ilp.gap, ilp.seconds)
     if ilp.objective >= best.split.bottleneck * (1 - 1e-9):
-        return best.split.assignment, "dp", info
+        return best.split.assignment, "exact", info
     stages = stage_costs(costs, ilp.assignment, devices, opts)
     sim = simulate_stages(stages, chunks=c.chunks, checkpoint=best.split.modes, schedule=c.schedule,
                           ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices])
     if sim.iteration_time < best.time:
         return ilp.assignment, "ilp", info
-    return best.split.assignment, "dp", info
-
-
-def is_chain_costs(costs: LayerCosts) -> bool:
-    """True when every layer feeds only the next one: the DP is then exact over the graph."""
-    return all(set(users) <= {i + 1} for i, users in enumerate(costs.consumers))
+    return best.split.assignment, "exact", info
 
 
 def _alternatives(ranked: list[_Result], best: _Result, replicas: int) -> list[Alternative]:

@@ -21,7 +21,7 @@ def test_partition_then_simulate(profile_csv: Path, tmp_path: Path, capsys: pyte
     text = capsys.readouterr().out
     assert "bottleneck" in text and "share" in text and f"wrote {out}" in text
     plan = Plan.load(out)
-    assert plan.num_stages == 3 and plan.chunks == 4 and plan.method == "dp"
+    assert plan.num_stages == 3 and plan.chunks == 4 and plan.method == "exact"
     assert main(["simulate", str(out), "--profile", str(profile_csv), "--schedule", "1f1b"]) == 0
     text = capsys.readouterr().out
     assert "schedule 1f1b" in text and "stage 2" in text

@@ -27,7 +27,7 @@ def test_trains_a_bundled_example_end_to_end() -> None:
     assert report.predicted_apart_ms < report.predicted_ms
     summary = report.summary()
     assert summary.startswith("mlp: batch 16 in 4 micro-batches of 4 rows, 2 stages on cpu, cpu "
-                              "(checkpoint=except_last, method=dp)\n")
+                              "(checkpoint=except_last, method=exact)\n")
     assert "measured/predicted" in summary and "pipelined/unpipelined" in summary
     assert "Stages on one device take turns: with 2 stages on cpu" in summary
     assert "`autopipe run mlp --nproc 2 --batch-size 16 --chunks 4`" in summary

@@ -297,7 +297,7 @@ def test_compare_plans(profile: Profile, plan: Plan) -> None:
     assert len(fig.axes) == 3
     for ax in fig.axes:
         assert len(bars(ax)) == 3
-        assert [t.get_text() for t in ax.get_xticklabels()] == ["dp", "uniform", "dp #2"]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["exact", "uniform", "exact #2"]
     ax_b, _, ax_m = fig.axes
     assert [b.get_height() for b in bars(ax_b)] == pytest.approx([plan.bottleneck, uniform.bottleneck, plan.bottleneck])
     assert ax_b.collections[0].get_offsets()[:, 1].tolist() == pytest.approx([plan.lower_bound, uniform.lower_bound, plan.lower_bound])
