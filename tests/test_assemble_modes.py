@@ -24,7 +24,7 @@ from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.distributed import DistributedError, DistributedPipeline
 from tests.frontend.tracing.test_dynamic_shapes import FixedView, hf_model
-from tests.frontend.test_modes import TrainOnlyBranch, gpt2_with_dropout
+from tests.frontend.tracing.test_modes import TrainOnlyBranch, gpt2_with_dropout
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 
