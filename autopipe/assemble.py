@@ -289,6 +289,7 @@ def pipeline(
             checkpoint=mode,
             memory_limit=memory_limit,
             optimizer=optimizer,
+            runtime="gpipe",  # executor.GPipe in this process: its own call cost, no ranks
         )
     elif len(plan.stages) != len(devices):
         raise BuildError(

@@ -67,17 +67,19 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 
 def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
-                 method: str, chunks: int, checkpoint: str) -> Plan:
-    """Rank 0 profiles and partitions; every rank receives its plan (see [Note: one plan...])."""
+                 method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor],
+                 target: Any = None) -> Plan:
+    """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
+    distributed runtime; every rank receives its plan (see [Note: one plan...])."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         from autopipe.frontend.profiling.profiler import profile
         from autopipe.solvers.partitioner import partition
 
         try:
-            prof = profile(model, micro, graph=graph)
-            box[0] = partition(prof, stages=stages, method=method, chunks=chunks,
-                               checkpoint=checkpoint).to_dict()
+            prof = profile(model, micro, graph=graph, loss_fn=None if target is None else loss_fn, target=target)
+            box[0] = partition(prof, stages=stages, method=method, chunks=chunks, checkpoint=checkpoint,
+                               runtime="distributed").to_dict()
         except ValueError as err:
             box[0] = err  # every rank raises it, instead of the others waiting forever
     dist.broadcast_object_list(box, src=0)
@@ -122,6 +124,7 @@ def distributed_pipeline(
     host_allocator: str = "system",
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    example_target: Any = None,
     **trace_kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
@@ -131,6 +134,9 @@ def distributed_pipeline(
             others' parameters and buffers are freed, so ``model`` itself is no longer usable).
         example_inputs: one mini-batch of positional inputs (tensors).
         loss_fn: ``loss_fn(model_output, target)`` for one micro-batch.
+        example_target: the target of ``example_inputs``' mini-batch: without a plan, rank 0
+            times ``loss_fn`` on it, which the last stage pays ([Note: the loss in the last
+            stage]); without it the plan leaves the loss out.
         plan: a Plan with ``world_size / data_parallel * stages_per_rank`` stages; default:
             rank 0 partitions.
         method: the partitioner's method when no plan is given.
@@ -209,7 +215,10 @@ def distributed_pipeline(
     if weights is None and not on_meta:
         _sync_weights(model)  # every rank reads the same weights file otherwise
     if plan is None:
-        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode)
+        target = None if example_target is None else microbatch_inputs(
+            example_target if isinstance(example_target, tuple) else (example_target,), chunks)
+        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode, loss_fn=loss_fn,
+                            target=target if isinstance(example_target, tuple) or target is None else target[0])
     modes = runtime_checkpoint(plan, given)
     stages = build(model, plan, graph)
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro

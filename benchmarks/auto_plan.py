@@ -252,15 +252,14 @@ def measured_profile(example: str, batch: int, repeats: int) -> Profile:
     import torch
 
     from autopipe.examples import get_example
-    from autopipe.frontend.profiling.loss_timing import with_loss
     from autopipe.frontend.profiling.profiler import profile
 
     torch.set_num_threads(1)
     ex = get_example(example, batch_size=batch)
     sizes = [1 << i for i in range(batch.bit_length()) if 1 << i <= batch]
     prof = profile(ex.model, ex.inputs, chunks=4 * RECIPE_DEVICES, repeats=repeats, warmup=1,
-                   micro_batch_sizes=sizes, progress=False)
-    return with_loss(prof, ex.model, ex.inputs, ex.target, ex.loss_fn)
+                   micro_batch_sizes=sizes, progress=False, loss_fn=ex.loss_fn, target=ex.target)
+    return prof
 
 
 def rank_profile(example: str, prof: Profile, comm: dict[str, Any]) -> Profile:
@@ -268,11 +267,11 @@ def rank_profile(example: str, prof: Profile, comm: dict[str, Any]) -> Profile:
     transfer and call costs, and how much slower the example computes beside a copy of itself
     ([Note: ranks sharing a host])."""
     from autopipe.examples import get_example
-    from autopipe.frontend.profiling.rank_contention import with_rank_contention
+    from autopipe.frontend.profiling.comm import with_comm
 
     ex = get_example(example, batch_size=int(prof.meta["batch_size"]))
-    ranked = with_rank_contention(prof, ex.model, ex.inputs)
-    return Profile(ranked.df, ranked.edges, {**ranked.meta, **comm})
+    # the ranks' slowdown measured here, the transfer and call costs once for every example
+    return with_comm(prof, model=ex.model, example_inputs=ex.inputs, measured=comm)
 
 
 def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
@@ -296,7 +295,7 @@ def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
     single = _single(prof, best)
     return Plans(example, batch, limit, best, gpipe, recipe, single,
                  single if gpipe is best else _single(prof, gpipe), high > low,
-                 float(prof.meta.get("recompute_ratio", 1.0)))
+                 prof.corrections.recompute_ratio)
 
 
 def never_needs(prof: Profile, pool: Sequence[str], chunks: int) -> int:

@@ -31,6 +31,7 @@ model over the same micro-batches, so "executor / loop" is the inverse of the 2-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import socket
@@ -49,7 +50,7 @@ import autopipe
 from autopipe.app.train import median_ms
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
-from autopipe.frontend.profiling.loss_timing import with_loss
+from autopipe.frontend.profiling.comm import with_comm
 from autopipe.frontend.profiling.rank_contention import with_rank_contention
 from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
@@ -107,15 +108,14 @@ class Row:
         return statistics.median(m / b for m, b in zip(self.measured, self.before, strict=True))
 
 
-OVERHEADS = ("loss_fwd_ms", "loss_bwd_ms", "stage_call_fwd_ms", "stage_call_bwd_ms", "stage_call_1f1b_fwd_ms",
-             "stage_call_1f1b_bwd_ms", "stage_call_interleaved1f1b_fwd_ms", "stage_call_interleaved1f1b_bwd_ms", "recompute_ratio",
-             "recompute_call_ms")
-COMM = ("comm_latency_ms", "comm_bandwidth", "comm_receive_share",  # [Note: measured transfer]
-        "rank_compute_slowdown")  # [Note: ranks sharing a host]
+# the Corrections fields left out for the "before" predictions, as they were before measuring
+OVERHEADS: dict[str, Any] = {"loss": None, "stage_calls": {}, "recompute_ratio": 1.0, "recompute_call_ms": 0.0}
+COMM: dict[str, Any] = {"transfer": None,  # [Note: measured transfer]
+                        "rank_compute_slowdown": None}  # [Note: ranks sharing a host]
 
 
-def _without(prof: Profile, keys: Sequence[str]) -> Profile:
-    return Profile(prof.df, prof.edges, {k: v for k, v in prof.meta.items() if k not in keys})
+def _without(prof: Profile, fields: dict[str, Any]) -> Profile:
+    return dataclasses.replace(prof, corrections=dataclasses.replace(prof.corrections, **fields))
 
 
 def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
@@ -141,9 +141,8 @@ def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
 
 def _profile(ex: Example, chunks: int, repeats: int, device: str = "cpu") -> Profile:
     """As `autopipe profile` measures an example: its layers, then its loss."""
-    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
-                            device=device)
-    return with_loss(prof, ex.model, ex.inputs, ex.target, ex.loss_fn, device=device)
+    return autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=max(3, repeats // 2),
+                            device=device, loss_fn=ex.loss_fn, target=ex.target)
 
 
 def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequence[str],
@@ -163,7 +162,7 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
 
     for _ in range(rounds):
         prof = with_rank_contention(_profile(ex, chunks, repeats), ex.model, ex.inputs)  # as --comm does
-        prof = Profile(prof.df, prof.edges, {**prof.meta, **comm})
+        prof = with_comm(prof, measured=comm)  # the one measurement, reused
         plans = [autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=r.checkpoint,
                                     schedule=r.schedule) for r in rows]
         with socket.socket() as sock:
@@ -174,7 +173,7 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
                             nprocs=2, start_method="spawn")
             per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
         loop_ms = median_ms(loop, repeats, warmup=2)
-        bare = _without(prof, (*OVERHEADS, *COMM))
+        bare = _without(prof, {**OVERHEADS, **COMM})
         for row, plan, a, b in zip(rows, plans, *per_rank, strict=True):
             before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
                                                checkpoint=row.checkpoint, schedule=row.schedule)

@@ -134,7 +134,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         plan.check(graph.layers, graph.fingerprint, micro_batch_size=math.ceil(batch // replicas / chunks))
         where = str(config.plan)
     else:
-        from autopipe.frontend.profiling.loss_timing import with_loss
+        from autopipe.app.profile_job import _loss_of
         from autopipe.frontend.profiling.profiler import profile
         from autopipe.solvers.partitioner import partition
 
@@ -142,18 +142,17 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         torch.set_num_threads(config.threads)
         try:
             prof = profile(loaded.model, loaded.inputs, chunks=chunks, graph=graph, name=loaded.name,
-                           progress=False, host_allocator=config.host_allocator)
-            # [Note: the loss in the last stage]
-            prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn)
+                           progress=False, host_allocator=config.host_allocator,
+                           **_loss_of(loaded))  # [Note: the loss in the last stage]
         finally:
             torch.set_num_threads(before)
         if replicas == 1 and not auto:
             plan = partition(prof, devices=[f"rank{s % config.nproc}" for s in range(k)], chunks=chunks,
-                             checkpoint=checkpoint)
+                             checkpoint=checkpoint, runtime="distributed")
         else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
             plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
                              checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,
-                             data_parallel="auto" if auto else replicas, dp_mode=dp_mode)
+                             data_parallel="auto" if auto else replicas, dp_mode=dp_mode, runtime="distributed")
             replicas = plan.data_parallel
             _check_ranks(config, plan, chunks, batch, replicas)
         where = str(plan.save(Path(work_dir) / "plan.json"))

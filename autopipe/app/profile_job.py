@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,9 +20,15 @@ from autopipe.app.model_spec import load_model
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
-from autopipe.frontend.profiling.comm import with_comm
-from autopipe.frontend.profiling.loss_timing import with_loss
 from autopipe.frontend.profiling.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
+
+
+def _loss_of(loaded: Any) -> dict[str, Any]:
+    """profile()'s ``loss_fn`` and ``target`` where the model comes with both ([Note: the loss
+    in the last stage]); none where it does not."""
+    if loaded.loss_fn is None or loaded.target is None:
+        return {}
+    return {"loss_fn": loaded.loss_fn, "target": loaded.target}
 
 __all__ = ["profile_to_file", "summary_table", "parse_shape"]
 
@@ -60,21 +67,22 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s), "
         f"fingerprint {m.get('fingerprint')}"
     )
-    if m.get("comm_backend"):
-        bandwidth = m.get("comm_bandwidth")
-        lines.append(f"between two ranks ({m['comm_backend']}): {m.get('comm_latency_ms')} ms + bytes / "
-                     f"{format_bytes(bandwidth) + '/s' if bandwidth else 'no measurable bandwidth'}"
-                     + (f", the receiver {m['comm_receive_share']} x the bytes' time again" if "comm_receive_share" in m
-                        else "") + "; "
-                     f"{m.get('stage_call_fwd_ms')} + {m.get('stage_call_bwd_ms')} ms per stage call"
-                     + "".join(f" ({m[f'stage_call_{s}_fwd_ms']} + {m.get(f'stage_call_{s}_bwd_ms')} under {s})"
-                               for s in ("1f1b", "interleaved1f1b") if f"stage_call_{s}_fwd_ms" in m))
-    if "rank_compute_slowdown" in m:
-        lines.append(f"ranks on this host compute {m['rank_compute_slowdown']}x slower beside each other "
-                     "(the model with a copy of itself running beside it); plans from this profile "
-                     "predict ranks")
-    if "loss_fwd_ms" in m:
-        lines.append(f"the loss: {m['loss_fwd_ms']} + {m.get('loss_bwd_ms')} ms per micro-batch, paid by the last stage")
+    c = prof.corrections
+    ranks = c.stage_calls.get("distributed", {})
+    if c.transfer is not None:
+        t, call = c.transfer, c.call_for("distributed", "gpipe")
+        lines.append(f"between two ranks ({m.get('comm_backend')}): {t.latency_ms} ms + bytes / "
+                     f"{'no measurable bandwidth' if math.isinf(t.bandwidth) else format_bytes(t.bandwidth) + '/s'}"
+                     f", the receiver {t.receive_share} x the bytes' time again; "
+                     f"{call.fwd_ms} + {call.bwd_ms} ms per stage call"
+                     + "".join(f" ({ranks[s].fwd_ms} + {ranks[s].bwd_ms} under {s})"
+                               for s in ("1f1b", "interleaved1f1b") if s in ranks))
+    if c.rank_compute_slowdown is not None:
+        lines.append(f"ranks on this host compute {c.rank_compute_slowdown}x slower beside each other "
+                     "(the model with a copy of itself running beside it); plans for `autopipe run` "
+                     "from this profile predict ranks")
+    if c.loss is not None:
+        lines.append(f"the loss: {c.loss.fwd_ms} + {c.loss.bwd_ms} ms per micro-batch, paid by the last stage")
     if m.get("mode") == "layers":
         peak = m.get("peak_memory_bytes")
         lines.append(
@@ -189,12 +197,9 @@ def profile_to_file(
             loaded.model, loaded.inputs, device=device, chunks=resolve(chunks, default=DEFAULT_CHUNKS),
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
-            name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes, **kwargs,
+            name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes,
+            comm=comm, **_loss_of(loaded), **kwargs,
         )
     finally:
         torch.set_num_threads(before)
-    # [Note: the loss in the last stage]: timed when the model comes with a target and a loss
-    prof = with_loss(prof, loaded.model, loaded.inputs, loaded.target, loaded.loss_fn, device=device)
-    if comm:
-        prof = with_comm(prof, device=device, model=loaded.model, example_inputs=loaded.inputs)
     return prof, prof.save(csv_path, overwrite=force)

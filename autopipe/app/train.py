@@ -29,7 +29,6 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, BuildError
-from autopipe.frontend.profiling.loss_timing import with_loss
 from autopipe.frontend.profiling.profiler import profile as profile_model
 from autopipe.frontend.tracing.graph import trace
 from executor.spec import microbatch_sizes
@@ -161,9 +160,8 @@ def train_example(
     ex = load_model(name, b, for_training="autopipe train")
     graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
     if loaded_plan is None and loaded_profile is None:  # with the loss the last stage pays
-        measured = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph,
-                                 host_allocator=host_allocator)
-        loaded_profile = with_loss(measured, ex.model, ex.inputs, ex.target, ex.loss_fn, device=chosen[0])
+        loaded_profile = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph,
+                                       host_allocator=host_allocator, loss_fn=ex.loss_fn, target=ex.target)
     pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,
                     plan=loaded_plan, profile=loaded_profile, method=method, graph=graph,
                     host_allocator=host_allocator)

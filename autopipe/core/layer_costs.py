@@ -26,21 +26,11 @@ import numpy as np
 import numpy.typing as npt
 
 from autopipe.core.profile_table import Profile
-from executor.spec import SCHEDULES
 
 __all__ = ["FloatArray", "IntArray", "LayerCosts"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-
-
-def _meta_float(profile: Profile, key: str, default: float) -> float:
-    """A measured overhead from the metadata, ``default`` when absent or not a number >= 0."""
-    try:
-        value = float(profile.meta.get(key, default))
-    except (TypeError, ValueError):
-        return default
-    return value if np.isfinite(value) and value >= 0 else default
 
 
 @dataclass(frozen=True)
@@ -58,11 +48,11 @@ class LayerCosts:
     consumers: tuple[tuple[int, ...], ...]
     last_use: IntArray  # index of the last consumer (the layer itself when none)
     tie_groups: tuple[tuple[tuple[int, ...], int], ...]  # (member indices, shared bytes)
-    # [Note: measured overheads]: absent from a profile's metadata = today's model
+    # [Note: measured overheads], of the runtime these costs are for ([Note: one profile, two
+    # runtimes] in autopipe/core/corrections.py); not measured: zero
     call_fwd_ms: float = 0.0
     call_bwd_ms: float = 0.0
-    # the distributed runtime's call cost under other schedules, where measured:
-    # (schedule, forward, backward) ([Note: measured transfer])
+    # that runtime's call cost under other schedules, where measured: (schedule, forward, backward)
     schedule_calls: tuple[tuple[str, float, float], ...] = ()
     recompute_ratio: float = 1.0
     recompute_call_ms: float = 0.0  # per stage and recomputed micro-batch
@@ -70,6 +60,7 @@ class LayerCosts:
     comm_latency_ms: float = 0.0
     comm_bandwidth: float | None = None  # bytes/s
     comm_receive_share: float = 0.0  # of a crossing's bytes, paid by the receiver too
+    runtime: str = "gpipe"  # executor.GPipe in one process, or "distributed"
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -86,7 +77,13 @@ class LayerCosts:
         return self.call_fwd_ms, self.call_bwd_ms
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> LayerCosts:
+    def from_profile(cls, profile: Profile, runtime: str | None = None) -> LayerCosts:
+        """``profile``'s costs for ``runtime`` (default: the profile's, the distributed one where
+        it was measured): its call costs; the transfer and the ranks' slowdown for the
+        distributed runtime only ([Note: one profile, two runtimes])."""
+        chosen = profile.corrections.default_runtime() if runtime is None else runtime
+        c = profile.corrections.for_runtime(chosen)
+        calls = c.stage_calls[chosen]
         df = profile.df
         names = tuple(profile.layers)
         index = {name: i for i, name in enumerate(names)}
@@ -113,10 +110,11 @@ class LayerCosts:
                             for u in range(n)], dtype=np.int64)
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
-            bwd[-1] += _meta_float(profile, "loss_fwd_ms", 0.0) + _meta_float(profile, "loss_bwd_ms", 0.0)
-        # [Note: ranks sharing a host] (autopipe/frontend/profiling/rank_contention.py): a --comm profile's
-        # ranks compute beside each other, each this much slower than the profile timed it alone
-        beside = max(_meta_float(profile, "rank_compute_slowdown", 1.0), 1.0)
+            bwd[-1] += 0.0 if c.loss is None else c.loss.fwd_ms + c.loss.bwd_ms
+        # [Note: ranks sharing a host] (autopipe/frontend/profiling/rank_contention.py): ranks on one
+        # host compute beside each other, each this much slower than the profile timed it alone
+        beside = max(c.rank_compute_slowdown or 1.0, 1.0)
+        gpipe = calls.get("gpipe")
         return cls(
             names=names,
             fwd=df["fwd_ms"].to_numpy(dtype=np.float64) * beside,
@@ -129,16 +127,17 @@ class LayerCosts:
             consumers=tuple(tuple(sorted(set(c))) for c in consumers),
             last_use=last,
             tie_groups=tuple(ties),
-            call_fwd_ms=_meta_float(profile, "stage_call_fwd_ms", 0.0),
-            call_bwd_ms=_meta_float(profile, "stage_call_bwd_ms", 0.0),
-            schedule_calls=tuple((name, _meta_float(profile, f"stage_call_{name}_fwd_ms", 0.0),
-                                  _meta_float(profile, f"stage_call_{name}_bwd_ms", 0.0))
-                                 for name in SCHEDULES if f"stage_call_{name}_fwd_ms" in profile.meta),
-            recompute_ratio=_meta_float(profile, "recompute_ratio", 1.0),
-            recompute_call_ms=_meta_float(profile, "recompute_call_ms", 0.0),
-            comm_latency_ms=_meta_float(profile, "comm_latency_ms", 0.0),
-            comm_bandwidth=_meta_float(profile, "comm_bandwidth", 0.0) or None,
-            comm_receive_share=_meta_float(profile, "comm_receive_share", 0.0),
+            call_fwd_ms=0.0 if gpipe is None else gpipe.fwd_ms,
+            call_bwd_ms=0.0 if gpipe is None else gpipe.bwd_ms,
+            schedule_calls=tuple((name, p.fwd_ms, p.bwd_ms) for name, p in calls.items() if name != "gpipe"),
+            recompute_ratio=c.recompute_ratio,
+            recompute_call_ms=c.recompute_call_ms,
+            comm_latency_ms=0.0 if c.transfer is None else c.transfer.latency_ms,
+            # unmeasured or not growing with the bytes: the partitioner's default bandwidth, as before
+            comm_bandwidth=None if c.transfer is None or not np.isfinite(c.transfer.bandwidth)
+            else c.transfer.bandwidth,
+            comm_receive_share=0.0 if c.transfer is None else c.transfer.receive_share,
+            runtime=chosen,
         )
 
     def __len__(self) -> int:

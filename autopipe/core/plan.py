@@ -12,7 +12,9 @@ mode per stage (a plan whose stages all share a mode stores the single mode, as 
 ``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
 ``device_memory`` were added with the automatic search; ``data_parallel`` (replicas of the
 pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel;
-``recompute_layers`` (default none) with [Note: recomputed layers]. A plan made for another micro-batch
+``recompute_layers`` (default none) with [Note: recomputed layers]; ``runtime`` (``gpipe`` or
+``distributed``, the runtime whose measured costs it was planned with; None: unrecorded) with
+[Note: one profile, two runtimes] in autopipe/core/corrections.py. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -31,6 +33,7 @@ import numpy as np
 
 from autopipe.core import plan_text
 from autopipe.core.atomic_files import atomic_write_text
+from autopipe.core.corrections import RUNTIMES
 from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
@@ -117,6 +120,7 @@ class Plan:
     data_parallel: int = 1  # replicas of this pipeline ([Note: pipeline x data parallel])
     dp_mode: str = "ddp"  # how replicas share gradients: "ddp" (all-reduce) or "fsdp" (sharded)
     recompute_layers: list[str] = field(default_factory=list)  # [Note: recomputed layers]
+    runtime: str | None = None  # whose measured costs it was planned with (None: unrecorded)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -139,6 +143,7 @@ class Plan:
         data_parallel: int = 1,
         dp_mode: str = "ddp",
         recompute_layers: Sequence[str] = (),
+        runtime: str | None = None,
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
@@ -148,7 +153,8 @@ class Plan:
         ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/data_parallel.py).
         ``recompute_layers``: layers recomputed in the backward (consecutive ones as one
         segment), in stages of mode ``never`` ([Note: recomputed layers] in
-        autopipe/core/recomputed_layers.py).
+        autopipe/core/recomputed_layers.py). ``runtime``: whose measured costs to plan with
+        (default: the profile's, [Note: one profile, two runtimes] in autopipe/core/corrections.py).
         Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
@@ -158,7 +164,8 @@ class Plan:
                               data_parallel, dp_mode, tuple(recompute_layers))
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
-        costs = LayerCosts.from_profile(profile)
+        chosen = profile.corrections.default_runtime() if runtime is None else runtime
+        costs = LayerCosts.from_profile(profile, chosen)
         breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
         sim = simulate_stages(breakdown, chunks=chunks, checkpoint=modes, schedule=schedule,
                               ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs])
@@ -181,7 +188,7 @@ class Plan:
             micro_batch_size=_int_or_none(profile.meta.get("micro_batch_size")),
             schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
             data_parallel=data_parallel, dp_mode=dp_mode,
-            recompute_layers=[n for n in layers if n in set(recompute_layers)],
+            recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -204,14 +211,14 @@ class Plan:
     def profile_for(self, profile: Profile) -> Profile:
         """``profile`` checked against this plan and, when the plan was made for another
         micro-batch size, scaled to it ([Note: micro-batch scaling]): what the plan's costs are
-        recomputed from."""
+        recomputed from, as the plan's runtime sees it ([Note: one profile, two runtimes])."""
         from autopipe.core.scaling import profile_at
 
         self.check(profile.layers, profile.fingerprint)
         rows = self.micro_batch_size
         if rows is not None and profile.meta.get("micro_batch_size") not in (None, rows):
-            return profile_at(profile, rows, batch_size=self.batch_size, chunks=self.chunks)
-        return profile
+            profile = profile_at(profile, rows, batch_size=self.batch_size, chunks=self.chunks)
+        return profile.for_runtime(self.runtime)
 
     def check(self, layers: Sequence[str], fingerprint: str | None, *,
               micro_batch_size: int | None = None) -> None:
@@ -293,7 +300,7 @@ class Plan:
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
-                    "recompute_layers")  # older plans lack them
+                    "recompute_layers", "runtime")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -342,6 +349,8 @@ def _check_types(plan: Plan) -> None:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
     if plan.dp_mode not in DATA_PARALLEL_MODES:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
+    if plan.runtime not in (None, *RUNTIMES):
+        raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
     where = {n: s for s, names in enumerate(plan.stages) for n in names}
     modes = plan.stage_checkpoints
     if not isinstance(plan.recompute_layers, list) or not all(

@@ -38,7 +38,8 @@ ONE micro-batch):
 ``edges`` lists ``(src_layer, dst_layer, bytes)`` for every tensor passed between layers (graph
 inputs are not layers and have no edges). ``meta`` records how the profile was measured: device,
 dtype, micro_batch_size, batch_size, chunks, torch_version, fingerprint, repeats, warmup, date,
-model.
+model. ``corrections`` holds what was measured besides the layers (stage calls per runtime, the
+loss, the transfer, ...): autopipe.core.corrections ([Note: one profile, two runtimes]).
 
 Several micro-batch sizes: the columns above hold the measurements at ``meta["micro_batch_size"]``
 rows; measurements at other sizes R are extra columns ``fwd_ms@R``, ``bwd_ms@R``,
@@ -48,7 +49,9 @@ one included) and, optionally, ``meta["fingerprints"] = {"R": fingerprint}`` the
 fingerprint at each. Edges keep the base size's bytes. ``autopipe.core.scaling.profile_at``
 reads them ([Note: micro-batch scaling]); a profile of one size scales in proportion to the rows.
 
-On disk a profile is ``NAME.csv`` (the table) with ``NAME.json`` beside it (edges + meta).
+On disk a profile is ``NAME.csv`` (the table) with ``NAME.json`` beside it (edges, meta and
+corrections; a side file without ``"corrections"``, from an earlier release, keeps them as flat
+``meta`` keys, which :meth:`Corrections.from_legacy_meta` reads).
 """
 
 from __future__ import annotations
@@ -57,18 +60,20 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
 
 from autopipe.core.atomic_files import atomic_write_text
+from autopipe.core.corrections import Corrections, is_legacy_key
 from autopipe.errors import ProfileError
 
 __all__ = ["Profile", "fingerprint_mismatch", "micro_batch_text"]
 
 _RERUN = "re-run `autopipe profile ...`"
+_FROM_META = Corrections()  # not given: read from the flat meta keys of earlier releases
 
 
 def _paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -90,6 +95,9 @@ class Profile:
     df: pd.DataFrame
     edges: list[tuple[str, str, int]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    # what was measured besides the layers ([Note: one profile, two runtimes]); not given, it is
+    # read from ``meta``'s flat keys as earlier releases saved them, which then leave ``meta``
+    corrections: Corrections = _FROM_META
 
     REQUIRED_COLUMNS: ClassVar[tuple[str, ...]] = (
         "layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes", "saved_bytes",
@@ -100,7 +108,15 @@ class Profile:
     def __post_init__(self) -> None:
         self.df = _validate_frame(self.df, where=str(self.meta.get("_source", "profile")))
         self.edges = _validate_edges(self.edges, self.layers)
-        self.meta = {k: v for k, v in self.meta.items() if k != "_source"}
+        flat = [k for k in self.meta if is_legacy_key(k)]
+        if not isinstance(self.corrections, Corrections):
+            raise ProfileError(f"corrections must be a Corrections, got {type(self.corrections).__name__}")
+        if self.corrections is _FROM_META:
+            self.corrections = Corrections.from_legacy_meta(self.meta)
+        elif flat:
+            raise ProfileError(f"meta holds {flat[0]!r} and corrections= was given too; a measured correction "
+                               "belongs in Corrections only (dataclasses.replace(profile.corrections, ...))")
+        self.meta = {k: v for k, v in self.meta.items() if k != "_source" and not is_legacy_key(k)}
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -120,6 +136,12 @@ class Profile:
 
     def __len__(self) -> int:
         return len(self.df)
+
+    def for_runtime(self, runtime: str | None) -> Profile:
+        """This profile as ``runtime`` (``"gpipe"``, ``"distributed"``; None: the profile's
+        default) sees it: :meth:`Corrections.for_runtime`."""
+        chosen = self.corrections.default_runtime() if runtime is None else runtime
+        return replace(self, corrections=self.corrections.for_runtime(chosen))
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -183,7 +205,8 @@ class Profile:
                         f"{p} already exists: refusing to overwrite a saved profile; "
                         f"pass --force / overwrite=True or choose another name"
                     )
-        side = {"meta": _jsonable(self.meta), "edges": [[s, d, int(b)] for s, d, b in self.edges]}
+        side = {"meta": _jsonable(self.meta), "edges": [[s, d, int(b)] for s, d, b in self.edges],
+                "corrections": self.corrections.to_json()}
         json_text = json.dumps(side, indent=2, sort_keys=True) + "\n"
         atomic_write_text(csv_path, self.df.to_csv(index=False))
         atomic_write_text(json_path, json_text)
@@ -217,7 +240,10 @@ class Profile:
             if not (isinstance(e, list) and len(e) == 3 and isinstance(e[2], int | float)):
                 raise ProfileError(f"{json_path}: edge {e!r} is not [src, dst, bytes]; {_RERUN}")
             edges.append((str(e[0]), str(e[1]), int(e[2])))
-        return cls(df, edges, {**meta, "_source": str(csv_path)})
+        if "corrections" not in side:  # saved before corrections had their own object
+            return cls(df, edges, {**meta, "_source": str(csv_path)})
+        corrections = Corrections.from_json(side["corrections"], f"{json_path}: corrections")
+        return cls(df, edges, {**meta, "_source": str(csv_path)}, corrections)
 
 
 def fingerprint_mismatch(made_for: str | None, other: str | None) -> str | None:

@@ -99,18 +99,14 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
                            "`autopipe profile ...`")
     base = int(profile.meta["micro_batch_size"])
     meta = {**profile.meta, "micro_batch_size": rows}
-    if rows != base and "loss_fwd_ms" in meta:  # [Note: the loss in the last stage]: per row
-        for key in ("loss_fwd_ms", "loss_bwd_ms"):
-            if isinstance(meta.get(key), int | float):
-                meta[key] = float(meta[key]) * rows / base
-        meta["loss_micro_batch_size"] = rows
+    corrections = profile.corrections.at_rows(rows, base)  # [Note: the loss in the last stage]: per row
     if batch_size is not None:
         meta["batch_size"] = batch_size
     if chunks is not None:
         meta["chunks"] = chunks
     df = profile.df.drop(columns=[c for c in profile.df.columns if "@" in str(c)])
     if rows == base:
-        return Profile(df, list(profile.edges), meta)
+        return Profile(df, list(profile.edges), meta, corrections)
     for col in SCALED_COLUMNS:
         table = np.stack([profile.df[col if r == base else f"{col}@{r}"].to_numpy(dtype=np.float64)
                           for r in sizes])
@@ -124,7 +120,7 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
              zip(profile.layers, df["output_bytes"], profile.df["output_bytes"], strict=True)}
     edges = [(u, v, int(round(b * ratio[u]))) for u, v, b in profile.edges]
     meta["fingerprint"] = _fingerprint(profile, rows)
-    return Profile(df, edges, meta)
+    return Profile(df, edges, meta, corrections)
 
 
 def _fingerprint(profile: Profile, rows: int) -> str | None:

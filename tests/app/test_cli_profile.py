@@ -33,7 +33,8 @@ def test_profile_bundled_example(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert prof.meta["cpu_threads"] == 1 and prof.meta["repeats"] == 2
     assert (tmp_path / "mlp.json").exists()
     # an example brings its loss: timed per micro-batch, reported, charged to the last stage
-    assert prof.meta["loss_fwd_ms"] > 0 and prof.meta["loss_micro_batch_size"] == 4
+    loss = prof.corrections.loss
+    assert loss is not None and loss.fwd_ms > 0 and loss.micro_batch_size == 4
     assert any(line.startswith("the loss: ") for line in lines)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from autopipe.core.corrections import Corrections
 from autopipe.core.profile_table import Profile
 from autopipe.errors import ProfileError
 
@@ -113,5 +114,6 @@ def test_check_fingerprint() -> None:
 def test_json_sidecar_is_plain(tmp_path: Path) -> None:
     Profile.from_frame(_frame(2), meta={"repeats": 3}).save(tmp_path / "p")
     side = json.loads((tmp_path / "p.json").read_text())
-    assert side == {"meta": {"repeats": 3}, "edges": [["l0", "l1", 10]]}
+    assert side == {"meta": {"repeats": 3}, "edges": [["l0", "l1", 10]],
+                    "corrections": Corrections().to_json()}
 

@@ -22,6 +22,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
+from autopipe.errors import ProfileError
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain
 
@@ -48,8 +49,10 @@ def test_a_profile_without_them_reads_as_before() -> None:
     prof = random_chain(12, 3)
     costs = LayerCosts.from_profile(prof)
     assert (costs.call_fwd_ms, costs.call_bwd_ms, costs.recompute_ratio) == (0.0, 0.0, 1.0)
-    bad = LayerCosts.from_profile(_with(prof, {"stage_call_fwd_ms": "x", "recompute_ratio": -1}))
-    assert (bad.call_fwd_ms, bad.recompute_ratio) == (0.0, 1.0)
+    with pytest.raises(ProfileError, match=r"^meta\['stage_call_fwd_ms'\] must be a finite number >= 0, got 'x'"):
+        _with(prof, {"stage_call_fwd_ms": "x"})  # an old profile's value, read: not a silent default
+    with pytest.raises(ProfileError, match=r"^meta\['recompute_ratio'\] must be a finite number >= 0, got -1"):
+        _with(prof, {"recompute_ratio": -1})
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])

@@ -1,7 +1,7 @@
 """What crossing between two ranks costs: a point-to-point micro-benchmark and its fit.
 
-    prof = with_comm(profile(model, inputs, chunks=8))    # autopipe profile --comm
-    prof.meta["comm_latency_ms"], prof.meta["comm_bandwidth"]
+    prof = profile(model, inputs, chunks=8, comm=True)    # autopipe profile --comm
+    prof.corrections.transfer, prof.corrections.stage_calls["distributed"]
 
 [Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/transfer.py)
 Two processes are spawned and joined by gloo (NCCL, one GPU each, when the profile is for CUDA
@@ -29,10 +29,9 @@ ranks run:
   GPipe's), which 1F1B plans pay ([Note: measured overheads] in autopipe/core/cost.py); and
   4 such stages, 2 per rank, under interleaved 1F1B give ``stage_call_interleaved1f1b_*``
   where torch's schedule takes the chunks (else interleaved plans pay 1F1B's). They describe this runtime (its schedule, PipelineStage's
-  bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: the
-  profile's ``stage_call_fwd_ms`` / ``stage_call_bwd_ms`` become them and executor.GPipe's move
-  to ``gpipe_call_fwd_ms`` / ``gpipe_call_bwd_ms``, so a ``--comm`` profile predicts the
-  distributed runtime ([Note: measured overheads]).
+  bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: they go
+  into ``corrections.stage_calls["distributed"]`` beside executor.GPipe's own, so one ``--comm``
+  profile predicts either runtime ([Note: one profile, two runtimes] in autopipe/core/corrections.py).
 
 On a CPU machine both ranks share the host: these numbers include the cores they compete for,
 as the pipeline's own transfers do. An empty pipeline is nothing but messages, and in about half
@@ -48,6 +47,7 @@ launch's, each empty pipeline's step its slower launch's. Measured: docs/benchma
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -302,21 +302,25 @@ def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, m
 
 
 def with_comm(profile: Profile, device: str | torch.device | None = None, *, model: nn.Module | None = None,
-              example_inputs: Any = None, **kwargs: Any) -> Profile:
-    """``profile`` with [Note: measured transfer]'s metadata (on the profiled device and chunks
-    unless given); executor.GPipe's stage call kept as ``gpipe_call_*_ms``. With the profiled
-    ``model`` and ``example_inputs`` (on a CPU), also how much slower a rank computes beside
-    another ([Note: ranks sharing a host] in autopipe/frontend/profiling/rank_contention.py)."""
-    from autopipe.core.profile_table import Profile
+              example_inputs: Any = None, measured: dict[str, Any] | None = None, **kwargs: Any) -> Profile:
+    """``profile`` with [Note: measured transfer]'s corrections, the step "transfer" of
+    ``autopipe.profile`` (on the profiled device and chunks unless given): ``transfer`` and
+    ``stage_calls["distributed"]``; the raw measurements (``comm_backend``, ``comm_ms``, ...)
+    go into ``meta``. ``measured``: :func:`measure_comm`'s result, taken instead of measuring
+    (a benchmark that reuses one measurement). With the profiled ``model`` and
+    ``example_inputs`` (on a CPU), also how much slower a rank computes beside another
+    ([Note: ranks sharing a host] in autopipe/frontend/profiling/rank_contention.py)."""
+    from autopipe.core.corrections import Corrections, is_legacy_key
     from autopipe.frontend.profiling.rank_contention import with_rank_contention
 
     if model is not None and example_inputs is not None:
         profile = with_rank_contention(profile, model, example_inputs)
-
-    meta = dict(profile.meta)
-    kwargs.setdefault("chunks", int(meta.get("chunks") or 8))
-    measured = measure_comm(device if device is not None else str(meta.get("device_type") or "cpu"), **kwargs)
-    for phase in ("fwd", "bwd"):
-        if f"stage_call_{phase}_ms" in meta and meta.get("stage_call_of") != "DistributedPipeline":
-            meta[f"gpipe_call_{phase}_ms"] = meta[f"stage_call_{phase}_ms"]
-    return Profile(profile.df, profile.edges, {**meta, **measured})
+    if measured is None:
+        kwargs.setdefault("chunks", int(profile.meta.get("chunks") or 8))
+        where = device if device is not None else str(profile.meta.get("device_type") or "cpu")
+        measured = measure_comm(where, **kwargs)
+    ranks = Corrections.from_legacy_meta(measured)  # measure_comm's keys, as --comm profiles kept them
+    corrections = dataclasses.replace(profile.corrections, transfer=ranks.transfer, stage_calls={
+        **profile.corrections.stage_calls, "distributed": dict(ranks.stage_calls.get("distributed", {}))})
+    meta = {**profile.meta, **{k: v for k, v in measured.items() if not is_legacy_key(k)}}
+    return dataclasses.replace(profile, meta=meta, corrections=corrections)

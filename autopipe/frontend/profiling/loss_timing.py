@@ -1,7 +1,7 @@
 """What the loss costs the last stage: timed on the model's output, into the profile's metadata.
 
-    prof = with_loss(profile(model, (x,), chunks=4), model, (x,), target, loss_fn)
-    prof.meta["loss_fwd_ms"], prof.meta["loss_bwd_ms"]
+    prof = profile(model, (x,), chunks=4, loss_fn=loss_fn, target=target)   # step "loss"
+    prof.corrections.loss          # LossCost(fwd_ms=..., bwd_ms=..., micro_batch_size=...)
 
 [Note: the loss in the last stage] Every runtime computes the loss on the last stage's output and
 back-propagates it there first, so the last stage pays the loss's forward and backward for every
@@ -10,7 +10,7 @@ not small: the bundled gpt's cross-entropy takes 0.24 + 0.21 ms per 64-row micro
 of its step, 3% of its last stage's), and a head over a 32k-150k-token vocabulary pays far more.
 :func:`with_loss` times ``loss_fn(output, target)`` and its backward on one micro-batch (the
 profile's rows, on the profiled device; the output detached as a leaf, so only the loss runs)
-into ``meta["loss_fwd_ms"]`` and ``meta["loss_bwd_ms"]``. The cost model adds both to the LAST
+into ``corrections.loss`` (autopipe/core/corrections.py). The cost model adds both to the LAST
 layer's backward (autopipe/core/layer_costs.py): the last stage always holds the last layer, and
 a backward is never recomputed, so every solver, the Plan and the simulator charge it once per
 micro-batch to the last stage. At another micro-batch size it scales with the rows
@@ -21,6 +21,7 @@ by layer]): its profile keeps no loss time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopipe.core.corrections import LossCost
 from autopipe.errors import ProfileError
 from autopipe.frontend.building.materialize import has_meta_tensors
 from autopipe.frontend.profiling.inputs import micro_batch, to_device
@@ -75,12 +77,10 @@ def loss_ms(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any], timer:
 
 def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: Any,
               loss_fn: Callable[[Any, Any], Any] | None, device: str | torch.device | None = None) -> Profile:
-    """``profile`` with the loss's time per micro-batch in its metadata ([Note: the loss in the
-    last stage]); ``example_inputs`` and ``target`` are the batch the profile was measured on
+    """``profile`` with the loss's time per micro-batch in its corrections ([Note: the loss in
+    the last stage]); the step "loss" of ``autopipe.profile`` ([Note: one list of measurement steps]); ``example_inputs`` and ``target`` are the batch the profile was measured on
     (each sliced to one micro-batch by the profile's chunks, as the profiler does). Without a
     loss or a target (a model given without them), the profile as it is."""
-    from autopipe.core.profile_table import Profile
-
     meta = dict(profile.meta)
     if loss_fn is None or target is None:
         return profile
@@ -105,5 +105,5 @@ def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: A
         on_device = to_device(targets, dev)
         fwd, bwd = loss_ms(output, on_device if isinstance(target, tuple) else on_device[0], loss_fn,
                            timer_for(dev))
-    meta.update({"loss_fwd_ms": round(fwd, 6), "loss_bwd_ms": round(bwd, 6), "loss_micro_batch_size": micro})
-    return Profile(profile.df, profile.edges, meta)
+    loss = LossCost(round(fwd, 6), round(bwd, 6), micro)
+    return dataclasses.replace(profile, corrections=dataclasses.replace(profile.corrections, loss=loss))

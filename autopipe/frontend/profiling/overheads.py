@@ -26,8 +26,9 @@ timed alone misses two costs a pipeline pays:
   no input that needs a gradient are skipped (a reentrant checkpoint could not reach them), and
   so are layers that write an input in place (checkpointed, that input is a leaf).
 
-Both go into the profile's metadata (``stage_call_fwd_ms``, ``stage_call_bwd_ms``,
-``recompute_ratio``); a profile without them is read as today's model (no call cost, ratio 1).
+Both go into the profile's corrections (``stage_calls["gpipe"]``, ``recompute_call_ms``,
+``recompute_ratio``: autopipe/core/corrections.py); a profile without them is read as today's
+model (no call cost, ratio 1).
 When the model runs whole, the ratio is measured on the whole graph through executor.GPipe
 instead, and the layers' times are scaled to the graph's: [Note: layers in sequence] in
 autopipe/frontend/profiling/in_sequence.py. The sampler's ratio remains for layer-by-layer profiles.
@@ -43,13 +44,13 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from autopipe.frontend.profiling.layer_timing import fresh, time_runs
+from autopipe.frontend.profiling.layer_timing import fresh, leaves_as_views, time_runs
 from autopipe.frontend.profiling.replay import LayerCall, Values
 from autopipe.frontend.profiling.timing import Timer
 from executor._torch_compat import tree_leaves
 from executor.gpipe import GPipe
 
-__all__ = ["CALL_STAGES", "RecomputeSampler", "overhead_meta", "stage_call_ms"]
+__all__ = ["CALL_STAGES", "RecomputeSampler", "stage_call_ms"]
 
 CALL_STAGES = 2
 CALL_REPEATS = 30
@@ -108,12 +109,13 @@ class RecomputeSampler:
         if not any(t.requires_grad for t in leaves):
             return
         self.samples += 1
+        layer = leaves_as_views(call.module)  # [Note: a layer that returns a parameter]
 
         def plain() -> Callable[[], Any]:
-            return functools.partial(call.module, *fresh(args))
+            return functools.partial(layer, *fresh(args))
 
         def checkpointed() -> Callable[[], Any]:
-            return functools.partial(torch.utils.checkpoint.checkpoint, call.module,
+            return functools.partial(torch.utils.checkpoint.checkpoint, layer,
                                      *fresh(args), use_reentrant=True)
 
         try:  # a layer that writes its input in place cannot run checkpointed: skip it
@@ -132,11 +134,3 @@ class RecomputeSampler:
         low, high = RATIO_RANGE
         return min(high, max(low, sum(e for _, e in self.top) / fwd))
 
-
-def overhead_meta(calls: tuple[float, float, float], ratio: float) -> dict[str, float]:
-    """The profile's metadata of [Note: measured overheads]: the stage ``calls`` as
-    :func:`stage_call_ms` timed them, and the recompute ``ratio`` (a :class:`RecomputeSampler`'s
-    or the whole graph's)."""
-    fwd, bwd, recompute = calls
-    return {"stage_call_fwd_ms": round(fwd, 6), "stage_call_bwd_ms": round(bwd, 6),
-            "recompute_call_ms": round(recompute, 6), "recompute_ratio": round(ratio, 4)}

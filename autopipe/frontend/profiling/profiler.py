@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime
 import functools
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import pandas as pd
@@ -62,10 +62,11 @@ from autopipe.frontend.profiling.layer_timing import (
     time_runs,
 )
 from autopipe.frontend.profiling.layerwise import LayerRun, layer_by_layer
-from autopipe.frontend.profiling.overheads import RecomputeSampler, overhead_meta, stage_call_ms
+from autopipe.frontend.profiling.overheads import RecomputeSampler, stage_call_ms
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.process_memory import PeakRss
 from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
+from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
 from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor.host_allocator import retain_freed_memory
@@ -257,6 +258,9 @@ def profile(
     dedupe: bool = True,
     memory_budget: int | str | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    target: Any = None,
+    comm: bool = False,
     **trace_kwargs: Any,
 ) -> Profile:
     """Measure every layer of ``model`` on one micro-batch of ``example_inputs``.
@@ -287,7 +291,12 @@ def profile(
             ``chunks`` makes: their times and bytes go into columns ``fwd_ms@R`` ... and
             ``meta["micro_batch_sizes"]``, from which ``partition(chunks="auto")``
             interpolates ([Note: micro-batch scaling]). Rows beyond the example batch repeat it.
+        loss_fn, target: the training loss ``loss_fn(output, target)`` and the batch's target:
+            timed on one micro-batch into ``corrections.loss`` ([Note: the loss in the last stage]).
+        comm: also measure two ranks on this host (10-20 s): the transfer, the distributed
+            runtime's call costs, the ranks' slowdown ([Note: measured transfer]).
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
+        The steps run in one order: [Note: one list of measurement steps] in steps.py.
 
     Raises:
         ProfileError: bad arguments, a device that is not there, batch < chunks, or a
@@ -299,6 +308,7 @@ def profile(
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs an nn.Module, got {type(model).__name__}")
     _check_counts(repeats, warmup)
+    check_steps(loss_fn, target, comm)
     if progress is not None and not isinstance(progress, bool):
         raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
                            f"terminal), got {progress!r}")
@@ -347,9 +357,6 @@ def profile(
         "cpu_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "fingerprint": g.fingerprint,
-        "harness_fwd_ms": round(fwd_extra, 6),
-        "harness_bwd_ms": round(bwd_extra, 6),
-        **overhead_meta(calls, ratio), **scales.meta(),  # [Note: measured overheads]
         "source": g.source,
         "mode": chosen,
         "dedupe": bool(dedupe) if chosen == "layers" else False,
@@ -360,7 +367,9 @@ def profile(
            if others else {}),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return Profile(frame, g.edges(), meta)
+    corrections = measured_corrections((fwd_extra, bwd_extra), calls, ratio, scales, chosen == "whole")
+    return later_steps(Profile(frame, g.edges(), meta, corrections), model, example_inputs, device=dev,
+                       loss_fn=loss_fn, target=target, comm=comm)
 
 
 def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,

@@ -1,7 +1,7 @@
 """How much slower a rank computes while another rank computes beside it on the same host.
 
-    prof = with_rank_contention(prof, model, inputs)     # autopipe profile --comm, on a CPU
-    prof.meta["rank_compute_slowdown"]                   # e.g. 1.03
+    prof = profile(model, inputs, comm=True)     # autopipe profile --comm, on a CPU
+    prof.corrections.rank_compute_slowdown       # e.g. 1.03
 
 [Note: ranks sharing a host] The profile times every layer in one process with the machine to
 itself. Ranks of a pipeline on one host compute at the same time, on their own cores but over
@@ -31,6 +31,7 @@ own. The cost model multiplies every layer's forward and backward by the factor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import select
 import signal
@@ -140,11 +141,9 @@ def twin_slowdown(step: Callable[[], float], rounds: int = TWIN_ROUNDS, runs: in
 
 
 def with_rank_contention(profile: Profile, model: nn.Module, example_inputs: Any, **kwargs: Any) -> Profile:
-    """``profile`` with ``rank_compute_slowdown`` in its metadata ([Note: ranks sharing a host]),
+    """``profile`` with ``rank_compute_slowdown`` in its corrections ([Note: ranks sharing a host]),
     measured on one micro-batch of ``example_inputs`` (the profile's chunks); the profile as it
     is where it does not apply (a CUDA profile, a model never run whole, no ``os.fork``)."""
-    from autopipe.core.profile_table import Profile
-
     meta = dict(profile.meta)
     if (meta.get("device_type") or "cpu") != "cpu" or meta.get("mode") == "layers" or not hasattr(os, "fork"):
         return profile
@@ -157,4 +156,5 @@ def with_rank_contention(profile: Profile, model: nn.Module, example_inputs: Any
             return sum(timed_step(timer, lambda: model(*fresh(list(args)))))
 
         slowdown = twin_slowdown(step, **kwargs)
-    return Profile(profile.df, profile.edges, {**meta, "rank_compute_slowdown": round(slowdown, 4)})
+    corrections = dataclasses.replace(profile.corrections, rank_compute_slowdown=round(slowdown, 4))
+    return dataclasses.replace(profile, corrections=corrections)

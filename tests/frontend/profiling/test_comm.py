@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.app.cli import main
+from autopipe.core.corrections import Phases
 from autopipe.core.cost import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
@@ -43,7 +44,10 @@ def test_the_measurement_rides_in_the_profile(monkeypatch: pytest.MonkeyPatch, t
     base = Profile(base.df, base.edges, {**base.meta, "chunks": 4, "stage_call_fwd_ms": 0.01,
                                          "stage_call_bwd_ms": 0.02})
     prof = comm.with_comm(base)
-    assert prof.meta["chunks"] == 4 and prof.meta["gpipe_call_fwd_ms"] == 0.01
+    assert prof.meta["chunks"] == 4 and prof.meta["comm_backend"] == "gloo"
+    # executor.GPipe's own call cost stays beside the distributed runtime's: nothing renamed
+    assert prof.corrections.stage_calls == {"gpipe": {"gpipe": Phases(0.01, 0.02)},
+                                            "distributed": {"gpipe": Phases(0.2, 0.3)}}
     path = prof.save(f"{tmp_path}/p.csv")
     costs = LayerCosts.from_profile(Profile.load(path))
     assert (costs.comm_latency_ms, costs.comm_bandwidth, costs.call_fwd_ms) == (0.07, 3e9, 0.2)
@@ -173,6 +177,6 @@ def test_profile_comm_measures_the_ranks_slowdown_beside_each_other(monkeypatch:
     out = tmp_path / "chain.csv"
     assert main(["profile", "tests.models:make_chain", "--out", str(out), "--repeats", "2", "--warmup", "0",
                  "--comm"]) == 0
-    slowdown = Profile.load(out).meta["rank_compute_slowdown"]
-    assert 1.0 <= slowdown <= 1.5
+    slowdown = Profile.load(out).corrections.rank_compute_slowdown
+    assert slowdown is not None and 1.0 <= slowdown <= 1.5
     assert f"ranks on this host compute {slowdown}x slower beside each other" in capsys.readouterr().out

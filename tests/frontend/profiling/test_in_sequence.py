@@ -91,11 +91,12 @@ def test_a_real_profile_records_its_scales_and_layers_mode_has_none() -> None:
     model, x = Chain(), torch.randn(16, 8)
     whole = autopipe.profile(model, (x,), chunks=2, repeats=3, warmup=1, progress=False)
     lo, hi = SCALE_RANGE
-    assert lo <= whole.meta["sequence_fwd_scale"] <= hi and lo <= whole.meta["sequence_bwd_scale"] <= hi
-    assert RATIO_RANGE[0] <= whole.meta["recompute_ratio"] <= RATIO_RANGE[1]
+    seq = whole.corrections.sequence
+    assert seq is not None and lo <= seq.fwd_scale <= hi and lo <= seq.bwd_scale <= hi
+    assert RATIO_RANGE[0] <= whole.corrections.recompute_ratio <= RATIO_RANGE[1]
     layers = autopipe.profile(model, (x,), chunks=2, mode="layers", repeats=1, warmup=0,
                               progress=False)
-    assert layers.meta["sequence_fwd_scale"] == layers.meta["sequence_bwd_scale"] == 1.0
+    assert layers.corrections.sequence is None  # never run whole: nothing scaled
 
 
 def test_a_graph_gpipe_cannot_run_keeps_the_sampled_ratio(monkeypatch: pytest.MonkeyPatch) -> None:

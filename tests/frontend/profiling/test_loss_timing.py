@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +31,10 @@ def test_the_loss_is_timed_on_one_micro_batch_and_the_model_left_as_it_was() -> 
     model, x, target, prof = _chain()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     timed = with_loss(prof, model, (x,), target, F.cross_entropy)
-    assert timed.meta["loss_fwd_ms"] > 0 and timed.meta["loss_bwd_ms"] > 0
-    assert timed.meta["loss_micro_batch_size"] == 8 and "loss_fwd_ms" not in prof.meta
+    loss = timed.corrections.loss
+    assert loss is not None and loss.fwd_ms > 0 and loss.bwd_ms > 0
+    assert loss.micro_batch_size == 8 and prof.corrections.loss is None
+    assert dataclasses.replace(timed.corrections, loss=None) == prof.corrections  # its own field only
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k])
@@ -56,9 +60,10 @@ def test_at_another_micro_batch_the_loss_scales_with_the_rows() -> None:
     prof = Profile(base.df, base.edges, {**base.meta, "micro_batch_size": 8, "loss_fwd_ms": 0.4,
                                           "loss_bwd_ms": 0.8})
     half = profile_at(prof, 4)
-    assert (half.meta["loss_fwd_ms"], half.meta["loss_bwd_ms"]) == (pytest.approx(0.2), pytest.approx(0.4))
-    assert half.meta["loss_micro_batch_size"] == 4
-    assert profile_at(prof, 8).meta["loss_fwd_ms"] == 0.4
+    loss = half.corrections.loss
+    assert loss is not None and (loss.fwd_ms, loss.bwd_ms) == (pytest.approx(0.2), pytest.approx(0.4))
+    assert loss.micro_batch_size == 4
+    assert profile_at(prof, 8).corrections.loss == prof.corrections.loss
 
 
 def test_bad_losses_and_targets_say_what_to_do() -> None:
@@ -89,3 +94,19 @@ def test_a_model_never_run_whole_keeps_no_loss_time() -> None:
     assert with_loss(prof, model, (x,), target, None) is prof
     layers = autopipe.profile(model, (x,), chunks=2, mode="layers", repeats=1, warmup=0, progress=False)
     assert with_loss(layers, model, (x,), target, F.cross_entropy) is layers  # it may not fit whole
+
+
+def test_profile_with_the_loss_records_it_as_its_own_step() -> None:
+    model, x = Chain((8, 16, 4)), torch.randn(16, 8)
+    target = torch.randint(0, 4, (16,))
+    prof = autopipe.profile(model, (x,), chunks=2, repeats=1, warmup=0, progress=False,
+                            loss_fn=F.cross_entropy, target=target)
+    loss = prof.corrections.loss
+    assert loss is not None and loss.fwd_ms > 0 and loss.micro_batch_size == 8
+    assert "gpipe" in prof.corrections.stage_calls and prof.corrections.transfer is None  # comm=False
+    for bad, message in (({"loss_fn": F.cross_entropy}, r"^loss_fn was given without target; pass both"),
+                         ({"target": target}, r"^target was given without loss_fn; pass both"),
+                         ({"loss_fn": 3, "target": target}, r"^loss_fn must be callable"),
+                         ({"comm": "yes"}, r"^comm must be True or False, got 'yes'")):
+        with pytest.raises(ProfileError, match=message):
+            autopipe.profile(model, (x,), chunks=2, repeats=1, warmup=0, **bad)

@@ -16,6 +16,7 @@ from torch import nn
 
 import autopipe
 from autopipe import ProfileError
+from autopipe.core.corrections import Phases
 from autopipe.core.profile_table import Profile
 from autopipe.examples import get_example
 from autopipe.frontend.profiling.in_sequence import MAX_ROUNDS_PER_REPEAT
@@ -53,7 +54,7 @@ def test_profile_table_edges_and_meta() -> None:
     assert m["fingerprint"] == g.fingerprint and m["model"] == "UnevenMLP"
     assert m["device"] == "cpu" and m["dtype"] == "float32" and m["torch_version"] == torch.__version__
     assert (m["repeats"], m["warmup"], m["cpu_threads"]) == (3, 1, torch.get_num_threads())
-    assert {"date", "harness_fwd_ms", "harness_bwd_ms"} <= set(m)
+    assert "date" in m and prof.corrections.harness is not None  # the harness: a correction, not meta
 
 
 def test_skip_connection_edges_and_saved_bytes() -> None:
@@ -239,15 +240,16 @@ def test_repeats_warmup_and_harness_subtraction_with_a_fake_timer() -> None:
     calibration += 2 * 2 * (CALL_REPEATS + CALL_WARMUP)
     # the whole graph in sequence, then as one GPipe stage never / always, in turns, for the
     # repeats at least and then until its time budget: [Note: layers in sequence]
-    rounds = prof.meta["sequence_rounds"]
+    assert prof.corrections.sequence is not None
+    rounds = prof.corrections.sequence.rounds
     assert 4 <= rounds <= MAX_ROUNDS_PER_REPEAT * 4
     calibration += 3 * 2 * (rounds + 3)
     assert timer.calls == calibration + len(prof) * 2 * (4 + 3)
     # every call "takes" 1 ms, exactly what the empty layer takes: nothing is left
-    assert prof.meta["harness_fwd_ms"] == prof.meta["harness_bwd_ms"] == 1.0
+    assert prof.corrections.harness == Phases(1.0, 1.0)
     assert (prof.df["fwd_ms"] == 0).all() and (prof.df["bwd_ms"] == 0).all()
     # no layer left with a forward to recompute: the ratio stays today's
-    assert prof.meta["recompute_ratio"] == 1.0
+    assert prof.corrections.recompute_ratio == 1.0
 
 
 def test_time_model_measures_forward_and_backward() -> None:

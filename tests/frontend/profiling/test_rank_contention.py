@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -88,13 +89,15 @@ def test_the_slowdown_rides_in_a_cpu_profile_and_leaves_the_model_alone() -> Non
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     measured = with_rank_contention(prof, model, (x,), rounds=1, runs=3)
-    assert SLOWDOWN_RANGE[0] <= measured.meta["rank_compute_slowdown"] <= SLOWDOWN_RANGE[1]
+    slowdown = measured.corrections.rank_compute_slowdown
+    assert slowdown is not None and SLOWDOWN_RANGE[0] <= slowdown <= SLOWDOWN_RANGE[1]
+    assert measured.corrections.stage_calls == prof.corrections.stage_calls  # its own field only
     assert not model.training and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     # a profile for a GPU, or of a model never run whole, is left as it is
     for other in ({"device_type": "cuda"}, {"mode": "layers"}):
-        skipped = Profile(prof.df, prof.edges, {**prof.meta, **other})
-        assert "rank_compute_slowdown" not in with_rank_contention(skipped, model, (x,)).meta
+        skipped = dataclasses.replace(prof, meta={**prof.meta, **other})
+        assert with_rank_contention(skipped, model, (x,)).corrections.rank_compute_slowdown is None
 
 
 def test_the_cost_model_scales_every_layer_by_it() -> None:
