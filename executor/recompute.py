@@ -202,7 +202,10 @@ class _Checkpoint(torch.autograd.Function):
         shared.rng = _save_rng(shared.device)
         with torch.no_grad(), _flag("checkpointing"):
             shared.output = shared.function(shared.batch.with_tensors(inputs))
-        outputs = tuple(shared.output.tensors())
+        # a stage may return a parameter itself (x.to(x.dtype) is x): as this node's output it
+        # would get this node's grad_fn and stop being a leaf, so it leaves as a view of itself
+        outputs = tuple(t.view_as(t) if t.is_leaf and t.requires_grad else t
+                        for t in shared.output.tensors())
         _mark_integers(ctx, outputs)
         return outputs
 

@@ -212,3 +212,34 @@ def test_checkpointed_steps_leave_no_tensor_behind(checkpoint: str) -> None:
     for _ in range(3):
         pipe(x).sum().backward()
     assert live() == before
+
+
+class _ReturnsItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x * 2, self.w.to(torch.float32)  # .to(its own dtype) returns the parameter itself
+
+
+class _Scale(nn.Module):
+    def forward(self, x: Tensor, w: Tensor) -> Tensor:
+        return (x * w).sum(-1)
+
+
+@pytest.mark.timeout(60, method="thread")  # it hung in C++, where a signal cannot end it
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_checkpointed_stage_that_returns_a_parameter_leaves_it_a_leaf(checkpoint: str) -> None:
+    # As the checkpoint's output the parameter itself got the checkpoint's grad_fn: it stopped
+    # being a leaf, and the next step hung in backward.
+    from executor.gpipe import GPipe
+
+    first = _ReturnsItsWeight()
+    pipe = GPipe([first, _Scale()], ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        first.w.grad = None
+        pipe(x).sum().backward()
+        assert first.w.is_leaf and first.w.grad_fn is None
+    torch.testing.assert_close(first.w.grad, (x * 2).sum(0))
