@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from autopipe.core.corrections import RUNTIMES
 from autopipe.core.cost import (
     DEFAULT_BANDWIDTH,
     CostOptions,
@@ -88,6 +89,7 @@ def partition(
     max_chunks: int = MAX_AUTO_CHUNKS,
     data_parallel: int | str = 1,
     dp_mode: str = "ddp",
+    runtime: str | None = None,
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
@@ -129,8 +131,12 @@ def partition(
     rows of the global ``batch_size`` (default: the profile's), their gradients synced as
     ``dp_mode`` says (``ddp``: all-reduce, ``fsdp``: sharded state); ``data_parallel="auto"``
     tries every divisor D of N by simulated time per global batch ([Note: pipeline x data
-    parallel] in autopipe/core/data_parallel.py, autopipe/solvers/data_parallel_search.py). Raises
-    PartitionError when no split fits.
+    parallel] in autopipe/core/data_parallel.py, autopipe/solvers/data_parallel_search.py).
+    ``runtime``: whose measured costs to plan with, ``"gpipe"`` (executor.GPipe in one process)
+    or ``"distributed"`` (torch.distributed.pipelining: its call costs, the transfer and the
+    ranks' slowdown); default: the distributed one where the profile measured it, else gpipe
+    ([Note: one profile, two runtimes] in autopipe/core/corrections.py); ``plan.runtime``
+    records it. Raises PartitionError when no split fits.
     """
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
@@ -146,6 +152,10 @@ def partition(
         raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
                              f"terminal), got {progress!r}")
     _check_choices(stages, chunks, checkpoint, schedule, batch_size, max_chunks)
+    if runtime is not None and runtime not in RUNTIMES:
+        raise PartitionError(f"runtime={runtime!r} is unknown; use one of {list(RUNTIMES)} (gpipe: executor.GPipe "
+                             "in one process, distributed: torch.distributed.pipelining), or None: the profile's")
+    profile = profile.for_runtime(runtime)  # every cost below is this runtime's
     if isinstance(devices, int) and not isinstance(devices, bool):
         if devices < 1:
             raise PartitionError(f"devices={devices}: need at least one device, or a list of names")
