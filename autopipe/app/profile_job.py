@@ -162,6 +162,7 @@ def profile_to_file(
     meta: bool = False,
     micro_batch_sizes: str | None = None,
     comm: bool = False,
+    host_allocator: str = "retain",
 ) -> tuple[Profile, Path]:
     """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
 
@@ -171,6 +172,7 @@ def profile_to_file(
     ``meta`` builds the model on the meta device ([Note: models built on meta] in
     autopipe/app/model_spec.py); ``mode`` is profile()'s. ``comm`` adds the transfer between
     two ranks and the distributed runtime's call cost ([Note: measured transfer]).
+    ``host_allocator`` is profile()'s, "retain" as the command line trains.
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
@@ -198,7 +200,7 @@ def profile_to_file(
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes,
-            comm=comm, **_loss_of(loaded), **kwargs,
+            host_allocator=host_allocator, comm=comm, **_loss_of(loaded), **kwargs,
         )
     finally:
         torch.set_num_threads(before)

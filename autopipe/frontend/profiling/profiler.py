@@ -69,7 +69,7 @@ from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_v
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
 from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
 from autopipe.frontend.tracing.graph import LayerGraph, trace
-from executor.host_allocator import retain_freed_memory
+from executor.host_allocator import host_allocator_in_use, use_host_allocator
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
@@ -258,6 +258,7 @@ def profile(
     dedupe: bool = True,
     memory_budget: int | str | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
+    host_allocator: str = "system",
     loss_fn: Callable[[Any, Any], Any] | None = None,
     target: Any = None,
     comm: bool = False,
@@ -291,6 +292,10 @@ def profile(
             ``chunks`` makes: their times and bytes go into columns ``fwd_ms@R`` ... and
             ``meta["micro_batch_sizes"]``, from which ``partition(chunks="auto")``
             interpolates ([Note: micro-batch scaling]). Rows beyond the example batch repeat it.
+        host_allocator: ``"system"`` (default: the process's allocator as it is) or
+            ``"retain"`` (on a CPU, glibc keeps freed memory for reuse, as the command line
+            does); the setting the process ran under is recorded as ``meta["host_allocator"]``
+            ([Note: freed memory stays in the process] in executor/host_allocator.py).
         loss_fn, target: the training loss ``loss_fn(output, target)`` and the batch's target:
             timed on one micro-batch into ``corrections.loss`` ([Note: the loss in the last stage]).
         comm: also measure two ranks on this host (10-20 s): the transfer, the distributed
@@ -315,7 +320,7 @@ def profile(
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     dev = target_device(device)
     if dev.type == "cpu":
-        retain_freed_memory()  # as the pipeline will: [Note: freed memory stays in the process]
+        use_host_allocator(host_allocator)  # [Note: freed memory stays in the process]
     if graph is not None:
         _check_graph(graph, inputs, micro, chunks)
     chosen = _choose_mode(mode, model, dev, memory_budget)
@@ -355,6 +360,7 @@ def profile(
         "repeats": repeats,
         "warmup": warmup,
         "cpu_threads": torch.get_num_threads(),
+        "host_allocator": host_allocator_in_use(),
         "torch_version": torch.__version__,
         "fingerprint": g.fingerprint,
         "source": g.source,
