@@ -1,7 +1,7 @@
 """Every private torch API autopipe uses, in one place, each checked before it is relied on.
 
-[Note: private torch API] pyproject admits any torch from the tested release on (2.13), and
-private names change between releases without notice. So no module imports a private torch
+[Note: private torch API] pyproject admits torch 2.11 to 2.15 (the full suite runs on 2.13,
+.ci/compat's subset on 2.11 and 2.15), and private names change between releases without notice. So no module imports a private torch
 name directly: it imports it from here, where
 
 - ``torch.utils._pytree`` (tree_flatten & co.), ``torch.nn.modules.batchnorm._BatchNorm`` and
@@ -10,9 +10,13 @@ name directly: it imports it from here, where
   here names this module, not a deep frame of the tracer or the runtime;
 - the receive-ahead GPipe schedule ([Note: receive ahead] in executor/prefetch.py) overrides
   ``ScheduleGPipe._step_microbatches`` and calls private schedule and stage methods.
-  :func:`prefetch_support` checks each of their signatures against the ones the override was
-  written for (torch 2.13); on any difference the executor runs torch's public
-  ``ScheduleGPipe`` instead and warns once, in one line, saying why;
+  :func:`prefetch_support` checks each of their signatures against the two APIs the override
+  was written for: torch 2.13's (``PREFETCH_SIGNATURES``, 2.15's too) and 2.11's, which
+  lacks ``loss_kwargs`` (:func:`initialize_stage` and :func:`maybe_compute_loss` pass it where
+  the schedule takes it); where torch's stage drops what a finished send held
+  (``release_fwd_send_outputs``, 2.15) the override does so too (:func:`release_fwd_send`).
+  On any other difference the executor runs torch's public ``ScheduleGPipe`` instead and
+  warns once, in one line, saying why;
 - :func:`symbol_source` names a symbolic size for fake tensors (``torch._dynamo.source``,
   which torch.export itself uses): only where a fake run at symbolic sizes is tried, which
   falls back to fixed sizes on any error;
@@ -59,6 +63,10 @@ __all__ = [
     "tree_map_only",
     "tree_unflatten",
     "prefetch_support",
+    "prefetch_api",
+    "initialize_stage",
+    "maybe_compute_loss",
+    "release_fwd_send",
     "warn_no_prefetch",
     "sorted_batch_p2p",
     "wait_batch_p2p",
@@ -104,6 +112,22 @@ PREFETCH_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
                                             "last_backward"),
     ("PipelineStage", "perform_reduce_grad"): ("grad_scale_factor",),
 }
+# torch 2.11 and 2.12: the same methods before 2.13 added ``loss_kwargs`` (and the first
+# target to ``_initialize_stage``).
+PREFETCH_SIGNATURES_2_11: dict[tuple[str, str], tuple[str, ...]] = {
+    **PREFETCH_SIGNATURES,
+    ("ScheduleGPipe", "_step_microbatches"): ("arg_mbs", "kwarg_mbs", "target_mbs", "losses",
+                                            "return_outputs"),
+    ("ScheduleGPipe", "_initialize_stage"): ("args", "kwargs"),
+    ("ScheduleGPipe", "_maybe_compute_loss"): ("stage", "output", "target_mbs", "mb_index"),
+}
+# Each API the override runs on, by the first torch release that has it, newest first.
+PREFETCH_APIS: dict[str, dict[tuple[str, str], tuple[str, ...]]] = {
+    "2.13": PREFETCH_SIGNATURES,
+    "2.11": PREFETCH_SIGNATURES_2_11,
+}
+# Called where it exists (torch 2.15 on), with this signature.
+_RELEASE_SIGNATURE = ("PipelineStage", "release_fwd_send_outputs"), ("fwd_chunk_id",)
 _HELPER_SIGNATURES: dict[str, tuple[str, ...]] = {
     "_sorted_batch_p2p": ("p2p_ops", "desc"),
     "_wait_batch_p2p": ("work",),
@@ -134,26 +158,82 @@ def _helpers() -> tuple[dict[str, Callable[..., Any]], str | None]:
     return _load_helpers()
 
 
-def prefetch_support(
-    signatures: dict[tuple[str, str], tuple[str, ...]] | None = None,
-    namespace: Any = None,
-) -> str | None:
-    """None when this torch has every private piece the receive-ahead schedule needs, with the
-    signatures it was written for; else one line saying what differs. ``namespace`` (default
-    torch.distributed.pipelining) is where the classes are looked up."""
-    if namespace is None:
-        import torch.distributed.pipelining as namespace
-    _, problem = _helpers()
-    if problem is not None:
-        return problem
-    for (cls_name, name), expected in (signatures or PREFETCH_SIGNATURES).items():
+def _check(signatures: dict[tuple[str, str], tuple[str, ...]], namespace: Any) -> str | None:
+    for (cls_name, name), expected in signatures.items():
         fn = getattr(getattr(namespace, cls_name, None), name, None)
         if fn is None:
             return f"{cls_name}.{name} is missing"
         found = _parameters(fn, method=True)
         if found != expected:
             return f"{cls_name}.{name}{found} differs from the expected {expected}"
+    (cls_name, name), expected = _RELEASE_SIGNATURE
+    release = getattr(getattr(namespace, cls_name, None), name, None)
+    if release is not None and _parameters(release, method=True) != expected:
+        return f"{cls_name}.{name}{_parameters(release, method=True)} differs from the expected {expected}"
     return None
+
+
+def prefetch_api(namespace: Any = None) -> str | None:
+    """Which of ``PREFETCH_APIS`` this torch has ("2.13", "2.11"), None where neither.
+    ``namespace`` (default torch.distributed.pipelining) is where the classes are looked up."""
+    if namespace is None:
+        return _this_api()
+    if _helpers()[1] is not None:
+        return None
+    return next((api for api, sigs in PREFETCH_APIS.items() if _check(sigs, namespace) is None),
+                None)
+
+
+@functools.cache
+def _this_api() -> str | None:
+    import torch.distributed.pipelining as namespace
+
+    return prefetch_api(namespace)
+
+
+def prefetch_support(
+    signatures: dict[tuple[str, str], tuple[str, ...]] | None = None,
+    namespace: Any = None,
+) -> str | None:
+    """None when this torch has every private piece the receive-ahead schedule needs, with the
+    signatures of one of ``PREFETCH_APIS`` (or exactly ``signatures``); else one line saying
+    what differs from the newest. ``namespace`` (default torch.distributed.pipelining) is
+    where the classes are looked up."""
+    if namespace is None:
+        import torch.distributed.pipelining as namespace
+    _, problem = _helpers()
+    if problem is not None:
+        return problem
+    if signatures is not None:
+        return _check(signatures, namespace)
+    problems = [_check(sigs, namespace) for sigs in PREFETCH_APIS.values()]
+    return None if None in problems else problems[0]
+
+
+def initialize_stage(schedule: Any, args: Any, kwargs: Any, target: Any, loss_kwargs: Any) -> None:
+    """``schedule._initialize_stage``, given the first target and ``loss_kwargs`` where it
+    takes them (torch 2.13 on)."""
+    if _this_api() == "2.11":
+        schedule._initialize_stage(args, kwargs)
+    else:
+        schedule._initialize_stage(args, kwargs, target, loss_kwargs)
+
+
+def maybe_compute_loss(schedule: Any, stage: Any, output: Any, target_mbs: Any, index: int,
+                       loss_kwargs: Any) -> None:
+    """``schedule._maybe_compute_loss``, given ``loss_kwargs`` where it takes them (2.13 on)."""
+    if _this_api() == "2.11":
+        schedule._maybe_compute_loss(stage, output, target_mbs, index)
+    else:
+        schedule._maybe_compute_loss(stage, output, target_mbs, index, loss_kwargs)
+
+
+def release_fwd_send(stage: Any, index: int) -> None:
+    """Once micro-batch ``index``'s forward sends are done, let the stage drop what they held,
+    as torch's own ScheduleGPipe does where the stage can (2.15 on); nothing before."""
+    release = getattr(stage, _RELEASE_SIGNATURE[0][1], None)
+    if release is not None:
+        release(index)
 
 
 _warned: set[str] = set()

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import ScheduleGPipe
 
-from executor._torch_compat import sorted_batch_p2p, wait_batch_p2p
+from executor._torch_compat import (
+    initialize_stage,
+    maybe_compute_loss,
+    release_fwd_send,
+    sorted_batch_p2p,
+    wait_batch_p2p,
+)
 
 __all__ = ["PrefetchGPipe", "after_sends"]
 
@@ -58,25 +64,28 @@ class PrefetchGPipe(ScheduleGPipe):
     ) -> None:
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
-        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        initialize_stage(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         stage, n = self._stage, self._n_microbatches
 
         recvs = [sorted_batch_p2p(stage.get_fwd_recv_ops(i), desc="fwd_recv") for i in range(n)]
-        sends: list[Any] = []
+        fwd_sends: list[list[Any]] = []
         for i in range(n):
             for work in recvs[i].values():
                 wait_batch_p2p(work)
             output = stage.forward_one_chunk(
                 i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs
             )
-            sends.extend(sorted_batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send").values())
+            works = sorted_batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send")
+            fwd_sends.append(list(works.values()))
             after_sends(stage.device)
-            self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
-        for work in sends:
-            wait_batch_p2p(work)
+            maybe_compute_loss(self, stage, output, target_mbs, i, loss_kwargs)
+        for i, posted in enumerate(fwd_sends):
+            for work in posted:
+                wait_batch_p2p(work)
+            release_fwd_send(stage, i)
 
         recvs = [sorted_batch_p2p(stage.get_bwd_recv_ops(i), desc="bwd_recv") for i in range(n)]
-        sends = []
+        sends: list[Any] = []
         for i in range(n):
             for work in recvs[i].values():
                 wait_batch_p2p(work)

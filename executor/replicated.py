@@ -46,6 +46,7 @@ state_dict, which loads into a pipeline of any number of replicas.
 from __future__ import annotations
 
 import datetime
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,13 @@ from executor.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
 from executor.wire import WireStage
 
 __all__ = ["pipeline_mesh", "ReplicatedPipeline"]
+
+# Buffers synchronised once at construction, never in a forward: torch 2.13 on says so with
+# forward_sync_buffers=False; before it (2.11, 2.12) broadcast_buffers=False was that switch.
+_NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False})
 
 
 def pipeline_mesh(data_parallel: int, pp_size: int, *, device: torch.device | str,
@@ -143,7 +151,7 @@ class ReplicatedPipeline(DistributedPipeline):
             return wire  # DDP refuses a module with nothing to synchronise (a stage of only ReLUs)
         ids = [self.device] if self.device.type == "cuda" else None
         return DistributedDataParallel(wire, device_ids=ids, device_mesh=dp_mesh,
-                                       forward_sync_buffers=False, gradient_as_bucket_view=True)
+                                       gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
 
     def state_dict(self) -> dict[str, Any]:
         """This stage's part (see [Note: replicas on a mesh]); under FSDP a collective."""
