@@ -75,6 +75,7 @@ def check_transparent(
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "unet"])
 @pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.compat
 def test_bundled_examples_match_unpipelined(name: str, checkpoint: str) -> None:
     for k in (1, 2, 3, 4):
         ex = get_example(name, batch_size=4)
@@ -93,6 +94,7 @@ def test_nn_transformer_matches(checkpoint: str) -> None:
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.compat
 def test_huggingface_gpt2_matches(checkpoint: str) -> None:
     ids = torch.randint(0, 64, (4, 8))
     with warnings.catch_warnings():
@@ -169,6 +171,7 @@ def test_state_dict_uses_original_keys_and_round_trips() -> None:
     assert not torch.equal(pipe(*ex.inputs), fresh(*ex.inputs))
 
 
+@pytest.mark.compat
 def test_measures_and_partitions_when_no_plan_given() -> None:
     ex = get_example("mlp", batch_size=8)
     pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2)

@@ -135,6 +135,7 @@ def _reference(case: str) -> tuple[nn.Module, list[Tensor]]:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.compat
 def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResult, Any]]) -> None:
     for r, (end, cases) in enumerate(ranks):
         assert cases is not None, f"rank {r} exit {end.exitcode}:\n{end.error}"

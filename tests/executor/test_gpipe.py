@@ -109,6 +109,7 @@ def _run(pipe: nn.Module, ref: nn.Module, x: Tensor) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.compat
 def test_chain_matches_unpipelined(k: int, mode: str) -> None:
     model = Chain()
     ref = copy.deepcopy(model)
@@ -120,6 +121,7 @@ def test_chain_matches_unpipelined(k: int, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.compat
 def test_skip_and_int_passed_through_middle_stages(k: int, mode: str) -> None:
     model = Skip()
     ref = copy.deepcopy(model)

@@ -44,6 +44,7 @@ def _check(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> None
 
 
 @pytest.mark.parametrize("seed", range(12))
+@pytest.mark.compat
 def test_dp_matches_brute_force(seed: int) -> None:
     rng = np.random.default_rng(seed)
     n, k = int(rng.integers(3, 10)), int(rng.integers(1, 5))

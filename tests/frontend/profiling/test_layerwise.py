@@ -21,6 +21,7 @@ def _forward_backward(run: object) -> None:
         torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
 
 
+@pytest.mark.compat
 def test_a_meta_model_runs_layer_by_layer_and_stays_meta() -> None:
     with torch.device("meta"):
         model = TinyGPT(layers=3)

@@ -34,6 +34,7 @@ def check_invariants(g: LayerGraph, model: nn.Module) -> None:
 @pytest.mark.parametrize(
     "name,lo,hi", [("mlp", 10, 20), ("cnn", 20, 45), ("gpt", 30, 70), ("unet", 12, 25)]
 )
+@pytest.mark.compat
 def test_bundled_examples(name: str, lo: int, hi: int) -> None:
     ex = get_example(name, batch_size=4)
     g = trace(ex.model, ex.inputs)
@@ -153,6 +154,7 @@ def test_torch_transformer_models() -> None:
     ]
 
 
+@pytest.mark.compat
 def test_huggingface_gpt2_from_config() -> None:
     model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 16))
@@ -171,6 +173,7 @@ def test_huggingface_gpt2_from_config() -> None:
     assert g.num_args == 1 and g.input_names == ["input_ids", "use_cache"]
 
 
+@pytest.mark.compat
 def test_untraceable_model_names_construct_and_fix() -> None:
     with pytest.raises(TraceError, match=r"the model's own forward at tests/models.py:\d+ .*"
                                          r"Remove the data-dependent Python control flow") as info:
