@@ -29,7 +29,8 @@ from autopipe.frontend.profiling.replay import LayerCall, Values
 from autopipe.frontend.profiling.timing import MemoryMeter, Timer, median
 from executor._torch_compat import tree_leaves, tree_map_only
 
-__all__ = ["probe", "shared_saved", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key"]
+__all__ = ["probe", "shared_saved", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key",
+           "leaves_as_views"]
 
 CALIBRATION_REPEATS = 50
 CALIBRATION_WARMUP = 2
@@ -44,6 +45,30 @@ def fresh(value: Any) -> Any:
         return t.clone()
 
     return tree_map_only(torch.Tensor, copy, value)
+
+
+def leaves_as_views(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose output tensors that are leaves needing a gradient come back as views.
+
+    [Note: a layer that returns a parameter] A layer can return one of the model's parameters
+    itself: ``aten.to.dtype`` to the dtype a tensor already has returns that tensor, and torch.export
+    writes one for every parameter a HF model casts (Mamba's ``dt_proj.bias.float()``). Run
+    inside an autograd Function (torch's reentrant checkpoint), such an output becomes the
+    Function's output: autograd gives the parameter ITSELF the Function's ``grad_fn``, so it is no
+    longer a leaf, every later use of it extends that history, and each backward re-enters every
+    earlier checkpoint's recomputation: time and memory grow with every repeat of every layer
+    (a 3-block Mamba profiled past 24 GiB). A view of the leaf is an output of its own, and the
+    gradient still reaches the parameter through it.
+    """
+
+    def call(*args: Any) -> Any:
+        return tree_map_only(torch.Tensor, _view_of_leaf, fn(*args))
+
+    return call
+
+
+def _view_of_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t) if t.is_leaf and t.requires_grad else t
 
 
 def backward_roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -44,7 +44,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from autopipe.frontend.profiling.layer_timing import fresh, time_runs
+from autopipe.frontend.profiling.layer_timing import fresh, leaves_as_views, time_runs
 from autopipe.frontend.profiling.replay import LayerCall, Values
 from autopipe.frontend.profiling.timing import Timer
 from executor._torch_compat import tree_leaves
@@ -109,12 +109,13 @@ class RecomputeSampler:
         if not any(t.requires_grad for t in leaves):
             return
         self.samples += 1
+        layer = leaves_as_views(call.module)  # [Note: a layer that returns a parameter]
 
         def plain() -> Callable[[], Any]:
-            return functools.partial(call.module, *fresh(args))
+            return functools.partial(layer, *fresh(args))
 
         def checkpointed() -> Callable[[], Any]:
-            return functools.partial(torch.utils.checkpoint.checkpoint, call.module,
+            return functools.partial(torch.utils.checkpoint.checkpoint, layer,
                                      *fresh(args), use_reentrant=True)
 
         try:  # a layer that writes its input in place cannot run checkpointed: skip it
