@@ -31,6 +31,10 @@ def _run(*args: str, out: Path, timeout: float) -> subprocess.CompletedProcess[s
 
 @pytest.mark.compat
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("AUTOPIPE_COMPAT_JOB") != "1",
+                    reason="a minute of real runs: CI's compat jobs run it on torch 2.11 (the GPU "
+                           "machine's) and 2.15 (.ci/compat sets AUTOPIPE_COMPAT_JOB=1; set it to "
+                           "run it here)")
 def test_dry_run_resolves_every_step_and_prints_one_table(tmp_path: Path) -> None:
     done = _run("--dry-run", out=tmp_path, timeout=590)
     assert done.returncode == int(LLAMA_ON_META_FAILS), done.stdout[-3000:] + done.stderr[-2000:]
