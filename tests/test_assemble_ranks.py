@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,14 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
     os._exit(0)  # skip teardown collectives: a peer may already be gone
 
 
-def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 45.0) -> list[RankResult]:
-    """Run ``fn(rank, *args)`` on ``world`` gloo ranks; kill whatever outlives ``timeout``."""
+def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 45.0,
+          fresh: bool = False) -> list[RankResult]:
+    """Run ``fn(rank, *args)`` on ``world`` gloo ranks; kill whatever outlives ``timeout``.
+
+    Two ranks run on the shared pool ([Note: one pool of ranks]) unless ``fresh``: a test that
+    kills or hangs a rank, or measures a rank's memory, asks for processes of its own."""
+    if world == 2 and not fresh:
+        return _pool_run(fn, args, timeout)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
@@ -95,6 +102,131 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
             data = torch.load(path, weights_only=False) if path.exists() else {}
             results.append(RankResult(p.exitcode, data.get("value"), data.get("error")))
         return results
+
+
+# [Note: one pool of ranks] Starting a rank is a fresh 'spawn' process that imports torch,
+# transformers and autopipe: seconds each on a loaded 2-core machine, paid by every test that
+# spawned its own. The tests that only need two healthy ranks share two processes instead,
+# started once per pytest session. Each call still gets a process group of its own (a new
+# port, destroyed after the call), the default torch seed of a fresh process and the warning
+# filters it had, so nothing on the wire or in the RNG carries from one test to the next.
+# A rank that raises ends its process, as a spawned rank does; a failed, timed-out or
+# interrupted call kills the pool, and the next call starts a new one.
+_POOL_START_S = 180.0  # importing torch and autopipe in two processes, on a loaded machine
+
+
+class _RankPool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.calls = 0
+        self.tasks, self.replies, self.procs = [], [], []
+        for r in range(world):
+            task_out, task_in = ctx.Pipe(duplex=False)
+            reply_out, reply_in = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_serve, args=(r, world, task_out, reply_in), daemon=True)
+            proc.start()
+            task_out.close()
+            reply_in.close()
+            self.tasks.append(task_in)
+            self.replies.append(reply_out)
+            self.procs.append(proc)
+        for r in range(world):  # each rank says so once its imports are done
+            if not self.replies[r].poll(_POOL_START_S) or self.replies[r].recv() != "ready":
+                self.close()
+                raise RuntimeError(f"pool rank {r} did not start within {_POOL_START_S:.0f} s")
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> tuple[list[RankResult], bool]:
+        """Results as :func:`spawn` gives them, and whether every rank is still healthy."""
+        self.calls += 1
+        with tempfile.TemporaryDirectory() as out:
+            port = _free_port()
+            for conn in self.tasks:
+                conn.send((self.calls, port, out, fn, args))
+            deadline = time.monotonic() + timeout
+            waiting = dict(enumerate(self.replies))
+            failed = False
+            while waiting and time.monotonic() < deadline:
+                ready = wait([*waiting.values(), *(self.procs[r].sentinel for r in waiting)],
+                                           max(0.0, deadline - time.monotonic()))
+                for r in list(waiting):
+                    conn = waiting[r]
+                    if conn in ready and conn.poll():
+                        try:
+                            if conn.recv() == self.calls:
+                                del waiting[r]
+                                continue
+                        except EOFError:
+                            pass
+                    if not self.procs[r].is_alive():  # raised (or was killed): its peers may hang
+                        self.procs[r].join()
+                        del waiting[r]
+                        failed = True
+            results = []
+            for r, proc in enumerate(self.procs):
+                if r in waiting:  # still running at the deadline
+                    results.append(RankResult(None))
+                    continue
+                path = Path(out) / f"{r}.pt"
+                data = torch.load(path, weights_only=False) if path.exists() else {}
+                code = proc.exitcode if not proc.is_alive() else 0
+                results.append(RankResult(code, data.get("value"), data.get("error")))
+        return results, not failed and not waiting
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        for conn in (*self.tasks, *self.replies):
+            conn.close()
+
+
+_pool: _RankPool | None = None
+
+
+def _pool_run(fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> list[RankResult]:
+    global _pool
+    if _pool is None:
+        _pool = _RankPool(2)
+    pool, _pool = _pool, None  # taken: an interrupted call (pytest-timeout) leaves no pool behind
+    healthy = False
+    try:
+        results, healthy = pool.run(fn, args, timeout)
+    finally:
+        if healthy:
+            _pool = pool
+        else:
+            pool.close()
+    return results
+
+
+def _serve(rank: int, world: int, tasks: Any, replies: Any) -> None:
+    """A pool rank: run each call's ``fn`` as :func:`_entry` would in a process of its own."""
+    import warnings
+
+    seed = torch.initial_seed()  # a fresh process's default seed
+    replies.send("ready")
+    while True:
+        try:
+            call, port, out, fn, args = tasks.recv()
+        except EOFError:  # the parent is gone
+            os._exit(0)
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        path = Path(out) / f"{rank}.pt"
+        try:
+            with warnings.catch_warnings():
+                dist.init_process_group("gloo", rank=rank, world_size=world,
+                                        init_method=f"tcp://127.0.0.1:{port}",
+                                        timeout=datetime.timedelta(seconds=30))
+                value = fn(rank, *args)
+            torch.save({"value": value}, path)
+            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+            torch.save({"error": traceback.format_exc()}, path)
+            os._exit(1)
+        replies.send(call)
 
 
 def _ok(results: list[RankResult]) -> list[Any]:
@@ -214,8 +346,12 @@ def _train_without_prefetch(rank: int) -> dict[str, Any]:
     import executor.distributed
 
     # as on a torch whose private schedule API drifted: executor._torch_compat's fallback
+    support = executor.distributed.prefetch_support
     executor.distributed.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
-    return _train_once(rank, "skip", "gpipe", "always", "uniform")
+    try:
+        return _train_once(rank, "skip", "gpipe", "always", "uniform")
+    finally:  # the pool's next call gets the receive-ahead schedule back
+        executor.distributed.prefetch_support = support
 
 
 @pytest.mark.timeout(60)
@@ -327,7 +463,7 @@ def _fail(rank: int, how: str) -> tuple[str, float]:
 def test_failed_rank_ends_the_run_with_an_error_not_a_hang(how: str) -> None:
     """A dead or hung peer ends the step within the timeout, after a first step that took longer
     than the timeout but not its own limit ([Note: the first step's own limit])."""
-    survivor, failed = spawn(_fail, how, timeout=70)
+    survivor, failed = spawn(_fail, how, timeout=70, fresh=True)
     assert failed.exitcode == (17 if how == "dies" else 0)
     assert survivor.exitcode is not None, f"rank 0 hung after its peer {how}"
     if survivor.exitcode == 0:  # the step raised PipelineFailure before the peer could answer
