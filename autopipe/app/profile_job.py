@@ -67,6 +67,13 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s), "
         f"fingerprint {m.get('fingerprint')}"
     )
+    grouped = m.get("grouped")
+    if grouped:  # [Note: automatic granularity] in autopipe/frontend/tracing/granularity.py
+        merged = grouped["merged"]
+        lines.append(f"{grouped['traced_layers']} traced layers grouped into {len(df)}: "
+                     + ", ".join(f"{name} ({n})" for name, n in list(merged.items())[:4])
+                     + (f" and {len(merged) - 4} more" if len(merged) > 4 else "")
+                     + " are one layer each; trace with leaf_modules= or max_depth= to choose")
     c = prof.corrections
     ranks = c.stage_calls.get("distributed", {})
     if c.transfer is not None:

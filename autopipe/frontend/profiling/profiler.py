@@ -68,6 +68,7 @@ from autopipe.frontend.profiling.process_memory import PeakRss
 from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
 from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
+from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor.host_allocator import host_allocator_in_use, use_host_allocator
 
@@ -367,6 +368,7 @@ def profile(
         "mode": chosen,
         "dedupe": bool(dedupe) if chosen == "layers" else False,
         "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
+        **({"grouped": grouped_meta(g.layers, g.grouped)} if g.grouped else {}),  # [Note: automatic granularity]
         "peak_memory_bytes": peak[0],
         "peak_memory_of": peak[1],
         **({"micro_batch_sizes": sorted([micro, *others]), "fingerprints": fingerprints}

@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from autopipe.core.units import format_bytes
 from autopipe.frontend.tracing.capture import Capture, LeafSpec, capture
+from autopipe.frontend.tracing.granularity import coarsen, mark_grouped
 from autopipe.frontend.tracing.grouping import group_layers, layer_attributes
 
 __all__ = ["LayerGraph", "trace"]
@@ -40,6 +41,8 @@ class LayerGraph:
     parameter bytes used here but counted at another layer), ``buffer_bytes``,
     ``output_bytes``, ``output_shapes``, ``output_dtypes``, ``tie_group`` ("" when none).
     Edge attribute: ``bytes`` moved from one layer to the next at the example batch.
+    ``grouped``: layers merged from finer traced ones, each with how many it holds ([Note:
+    automatic granularity] in granularity.py); empty when none were.
     """
 
     gm: fx.GraphModule
@@ -52,6 +55,7 @@ class LayerGraph:
     num_args: int = 1  # how many of input_names are the model's positional inputs
     kwargs: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
+    grouped: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.fingerprint:
@@ -150,6 +154,9 @@ def trace(
         example_inputs: positional inputs of one batch (a tensor or a tuple).
         leaf_modules: module types or qualified names to keep whole as single layers.
         max_depth: keep every submodule at this depth (1 = the model's children) whole.
+            Without either, layers far finer than their modules are grouped back to them
+            ([Note: automatic granularity]); either one (``leaf_modules=[]`` too) keeps every
+            traced layer as it is.
         kwargs: constant keyword arguments (e.g. ``{"use_cache": False}``); HuggingFace models
             get ``use_cache=False`` unless given.
 
@@ -159,7 +166,11 @@ def trace(
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     cap: Capture = capture(model, inputs, kwargs=kwargs, leaf_modules=leaf_modules, max_depth=max_depth)
     layers, node_layer = group_layers(cap)
+    grouped: dict[str, int] = {}
+    if leaf_modules is None and max_depth is None:
+        layers, node_layer, grouped = coarsen(cap, layers, node_layer)
     graph, input_names, input_bytes = layer_attributes(cap, model, layers, node_layer)
+    mark_grouped(graph, model, grouped)
     return LayerGraph(
         gm=cap.gm,
         nx=graph,
@@ -170,4 +181,5 @@ def trace(
         source=cap.source,
         num_args=len(inputs),
         kwargs=cap.kwargs,
+        grouped=grouped,
     )
