@@ -299,6 +299,28 @@ def _advice(args: tuple[Any, ...], kwargs: Mapping[str, Any], fx_failure: _Failu
     return fix[0].upper() + fix[1:]
 
 
+def _on_meta(model: nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """[Note: a meta model] A model built on the meta device (``with torch.device("meta")``,
+    to profile a model too big for any one device layer by layer) is traced on meta inputs:
+    its example inputs' tensors (token ids on the CPU, say) become meta tensors of the same
+    shape and dtype. Tracing needs only shapes, dtypes and devices, and an op of meta weights
+    and CPU inputs has no device to run on: the graph of a meta Linear does not run on a CPU
+    input (torch.fx's fake run), and torch.export's fake tensors refuse the mix, e.g. a meta
+    embedding on CPU token ids before torch 2.13 ("found two different devices meta, cpu":
+    2.13 added a fake rule for embedding alone). Whatever the inputs' device, the graph's
+    devices are then meta, which layer-by-layer profiling retargets to its device; its real
+    inputs are the caller's example inputs and kwargs (``Capture.kwargs``), not these."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not tensors or any(not t.is_meta for t in tensors):
+        return args, kwargs
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_meta else t.detach().to("meta").requires_grad_(t.requires_grad)
+
+    return tree_map_only(torch.Tensor, to_meta, args), tree_map_only(torch.Tensor, to_meta, kwargs)
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
@@ -315,16 +337,18 @@ def capture(
     rule = _LeafRule(leaf_modules, max_depth)
     concrete = _default_kwargs(model, kwargs)
     _refuse_batched_kwargs(example_inputs, concrete)
+    args, traced_kwargs = _on_meta(model, example_inputs, concrete)  # [Note: a meta model]
     with quiet(), _buffers_kept(model):  # [Note: a quiet tracer]
-        cap = _capture_fx(model, rule, concrete, example_inputs)
+        cap = _capture_fx(model, rule, traced_kwargs, args)
         if isinstance(cap, _Failure):
             fx_failure = cap
-            cap = _capture_export(model, rule, concrete, example_inputs)
+            cap = _capture_export(model, rule, traced_kwargs, args)
             if isinstance(cap, _Failure):
                 raise TraceError(
                     f"cannot trace {type(model).__name__}: {fx_failure}; {cap}. "
                     + _advice(example_inputs, concrete, fx_failure, cap)
                 )
+    cap.kwargs = concrete  # the caller's own values, which replay gives the graph
     return cap
 
 

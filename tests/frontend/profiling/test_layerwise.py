@@ -69,6 +69,7 @@ def test_layers_of_other_shapes_are_not_twins() -> None:
     assert twins[3] is None  # another output shape
 
 
+@pytest.mark.compat
 def test_a_meta_export_graph_runs_on_a_real_device() -> None:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
