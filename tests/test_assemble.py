@@ -48,10 +48,13 @@ def check_transparent(
     k: int,
     checkpoint: str,
     chunks: int = 2,
+    graph: LayerGraph | None = None,
     **trace_kwargs: Any,
 ) -> GPipe:
+    """``graph``: ``model``'s own trace, to reuse one (see :func:`traced`); else traced here."""
     reference = copy.deepcopy(model)
-    graph = trace(model, microbatch_inputs(inputs, chunks), **trace_kwargs)
+    if graph is None:
+        graph = trace(model, microbatch_inputs(inputs, chunks), **trace_kwargs)
     # a plan for where it runs and what it recomputes: neither of pipeline()'s warnings applies
     plan = partition(cost_profile(graph), devices=["cpu"] * k, method="dp", chunks=chunks,
                      checkpoint=checkpoint)
@@ -73,6 +76,21 @@ def check_transparent(
     return pipe
 
 
+def traced(model: nn.Module, inputs: tuple[Any, ...], chunks: int = 2) -> tuple[nn.Module, LayerGraph]:
+    """``model`` and its trace, for a module-scoped fixture: torch.export is most of a
+    transformer test's time, and a graph is only ever built with the model it was traced from
+    (its stages hold that model's parameters), so one model is reused and each use clears its
+    gradients first (:func:`fresh_grads`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, trace(model, microbatch_inputs(inputs, chunks))
+
+
+def fresh_grads(model: nn.Module) -> nn.Module:
+    model.zero_grad(set_to_none=True)  # as a model that was never run
+    return model
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "unet"])
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.compat
@@ -83,26 +101,43 @@ def test_bundled_examples_match_unpipelined(name: str, checkpoint: str) -> None:
                           k, checkpoint)
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
-def test_nn_transformer_matches(checkpoint: str) -> None:
+@pytest.fixture(scope="module")
+def transformer() -> tuple[nn.Module, LayerGraph, tuple[Tensor, Tensor]]:
+    torch.manual_seed(0)
     model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=1,
                            dim_feedforward=32, dropout=0.0, batch_first=True)
-    src, tgt = torch.randn(4, 6, 16), torch.randn(4, 5, 16)
+    inputs = (torch.randn(4, 6, 16), torch.randn(4, 5, 16))
+    return *traced(model, inputs), inputs
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_nn_transformer_matches(
+    checkpoint: str, transformer: tuple[nn.Module, LayerGraph, tuple[Tensor, Tensor]]
+) -> None:
+    model, graph, inputs = transformer
     for k in (1, 2, 3, 4):
-        check_transparent(copy.deepcopy(model), (src, tgt), lambda out: out.pow(2).mean(), k,
-                          checkpoint)
+        check_transparent(fresh_grads(model), inputs, lambda out: out.pow(2).mean(), k, checkpoint,
+                          graph=graph)
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[nn.Module, LayerGraph, Tensor]:
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (4, 8))
+    return *traced(model, (ids,)), ids
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.compat
-def test_huggingface_gpt2_matches(checkpoint: str) -> None:
-    ids = torch.randint(0, 64, (4, 8))
+def test_huggingface_gpt2_matches(checkpoint: str, gpt2: tuple[nn.Module, LayerGraph, Tensor]) -> None:
+    model, graph, ids = gpt2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k in (1, 2, 3, 4):
-            model = tiny_gpt2()
-            pipe = check_transparent(model, (ids,), lambda out: out.logits.logsumexp(-1).mean(),
-                                     k, checkpoint)
+            pipe = check_transparent(fresh_grads(model), (ids,),
+                                     lambda out: out.logits.logsumexp(-1).mean(), k, checkpoint,
+                                     graph=graph)
             # export keeps one name per tied tensor; build restores the plain model's keys
             assert set(pipe.state_dict()) == set(model.state_dict())
             pipe.load_state_dict(model.state_dict())
@@ -214,11 +249,12 @@ def test_prediction_benchmark_smoke() -> None:
 
 @pytest.mark.parametrize("name", ["gpt", "hf"])
 def test_tied_embedding_and_head_on_different_devices(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     # One CPU stands in for two GPUs: the runtime is told the stages' devices differ, so the
     # tied head fetches the embedding's weight ([Note: ties across devices] in executor.gpipe).
     monkeypatch.setattr("executor.placement._same_device", lambda a, b: False)
+    graph = None
     if name == "gpt":
         ex = get_example("gpt", batch_size=4)
         model, inputs = ex.model, ex.inputs
@@ -226,14 +262,15 @@ def test_tied_embedding_and_head_on_different_devices(
         def loss_of(out: Any) -> Tensor:
             return ex.loss_fn(out, ex.target)
     else:
-        model, inputs = tiny_gpt2(), (torch.randint(0, 64, (4, 8)),)
+        model, graph, ids = request.getfixturevalue("gpt2")
+        model, inputs = fresh_grads(model), (ids,)
 
         def loss_of(out: Any) -> Tensor:
             return out.logits.logsumexp(-1).mean()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = check_transparent(model, inputs, loss_of, 2, "except_last")
+        pipe = check_transparent(model, inputs, loss_of, 2, "except_last", graph=graph)
     assert set(pipe.state_dict()) == set(model.state_dict())
     tied = [p for p in pipe.parameters() if p.shape[0] in (256, 64) and p.dim() == 2]
     assert len({id(p) for p in tied}) == len(tied)  # the tied weight is listed once
@@ -257,10 +294,11 @@ def test_stage_that_does_not_fit_its_device_is_refused() -> None:
         check_device_memory(plan, ["cuda:1", "cuda:1"], lambda d: both - 1)
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
-def test_huggingface_llama_and_bert_match(checkpoint: str) -> None:
+@pytest.fixture(scope="module")
+def llama_and_bert() -> tuple[tuple[nn.Module, LayerGraph], tuple[nn.Module, LayerGraph], Tensor]:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=64))
@@ -270,10 +308,19 @@ def test_huggingface_llama_and_bert_match(checkpoint: str) -> None:
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
         vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     ids = torch.randint(0, 64, (4, 8))
+    return traced(llama, (ids,)), traced(bert, (ids,)), ids
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_huggingface_llama_and_bert_match(
+    checkpoint: str,
+    llama_and_bert: tuple[tuple[nn.Module, LayerGraph], tuple[nn.Module, LayerGraph], Tensor],
+) -> None:
+    (llama, llama_graph), (bert, bert_graph), ids = llama_and_bert
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        check_transparent(llama, (ids,), lambda out: out.logits.logsumexp(-1).mean(), 3,
-                          checkpoint)
-        check_transparent(bert, (ids,), lambda out: out.last_hidden_state.pow(2).mean(), 3,
-                          checkpoint)
+        check_transparent(fresh_grads(llama), (ids,), lambda out: out.logits.logsumexp(-1).mean(), 3,
+                          checkpoint, graph=llama_graph)
+        check_transparent(fresh_grads(bert), (ids,), lambda out: out.last_hidden_state.pow(2).mean(),
+                          3, checkpoint, graph=bert_graph)
     assert bert.pooler.dense.weight.grad is None
