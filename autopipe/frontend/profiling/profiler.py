@@ -36,9 +36,8 @@ from tqdm import tqdm
 
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import SCALED_COLUMNS
-from autopipe.core.units import parse_bytes
-from autopipe.errors import AutopipeError, ProfileError
-from autopipe.frontend.building.materialize import has_meta_tensors
+from autopipe.errors import ProfileError
+from autopipe.frontend.profiling._whole_or_layers import choose_mode
 from autopipe.frontend.profiling.in_sequence import (
     SequenceScales,
     measure_sequence,
@@ -169,40 +168,6 @@ def _measure(
         (fwd_extra, bwd_extra, sampler.ratio())
 
 
-MODES = ("auto", "whole", "layers")
-
-
-def _state_bytes(model: nn.Module) -> int:
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _choose_mode(mode: str, model: nn.Module, dev: torch.device,
-                 memory_budget: int | str | None) -> str:
-    """[Note: whole or layer by layer] ``whole`` records one real run of the whole model on the
-    device, so it needs the model and its activations there; ``layers`` needs one layer at a
-    time ([Note: layer by layer]). ``auto`` takes ``layers`` when the model has tensors on the
-    meta device, or its parameters and buffers exceed ``memory_budget`` (default on CUDA: the
-    device's free memory); else ``whole``. Both give the same columns."""
-    if mode not in MODES:
-        raise ProfileError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
-    meta = has_meta_tensors(model)
-    if mode == "whole" and meta:
-        raise ProfileError("the model has tensors on the meta device, so it cannot run whole; "
-                           "profile it layer by layer: mode='layers' (or 'auto')")
-    if mode != "auto":
-        return mode
-    if meta:
-        return "layers"
-    try:
-        budget = parse_bytes(memory_budget)
-    except AutopipeError as err:
-        raise ProfileError(str(err).replace("memory limit", "memory_budget")) from None
-    if budget is None and dev.type == "cuda":
-        budget = int(torch.cuda.mem_get_info(dev)[0])
-    return "layers" if budget is not None and _state_bytes(model) > budget else "whole"
-
-
 def _measure_at(
     model: nn.Module,
     inputs: tuple[Any, ...],
@@ -324,7 +289,7 @@ def profile(
         use_host_allocator(host_allocator)  # [Note: freed memory stays in the process]
     if graph is not None:
         _check_graph(graph, inputs, micro, chunks)
-    chosen = _choose_mode(mode, model, dev, memory_budget)
+    chosen = choose_mode(mode, model, dev, memory_budget)
     timer = timer or timer_for(dev)
     others = other_sizes(micro_batch_sizes, micro)
     calls = stage_call_ms(timer, dev, chunks)  # [Note: measured overheads]
