@@ -56,11 +56,9 @@ copies are sharded alike across replicas, so shard i meets shard i).
 
 from __future__ import annotations
 
-import os
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -76,7 +74,6 @@ from torch.distributed.tensor import DTensor
 from executor._torch_compat import (
     is_communication_error,
     prefetch_support,
-    set_group_timeout,
     warn_no_prefetch,
 )
 from executor.errors import DistributedError
@@ -84,7 +81,7 @@ from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import SCHEDULES, check_stage_checkpoints
-from executor.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits, armed
+from executor.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.wire import Wire, WireStage, infer_wires
 
 __all__ = [
@@ -116,8 +113,6 @@ def schedule_class(schedule: str) -> type:
             warn_no_prefetch(problem)
             return ScheduleGPipe
     return _SCHEDULE_CLASSES[schedule]
-WATCHDOG_EXIT_CODE = 3
-_GRACE_S = 5.0
 
 
 class PipelineFailure(RuntimeError):
@@ -196,7 +191,7 @@ class DistributedPipeline:
         self.num_stages, self.chunks, self.schedule_name = num_stages, chunks, schedule
         self.limits = StepLimits(timeout, first_step_timeout)
         self.timeout = timeout
-        self._first_step_done = False
+        self._watch = StepWatch(self.limits, self._failure, self._groups)
         self.device = torch.device(device)
         self.key_aliases = key_aliases or {}
         self._steps = 0
@@ -407,21 +402,5 @@ class DistributedPipeline:
         """Every process group this pipeline talks on (a mesh adds its "dp" group)."""
         return [self.group, *(g for g, _ in self._ties if g is not None)]
 
-    @contextmanager
-    def _watchdog(self) -> Iterator[None]:  # [Note: one watchdog thread]
-        first = not self._first_step_done
-        limit = self.limits.step_limit(first)
-
-        def fire() -> None:
-            msg = self._failure(f"no progress for {limit + _GRACE_S:.0f}s" if limit else "hung")
-            print(f"PipelineFailure: {msg}", file=sys.stderr, flush=True)
-            os._exit(WATCHDOG_EXIT_CODE)
-
-        with armed(limit + _GRACE_S, fire) if limit is not None else nullcontext():
-            yield
-        if first:  # [Note: the first step's own limit]
-            self._first_step_done = True
-            steady = self.limits.steady_group_timeout
-            if steady is not None:
-                for group in self._groups():
-                    set_group_timeout(group, steady)
+    def _watchdog(self) -> AbstractContextManager[None]:  # [Note: one watchdog thread]
+        return self._watch.step()

@@ -26,15 +26,22 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from executor._torch_compat import set_group_timeout
 from executor.errors import DistributedError
 
-__all__ = ["FIRST_STEP_TIMEOUT_S", "StepLimits", "armed"]
+__all__ = ["FIRST_STEP_TIMEOUT_S", "GRACE_S", "WATCHDOG_EXIT_CODE", "StepLimits", "StepWatch", "armed"]
+
+WATCHDOG_EXIT_CODE = 3
+GRACE_S = 5.0
 
 FIRST_STEP_TIMEOUT_S = 600.0
 
@@ -136,3 +143,35 @@ def armed(limit: float, action: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         watchdog.disarm(token)
+
+
+class StepWatch:
+    """Each step of one pipeline under its limit ([Note: the first step's own limit]): past it,
+    ``failure(cause)``'s line is printed and the process ends with :data:`WATCHDOG_EXIT_CODE`;
+    after the first step, ``groups()`` are shortened to the steady timeout."""
+
+    def __init__(self, limits: StepLimits, failure: Callable[[str], str],
+                 groups: Callable[[], list[dist.ProcessGroup]]) -> None:
+        self.limits, self._failure, self._groups = limits, failure, groups
+        self._first_done = False
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        first = not self._first_done
+        limit = self.limits.step_limit(first)
+        if limit is None:
+            yield
+        else:
+            def fire() -> None:
+                msg = self._failure(f"no progress for {limit + GRACE_S:.0f}s")
+                print(f"PipelineFailure: {msg}", file=sys.stderr, flush=True)
+                os._exit(WATCHDOG_EXIT_CODE)
+
+            with armed(limit + GRACE_S, fire):
+                yield
+        if first:
+            self._first_done = True
+            steady = self.limits.steady_group_timeout
+            if steady is not None:
+                for group in self._groups():
+                    set_group_timeout(group, steady)
