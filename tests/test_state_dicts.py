@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch.testing import assert_close
 from autopipe.assemble import Pipeline, microbatch_inputs, pipeline
 from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
 from autopipe.errors import BuildError
-from autopipe.frontend.tracing.graph import trace
+from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import CHUNKS, _ok, _reference, spawn
@@ -50,8 +50,10 @@ def _hf(name: str, seed: int) -> nn.Module:
 IDS = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
 
 
-def _pipeline(model: nn.Module, inputs: tuple[Tensor, ...], k: int) -> Pipeline:
-    graph = trace(model, microbatch_inputs(inputs, 2))
+def _pipeline(model: nn.Module, inputs: tuple[Tensor, ...], k: int, graph: LayerGraph | None = None) -> Pipeline:
+    """``graph``: ``model``'s own trace, when one is reused (see ``hf_traced``)."""
+    if graph is None:
+        graph = trace(model, microbatch_inputs(inputs, 2))
     plan = partition(cost_profile(graph), stages=k, method="dp", chunks=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,11 +75,35 @@ def _output(out: Any) -> Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+HfTraced = Callable[[str, int, bool], tuple[nn.Module, LayerGraph]]
+
+
+@pytest.fixture(scope="module")
+def hf_traced() -> Iterator[HfTraced]:
+    """``hf_traced(name, seed, eval)``: ``_hf(name, seed)`` (in eval mode if ``eval``) and its
+    trace on IDS. torch.export is most of a test's time and a graph builds only with the model
+    it was traced from, so each model is traced once for every k; each call puts back the
+    seed's weights (a test loads others into it) and clears its gradients."""
+    cache: dict[tuple[str, int, bool], tuple[nn.Module, LayerGraph]] = {}
+
+    def get(name: str, seed: int, eval: bool) -> tuple[nn.Module, LayerGraph]:
+        if (name, seed, eval) not in cache:
+            model = _hf(name, seed).train(not eval)
+            cache[name, seed, eval] = model, trace(model, microbatch_inputs((IDS,), 2))
+        model, graph = cache[name, seed, eval]
+        model.load_state_dict(_hf(name, seed).state_dict())
+        model.zero_grad(set_to_none=True)
+        return model.train(not eval), graph
+
+    yield get
+    cache.clear()
+
+
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "bert"])
-def test_hf_checkpoints_load_strictly_every_way(name: str, k: int) -> None:
-    model = _hf(name, 0).eval()
-    pipe = _pipeline(model, (IDS,), k).eval()
+def test_hf_checkpoints_load_strictly_every_way(name: str, k: int, hf_traced: HfTraced) -> None:
+    model, graph = hf_traced(name, 0, True)
+    pipe = _pipeline(model, (IDS,), k, graph).eval()
     nonpersistent = {n for n, _ in model.named_buffers()} - set(model.state_dict())
     assert nonpersistent  # inv_freq / position_ids: what the stages used to save
     state = pipe.state_dict()
@@ -89,14 +115,15 @@ def test_hf_checkpoints_load_strictly_every_way(name: str, k: int) -> None:
     plain.load_state_dict(state, strict=True)
     _assert_same(plain.state_dict(), model.state_dict())
 
-    other_model = _hf(name, 2).eval()  # plain model -> pipeline
-    other = _pipeline(other_model, (IDS,), k).eval()
+    other_model, graph = hf_traced(name, 2, True)  # plain model -> pipeline
+    other = _pipeline(other_model, (IDS,), k, graph).eval()
     assert _differs(other_model, model)
     other.load_state_dict(plain.state_dict(), strict=True)
     _assert_same(other.state_dict(), model.state_dict())
     _assert_same(other_model.state_dict(), model.state_dict())  # the stages hold the model's
 
-    third = _pipeline(_hf(name, 3), (IDS,), k).eval()  # pipeline -> a new pipeline
+    new_model, graph = hf_traced(name, 3, False)  # pipeline -> a new pipeline
+    third = _pipeline(new_model, (IDS,), k, graph).eval()
     third.load_state_dict(state, strict=True)
     _assert_same(third.state_dict(), model.state_dict())
     with torch.no_grad():
