@@ -1,6 +1,6 @@
 """Models that are never whole in one place: built on meta, stages loaded from weights files.
 
-Memory is the process's peak anonymous resident memory ([Note: RssAnon]), each case in fresh
+Memory is the process's peak anonymous resident memory ([Note: RssAnon]), measured in fresh
 processes: the pages of a memory-mapped weights file do not count, every real copy does.
 """
 

@@ -1,7 +1,9 @@
 """executor.distributed + autopipe.assemble: 2 gloo ranks spawned from pytest vs one process.
 
-Every distributed test runs its ranks in fresh processes (spawn) on a free local port, with a
-hard deadline: a hanging rank is killed and fails the test instead of hanging the suite. The
+Every distributed test runs its ranks on a free local port, with a hard deadline: a hanging
+rank is killed and fails the test instead of hanging the suite. Two healthy ranks are shared by
+the tests, started once per session ([Note: one pool of ranks]); a test that kills or hangs a
+rank spawns fresh processes of its own. The
 single-process reference is the mean of ``loss_fn`` over the same micro-batches (see
 [Note: loss of a pipeline] in autopipe/assemble.py).
 """
