@@ -5,11 +5,11 @@ comm=False, ...)`` is the one place a profile is assembled; the command line (``
 profile``, ``run``, ``train``), ``pipeline()``, rank 0 of ``distributed_pipeline()`` and the
 benchmarks all go through it. Its steps, in this order:
 
-1. ``layers``: every layer's row, the layer harness's own call subtracted (``harness``), the
+1. ``stage calls``: executor.GPipe's empty stage call, plain and checkpointed
+   (``stage_calls["gpipe"]``, ``recompute_call_ms``: [Note: measured overheads]); first, as the
+   whole graph's recompute ratio is taken net of it.
+2. ``layers``: every layer's row, the layer harness's own call subtracted (``harness``), the
    recompute ratio sampled on the heaviest layers (profiler.py, overheads.py).
-2. ``stage calls``: executor.GPipe's empty stage call, plain and checkpointed
-   (``stage_calls["gpipe"]``, ``recompute_call_ms``: [Note: measured overheads]); timed before
-   the layers, as the whole graph's recompute ratio is taken net of it.
 3. ``sequence``: the whole graph in sequence (``sequence``, and the runtime's own
    ``recompute_ratio``), when the model runs whole ([Note: layers in sequence]).
 4. ``loss``: with ``loss_fn`` and ``target``, the loss on the model's output (``loss``:
@@ -38,7 +38,7 @@ from autopipe.frontend.profiling.in_sequence import SequenceScales
 
 __all__ = ["STEPS", "check_steps", "later_steps", "measured_corrections"]
 
-STEPS = ("layers", "stage calls", "sequence", "loss", "rank contention", "transfer")
+STEPS = ("stage calls", "layers", "sequence", "loss", "rank contention", "transfer")
 
 
 def measured_corrections(harness: tuple[float, float], calls: tuple[float, float, float], ratio: float,
