@@ -43,7 +43,7 @@ from autopipe.frontend.profiling.inputs import micro_batch
 from autopipe.frontend.profiling.profiler import profile as measure
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor import GPipe
-from executor.host_allocator import host_allocator_in_use, use_host_allocator
+from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.spec import check_stage_checkpoints
 from executor.worker import normalize_device
 
@@ -264,6 +264,7 @@ def pipeline(
     # refused before tracing and profiling; unused with a plan
     mode = partition_checkpoint(checkpoint, len(devices)) if plan is None else ""
     on_cpu = any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int))
+    check_host_allocator(host_allocator)  # on any device: a typo is refused, not ignored
     in_use = use_host_allocator(host_allocator) if on_cpu else host_allocator_in_use()
     if graph is None:
         graph = trace(model, micro, **trace_kwargs)

@@ -51,7 +51,7 @@ from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.tracing.graph import trace
 from executor.distributed import DistributedPipeline, infer_wires
-from executor.host_allocator import use_host_allocator
+from executor.host_allocator import check_host_allocator, use_host_allocator
 from executor.spec import SCHEDULES
 from executor.watchdog import FIRST_STEP_TIMEOUT_S
 
@@ -208,6 +208,7 @@ def distributed_pipeline(
     given = checkpoint if plan is not None else None  # else the plan is made with it
     mode = partition_checkpoint(checkpoint, k) if plan is None else ""
     here = _device(device)
+    check_host_allocator(host_allocator)
     if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
         use_host_allocator(host_allocator)
     graph = trace(model, micro, **trace_kwargs)

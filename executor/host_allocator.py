@@ -31,7 +31,8 @@ import os
 
 from executor.errors import ExecutorError
 
-__all__ = ["HOST_ALLOCATORS", "host_allocator_in_use", "retain_freed_memory", "use_host_allocator"]
+__all__ = ["HOST_ALLOCATORS", "check_host_allocator", "host_allocator_in_use", "retain_freed_memory",
+           "use_host_allocator"]
 
 HOST_ALLOCATORS = ("system", "retain")
 
@@ -75,12 +76,17 @@ def host_allocator_in_use() -> str:
     return "retain" if _state.get("done") else "system"
 
 
-def use_host_allocator(choice: str) -> str:
-    """Apply ``choice`` (one of :data:`HOST_ALLOCATORS`; ``"system"`` changes nothing) and
-    return the setting the process runs under afterwards (:func:`host_allocator_in_use`)."""
+def check_host_allocator(choice: str) -> None:
+    """One line unless ``choice`` is one of :data:`HOST_ALLOCATORS`."""
     if choice not in HOST_ALLOCATORS:
         raise ExecutorError(f"host_allocator={choice!r} is unknown; use 'system' (the process's "
                             "allocator as it is) or 'retain' (glibc keeps freed memory for reuse)")
+
+
+def use_host_allocator(choice: str) -> str:
+    """Apply ``choice`` (one of :data:`HOST_ALLOCATORS`; ``"system"`` changes nothing) and
+    return the setting the process runs under afterwards (:func:`host_allocator_in_use`)."""
+    check_host_allocator(choice)
     if choice == "retain":
         retain_freed_memory()
     return host_allocator_in_use()

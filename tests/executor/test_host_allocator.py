@@ -48,6 +48,21 @@ def test_use_host_allocator_refuses_an_unknown_choice_in_one_line() -> None:
     assert "\n" not in str(err.value)
 
 
+def test_profile_and_pipeline_refuse_an_unknown_choice_before_measuring() -> None:
+    import torch
+
+    import autopipe
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    for call in (lambda: autopipe.profile(model, (x,), chunks=2, host_allocator="jemalloc"),
+                 lambda: autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2,
+                                           host_allocator="jemalloc")):
+        with pytest.raises(ValueError, match="^host_allocator='jemalloc' is unknown") as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_library_leaves_the_allocator_alone_unless_asked_and_records_it() -> None:
     """profile() and pipeline() change the process's allocator only with host_allocator="retain";

@@ -69,7 +69,7 @@ from autopipe.frontend.profiling.steps import check_steps, later_steps, measured
 from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
-from executor.host_allocator import host_allocator_in_use, use_host_allocator
+from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
@@ -285,6 +285,7 @@ def profile(
                            f"terminal), got {progress!r}")
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     dev = target_device(device)
+    check_host_allocator(host_allocator)
     if dev.type == "cpu":
         use_host_allocator(host_allocator)  # [Note: freed memory stays in the process]
     if graph is not None:
