@@ -216,10 +216,13 @@ def distributed_pipeline(
     if weights is None and not on_meta:
         _sync_weights(model)  # every rank reads the same weights file otherwise
     if plan is None:
-        target = None if example_target is None else microbatch_inputs(
-            example_target if isinstance(example_target, tuple) else (example_target,), chunks)
-        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode, loss_fn=loss_fn,
-                            target=target if isinstance(example_target, tuple) or target is None else target[0])
+        target = example_target  # its first micro-batch, as ``micro`` is of the inputs
+        if isinstance(target, tuple):
+            target = microbatch_inputs(target, chunks)
+        elif target is not None:
+            target = microbatch_inputs((target,), chunks)[0]
+        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode,
+                            loss_fn=loss_fn, target=target)
     modes = runtime_checkpoint(plan, given)
     stages = build(model, plan, graph)
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro

@@ -68,12 +68,12 @@ def check_steps(loss_fn: Callable[[Any, Any], Any] | None, target: Any, comm: bo
 
 def later_steps(prof: Profile, model: nn.Module, example_inputs: Any, *, device: str | torch.device,
                 loss_fn: Callable[[Any, Any], Any] | None, target: Any, comm: bool) -> Profile:
-    """Steps 4-6 on the layers' profile ([Note: one list of measurement steps])."""
+    """Steps 4-6 on the layers' profile ([Note: one list of measurement steps]); their arguments
+    were checked by :func:`check_steps` before anything was measured."""
     from autopipe.frontend.profiling.comm import with_comm
     from autopipe.frontend.profiling.loss_timing import with_loss
     from autopipe.frontend.profiling.rank_contention import with_rank_contention
 
-    check_steps(loss_fn, target, comm)
     steps: list[tuple[str, Callable[[Profile], Profile]]] = [
         ("loss", lambda p: with_loss(p, model, example_inputs, target, loss_fn, device=device)),
         ("rank contention", lambda p: with_rank_contention(p, model, example_inputs)),
