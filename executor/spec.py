@@ -8,6 +8,8 @@
                                                   the collectives' timeline phases
     SCHEDULES, check_schedule()                   the pipeline schedules the runtime runs, and
                                                   the stage / micro-batch counts each accepts
+    PRECISIONS, check_precision()                 what a pipeline computes in: fp32, or autocast
+                                                  to bf16 / fp16 over fp32 master parameters
 
 The planner (``autopipe.core``) predicts what the executor does; any rule it had to copy could
 drift from the executor's. So the rules live here, in a module that imports neither torch nor
@@ -24,10 +26,12 @@ __all__ = [
     "DATA_PARALLEL_MODES",
     "DATA_PARALLEL_PHASES",
     "PHASES",
+    "PRECISIONS",
     "SCHEDULES",
     "TimelineEvent",
     "check_checkpoint_mode",
     "check_chunks",
+    "check_precision",
     "check_schedule",
     "check_stage_checkpoints",
     "microbatch_sizes",
@@ -49,6 +53,22 @@ PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "transfer", *DATA
 
 # Schedules of the distributed runtime; executor.GPipe (one process) always runs "gpipe".
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+# What a pipeline computes in ([Note: mixed precision] in executor/precision.py): "fp32", or
+# autocast to "bf16" / "fp16" inside every stage while parameters, gradients, their reduction
+# and the optimizer state stay fp32. Only fp16 needs loss scaling.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+# Bytes of one element in each precision's compute dtype.
+PRECISION_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def check_precision(precision: object) -> str:
+    """``precision`` if it is one of PRECISIONS, else a one-line ValueError."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 def check_checkpoint_mode(mode: str) -> None:

@@ -1,0 +1,80 @@
+"""Mixed precision: autocast inside every stage, and the caller's autocast where a stage runs.
+
+[Note: mixed precision] A pipeline's ``precision`` (executor.spec.PRECISIONS) is how its
+stages compute: ``"fp32"``, or ``torch.autocast`` to ``"bf16"`` / ``"fp16"`` around every
+stage call, while the parameters stay fp32 (the master copy the optimizer steps), and so do
+their gradients and any reduction of them. This is torch's own recipe (``torch.autocast``
+plus, for fp16, a gradient scaler), applied per stage because a stage may run on another
+thread, on another rank, or again in backward when it is recomputed.
+
+[Note: autocast follows the stage] Autocast is thread-local state, and so is what the caller
+set with ``with torch.autocast(...)`` around a pipeline call. A stage therefore runs under an
+:class:`AutocastState` captured where the call was made: a worker thread enters it before the
+stage (executor.worker), a recomputation enters the state its forward ran under
+(executor.recompute), so recomputed activations have the dtypes the forward had. A pipeline's
+own ``precision`` enters inside that state, and only where it asks for autocast: with
+``precision="fp32"`` the caller's autocast is what holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from executor.spec import check_precision
+
+__all__ = ["AutocastState", "precision_autocast", "compute_dtype"]
+
+_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype stages compute in under ``precision`` (fp32 for ``"fp32"``)."""
+    return _DTYPES[check_precision(precision)] or torch.float32
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast settings of one thread: per device type (enabled, dtype), and the cast
+    cache flag. ``capture()`` reads the calling thread's; ``apply()`` re-enters them anywhere."""
+
+    devices: tuple[tuple[str, bool, torch.dtype], ...]
+    cache: bool
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        devices = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                        for d in _DEVICE_TYPES)
+        return cls(devices, torch.is_autocast_cache_enabled())
+
+    @property
+    def enabled(self) -> bool:
+        return any(on for _, on, _ in self.devices)
+
+    @contextmanager
+    def apply(self) -> Iterator[None]:
+        """Run under these settings; a state with nothing enabled changes nothing."""
+        if not self.enabled:
+            yield
+            return
+        with ExitStack() as stack:
+            for device_type, on, dtype in self.devices:
+                if on:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                                                       cache_enabled=self.cache))
+            yield
+
+
+@contextmanager
+def precision_autocast(precision: str, device: torch.device) -> Iterator[None]:
+    """Autocast for a stage on ``device`` under ``precision``; nothing for ``"fp32"``."""
+    dtype = _DTYPES[check_precision(precision)]
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device.type, dtype=dtype):
+        yield
