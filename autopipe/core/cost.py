@@ -55,6 +55,21 @@ Replicas of the pipeline (``data_parallel``) change a stage's state bytes and ad
 collectives (per iteration, not per micro-batch): autopipe/core/data_parallel.py, [Note: pipeline x
 data parallel].
 
+[Note: mixed precision memory] Under ``precision="bf16"`` / ``"fp16"`` (executor/precision.py's
+[Note: mixed precision]) a stage keeps fp32 master parameters, fp32 gradients and fp32 optimizer
+state: ``state_bytes`` as in fp32, from the profile's fp32 ``param_bytes``. Its activations are
+what the profile measured under autocast (autopipe/frontend/profiling/precision.py): low-dtype
+values, and the low-dtype copies of weights that autocast casts for a matmul and autograd saves
+for its backward, one copy per micro-batch (each stage call is its own autocast region, whose
+cast cache is emptied when the call returns). All of that is in ``saved_bytes`` and the cut
+bytes, so the activation formula is unchanged. What the measurement does not see is the cast
+cache while a checkpointed forward runs: without autograd nothing is saved, but the cache
+still holds a low-dtype copy of every weight the stage has cast until the call returns. That
+is ``cast_cache_bytes``: at most the stage's parameters in the compute dtype, charged to a
+stage that recomputes any micro-batch, on top of its state (an upper bound: parameters autocast
+never casts, a LayerNorm's, an embedding's, count too). Under ``never`` the cached copies are the
+saved ones, already counted. A profile without ``meta["precision"]`` is fp32: no cache.
+
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
 member (the executor shares or replicates them); ``ties="colocate"`` forces the whole group onto
@@ -89,6 +104,7 @@ from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, recei
 from autopipe.errors import PartitionError
 from executor.spec import (
     CHECKPOINT_MODES,
+    PRECISION_BYTES,
     SCHEDULES,
     check_stage_checkpoints,
     is_recomputed,
@@ -109,6 +125,7 @@ __all__ = [
     "activation_peak",
     "stage_terms",
     "state_bytes",
+    "cast_cache_bytes",
     "stage_time",
     "transfer_ms",
     "crossing_ms",
@@ -248,6 +265,15 @@ def state_bytes(param_bytes: Amount, buffer_bytes: Amount, optimizer: str, data_
     """Parameters with their gradients and optimizer state (``OPTIMIZER_FACTOR``; sharded over
     replicas under ``fsdp``: [Note: pipeline x data parallel]), plus buffers."""
     return param_bytes * state_factor(OPTIMIZER_FACTOR[optimizer], data_parallel, dp_mode) + buffer_bytes
+
+
+def cast_cache_bytes(param_bytes: Amount, precision: str, recomputed: int) -> Amount:
+    """Autocast's cached low-dtype weights that a stage recomputing ``recomputed`` micro-batches
+    holds during a checkpointed forward ([Note: mixed precision memory]); 0 in fp32 or without
+    recomputation."""
+    if precision == "fp32" or recomputed == 0:
+        return 0
+    return param_bytes * PRECISION_BYTES[precision] / PRECISION_BYTES["fp32"]
 
 
 def lower_bound(work: FloatArray, speeds: Sequence[float], call_ms: float = 0.0) -> float:
@@ -392,7 +418,8 @@ def stage_costs(
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms,
                                     costs.comm_receive_share),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
-                                        options.data_parallel, options.dp_mode)),
+                                        options.data_parallel, options.dp_mode)
+                            + cast_cache_bytes(params, costs.precision, recomputed[s])),
             activation_bytes=int(activation_bytes(cut_in, saved, terms[s])) + recompute_peak(
                 costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
             input_bytes=cut_in,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from autopipe.core.precision import precision_of
 from autopipe.core.profile_table import Profile
 
 __all__ = ["FloatArray", "IntArray", "LayerCosts"]
@@ -61,6 +62,7 @@ class LayerCosts:
     comm_bandwidth: float | None = None  # bytes/s
     comm_receive_share: float = 0.0  # of a crossing's bytes, paid by the receiver too
     runtime: str = "gpipe"  # executor.GPipe in one process, or "distributed"
+    precision: str = "fp32"  # what the profile measured under ([Note: mixed precision memory] in cost.py)
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -138,6 +140,7 @@ class LayerCosts:
             else c.transfer.bandwidth,
             comm_receive_share=0.0 if c.transfer is None else c.transfer.receive_share,
             runtime=chosen,
+            precision=precision_of(profile.meta),
         )
 
     def __len__(self) -> int:

@@ -14,7 +14,9 @@ mode per stage (a plan whose stages all share a mode stores the single mode, as 
 pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel;
 ``recompute_layers`` (default none) with [Note: recomputed layers]; ``runtime`` (``gpipe`` or
 ``distributed``, the runtime whose measured costs it was planned with; None: unrecorded) with
-[Note: one profile, two runtimes] in autopipe/core/corrections.py. A plan made for another micro-batch
+[Note: one profile, two runtimes] in autopipe/core/corrections.py; ``precision`` (default
+``fp32``, the precision of the profile it was planned from: [Note: mixed precision memory] in
+cost.py) with mixed precision. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -47,7 +49,7 @@ from autopipe.core.cost import (
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, PlanError
-from executor.spec import DATA_PARALLEL_MODES, recomputed_microbatches
+from executor.spec import DATA_PARALLEL_MODES, PRECISIONS, recomputed_microbatches
 
 __all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
 
@@ -121,6 +123,7 @@ class Plan:
     dp_mode: str = "ddp"  # how replicas share gradients: "ddp" (all-reduce) or "fsdp" (sharded)
     recompute_layers: list[str] = field(default_factory=list)  # [Note: recomputed layers]
     runtime: str | None = None  # whose measured costs it was planned with (None: unrecorded)
+    precision: str = "fp32"  # its profile's, what its costs predict ([Note: mixed precision memory])
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -189,6 +192,7 @@ class Plan:
             schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
             data_parallel=data_parallel, dp_mode=dp_mode,
             recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
+            precision=costs.precision,
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -300,7 +304,7 @@ class Plan:
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
-                    "recompute_layers", "runtime")  # older plans lack them
+                    "recompute_layers", "runtime", "precision")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -349,6 +353,8 @@ def _check_types(plan: Plan) -> None:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
     if plan.dp_mode not in DATA_PARALLEL_MODES:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
+    if plan.precision not in PRECISIONS:
+        raise TypeError(f"'precision' must be one of {list(PRECISIONS)}, got {plan.precision!r}")
     if plan.runtime not in (None, *RUNTIMES):
         raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
     where = {n: s for s, names in enumerate(plan.stages) for n in names}

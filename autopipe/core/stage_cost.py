@@ -19,7 +19,8 @@ class StageCost:
     bwd_ms: float
     recompute_ms: float
     transfer_ms: float
-    param_bytes: int  # parameters + gradients + optimizer state + buffers
+    param_bytes: int  # parameters + gradients + optimizer state + buffers (+ autocast's cast
+    # cache in a recomputing stage under mixed precision: [Note: mixed precision memory] in cost.py)
     activation_bytes: int
     input_bytes: int
     output_bytes: int

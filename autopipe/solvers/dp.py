@@ -25,6 +25,7 @@ from autopipe.core.cost import (
     LayerCosts,
     Terms,
     activation_bytes,
+    cast_cache_bytes,
     layer_work,
     schedule_ranks,
     stage_fixed_ms,
@@ -85,6 +86,7 @@ class RangeCosts:
         self.buffers = np.concatenate([zero, np.cumsum(costs.buffers.astype(np.float64))])
         self.saved = np.concatenate([zero, np.cumsum(costs.saved.astype(np.float64))])
         self.rec_n, self.m = rec_n, m
+        self.precision = costs.precision  # [Note: mixed precision memory]
         self.ties = costs.tie_groups
         self.rows = np.arange(n + 1)
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
@@ -120,6 +122,7 @@ class RangeCosts:
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
         saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
         out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
+                           + cast_cache_bytes(params, self.precision, self.rec_n)
                            + activation_bytes(self.cut[:, None], saved, self.terms))
         return out
 

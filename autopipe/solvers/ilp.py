@@ -35,6 +35,7 @@ from autopipe.core.cost import (
     DeviceSpec,
     LayerCosts,
     activation_bytes,
+    cast_cache_bytes,
     layer_work,
     lower_bound,
     schedule_ranks,
@@ -168,7 +169,8 @@ def _solve(
                 tied = pulp.lpSum(nbytes * x(members[0], s) for members, nbytes in costs.tie_groups)
             params = total(costs.params, s) + tied
             state = state_bytes(params, total(costs.buffers, s), options.optimizer,
-                                options.data_parallel, options.dp_mode)
+                                options.data_parallel, options.dp_mode) + cast_cache_bytes(
+                params, costs.precision, recomputed[s])  # [Note: mixed precision memory]
             for term in terms[s]:  # the peak is the largest term: each must fit
                 prob += state + activation_bytes(
                     crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved), (term,)) <= dev.memory

@@ -34,6 +34,7 @@ from autopipe.core.cost import (
     LayerCosts,
     Terms,
     activation_bytes,
+    cast_cache_bytes,
     layer_work,
     schedule_ranks,
     stage_fixed_ms,
@@ -77,6 +78,7 @@ class StageBlocks:
         self.cut = costs.cut_bytes().astype(np.float64)
         self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
         self.ties = costs.tie_groups
+        self.precision = costs.precision  # [Note: mixed precision memory]
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
             for members, _ in costs.tie_groups:
@@ -120,30 +122,37 @@ class StageBlocks:
         out: FloatArray = work / speed + xfer + fixed  # cost.stage_time, transfers + call cost cached
         return out
 
+    def param_bytes(self, j0: int, j1: int) -> FloatArray:
+        """Parameter bytes of every range (tied groups included)."""
+        def make() -> FloatArray:
+            p = self.params
+            params: FloatArray = p[None, j0:j1] - p[:j1, None]
+            cols, rows = np.arange(j0, j1), np.arange(j1)
+            for members, nbytes in self.ties:
+                idx = np.asarray(members)
+                # largest member index below j (or -1): the range [i, j) holds a member iff it is >= i
+                pos = np.searchsorted(idx, cols, side="left") - 1
+                last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
+                params = params + nbytes * (rows[:, None] <= last[None, :])
+            return params
+        out: FloatArray = self._cached(("params", j0), make)
+        return out
+
     def state(self, j0: int, j1: int) -> FloatArray:
         """Parameters with optimizer state and buffers of every range (tied groups included)."""
-        key = ("state", j0)
-        if key in self._cache:
-            return self._cache[key]
-        p, b = self.params, self.buffers
-        params = p[None, j0:j1] - p[:j1, None]
-        cols, rows = np.arange(j0, j1), np.arange(j1)
-        for members, nbytes in self.ties:
-            idx = np.asarray(members)
-            # largest member index below j (or -1): the range [i, j) holds a member iff it is >= i
-            pos = np.searchsorted(idx, cols, side="left") - 1
-            last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
-            params = params + nbytes * (rows[:, None] <= last[None, :])
-        out: FloatArray = state_bytes(params, b[None, j0:j1] - b[:j1, None], self.options.optimizer,
-                                      self.options.data_parallel, self.options.dp_mode)
-        return self._store(key, out)
+        b = self.buffers
+        out: FloatArray = self._cached(("state", j0), lambda: state_bytes(
+            self.param_bytes(j0, j1), b[None, j0:j1] - b[:j1, None], self.options.optimizer,
+            self.options.data_parallel, self.options.dp_mode))
+        return out
 
-    def memory(self, j0: int, j1: int, terms: Terms) -> FloatArray:
+    def memory(self, j0: int, j1: int, terms: Terms, recomputed: int) -> FloatArray:
         def make() -> FloatArray:
             saved = self.saved[None, j0:j1] - self.saved[:j1, None] + self.resaved_cut[:j1, None]
-            out: FloatArray = self.state(j0, j1) + activation_bytes(self.cut[:j1, None], saved, terms)
+            out: FloatArray = (self.state(j0, j1) + activation_bytes(self.cut[:j1, None], saved, terms)
+                               + cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed))
             return out
-        return self._cached(("memory", j0, terms), make)
+        return self._cached(("memory", j0, terms, recomputed), make)
 
     def masked_time(self, j0: int, j1: int, recomputed: int, speed: float, limit: int | None,
                     terms: Terms) -> FloatArray:
@@ -153,7 +162,7 @@ class StageBlocks:
             return self._cache[key]
         ok = self.valid(j0, j1)  # cached: never changed in place
         if limit is not None:
-            ok = ok & (self.memory(j0, j1, terms) <= limit)
+            ok = ok & (self.memory(j0, j1, terms, recomputed) <= limit)
         out: FloatArray = np.where(ok, self.time(j0, j1, recomputed, speed), np.inf)
         return self._store(key, out)
 
