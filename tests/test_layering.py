@@ -83,9 +83,10 @@ def test_building_stages_needs_no_measurement_and_no_runtime() -> None:
 
 def test_profiling_measures_the_runtime_it_predicts() -> None:
     """Profiling times the runtime's own machinery ([Note: measured overheads], [Note: measured
-    transfer]): exactly these runtime modules, and no other."""
+    transfer]): exactly these runtime modules, and no other (executor.precision: the stages'
+    own autocast, [Note: profiling under a precision])."""
     measured = ("executor.gpipe", "executor.distributed", "executor.rank_cores",
-                "executor.host_allocator")
+                "executor.host_allocator", "executor.precision")
     assert _violations("autopipe/frontend/profiling", ("executor",),
                        allowed=(*RUNTIME_SHARED, *measured)) == []
 

@@ -50,6 +50,7 @@ from torch import fx
 from autopipe.frontend.profiling.layer_stamps import LayerStamps
 from autopipe.frontend.profiling.layer_timing import fresh, timed_step
 from autopipe.frontend.profiling.overheads import RATIO_RANGE
+from autopipe.frontend.profiling.precision import as_stage, autocast_call
 from autopipe.frontend.profiling.timing import Timer, median
 from executor.gpipe import GPipe
 
@@ -105,22 +106,23 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
     return flat
 
 
-def _pipes(gm: fx.GraphModule, device: torch.device) -> tuple[GPipe, GPipe] | None:
+def _pipes(gm: fx.GraphModule, device: torch.device, precision: str) -> tuple[GPipe, GPipe] | None:
     """The graph as ONE stage of executor.GPipe, without and with recomputation; None when
     GPipe cannot run it (outputs it cannot gather, ...): the sampled ratio stays."""
+    stage = as_stage(gm, precision, device)  # [Note: profiling under a precision]
     try:
-        return (GPipe([gm], [device], chunks=1, checkpoint="never"),
-                GPipe([gm], [device], chunks=1, checkpoint="always"))
+        return (GPipe([stage], [device], chunks=1, checkpoint="never"),
+                GPipe([stage], [device], chunks=1, checkpoint="always"))
     except (RuntimeError, TypeError, ValueError):
         return None
 
 
 def _stamps(gm: fx.GraphModule, node_layer: Mapping[str, str] | None, rows: Sequence[dict[str, Any]],
-            device: torch.device) -> LayerStamps | None:
+            device: torch.device, precision: str) -> LayerStamps | None:
     if node_layer is None:
         return None
     try:
-        return LayerStamps(gm, node_layer, [str(r["layer"]) for r in rows], device)
+        return LayerStamps(gm, node_layer, [str(r["layer"]) for r in rows], device, precision)
     except Exception:  # noqa: BLE001 - the stamps are a refinement: a graph fx cannot regenerate keeps the shares alone
         return None
 
@@ -128,19 +130,21 @@ def _stamps(gm: fx.GraphModule, node_layer: Mapping[str, str] | None, rows: Sequ
 def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dict[str, Any]],
                      device: torch.device, timer: Timer, repeats: int, warmup: int,
                      harness: tuple[float, float], recompute_call_ms: float = 0.0,
-                     node_layer: Mapping[str, str] | None = None, budget_s: float = 0.0) -> SequenceScales:
+                     node_layer: Mapping[str, str] | None = None, budget_s: float = 0.0,
+                     precision: str = "fp32") -> SequenceScales:
     """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone);
     ``recompute_call_ms``: what checkpointing any stage call adds, netted out of the ratio;
     ``node_layer`` (fx node name -> layer, as LayerGraph's): stamp the layers' shares in sequence;
     ``budget_s``: timed rounds go on past ``repeats`` until that long has passed (at most
-    ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds).
+    ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds); ``precision``: every forward under its autocast
+    ([Note: profiling under a precision] in precision.py).
 
     The plain graph, the two GPipe runs and the stamped graph take turns in every round, so a
     machine whose speed drifts over the measurement slows them alike (their medians are compared)."""
     gm = _flat(gm)
-    stamps = _stamps(gm, node_layer, rows, device)
-    pipes = _pipes(gm, device)
-    runs: list[Callable[..., Any]] = [gm, *(pipes or ())]
+    stamps = _stamps(gm, node_layer, rows, device, precision)
+    pipes = _pipes(gm, device, precision)
+    runs: list[Callable[..., Any]] = [autocast_call(gm, precision, device), *(pipes or ())]
     times: list[list[tuple[float, float]]] = [[] for _ in runs]
     start, i = time.perf_counter(), 0
     while i < warmup + repeats or (time.perf_counter() - start < budget_s
@@ -149,7 +153,7 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
             try:
                 step = timed_step(timer, functools.partial(run, *fresh(list(args))))
             except (RuntimeError, TypeError, ValueError):  # GPipe cannot run it after all
-                if run is gm:
+                if k == 0:  # the plain graph itself
                     raise
                 runs, times = runs[:1], times[:1]
                 break

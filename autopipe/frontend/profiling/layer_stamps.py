@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autopipe.frontend.profiling.precision import autocast_call
 from executor._torch_compat import tree_leaves
 
 __all__ = ["LayerStamps", "layer_shares"]
@@ -68,8 +69,9 @@ class LayerStamps:
     """
 
     def __init__(self, gm: fx.GraphModule, node_layer: Mapping[str, str], layers: Sequence[str],
-                 device: torch.device) -> None:
+                 device: torch.device, precision: str = "fp32") -> None:
         self.layers = list(layers)
+        self.precision, self.device = precision, device
         self._cuda = device.type == "cuda"
         self._fwd: list[Stamp] = []
         self._bwd: list[Stamp] = []
@@ -130,7 +132,7 @@ class LayerStamps:
         """One stamped forward and backward (all-ones output gradients); its shares are kept
         unless ``keep`` is false (a warmup run)."""
         self._fwd, self._bwd = [], []
-        out = self.module(*args)
+        out = autocast_call(self.module, self.precision, self.device)(*args)  # [Note: profiling under a precision]
         roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if roots:
             self._bwd.append((-1, self._now()))

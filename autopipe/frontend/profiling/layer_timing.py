@@ -101,7 +101,7 @@ def probe(
     args = fresh(call.arguments(values))
     meter.start()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call.module(*args)
+        out = call(*args)
     roots, grads = backward_roots(out)
     if roots:
         torch.autograd.backward(roots, grads)
@@ -157,15 +157,16 @@ def time_layer(
     call: LayerCall, values: Values, timer: Timer, repeats: int, warmup: int
 ) -> tuple[float, float]:
     def make_forward() -> Callable[[], Any]:
-        return functools.partial(call.module, *fresh(call.arguments(values)))
+        return functools.partial(call, *fresh(call.arguments(values)))
 
     return time_runs(timer, make_forward, repeats, warmup)
 
 
-def harness_overhead(timer: Timer, device: torch.device) -> tuple[float, float]:
-    """Forward and backward ms that timing an EMPTY layer costs: see [Note: harness overhead]."""
+def harness_overhead(timer: Timer, device: torch.device, precision: str = "fp32") -> tuple[float, float]:
+    """Forward and backward ms that timing an EMPTY layer costs: see [Note: harness overhead]
+    (entering the precision's autocast included: [Note: profiling under a precision])."""
     graph = fx.Graph()
     graph.output((graph.placeholder("x"),))
-    call = LayerCall("<empty>", fx.GraphModule(nn.Module(), graph), ["x"], ["x"])
+    call = LayerCall("<empty>", fx.GraphModule(nn.Module(), graph), ["x"], ["x"], precision, device)
     values = Values({"x": torch.zeros(1, device=device, requires_grad=True)})
     return time_layer(call, values, timer, CALIBRATION_REPEATS, CALIBRATION_WARMUP)

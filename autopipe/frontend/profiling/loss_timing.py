@@ -30,9 +30,11 @@ import torch
 from torch import nn
 
 from autopipe.core.corrections import LossCost
+from autopipe.core.precision import precision_of
 from autopipe.errors import ProfileError
 from autopipe.frontend.building.materialize import has_meta_tensors
 from autopipe.frontend.profiling.inputs import micro_batch, to_device
+from autopipe.frontend.profiling.precision import autocast_call
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.timing import Timer, median, timer_for
 from executor._torch_compat import tree_map_only
@@ -99,11 +101,12 @@ def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: A
         raise ProfileError(f"the profile was measured on a batch of {meta['batch_size']} rows, these "
                            f"inputs have {batch}; pass the batch it was measured on")
     dev = torch.device(device if device is not None else str(meta.get("device_type") or "cpu"))
+    precision = precision_of(meta)  # the output's dtype and the loss's: [Note: profiling under a precision]
     with preserved(model, dev):
         with torch.no_grad():
-            output = model(*to_device(inputs, dev))
+            output = autocast_call(model, precision, dev)(*to_device(inputs, dev))
         on_device = to_device(targets, dev)
-        fwd, bwd = loss_ms(output, on_device if isinstance(target, tuple) else on_device[0], loss_fn,
-                           timer_for(dev))
+        fwd, bwd = loss_ms(output, on_device if isinstance(target, tuple) else on_device[0],
+                           autocast_call(loss_fn, precision, dev), timer_for(dev))
     loss = LossCost(round(fwd, 6), round(bwd, 6), micro)
     return dataclasses.replace(profile, corrections=dataclasses.replace(profile.corrections, loss=loss))

@@ -45,6 +45,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from autopipe.frontend.profiling.layer_timing import fresh, leaves_as_views, time_runs
+from autopipe.frontend.profiling.precision import as_stage
 from autopipe.frontend.profiling.replay import LayerCall, Values
 from autopipe.frontend.profiling.timing import Timer
 from executor._torch_compat import tree_leaves
@@ -66,8 +67,9 @@ def _empty_stage() -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), graph)
 
 
-def _empty_calls_ms(timer: Timer, device: torch.device, chunks: int, checkpoint: str) -> tuple[float, float]:
-    stages = [_empty_stage() for _ in range(CALL_STAGES)]
+def _empty_calls_ms(timer: Timer, device: torch.device, chunks: int, checkpoint: str,
+                    precision: str) -> tuple[float, float]:
+    stages = [as_stage(_empty_stage(), precision, device) for _ in range(CALL_STAGES)]
     pipe = GPipe(stages, [device] * CALL_STAGES, chunks=chunks, checkpoint=checkpoint)
     x = torch.zeros(chunks, 1, device=device)
 
@@ -79,11 +81,13 @@ def _empty_calls_ms(timer: Timer, device: torch.device, chunks: int, checkpoint:
     return fwd / calls, bwd / calls
 
 
-def stage_call_ms(timer: Timer, device: torch.device, chunks: int) -> tuple[float, float, float]:
+def stage_call_ms(timer: Timer, device: torch.device, chunks: int,
+                  precision: str = "fp32") -> tuple[float, float, float]:
     """Forward and backward ms of one EMPTY stage call per micro-batch through executor.GPipe,
-    and what checkpointing it adds ([Note: measured overheads])."""
-    fwd, bwd = _empty_calls_ms(timer, device, chunks, "never")
-    c_fwd, c_bwd = _empty_calls_ms(timer, device, chunks, "always")
+    and what checkpointing it adds ([Note: measured overheads]); each stage call enters the
+    precision's autocast ([Note: profiling under a precision])."""
+    fwd, bwd = _empty_calls_ms(timer, device, chunks, "never", precision)
+    c_fwd, c_bwd = _empty_calls_ms(timer, device, chunks, "always", precision)
     return fwd, bwd, max(0.0, (c_fwd + c_bwd) - (fwd + bwd))
 
 
@@ -109,7 +113,7 @@ class RecomputeSampler:
         if not any(t.requires_grad for t in leaves):
             return
         self.samples += 1
-        layer = leaves_as_views(call.module)  # [Note: a layer that returns a parameter]
+        layer = leaves_as_views(call)  # [Note: a layer that returns a parameter]
 
         def plain() -> Callable[[], Any]:
             return functools.partial(layer, *fresh(args))

@@ -23,6 +23,7 @@ stream stays clean. ``progress=True`` forces it, ``progress=False`` silences it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import sys
@@ -62,6 +63,7 @@ from autopipe.frontend.profiling.layer_timing import (
 )
 from autopipe.frontend.profiling.layerwise import LayerRun, layer_by_layer
 from autopipe.frontend.profiling.overheads import RecomputeSampler, stage_call_ms
+from autopipe.frontend.profiling.precision import autocast_call, layer_output_bytes, measured_edges
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.process_memory import PeakRss
 from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
@@ -70,14 +72,17 @@ from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_fo
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
+from executor.precision import precision_autocast
+from executor.spec import check_precision
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales
-Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales]
+# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the edges
+Edges = list[tuple[str, str, int]]
+Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales, Edges]
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -122,9 +127,11 @@ def _home(gm: fx.GraphModule) -> torch.device | None:
     return None if tensor is None else tensor.device
 
 
-def _whole_model_runs(model: nn.Module, g: LayerGraph, args: tuple[Any, ...]) -> Iterator[LayerRun]:
-    """Each layer on the values of one real run of the whole model."""
-    values = record_values(g.gm, graph_args(g, args))
+def _whole_model_runs(model: nn.Module, g: LayerGraph, args: tuple[Any, ...], precision: str,
+                      dev: torch.device) -> Iterator[LayerRun]:
+    """Each layer on the values of one real run of the whole model (under ``precision``)."""
+    with precision_autocast(precision, dev):
+        values = record_values(g.gm, graph_args(g, args))
     state = _state_pointers(model, g)
     for call in layer_calls(g):
         yield LayerRun(call, values, state, signature="")
@@ -138,20 +145,27 @@ def _measure(
     repeats: int,
     warmup: int,
     progress: bool | None,
-) -> tuple[list[dict[str, Any]], tuple[float, float, float]]:
-    """Every layer's row, the harness overhead subtracted, the recompute ratio (overheads.py)."""
+    precision: str,
+) -> tuple[list[dict[str, Any]], tuple[float, float, float], Edges]:
+    """Every layer's row, the harness overhead subtracted, the recompute ratio (overheads.py),
+    the edges (their bytes re-measured under a precision: [Note: profiling under a precision])."""
     meter = memory_meter_for(dev)
-    fwd_extra, bwd_extra = harness_overhead(timer, dev)
+    fwd_extra, bwd_extra = harness_overhead(timer, dev, precision)
     sampler = RecomputeSampler(timer, repeats, warmup)
     rows: list[dict[str, Any]] = []
     measured: dict[str, tuple[float, float, int, int | None]] = {}
     ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
+    outs: dict[str, list[int]] = {}  # under a precision: each layer's output bytes, measured
+    node_bytes: dict[str, int] = {}
     graph_inputs = {n.name for n in g.gm.graph.nodes if n.op == "placeholder"}
     # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
     bar = tqdm(runs, total=len(g.layers), desc="profiling", unit="layer", file=sys.stderr,
                disable=None if progress is None else not progress, leave=False)
     for run in bar:
+        run = dataclasses.replace(run, call=dataclasses.replace(run.call, precision=precision, device=dev))
         if run.reuse_of is None:
+            if precision != "fp32":
+                outs[run.call.name] = layer_output_bytes(run.call, run.values)
             saved, saved_in, saved_out, peak = probe(run.call, run.values, meter, run.state)
             ends[run.call.name] = (sum(saved_in), sum(b for b, name in zip(
                 saved_in, run.call.inputs, strict=True) if name in graph_inputs), saved_out)
@@ -163,9 +177,13 @@ def _measure(
         source = run.reuse_of or run.call.name
         rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
         ends[run.call.name] = ends[source]
+        if precision != "fp32":  # a reused layer's outputs are its source's, in order
+            node_bytes.update(zip(run.call.outputs, outs[source], strict=True))
     shared = shared_saved(g.edges(), ends)
-    return [{**r, "saved_shared_bytes": shared[r["layer"]]} for r in rows], \
-        (fwd_extra, bwd_extra, sampler.ratio())
+    edges, out_bytes = measured_edges(g, node_bytes) if precision != "fp32" else (g.edges(), {})
+    return [{**r, "saved_shared_bytes": shared[r["layer"]],
+             "output_bytes": out_bytes.get(r["layer"], r["output_bytes"])} for r in rows], \
+        (fwd_extra, bwd_extra, sampler.ratio()), edges
 
 
 def _measure_at(
@@ -181,6 +199,7 @@ def _measure_at(
     dedupe: bool,
     trace_kwargs: dict[str, Any],
     recompute_call_ms: float = 0.0,
+    precision: str = "fp32",
 ) -> Measured:
     """Trace one micro-batch (unless ``graph``) and measure every layer, whole or layer by layer."""
     if chosen == "whole":
@@ -190,22 +209,22 @@ def _measure_at(
             home = _home(g.gm)  # a caller's graph goes back where it was
             try:
                 g.gm.to(dev)
-                rows, extra = _measure(g, _whole_model_runs(model, g, args), timer, dev, repeats,
-                                       warmup, progress)
+                rows, extra, edges = _measure(g, _whole_model_runs(model, g, args, precision, dev), timer,
+                                              dev, repeats, warmup, progress, precision)
                 seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,  # [Note:
                                        warmup, extra[:2], recompute_call_ms, g.node_layer,  # layers in sequence]
-                                       budget_s=sequence_budget_s(repeats))
+                                       budget_s=sequence_budget_s(repeats), precision=precision)
                 rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:
                     g.gm.to(home)
-        return g, rows, extra, seq
+        return g, rows, extra, seq, edges
     # the model is never moved or run: see [Note: layer by layer]
     with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
         g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
-        rows, extra = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
-                               repeats, warmup, progress)
-    return g, rows, extra, SequenceScales()
+        rows, extra, edges = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
+                                      repeats, warmup, progress, precision)
+    return g, rows, extra, SequenceScales(), edges
 
 
 def profile(
@@ -228,6 +247,7 @@ def profile(
     loss_fn: Callable[[Any, Any], Any] | None = None,
     target: Any = None,
     comm: bool = False,
+    precision: str = "fp32",
     **trace_kwargs: Any,
 ) -> Profile:
     """Measure every layer of ``model`` on one micro-batch of ``example_inputs``.
@@ -266,6 +286,9 @@ def profile(
             timed on one micro-batch into ``corrections.loss`` ([Note: the loss in the last stage]).
         comm: also measure two ranks on this host (10-20 s): the transfer, the distributed
             runtime's call costs, the ranks' slowdown ([Note: measured transfer]).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: what the pipeline will compute in; every
+            forward is measured under its autocast, so times and bytes are the precision's, and
+            ``meta["precision"]`` records it ([Note: profiling under a precision]).
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
         The steps run in one order: [Note: one list of measurement steps] in steps.py.
 
@@ -280,6 +303,10 @@ def profile(
         raise ProfileError(f"profile() needs an nn.Module, got {type(model).__name__}")
     _check_counts(repeats, warmup)
     check_steps(loss_fn, target, comm)
+    try:
+        check_precision(precision)
+    except ValueError as err:
+        raise ProfileError(str(err)) from None
     if progress is not None and not isinstance(progress, bool):
         raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
                            f"terminal), got {progress!r}")
@@ -293,20 +320,20 @@ def profile(
     chosen = choose_mode(mode, model, dev, memory_budget)
     timer = timer or timer_for(dev)
     others = other_sizes(micro_batch_sizes, micro)
-    calls = stage_call_ms(timer, dev, chunks)  # [Note: measured overheads]
+    calls = stage_call_ms(timer, dev, chunks, precision)  # [Note: measured overheads]
 
     def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> Measured:
         return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
-                           dedupe, trace_kwargs, calls[2])
+                           dedupe, trace_kwargs, calls[2], precision)
 
     with PeakRss() as rss:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        g, rows, (fwd_extra, bwd_extra, ratio), scales = measure_at(inputs, graph)
+        g, rows, (fwd_extra, bwd_extra, ratio), scales, edges = measure_at(inputs, graph)
         frame = pd.DataFrame(rows)
         fingerprints = {str(micro): g.fingerprint}
         for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
-            g_r, rows_r, _, _ = measure_at(with_rows(example_inputs, r), None)
+            g_r, rows_r, _, _, _ = measure_at(with_rows(example_inputs, r), None)
             if g_r.layers != g.layers:
                 raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
                                    f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
@@ -321,6 +348,7 @@ def profile(
         "device": _device_name(dev),
         "device_type": dev.type,
         "dtype": _dtype(model),
+        "precision": precision,
         "batch_size": batch,
         "chunks": chunks,
         "micro_batch_size": micro,
@@ -342,7 +370,7 @@ def profile(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     corrections = measured_corrections((fwd_extra, bwd_extra), calls, ratio, scales, chosen == "whole")
-    return later_steps(Profile(frame, g.edges(), meta, corrections), model, example_inputs, device=dev,
+    return later_steps(Profile(frame, edges, meta, corrections), model, example_inputs, device=dev,
                        loss_fn=loss_fn, target=target, comm=comm)
 
 
@@ -376,8 +404,10 @@ def time_model(
     warmup: int = DEFAULT_WARMUP,
     kwargs: dict[str, Any] | None = None,
     timer: Timer | None = None,
+    precision: str = "fp32",
 ) -> tuple[float, float]:
-    """Median forward and backward ms of the WHOLE model on one micro-batch.
+    """Median forward and backward ms of the WHOLE model on one micro-batch (its forward under
+    ``precision``'s autocast, as :func:`profile` measures).
 
     The peer measurement for a profile: the sum of a profile's per-layer times should be
     close to this (benchmarks/profile_accuracy.py reports the ratio).
@@ -387,6 +417,7 @@ def time_model(
     dev = target_device(device)
     with preserved(model, dev):
         args, timer = to_device(inputs, dev), timer or timer_for(dev)
+        forward = autocast_call(model, check_precision(precision), dev)
         return time_runs(
-            timer, lambda: functools.partial(model, *fresh(args), **(kwargs or {})), repeats, warmup
+            timer, lambda: functools.partial(forward, *fresh(args), **(kwargs or {})), repeats, warmup
         )

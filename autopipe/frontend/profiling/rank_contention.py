@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopipe.core.precision import precision_of
 from autopipe.frontend.profiling.inputs import micro_batch, to_device
 from autopipe.frontend.profiling.layer_timing import fresh, timed_step
+from autopipe.frontend.profiling.precision import autocast_call
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.timing import CpuTimer
 from executor.rank_cores import local_cores, pin_threads
@@ -149,11 +151,12 @@ def with_rank_contention(profile: Profile, model: nn.Module, example_inputs: Any
         return profile
     inputs, _, _ = micro_batch(example_inputs, int(meta.get("chunks") or 1))
     timer, device = CpuTimer(), torch.device("cpu")
+    forward = autocast_call(model, precision_of(meta), device)  # [Note: profiling under a precision]
     with preserved(model, device):
         args = to_device(inputs, device)
 
         def step() -> float:
-            return sum(timed_step(timer, lambda: model(*fresh(list(args)))))
+            return sum(timed_step(timer, lambda: forward(*fresh(list(args)))))
 
         slowdown = twin_slowdown(step, **kwargs)
     corrections = dataclasses.replace(profile.corrections, rank_compute_slowdown=round(slowdown, 4))

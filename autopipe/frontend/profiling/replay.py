@@ -3,7 +3,7 @@
     args = graph_args(g, inputs)                     # positional + baked-in kwargs, flat
     values = record_values(g.gm, args)               # every node's real value, detached
     for call in layer_calls(g):                      # one GraphModule per layer
-        out = call.module(*call.arguments(values))
+        out = call(*call.arguments(values))          # its module, under the call's precision
 
 [Note: a layer is a standalone GraphModule] Because every layer is an interval of the graph
 (see [Note: layers are intervals] in autopipe/frontend/tracing/graph.py), a layer can be cut out as its own small
@@ -27,6 +27,7 @@ from torch import fx
 from autopipe.frontend.tracing.fx_cut import GraphCut
 from autopipe.frontend.tracing.graph import LayerGraph
 from executor._torch_compat import tree_map_only
+from executor.precision import precision_autocast
 
 __all__ = ["LayerCall", "Values", "graph_args", "record_values", "layer_calls"]
 
@@ -45,15 +46,25 @@ class Values:
 
 @dataclass
 class LayerCall:
-    """One layer as a callable: ``module(*values of inputs) -> tuple(values of outputs)``."""
+    """One layer as a callable: ``module(*values of inputs) -> tuple(values of outputs)``;
+    calling the LayerCall runs the module's forward under ``precision`` on ``device``
+    ([Note: profiling under a precision] in precision.py)."""
 
     name: str
     module: fx.GraphModule
     inputs: list[str]  # fx node names read from outside the layer (earlier layers or inputs)
     outputs: list[str]  # fx node names read after the layer (later layers or the graph output)
+    precision: str = "fp32"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def arguments(self, values: Values) -> list[Any]:
         return [values.value[n] for n in self.inputs]
+
+    def __call__(self, *args: Any) -> Any:
+        if self.precision == "fp32":
+            return self.module(*args)
+        with precision_autocast(self.precision, self.device):
+            return self.module(*args)
 
 
 def graph_args(g: LayerGraph, inputs: Sequence[Any]) -> tuple[Any, ...]:
