@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,12 +42,15 @@ from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.profiling.inputs import micro_batch
 from autopipe.frontend.profiling.profiler import profile as measure
 from autopipe.frontend.tracing.graph import LayerGraph, trace
+from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor import GPipe
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
+from executor.keywords import InputSignature
+from executor.model_loss import ModelLoss
 from executor.spec import check_stage_checkpoints
 from executor.worker import normalize_device
 
-__all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory",
+__all__ = ["Pipeline", "pipeline", "graph_signature", "graph_model_loss", "microbatch_inputs", "check_device_memory", "free_memory",
            "device_names", "plan_for_devices", "partition_checkpoint", "runtime_checkpoint"]
 
 DEFAULT_PIPELINE_CHUNKS = 8  # pipeline() and distributed_pipeline() without a plan or chunks
@@ -59,11 +62,23 @@ class Pipeline(GPipe):
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
                  chunks: int, checkpoint: str | Sequence[str], deferred_batch_norm: bool, *,
-                 plan: Plan, graph: LayerGraph) -> None:
+                 plan: Plan, graph: LayerGraph,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
-                         deferred_batch_norm=deferred_batch_norm)
+                         deferred_batch_norm=deferred_batch_norm, loss_fn=loss_fn,
+                         signature=graph_signature(graph), model_loss=graph_model_loss(graph))
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
+
+
+def graph_signature(graph: LayerGraph) -> InputSignature:
+    """The inputs ``graph`` takes: its positional ones, then its keyword inputs by name."""
+    return InputSignature(graph.num_args - len(graph.keywords), graph.keywords)
+
+
+def graph_model_loss(graph: LayerGraph) -> ModelLoss | None:
+    """The model's own loss in ``graph``, counted per micro-batch (see counted_loss.py)."""
+    return None if graph.loss is None else ModelLoss(graph.loss.leaf, graph.loss.count)
 
 
 def device_names(devices: Sequence[str | torch.device | int]) -> list[str]:
@@ -199,9 +214,11 @@ def _check_host_allocator(profile: Profile, in_use: str) -> None:
 
 def pipeline(
     model: nn.Module,
-    example_inputs: tuple[Any, ...] | torch.Tensor,
+    example_inputs: tuple[Any, ...] | torch.Tensor = (),
     *,
     devices: Sequence[str | torch.device],
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     chunks: int | None = None,
     checkpoint: str | Sequence[str] | None = None,
     plan: Plan | None = None,
@@ -227,6 +244,15 @@ def pipeline(
         model: the model to pipeline; its own parameters are used by the stages (no copies
             where the devices allow), so references the user holds stay valid.
         example_inputs: one mini-batch of positional inputs (as passed to ``model(...)``).
+        example_kwargs: one mini-batch of keyword inputs (``input_ids=``, ``attention_mask=``,
+            ``labels=``): batched tensors are split into micro-batches and the pipeline is
+            called with the same keywords, ``pipe(**batch)``; other values are constants
+            (see :func:`autopipe.trace`). A model that returns its own loss (``labels=``) gets
+            it back weighted per micro-batch by counted tokens, equal to the whole batch's
+            ([Note: a loss the model computes] in executor/model_loss.py).
+        loss_fn: ``loss_fn(output, target)``, computed by the last stage on each micro-batch:
+            ``pipe(x, target=y)`` then returns the micro-batches' losses weighted by rows (the
+            whole batch's for a mean loss), as ``DistributedPipeline.step`` does.
         devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"] * 4``.
         chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
         checkpoint: recomputation: ``"always"``, ``"except_last"`` or ``"never"``, or a list
@@ -254,12 +280,16 @@ def pipeline(
     from autopipe.solvers.partitioner import partition
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    batched, constants = split_keywords(model, example_kwargs, None)
+    inputs = (*inputs, *batched.values())  # keyword inputs after positional ones, all split
+    n_positional = len(inputs) - len(batched)
     devices = list(devices)
     if not devices:
         raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     micro = microbatch_inputs(inputs, chunks)
+    micro_kwargs = {**dict(zip(batched, micro[n_positional:], strict=True)), **constants}
     given = checkpoint if plan is not None else None  # else the plan is made with it
     # refused before tracing and profiling; unused with a plan
     mode = partition_checkpoint(checkpoint, len(devices)) if plan is None else ""
@@ -267,7 +297,7 @@ def pipeline(
     check_host_allocator(host_allocator)  # on any device: a typo is refused, not ignored
     in_use = use_host_allocator(host_allocator) if on_cpu else host_allocator_in_use()
     if graph is None:
-        graph = trace(model, micro, **trace_kwargs)
+        graph = trace(model, micro[:n_positional], example_kwargs=micro_kwargs, **trace_kwargs)
     if plan is None:
         if profile is None:
             profile = measure(model, micro, device=str(devices[0]), graph=graph)
@@ -306,7 +336,8 @@ def pipeline(
                       f"{len(initialised)} module(s) were initialised ({initialised[-1]!r}, ...) "
                       "with init= or reset_parameters(); pass weights= to load trained weights",
                       UserWarning, stacklevel=2)
-    pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph)
+    pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph,
+                    loss_fn=loss_fn)
     if pipe.plan is not plan:
         warnings.warn(_placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe

@@ -39,6 +39,8 @@ from torch import Tensor, nn
 
 from autopipe.assemble import (
     DEFAULT_PIPELINE_CHUNKS,
+    graph_model_loss,
+    graph_signature,
     microbatch_inputs,
     partition_checkpoint,
     runtime_checkpoint,
@@ -50,6 +52,7 @@ from autopipe.frontend.building.materialize import has_meta_tensors, materialize
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.tracing.graph import trace
+from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor.distributed import DistributedPipeline, infer_wires
 from executor.host_allocator import check_host_allocator, use_host_allocator
 from executor.spec import SCHEDULES
@@ -67,7 +70,7 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 
 def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
-                 method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor],
+                 method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor] | None,
                  target: Any = None) -> Plan:
     """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
     distributed runtime; every rank receives its plan (see [Note: one plan...])."""
@@ -107,9 +110,10 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 
 def distributed_pipeline(
     model: nn.Module,
-    example_inputs: tuple[Any, ...] | Tensor,
+    example_inputs: tuple[Any, ...] | Tensor = (),
     *,
-    loss_fn: Callable[[Any, Any], Tensor],
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
     plan: Plan | None = None,
     method: str = "auto",
     chunks: int | None = None,
@@ -133,7 +137,12 @@ def distributed_pipeline(
         model: the same model on every rank; only this rank's stage keeps its tensors (the
             others' parameters and buffers are freed, so ``model`` itself is no longer usable).
         example_inputs: one mini-batch of positional inputs (tensors).
-        loss_fn: ``loss_fn(model_output, target)`` for one micro-batch.
+        loss_fn: ``loss_fn(model_output, target)`` for one micro-batch; None: the model
+            computes its own loss (HF ``labels=`` in ``example_kwargs``), weighted per
+            micro-batch by its counted tokens ([Note: a loss the model computes] in
+            executor/model_loss.py): ``pipe.step(**batch)`` on every rank, no target.
+        example_kwargs: keyword inputs of one mini-batch (see :func:`autopipe.pipeline`);
+            ``step`` takes the same keywords.
         example_target: the target of ``example_inputs``' mini-batch: without a plan, rank 0
             times ``loss_fn`` on it, which the last stage pays ([Note: the loss in the last
             stage]); without it the plan leaves the loss out.
@@ -202,16 +211,25 @@ def distributed_pipeline(
                          f"start {n * replicas} ranks (torchrun --nproc_per_node {n * replicas}) or make "
                          f"a plan of {k} stages (`autopipe partition --stages {k}`)")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    batched, constants = split_keywords(model, example_kwargs, None)
+    positional = len(inputs)
+    inputs = (*inputs, *batched.values())  # keyword inputs after positional ones, all split
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     micro = microbatch_inputs(inputs, chunks)
+    micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
     given = checkpoint if plan is not None else None  # else the plan is made with it
     mode = partition_checkpoint(checkpoint, k) if plan is None else ""
     here = _device(device)
     check_host_allocator(host_allocator)
     if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
         use_host_allocator(host_allocator)
-    graph = trace(model, micro, **trace_kwargs)
+    graph = trace(model, micro[:positional], example_kwargs=micro_kwargs, **trace_kwargs)
+    model_loss = graph_model_loss(graph)
+    if loss_fn is None and model_loss is None:
+        raise BuildError("no loss_fn= and the model returns no loss autopipe can weight (a mean "
+                         "cross_entropy / nll_loss of its labels): pass loss_fn=, or labels= in "
+                         "example_kwargs")
     on_meta = has_meta_tensors(model)
     if weights is None and not on_meta:
         _sync_weights(model)  # every rank reads the same weights file otherwise
@@ -240,7 +258,8 @@ def distributed_pipeline(
     aliases = _aliases(model)
     _free_others(model, [stages[i] for i in mine])
     return replicated_pipeline(
-        [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp, loss_fn=loss_fn,
+        [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp,
+        loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
         chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
         key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
     )

@@ -77,6 +77,8 @@ from executor._torch_compat import (
     warn_no_prefetch,
 )
 from executor.errors import DistributedError
+from executor.keywords import InputSignature
+from executor.model_loss import ModelLoss, weighted
 from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
@@ -127,7 +129,13 @@ class DistributedPipeline:
         stages: this rank's stage modules (stage ``i`` takes cut ``i``'s values).
         indices: their global stage indices (rank ``r`` of ``W`` holds ``r, r + W, ...``).
         num_stages: stages in the whole pipeline.
-        loss_fn: ``loss_fn(output, target)`` on each micro-batch's output (last stage).
+        loss_fn: ``loss_fn(output, target)`` on each micro-batch's output (last stage), or a
+            :class:`executor.model_loss.ModelLoss`: the model returns its own loss, weighted
+            per micro-batch by its counted items, known before the schedule runs ([Note: a loss
+            the model computes]); ``step`` then takes no target, and the last rank needs the
+            inputs too (it counts the items from them).
+        signature: the keyword inputs ``step`` and ``eval_step`` take ([Note: keyword inputs
+            are positional inside] in executor/keywords.py).
         chunks: micro-batches per mini-batch; the batch size must be a multiple of it.
         checkpoint: ``always``, ``except_last`` or ``never``, or a list with one of them for
             each of the ``num_stages`` stages (see [Note: distributed recomputation]).
@@ -155,7 +163,8 @@ class DistributedPipeline:
         indices: Sequence[int],
         num_stages: int,
         *,
-        loss_fn: Callable[[Any, Any], Tensor],
+        loss_fn: Callable[[Any, Any], Tensor] | ModelLoss,
+        signature: InputSignature | None = None,
         chunks: int = 8,
         checkpoint: str | Sequence[str] = "except_last",
         schedule: str = "gpipe",
@@ -208,6 +217,7 @@ class DistributedPipeline:
         modules = [self._replicate(w) for w in self.wire_stages]  # FSDP may replace parameters
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
+        self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
         self.wires = [tuple(cut) for cut in wires]
 
@@ -284,7 +294,28 @@ class DistributedPipeline:
         if self._no_target:  # eval_step(x): torch's schedule computes a loss per micro-batch
             return torch.zeros((), device=self.device)
         assert self._last is not None
+        if isinstance(self._loss_fn, ModelLoss):  # target: this micro-batch's weight x chunks
+            return weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
         return self._loss_fn(self._last.unflatten(output), target)
+
+    def _bind(self, inputs: tuple[Any, ...], keywords: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], Any]:
+        """Keyword inputs in stage 0's order, and the target: the model's loss weights x chunks."""
+        if self.signature is not None and (inputs or keywords):
+            inputs = self.signature.bind(inputs, keywords)
+        elif keywords:
+            raise DistributedError(f"keyword input {next(iter(keywords))!r}: this pipeline takes "
+                                   "keyword inputs only with signature=InputSignature(...)")
+        if not isinstance(self._loss_fn, ModelLoss) or not self.is_last:
+            return inputs, target
+        if target is not None:
+            raise DistributedError("the model computes its own loss: call step(**batch) without target=")
+        if not inputs:
+            raise DistributedError("the model computes its own loss, which the last rank weights by "
+                                   "the items its micro-batches count: pass the batch on every rank")
+        self._check_batch(inputs, "inputs")
+        parts = [tuple(p) for p in zip(*(x.tensor_split(self.chunks) if isinstance(x, Tensor) and x.dim()
+                                         else [x] * self.chunks for x in inputs), strict=True)]
+        return inputs, (self._loss_fn.weights(parts) * self.chunks).to(self.device)
 
     def _prepare(self, inputs: tuple[Any, ...], target: Any, *, need_target: bool) -> Any:
         """Check this step's inputs, agree on their sizes, and pick the schedule for them."""
@@ -304,8 +335,9 @@ class DistributedPipeline:
         self._schedule = self._sized.get(self._sized.agree(sizes, problem))
         return self._schedule
 
-    def step(self, *inputs: Any, target: Any = None) -> Tensor | None:
+    def step(self, *inputs: Any, target: Any = None, **keywords: Any) -> Tensor | None:
         """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank."""
+        inputs, target = self._bind(inputs, keywords, target)
         self._steps += 1
         losses: list[Tensor] = []
         with self._watchdog(), self._peer_failures():

@@ -27,18 +27,20 @@ Placement, and [Note: ties across devices], are in executor/placement.py.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from executor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from executor.errors import ExecutorError
 from executor.fill_drain import clock_cycles
-from executor.microbatch import Batch, gather, scatter
+from executor.keywords import InputSignature
+from executor.microbatch import Batch, batch_size, gather, scatter
+from executor.model_loss import ModelLoss, row_weights
 from executor.placement import check_devices, place
 from executor.recompute import Checkpointing, checkpoint_stop, depend
 from executor.spec import TimelineEvent, check_stage_checkpoints
@@ -79,6 +81,15 @@ class GPipe(nn.Module):
         threads: run stages on worker threads (True), inline in the caller (False), or
             ``None``: threads only when the stages span two or more devices (see
             [Note: inline worker] in executor.worker).
+        signature: the keyword inputs ``forward`` takes, after its positional ones
+            ([Note: keyword inputs are positional inside] in executor/keywords.py).
+        loss_fn: ``loss_fn(output, target)`` computed by the last stage on each micro-batch's
+            output: ``pipe(*inputs, target=y)`` then returns the losses weighted by the
+            micro-batches' rows (the whole batch's loss for a mean loss), as
+            executor.distributed's ``step`` does; ``target`` is then no keyword input.
+        model_loss: the output leaf that is the model's own mean loss, weighted per
+            micro-batch by its counted items ([Note: a loss the model computes] in
+            executor/model_loss.py); every other 0-dim output is weighted by rows.
     """
 
     def __init__(
@@ -92,8 +103,12 @@ class GPipe(nn.Module):
         key_prefixes: Sequence[str] | None = None,
         record_timeline: bool = False,
         threads: bool | None = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        signature: InputSignature | None = None,
+        model_loss: ModelLoss | None = None,
     ) -> None:
         super().__init__()
+        self.loss_fn, self.signature, self.model_loss = loss_fn, signature, model_loss
         stages = list(stages)
         if not stages:
             raise ExecutorError("stages is empty: a pipeline needs at least one stage module")
@@ -156,10 +171,17 @@ class GPipe(nn.Module):
 
     # --- forward -------------------------------------------------------------------------
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
+        targets = self._targets(keywords)
+        if self.signature is not None:
+            inputs = self.signature.bind(inputs, keywords)
+        elif keywords:
+            raise ExecutorError(f"keyword input {next(iter(keywords))!r}: GPipe takes keyword "
+                                "inputs only with signature=InputSignature(...)")
         for remote in self._remotes:
             remote.fetch()
         batches = scatter(inputs, self.chunks)
+        weights = self._scalar_weights([b.values for b in batches])
         first = self.devices[0]
         batches = [b.with_tensors([t.to(first) for t in b.tensors()]) for b in batches]
         recorder = TimelineRecorder() if (self._recording or self._always_record) else None
@@ -171,7 +193,7 @@ class GPipe(nn.Module):
             with WorkerPool(self.devices, self.threads) as pool:
                 for cycle in clock_cycles(len(batches), len(self.stages)):
                     self._fence(cycle, batches, recorder)
-                    self._compute(cycle, batches, pool, stops, recorder)
+                    self._compute(cycle, batches, pool, stops, recorder, targets)
         except BaseException:
             for bn in self._deferred:
                 bn.reset_tracking()
@@ -179,7 +201,27 @@ class GPipe(nn.Module):
         if self.training:
             for bn in self._deferred:
                 bn.commit()
-        return gather([b.output() for b in batches])
+        return gather([b.output() for b in batches], weights)
+
+    def _targets(self, keywords: dict[str, Any]) -> list[Any] | None:
+        """``target=`` split like the inputs, one per micro-batch, on the last device."""
+        if self.loss_fn is None:
+            return None
+        if "target" not in keywords:
+            raise ExecutorError("this pipeline computes loss_fn(output, target): call it as "
+                                "pipe(*inputs, target=y)")
+        last = self.devices[-1]
+        return [b.with_tensors([t.to(last) for t in b.tensors()]).values[0]
+                for b in scatter((keywords.pop("target"),), self.chunks)]
+
+    def _scalar_weights(self, inputs: list[tuple[Any, ...]]) -> Any:
+        """Each 0-dim output leaf's weight per micro-batch ([Note: a loss the model computes])."""
+        rows = row_weights([batch_size(b) for b in inputs])
+        loss = self.model_loss
+        if loss is None:
+            return lambda k: rows
+        counted = loss.weights(inputs)
+        return lambda k: counted if k == loss.leaf else rows
 
     def _copy_stream(self, j: int, i: int) -> AbstractStream:
         """Micro-batch ``i``'s copy stream on stage ``j``'s device (one per pair, lazily)."""
@@ -216,6 +258,7 @@ class GPipe(nn.Module):
         pool: WorkerPool,
         stops: list[int],
         recorder: TimelineRecorder | None,
+        targets: list[Any] | None = None,
     ) -> None:
         last = len(self.stages) - 1
         streams = [current_stream(d) for d in self.devices]
@@ -224,8 +267,10 @@ class GPipe(nn.Module):
             batch = batches[i]
             if self._crosses(j):  # compute only after the copy has landed
                 batch = wait(batch, self._copy_stream(j, i), streams[j])
+            loss = None if targets is None or j != last else _Loss(self.loss_fn, targets[i])
             task = _StageTask(
-                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder
+                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder,
+                loss,
             )
             futures.append((i, j, pool.submit(j, task)))
         error: BaseException | None = None
@@ -258,12 +303,15 @@ class _StageTask:
         batch: Batch,
         checkpointed: bool,
         recorder: TimelineRecorder | None,
+        loss: _Loss | None = None,
     ) -> None:
+        self.loss = loss
         self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
         self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder
 
     def _call(self, batch: Batch) -> Batch:
-        return batch.call(self.stage)
+        out = batch.call(self.stage)
+        return out if self.loss is None else Batch.from_output(self.loss(out.output()))
 
     def __call__(self) -> tuple[Batch, Checkpointing | None]:
         j, i, device, rec = self.j, self.i, self.device, self.recorder
@@ -286,6 +334,16 @@ class _StageTask:
                     rec.mark_backward_start(j, i, device, out.tensors(), has_end)
                 )
         return out, chk
+
+
+class _Loss:
+    """``loss_fn(output, target)`` of one micro-batch, run by the last stage's task."""
+
+    def __init__(self, loss_fn: Any, target: Any) -> None:
+        self.loss_fn, self.target = loss_fn, target
+
+    def __call__(self, output: Any) -> Any:
+        return self.loss_fn(output, self.target)
 
 
 # --- state_dict in the original model's keys (see [Note: state_dict keys]) -----------------

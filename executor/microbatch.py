@@ -19,6 +19,7 @@ from torch import Tensor
 
 from executor._torch_compat import tree_flatten, tree_leaves, tree_unflatten
 from executor.errors import MicroBatchError
+from executor.model_loss import weighted
 from executor.spec import microbatch_sizes
 
 __all__ = ["Batch", "scatter", "gather", "batch_size"]
@@ -115,10 +116,14 @@ def scatter(inputs: tuple[Any, ...], chunks: int) -> list[Batch]:
     return batches
 
 
-def gather(outputs: Sequence[Any]) -> Any:
+def gather(outputs: Sequence[Any],
+           scalar_weights: Callable[[int], Sequence[Tensor | float]] | None = None) -> Any:
     """Concatenate the micro-batches' outputs (tensors, tuples, dicts) along dim 0.
 
-    Non-tensor leaves are taken from the first micro-batch.
+    Non-tensor leaves are taken from the first micro-batch. A 0-dim tensor leaf ``k`` (a loss)
+    is the sum of its micro-batches' values weighted by ``scalar_weights(k)``, one weight per
+    micro-batch ([Note: a loss the model computes] in executor/model_loss.py); without
+    ``scalar_weights`` it is refused.
     """
     if not outputs:
         raise MicroBatchError("no micro-batch outputs to gather; run at least one micro-batch")
@@ -134,6 +139,11 @@ def gather(outputs: Sequence[Any]) -> Any:
     for k, first in enumerate(flat[0][0]):
         if not isinstance(first, Tensor):
             gathered.append(first)
+            continue
+        if first.dim() == 0 and scalar_weights is not None:
+            ws = scalar_weights(k)
+            gathered.append(torch.stack([weighted(leaves[k], w)
+                                         for (leaves, _), w in zip(flat, ws, strict=True)]).sum())
             continue
         if first.dim() == 0:
             raise MicroBatchError(

@@ -30,6 +30,11 @@ from torch import fx, nn
 
 from autopipe.errors import TraceError, first_line
 from autopipe.frontend.tracing.diagnose import quiet, user_line, user_line_in
+from autopipe.frontend.tracing.keyword_inputs import (
+    export_dynamic_by_name,
+    order_placeholders,
+    split_keywords,
+)
 from autopipe.frontend.tracing.modes import MODE_NAMES, ModeBinding, bind_modes
 from autopipe.frontend.tracing.shapes import (
     add_input_check,
@@ -51,6 +56,7 @@ class Capture:
     module_key: dict[str, str | None]  # node name -> qualified leaf-module name, or None
     module_type: dict[str, str] = field(default_factory=dict)  # leaf-module name -> type name
     kwargs: dict[str, Any] = field(default_factory=dict)  # concrete kwargs baked into the graph
+    keywords: tuple[str, ...] = ()  # keyword inputs: the last of the graph's inputs, in order
     modes: ModeBinding = field(default_factory=ModeBinding)  # train/eval in one graph, or not
 
 
@@ -150,7 +156,8 @@ def _buffers_kept(model: nn.Module) -> Iterator[None]:
 
 
 def _trace_fx(
-    model: nn.Module, rule: _LeafRule, kwargs: Mapping[str, Any]
+    model: nn.Module, rule: _LeafRule, kwargs: Mapping[str, Any], positional: int = 0,
+    keywords: tuple[str, ...] = (),
 ) -> tuple[fx.GraphModule | None, _Failure | None]:
     tracer = _Tracer(rule)
     tracer.record_stack_traces = True  # node.meta["stack_trace"]: the user's line of a node
@@ -158,7 +165,12 @@ def _trace_fx(
         graph = tracer.trace(model, concrete_args=dict(kwargs) if kwargs else None)
     except Exception as err:  # torch.fx raises many types; all mean "could not trace"
         return None, _Failure("torch.fx", first_line(err), user_line(err), tracer.failed_in)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__), None
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    try:
+        order_placeholders(gm, positional, keywords)
+    except TraceError as err:
+        return None, _Failure("torch.fx", str(err), "")
+    return gm, None
 
 
 def _export(
@@ -173,11 +185,12 @@ def _export(
 
 
 def _trace_export(
-    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], batched: bool = False
 ) -> tuple[torch.export.ExportedProgram | None, Any, _Failure | None]:
     # [Note: dynamic sizes] (shapes.py): every dimension dynamic where the model allows it;
     # retried fully static, should export refuse that outright.
-    dynamic: Any = export_dynamic_shapes(args) + tuple(None for _ in kwargs)  # kwargs: constants
+    dynamic: Any = (export_dynamic_by_name(model, args, kwargs) if batched  # keyword inputs
+                    else export_dynamic_shapes(args) + tuple(None for _ in kwargs))  # constants
     ep, failure = _export(model, args, kwargs, dynamic)
     if ep is None:
         ep, _ = _export(model, args, kwargs, None)
@@ -269,10 +282,9 @@ def _refuse_batched_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
 
 
 def _batched_kwarg(key: str, rows: int) -> str:
-    return (f"kwargs[{key!r}] is a tensor of {rows} rows, like the inputs' batch: tensors with a "
-            "batch dimension must be positional inputs (the pipeline splits those into "
-            "micro-batches; kwargs are constants of the graph); pass it in example_inputs, "
-            "through a wrapper module whose forward takes it positionally if the model's does not")
+    return (f"kwargs[{key!r}] is a tensor of {rows} rows, like the inputs' batch: kwargs are "
+            "constants of the graph; pass it in example_kwargs= to make it a keyword input that "
+            "the pipeline splits into micro-batches")
 
 
 def _advice(args: tuple[Any, ...], kwargs: Mapping[str, Any], fx_failure: _Failure,
@@ -326,41 +338,47 @@ def capture(
     example_inputs: tuple[Any, ...],
     *,
     kwargs: Mapping[str, Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
     leaf_modules: LeafSpec = None,
     max_depth: int | None = None,
 ) -> Capture:
-    """Trace ``model`` into a flat GraphModule with fake output values on every node."""
+    """Trace ``model`` into a flat GraphModule with fake output values on every node; the
+    batched tensors of ``example_kwargs`` are inputs after ``example_inputs`` (keyword_inputs.py)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     rule = _LeafRule(leaf_modules, max_depth)
-    concrete = _default_kwargs(model, kwargs)
+    batched, concrete = split_keywords(model, example_kwargs, _default_kwargs(model, kwargs))
+    keywords = tuple(batched)
+    example_inputs = (*example_inputs, *batched.values())  # keyword inputs after positional ones
     _refuse_batched_kwargs(example_inputs, concrete)
     args, traced_kwargs = _on_meta(model, example_inputs, concrete)  # [Note: a meta model]
     with quiet(), _buffers_kept(model):  # [Note: a quiet tracer]
-        cap = _capture_fx(model, rule, traced_kwargs, args)
+        cap = _capture_fx(model, rule, traced_kwargs, args, keywords)
         if isinstance(cap, _Failure):
             fx_failure = cap
-            cap = _capture_export(model, rule, traced_kwargs, args)
+            cap = _capture_export(model, rule, traced_kwargs, args, keywords)
             if isinstance(cap, _Failure):
                 raise TraceError(
                     f"cannot trace {type(model).__name__}: {fx_failure}; {cap}. "
                     + _advice(example_inputs, concrete, fx_failure, cap)
                 )
     cap.kwargs = concrete  # the caller's own values, which replay gives the graph
+    cap.keywords = keywords
     return cap
 
 
 def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
-                args: tuple[Any, ...]) -> Capture | _Failure:
+                args: tuple[Any, ...], keywords: tuple[str, ...]) -> Capture | _Failure:
     traced = model.training
-    gm, failure = _trace_fx(model, rule, kwargs)
+    positional = len(args) - len(keywords)
+    gm, failure = _trace_fx(model, rule, kwargs, positional, keywords)
     if gm is None:
         assert failure is not None
         return failure
     with _in_mode(model, not traced):  # [Note: train and eval in one graph]
-        other, other_failure = _trace_fx(model, rule, kwargs)
+        other, other_failure = _trace_fx(model, rule, kwargs, positional, keywords)
     binding = bind_modes(gm, other, traced, _untraceable(traced, other_failure))
     try:
         _fake_propagate(gm, args)
@@ -372,9 +390,12 @@ def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
 
 
 def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
-                    args: tuple[Any, ...]) -> Capture | _Failure:
+                    args: tuple[Any, ...], keywords: tuple[str, ...]) -> Capture | _Failure:
     traced = model.training
-    ep, dynamic, failure = _trace_export(model, args, kwargs)
+    inputs = args  # positional, then keyword inputs: export takes those first among its kwargs
+    positional = len(args) - len(keywords)
+    args, kwargs = args[:positional], {**dict(zip(keywords, inputs[positional:], strict=True)), **kwargs}
+    ep, dynamic, failure = _trace_export(model, args, kwargs, bool(keywords))
     if ep is None:
         assert failure is not None
         return failure
@@ -384,7 +405,7 @@ def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
     binding = bind_modes(gm, other.module() if other is not None else None, traced,
                          _untraceable(traced, other_failure))
     _fake_propagate(gm, tuple(tree_leaves((args, kwargs))))  # concrete sizes of the example
-    add_input_check(gm, export_rules(ep, args), len(args))
+    add_input_check(gm, export_rules(ep, inputs), len(inputs))
     modules = dict(model.named_modules())
     keys = {n.name: _leaf_key_export(n, modules, rule) for n in gm.graph.nodes}
     return _finish(model, gm, "export", keys, kwargs, binding)

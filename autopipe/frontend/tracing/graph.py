@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from autopipe.core.units import format_bytes
 from autopipe.frontend.tracing.capture import Capture, LeafSpec, capture
+from autopipe.frontend.tracing.counted_loss import CountedLoss, counted_loss
 from autopipe.frontend.tracing.granularity import coarsen, mark_grouped
 from autopipe.frontend.tracing.grouping import group_layers, layer_attributes
 
@@ -52,8 +53,10 @@ class LayerGraph:
     input_names: list[str]  # every placeholder: the positional inputs, then constant kwargs
     input_bytes: int
     source: str
-    num_args: int = 1  # how many of input_names are the model's positional inputs
+    num_args: int = 1  # how many of input_names are the model's inputs (then keyword inputs)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    keywords: tuple[str, ...] = ()  # the last len(keywords) of the num_args inputs, by name
+    loss: CountedLoss | None = None  # the model's own mean loss, if it returns one
     fingerprint: str = ""
     grouped: dict[str, int] = field(default_factory=dict)
 
@@ -146,6 +149,7 @@ def trace(
     leaf_modules: LeafSpec = None,
     max_depth: int | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> LayerGraph:
     """Trace ``model`` on ``example_inputs`` into a :class:`LayerGraph`.
 
@@ -159,12 +163,17 @@ def trace(
             traced layer as it is.
         kwargs: constant keyword arguments (e.g. ``{"use_cache": False}``); HuggingFace models
             get ``use_cache=False`` unless given.
+        example_kwargs: keyword inputs of one batch (``input_ids=``, ``attention_mask=``,
+            ``labels=``): tensors with a batch dimension become the graph's inputs after the
+            positional ones, split into micro-batches by a pipeline; ``None``, non-tensors and
+            0-dim tensors stay constants like ``kwargs`` (autopipe/frontend/tracing/keyword_inputs.py).
 
     Raises:
         TraceError: neither torch.fx nor torch.export could capture the model.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    cap: Capture = capture(model, inputs, kwargs=kwargs, leaf_modules=leaf_modules, max_depth=max_depth)
+    cap: Capture = capture(model, inputs, kwargs=kwargs, example_kwargs=example_kwargs,
+                           leaf_modules=leaf_modules, max_depth=max_depth)
     layers, node_layer = group_layers(cap)
     grouped: dict[str, int] = {}
     if leaf_modules is None and max_depth is None:
@@ -179,7 +188,9 @@ def trace(
         input_names=input_names,
         input_bytes=input_bytes,
         source=cap.source,
-        num_args=len(inputs),
+        num_args=len(inputs) + len(cap.keywords),
         kwargs=cap.kwargs,
+        keywords=cap.keywords,
+        loss=counted_loss(cap.gm, len(inputs) + len(cap.keywords)),
         grouped=grouped,
     )

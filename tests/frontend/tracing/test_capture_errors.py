@@ -88,10 +88,8 @@ class Masked(nn.Module):
         return h if mask is None else h * mask
 
 
-BATCH_ADVICE = ("tensors with a batch dimension must be positional inputs (the pipeline splits "
-                "those into micro-batches; kwargs are constants of the graph); pass it in "
-                "example_inputs, through a wrapper module whose forward takes it positionally if "
-                "the model's does not")
+BATCH_ADVICE = ("kwargs are constants of the graph; pass it in example_kwargs= to make it a "
+                "keyword input that the pipeline splits into micro-batches")
 
 
 def test_a_batch_sized_kwarg_must_be_positional() -> None:
