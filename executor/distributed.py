@@ -77,6 +77,7 @@ from executor._torch_compat import (
     warn_no_prefetch,
 )
 from executor.errors import DistributedError
+from executor.grad_norm import clip_grads_, counted_once
 from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
@@ -209,6 +210,7 @@ class DistributedPipeline:
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
+        self._scaler: torch.amp.GradScaler | None = None  # step(scaler=): [Note: loss scaling on ranks]
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
@@ -284,7 +286,8 @@ class DistributedPipeline:
         if self._no_target:  # eval_step(x): torch's schedule computes a loss per micro-batch
             return torch.zeros((), device=self.device)
         assert self._last is not None
-        return self._loss_fn(self._last.unflatten(output), target)
+        loss = self._loss_fn(self._last.unflatten(output), target)
+        return loss if self._scaler is None else self._scaler.scale(loss)
 
     def _prepare(self, inputs: tuple[Any, ...], target: Any, *, need_target: bool) -> Any:
         """Check this step's inputs, agree on their sizes, and pick the schedule for them."""
@@ -304,16 +307,47 @@ class DistributedPipeline:
         self._schedule = self._sized.get(self._sized.agree(sizes, problem))
         return self._schedule
 
-    def step(self, *inputs: Any, target: Any = None) -> Tensor | None:
-        """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank."""
+    def step(self, *inputs: Any, target: Any = None, scaler: torch.amp.GradScaler | None = None) -> Tensor | None:
+        """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank.
+
+        With ``scaler`` (an executor.grad_scaler.PipelineGradScaler, the same on every rank) each
+        micro-batch's loss is scaled by it before backward, as ``scaler.scale(loss).backward()``
+        ([Note: loss scaling on ranks]); the loss returned is unscaled.
+        """
         self._steps += 1
         losses: list[Tensor] = []
-        with self._watchdog(), self._peer_failures():
-            schedule = self._prepare(inputs, target, need_target=True)
-            schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
-                          losses=losses if self.is_last else None, return_outputs=False)
-            self._finish_grads()
-        return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+        self._scaler = scaler
+        try:
+            with self._watchdog(), self._peer_failures():
+                schedule = self._prepare(inputs, target, need_target=True)
+                schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
+                              losses=losses if self.is_last else None, return_outputs=False)
+                self._finish_grads()
+        finally:
+            self._scaler = None
+        if not self.is_last:
+            return None
+        loss = torch.stack([x.detach() for x in losses]).mean()
+        return loss if scaler is None else loss / scaler.get_scale()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """Clip as ``torch.nn.utils.clip_grad_norm_`` on the plain model; its total norm, the same
+        on every rank ([Note: one norm over stages and ranks] in executor/grad_norm.py). A
+        collective: call it on every rank, after ``step`` (and ``scaler.unscale_``)."""
+        counted, copies = counted_once((p for s in self.stages for p in s.parameters()), self._ties)
+        with self._peer_failures():
+            return clip_grads_(counted, copies, max_norm, norm_type, error_if_nonfinite,
+                               device=self.device, shard_group=self._shard_group(), groups=[self.group])
+
+    def _shard_group(self) -> dist.ProcessGroup | None:
+        """The group a gradient's shards are spread over (a replicated pipeline's under FSDP)."""
+        return None
+
+    def found_inf_groups(self) -> list[dist.ProcessGroup]:
+        """Groups whose all-reduces, one after another, reach every rank of this pipeline and its
+        replicas: this pipeline's (a replicated pipeline adds its "dp" group)."""
+        return [self.group]
 
     def eval_step(self, *inputs: Any, target: Any = None) -> Any:
         """Forward only, in eval mode, without gradients (see [Note: train, eval and evaluation]).
