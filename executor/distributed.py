@@ -210,7 +210,7 @@ class DistributedPipeline:
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
-        self._scaler: torch.amp.GradScaler | None = None  # step(scaler=): [Note: loss scaling on ranks]
+        self._scaler: torch.amp.GradScaler | None = None  # step(scaler=)'s, for _loss
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
@@ -309,26 +309,18 @@ class DistributedPipeline:
 
     def step(self, *inputs: Any, target: Any = None, scaler: torch.amp.GradScaler | None = None) -> Tensor | None:
         """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank.
-
-        With ``scaler`` (an executor.grad_scaler.PipelineGradScaler, the same on every rank) each
-        micro-batch's loss is scaled by it before backward, as ``scaler.scale(loss).backward()``
-        ([Note: loss scaling on ranks]); the loss returned is unscaled.
-        """
+        ``scaler`` (a PipelineGradScaler) scales each micro-batch's loss in the schedule; the loss
+        returned is unscaled ([Note: loss scaling on ranks] in executor/grad_scaler.py)."""
         self._steps += 1
+        self._scaler = scaler  # read by _loss
         losses: list[Tensor] = []
-        self._scaler = scaler
-        try:
-            with self._watchdog(), self._peer_failures():
-                schedule = self._prepare(inputs, target, need_target=True)
-                schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
-                              losses=losses if self.is_last else None, return_outputs=False)
-                self._finish_grads()
-        finally:
-            self._scaler = None
-        if not self.is_last:
-            return None
-        loss = torch.stack([x.detach() for x in losses]).mean()
-        return loss if scaler is None else loss / scaler.get_scale()
+        with self._watchdog(), self._peer_failures():
+            schedule = self._prepare(inputs, target, need_target=True)
+            schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
+                          losses=losses if self.is_last else None, return_outputs=False)
+            self._finish_grads()
+        mean = torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+        return mean if mean is None or scaler is None else mean / scaler.get_scale()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:
@@ -366,7 +358,7 @@ class DistributedPipeline:
         losses: list[Tensor] = []
         try:  # not counted in _steps: checkpoint parts record training steps
             self.eval()
-            self._no_target = target is None
+            self._no_target, self._scaler = target is None, None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
                 schedule = self._prepare(inputs, target, need_target=False)
                 dummy = torch.zeros(self.chunks, device=self.device)  # split per micro-batch, unread
