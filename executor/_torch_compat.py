@@ -30,7 +30,10 @@ name directly: it imports it from here, where
 - :func:`set_group_timeout` shortens a process group's timeout after a pipeline's first step
   ([Note: the first step's own limit] in executor/watchdog.py) through
   ``torch.distributed.distributed_c10d._set_pg_timeout``, as torchtitan does; where it is
-  missing or refuses, it says so and the watchdog alone bounds later steps.
+  missing or refuses, it says so and the watchdog alone bounds later steps;
+- :func:`found_inf_per_device` is ``torch.amp.GradScaler._found_inf_per_device``, the flags
+  ``unscale_`` leaves and ``step`` / ``update`` read (torch's fused optimizers read them too),
+  for executor/grad_scaler.py ([Note: loss scaling on ranks]); missing, it says so in one line.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ __all__ = [
     "symbol_source",
     "mesh_group_options",
     "set_group_timeout",
+    "found_inf_per_device",
 ]
 
 BatchNormBase = _BatchNorm
@@ -312,3 +316,15 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> 
     except (RuntimeError, ValueError, AssertionError, AttributeError, TypeError):
         return False
     return True
+
+
+def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                         ) -> dict[torch.device, torch.Tensor]:
+    """The scaler's found-inf flag per device for ``optimizer`` since its ``unscale_`` (the
+    dict itself: what is changed or added in it, ``step`` and ``update`` read)."""
+    method = getattr(scaler, "_found_inf_per_device", None)
+    if method is None:
+        raise RuntimeError(f"torch {torch.__version__}'s GradScaler has no _found_inf_per_device: "
+                           "executor.grad_scaler needs torch 2.11 to 2.15")
+    found: dict[torch.device, torch.Tensor] = method(optimizer)
+    return found

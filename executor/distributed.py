@@ -77,6 +77,7 @@ from executor._torch_compat import (
     warn_no_prefetch,
 )
 from executor.errors import DistributedError
+from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
 from executor.model_loss import ModelLoss, weighted
 from executor.prefetch import PrefetchGPipe
@@ -219,6 +220,7 @@ class DistributedPipeline:
         self._loss_fn = loss_fn
         self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
+        self._scaler: torch.amp.GradScaler | None = None  # step(scaler=)'s, for _loss
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
@@ -295,8 +297,10 @@ class DistributedPipeline:
             return torch.zeros((), device=self.device)
         assert self._last is not None
         if isinstance(self._loss_fn, ModelLoss):  # target: this micro-batch's weight x chunks
-            return weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
-        return self._loss_fn(self._last.unflatten(output), target)
+            loss = weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
+        else:
+            loss = self._loss_fn(self._last.unflatten(output), target)
+        return loss if self._scaler is None else self._scaler.scale(loss)
 
     def _bind(self, inputs: tuple[Any, ...], keywords: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], Any]:
         """Keyword inputs in stage 0's order, and the target: the model's loss weights x chunks."""
@@ -335,17 +339,41 @@ class DistributedPipeline:
         self._schedule = self._sized.get(self._sized.agree(sizes, problem))
         return self._schedule
 
-    def step(self, *inputs: Any, target: Any = None, **keywords: Any) -> Tensor | None:
-        """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank."""
+    def step(self, *inputs: Any, target: Any = None, scaler: torch.amp.GradScaler | None = None,
+             **keywords: Any) -> Tensor | None:
+        """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank.
+        ``scaler`` (a PipelineGradScaler) scales each micro-batch's loss in the schedule; the loss
+        returned is unscaled ([Note: loss scaling on ranks] in executor/grad_scaler.py)."""
         inputs, target = self._bind(inputs, keywords, target)
         self._steps += 1
+        self._scaler = scaler  # read by _loss
         losses: list[Tensor] = []
         with self._watchdog(), self._peer_failures():
             schedule = self._prepare(inputs, target, need_target=True)
             schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
                           losses=losses if self.is_last else None, return_outputs=False)
             self._finish_grads()
-        return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+        mean = torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+        return mean if mean is None or scaler is None else mean / scaler.get_scale()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """Clip as ``torch.nn.utils.clip_grad_norm_`` on the plain model; its total norm, the same
+        on every rank ([Note: one norm over stages and ranks] in executor/grad_norm.py). A
+        collective: call it on every rank, after ``step`` (and ``scaler.unscale_``)."""
+        counted, copies = counted_once((p for s in self.stages for p in s.parameters()), self._ties)
+        with self._peer_failures():
+            return clip_grads_(counted, copies, max_norm, norm_type, error_if_nonfinite,
+                               device=self.device, shard_group=self._shard_group(), groups=[self.group])
+
+    def _shard_group(self) -> dist.ProcessGroup | None:
+        """The group a gradient's shards are spread over (a replicated pipeline's under FSDP)."""
+        return None
+
+    def found_inf_groups(self) -> list[dist.ProcessGroup]:
+        """Groups whose all-reduces, one after another, reach every rank of this pipeline and its
+        replicas: this pipeline's (a replicated pipeline adds its "dp" group)."""
+        return [self.group]
 
     def eval_step(self, *inputs: Any, target: Any = None) -> Any:
         """Forward only, in eval mode, without gradients (see [Note: train, eval and evaluation]).
@@ -364,7 +392,7 @@ class DistributedPipeline:
         losses: list[Tensor] = []
         try:  # not counted in _steps: checkpoint parts record training steps
             self.eval()
-            self._no_target = target is None
+            self._no_target, self._scaler = target is None, None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
                 schedule = self._prepare(inputs, target, need_target=False)
                 dummy = torch.zeros(self.chunks, device=self.device)  # split per micro-batch, unread

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from executor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from executor.errors import ExecutorError
 from executor.fill_drain import clock_cycles
+from executor.grad_norm import clip_grads_
 from executor.keywords import InputSignature
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
@@ -168,6 +169,13 @@ class GPipe(nn.Module):
     def last_timeline(self) -> list[TimelineEvent] | None:
         """The timeline of the last recorded iteration (read it after backward)."""
         return None if self._recorder is None else self._recorder.events()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every stage's parameters, each once (on the
+        first stage's device; see [Note: one norm over stages and ranks] in executor/grad_norm.py)."""
+        grads = [p.grad for p in self.parameters()]
+        return clip_grads_(grads, (), max_norm, norm_type, error_if_nonfinite, device=self.devices[0])
 
     # --- forward -------------------------------------------------------------------------
 

@@ -142,6 +142,12 @@ class ReplicatedPipeline(DistributedPipeline):
     def _groups(self) -> list[dist.ProcessGroup]:
         return [*super()._groups(), self.mesh.get_group("dp")]
 
+    def _shard_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("dp") if self.dp_mode == "fsdp" else None
+
+    def found_inf_groups(self) -> list[dist.ProcessGroup]:
+        return [*super().found_inf_groups(), self.mesh.get_group("dp")]
+
     def _replicate(self, wire: WireStage) -> nn.Module:
         dp_mesh = self.mesh["dp"]
         if self.dp_mode == "fsdp":

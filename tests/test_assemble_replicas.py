@@ -10,6 +10,7 @@ the reference's, under DDP and FSDP, with per-stage recomputation and a tied emb
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from autopipe.assemble import microbatch_inputs
 from autopipe.assemble_mesh import replicas_of
@@ -28,11 +30,14 @@ from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.distributed import PipelineFailure
+from executor.grad_norm import local_grads
+from executor.grad_scaler import PipelineGradScaler
 from tests.models import Skip
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import RankResult, _close, spawn
 
 D, K, CHUNKS, STEPS, LR = 2, 2, 2, 2, 0.1
+SMALL = 0.05  # a max_norm that clips
 
 
 def _lm_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -93,9 +98,37 @@ def _train(rank: int, out: str) -> tuple[str, float] | None:
         results.append({"where": (pipe.dp_rank, pipe.dp_size, pipe.pp_rank, pipe.pp_size),
                         "engine": type(pipe._sized.modules[0]).__name__,  # stage 0 or 1's
                         "losses": losses, "state": {k: v.clone() for k, v in state.items()},
-                        "path": path})
+                        "path": path, **_overflow_then_clip(rank, pipe, opt, x, y)})
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))  # whatever ends this process
     return _die(rank, pipe, x, y)
+
+
+def _overflow_then_clip(rank: int, pipe: Any, opt: torch.optim.Optimizer, x: tuple[Tensor, ...],
+                        y: Tensor) -> dict[str, Any]:
+    """An fp16 step whose gradient overflows on rank 2 alone (after DDP / FSDP reduced it, so
+    only the scaler's reduction tells the others), then a clean step clipped."""
+    scaler = PipelineGradScaler(pipe, init_scale=2.0**8)
+    opt.zero_grad()
+    pipe.step(*x, target=y, scaler=scaler)
+    if rank == 2:  # replica 1's first stage: its pp peer 3 and its dp peer 0 have finite grads
+        grad = next(g for g in local_grads(p.grad for s in pipe.stages for p in s.parameters())[
+            1 if pipe.dp_mode == "fsdp" else 0] if g.numel())
+        grad.view(-1)[-1] = math.inf  # FSDP: this rank's own shard
+    scaler.unscale_(opt)
+    def mine() -> list[Tensor]:  # this rank's values (an FSDP shard: no collective to compare)
+        return [p.to_local() if isinstance(p, DTensor) else p for p in pipe.stage_module.parameters()]
+
+    before = [p.detach().clone() for p in mine()]
+    scaler.step(opt)
+    scaler.update()
+    skipped = all(torch.equal(b, p) for b, p in zip(before, mine(), strict=True))
+    opt.zero_grad()
+    pipe.step(*x, target=y)
+    inf = pipe.clip_grad_norm_(1e9, math.inf)
+    two = pipe.clip_grad_norm_(SMALL)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for s in pipe.stages for n, p in s.named_parameters()}
+    return {"skipped": skipped, "scale": scaler.get_scale(), "inf": inf, "two": two, "grads": grads}
 
 
 def _die(rank: int, pipe: Any, x: tuple[Tensor, ...], y: Tensor) -> tuple[str, float] | None:
@@ -161,6 +194,31 @@ def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResu
             _close(fresh.state_dict()[key], value, f"{what} merged {key}")
 
 
+@pytest.mark.timeout(150)
+def test_clipping_and_an_overflow_on_one_rank_agree_over_every_replica(
+        ranks: list[tuple[RankResult, Any]]) -> None:
+    parts = [cases for _, cases in ranks]
+    assert all(p is not None for p in parts)
+    for n, (case, dp_mode, schedule, *_) in enumerate(CASES):
+        what = f"{case}/{dp_mode}/{schedule}"
+        for rank, values in enumerate(parts):  # rank 2's overflow skipped every rank's step
+            assert values[n]["skipped"], f"{what}: rank {rank} stepped"
+            assert values[n]["scale"] == 2.0**7, f"{what}: rank {rank}"  # backed off everywhere
+        model, _ = _reference(case)  # the state after STEPS: the fp16 step was skipped
+        model.zero_grad()
+        _, inputs, target, loss_fn = _case(case)
+        xs, ys = [x.tensor_split(D * CHUNKS) for x in inputs], target.tensor_split(D * CHUNKS)
+        torch.stack([loss_fn(model(*[x[i] for x in xs]), ys[i]) for i in range(D * CHUNKS)]).mean().backward()
+        inf = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, math.inf)
+        two = torch.nn.utils.clip_grad_norm_(model.parameters(), SMALL)
+        assert two > 10 * SMALL, what  # the clip does scale
+        for rank, values in enumerate(parts):  # each replica, each stage, each tied copy
+            _close(values[n]["inf"], inf, f"{what} rank {rank} inf norm")
+            _close(values[n]["two"], two, f"{what} rank {rank} 2-norm")
+            for key, grad in values[n]["grads"].items():
+                _close(grad, model.get_parameter(key).grad, f"{what} rank {rank} {key}")
+
+
 def test_replica_counts_are_checked_in_one_line() -> None:
     model, inputs, _, _ = _case("skip")
     graph = trace(model, microbatch_inputs(inputs, CHUNKS))
@@ -196,6 +254,7 @@ def test_a_dead_rank_ends_every_replica_with_an_error(ranks: list[tuple[RankResu
             assert res.value, f"rank {rank} finished a step without rank 3"
             message, seconds = res.value
             row, column = [rank - rank % K + p for p in range(K)], [rank % K + K * d for d in range(D)]
+            # STEPS, the fp16 and the clipped step (_overflow_then_clip), then this one
             assert message.startswith(f"rank {rank}/4 (pipeline rank {rank % K}/2 of pp group {row}, "
-                                      f"replica {rank // K}/2 of dp group {column}): pipeline step 3"), message
+                                      f"replica {rank // K}/2 of dp group {column}): pipeline step {STEPS + 3}"), message
             assert seconds < 10

@@ -205,7 +205,8 @@ def _train(args: argparse.Namespace) -> int:
     train_example(config.model, stages=config.stages, chunks=config.chunks,
                   batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
                   devices=config.devices, method=config.method, plan=config.plan,
-                  profile=config.profile, lr=config.lr, host_allocator=config.host_allocator)
+                  profile=config.profile, lr=config.lr, clip_grad=config.clip_grad,
+                  host_allocator=config.host_allocator)
     return 0
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_BATCH",
     "DEFAULT_STAGES",
     "resolve",
+    "check_clip_grad",
     "add_arguments",
     "from_namespace",
 ]
@@ -205,6 +206,9 @@ class TrainConfig:
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")
     profile: str | None = _opt(None, "use this saved profile instead of measuring")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
+    clip_grad: float | None = _opt(None, "clip the gradient norm of the whole model (every stage, "
+                                         "each parameter once) to this before each step (default: "
+                                         "no clipping)", metavar="MAX_NORM")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
 
 
@@ -222,6 +226,9 @@ class RunConfig:
     schedule: Schedule | None = _opt(None, "pipeline schedule (default: the plan's, else gpipe)")
     checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
+    clip_grad: float | None = _opt(None, "clip the gradient norm of the whole model (every stage, "
+                                         "each parameter once) to this before each step (default: "
+                                         "no clipping)", metavar="MAX_NORM")
     timeout: float = _opt(60.0, "seconds a step may take before a silent rank is an error and the "
                                 "watchdog ends the rank (exit 3) (default 60)")
     first_step_timeout: float = _opt(600.0, "the same for the first step, which builds, warms up "
@@ -266,6 +273,7 @@ class RunConfig:
             raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
         if self.threads < 1:
             raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
+        check_clip_grad(self.clip_grad)
         if not self.timeout > 0:
             raise BuildError(f"--timeout {self.timeout} must be > 0 seconds, e.g. --timeout 60")
         if not self.first_step_timeout > 0:
@@ -288,6 +296,13 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         return cls(**json.loads(text))
+
+
+def check_clip_grad(clip_grad: float | None) -> None:
+    """--clip-grad is a positive norm (or absent): one line otherwise."""
+    if clip_grad is not None and not clip_grad > 0:
+        raise BuildError(f"--clip-grad {clip_grad} must be > 0 (the largest gradient norm a step "
+                         "keeps), e.g. --clip-grad 1.0")
 
 
 def _check_choice(flag: str, value: Any, kind: Any) -> None:

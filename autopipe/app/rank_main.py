@@ -7,7 +7,8 @@ ranks and the command line share one set of defaults. Every rank builds the same
 inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA; a CPU rank first pins
 itself to its share of the host's cores: [Note: ranks pinned to cores] in executor/rank_cores.py,
 unless ``--no-pin-cores``), builds its stage with
-:func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters. The last
+:func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters (after
+``pipe.clip_grad_norm_`` with ``--clip-grad``, the norm printed beside the loss). The last
 rank prints the loss of every step and the throughput. With ``data_parallel`` D > 1 each
 replica trains its own batch / D rows of the (seeded, same on every rank) batch, and the last
 rank of replica 0 prints its replica's loss and the whole batch's throughput.
@@ -82,10 +83,12 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
             start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = pipe.step(*inputs, target=target)
+        norm = None if config.clip_grad is None else float(pipe.clip_grad_norm_(config.clip_grad))
         opt.step()
         if loss is not None and pipe.dp_rank == 0:
             losses.append(float(loss))
-            print(f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}", flush=True)
+            clipped = "" if norm is None else f"  grad norm {norm:.4f}"
+            print(f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}{clipped}", flush=True)
     elapsed = time.perf_counter() - start
     timed = max(config.steps - 1, 1)
     if pipe.is_last and pipe.dp_rank == 0:

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, DEFAULT_STAGES, resolve
+from autopipe.app.config import (
+    DEFAULT_BATCH,
+    DEFAULT_CHUNKS,
+    DEFAULT_STAGES,
+    check_clip_grad,
+    resolve,
+)
 from autopipe.app.model_spec import LoadedModel, load_model
 from autopipe.assemble import microbatch_inputs, pipeline
 from autopipe.core.cost import CostOptions
@@ -43,6 +49,7 @@ class TrainReport:
     losses: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)  # forward + backward + AdamW
     optimizer_ms: list[float] = field(default_factory=list)  # the AdamW part of each step
+    grad_norms: list[float] = field(default_factory=list)  # each step's norm before --clip-grad
     baseline_ms: float = float("nan")  # the unpipelined model's same step
     batch_size: int = 0
     devices: list[str] = field(default_factory=list)
@@ -145,15 +152,18 @@ def train_example(
     plan: Plan | str | None = None,
     profile: Profile | str | None = None,
     lr: float = 1e-3,
+    clip_grad: float | None = None,
     log: Callable[[str], None] | None = print,
     host_allocator: str = "retain",
 ) -> TrainReport:
     """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
     returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
     ``batch_size`` default to the plan's or profile's, else 2, 4 and 32; ``checkpoint`` to the
-    plan's (one mode per stage), else except_last."""
+    plan's (one mode per stage), else except_last. ``clip_grad``: clip the gradient norm to it
+    before each step (``pipe.clip_grad_norm_``), the norms kept in ``report.grad_norms``."""
     if steps < 1:
         raise AutopipeError(f"steps={steps} < 1: train at least one step (--steps 1 or more)")
+    check_clip_grad(clip_grad)
     loaded_plan = Plan.load(plan) if isinstance(plan, str) else plan
     loaded_profile = Profile.load(profile) if isinstance(profile, str) else profile
     k, m, b, chosen = _sizes(loaded_plan, loaded_profile, stages, chunks, batch_size, devices)
@@ -180,6 +190,8 @@ def train_example(
         opt.zero_grad()
         loss = ex.loss_fn(pipe(*ex.inputs), target)
         loss.backward()
+        if clip_grad is not None:
+            report.grad_norms.append(float(pipe.clip_grad_norm_(clip_grad)))
         before_opt = time.perf_counter()
         opt.step()
         done = time.perf_counter()
@@ -187,7 +199,8 @@ def train_example(
         report.optimizer_ms.append((done - before_opt) * 1e3)
         report.losses.append(loss.detach().item())
         if log:
-            log(f"step {step + 1}/{steps}  loss {report.losses[-1]:.4f}  "
+            norm = f"grad norm {report.grad_norms[-1]:.4f}  " if clip_grad is not None else ""
+            log(f"step {step + 1}/{steps}  loss {report.losses[-1]:.4f}  {norm}"
                 f"{report.step_ms[-1]:.1f} ms")
     report.baseline_ms = _unpipelined_ms(load_model(name, b, for_training="autopipe train"),
                                          chosen[0], lr, max(3, steps))

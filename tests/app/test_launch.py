@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +43,7 @@ def test_torchrun_command_names_every_setting(tmp_path: Path) -> None:
         (RunConfig("mlp", chunks=0), r"^--chunks 0 < 1: pass --chunks 1 or more$"),
         (RunConfig("mlp", threads=0), r"^--threads 0 < 1: pass --threads 1 or more$"),
         (RunConfig("mlp", schedule="zb"), "--schedule 'zb' is unknown"),
+        (RunConfig("mlp", clip_grad=0.0), r"^--clip-grad 0.0 must be > 0 .*, e.g. --clip-grad 1.0$"),
     ],
 )
 def test_bad_run_configs(config: RunConfig, match: str) -> None:
@@ -172,8 +175,8 @@ def test_cli_run_trains_a_bundled_example_with_a_saved_plan(plans: dict[str, Pat
     # more threads than the cores each rank is pinned to ([Note: ranks pinned to cores]): said once
     per_rank = len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity") else 0
     threads = max(per_rank, 1) + 1
-    rc = run(RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2, steps=3, timeout=30, threads=threads),
-             log_dir=tmp_path)
+    rc = run(RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2, steps=3, timeout=30, threads=threads,
+                       clip_grad=1.0), log_dir=tmp_path)
     out, err = capfd.readouterr()
     assert rc == 0, out
     if per_rank >= 1:
@@ -185,6 +188,8 @@ def test_cli_run_trains_a_bundled_example_with_a_saved_plan(plans: dict[str, Pat
                           f"of 4 rows; plan {plans['mlp2']}\n")  # batch and chunks from the plan
     assert f"   0      0  {layers[0]:>6}  {first}" in out and f"   1      1  {layers[1]:>6}  {last}" in out
     assert out.count("loss") == 3 and "samples/s" in out and "2 ranks" in out
+    norms = [float(v) for v in re.findall(r"loss \S+  grad norm (\S+)$", out, flags=re.M)]
+    assert len(norms) == 3 and all(math.isfinite(v) and v > 0 for v in norms)  # --clip-grad reached
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.log", "rank1.log", "torchrun", "torchrun.log"]
 
 

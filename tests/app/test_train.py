@@ -72,6 +72,19 @@ def test_cli_train_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         assert capsys.readouterr().err == line + "\n"
 
 
+def test_cli_train_clips_with_the_pipelines_norm(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "mlp", "--stages", "2", "--chunks", "2", "--batch-size", "4", "--steps", "2",
+                 "--clip-grad", "1e-3"]) == 0
+    norms = [float(v) for v in re.findall(r"^step \d/2  loss \S+  grad norm (\S+)  ", capsys.readouterr().out,
+                                          flags=re.M)]
+    assert len(norms) == 2 and all(v > 1e-3 for v in norms)  # each step's norm, then clipped
+    report = train_example("mlp", stages=2, chunks=2, batch_size=4, steps=1, clip_grad=1e-3, log=None)
+    assert len(report.grad_norms) == 1
+    assert main(["train", "mlp", "--clip-grad", "-1"]) == 2
+    assert capsys.readouterr().err == ("autopipe: error: --clip-grad -1.0 must be > 0 (the largest gradient "
+                                       "norm a step keeps), e.g. --clip-grad 1.0\n")
+
+
 def test_train_takes_sizes_from_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ex = autopipe.get_example("mlp", batch_size=12)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=3, repeats=1, warmup=0)
