@@ -44,11 +44,12 @@ from autopipe.frontend.profiling.profiler import profile as measure
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor import GPipe
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
-from executor.spec import check_stage_checkpoints
+from executor.spec import check_precision, check_stage_checkpoints
 from executor.worker import normalize_device
 
 __all__ = ["Pipeline", "pipeline", "microbatch_inputs", "check_device_memory", "free_memory",
-           "device_names", "plan_for_devices", "partition_checkpoint", "runtime_checkpoint"]
+           "device_names", "plan_for_devices", "partition_checkpoint", "runtime_checkpoint",
+           "pipeline_precision"]
 
 DEFAULT_PIPELINE_CHUNKS = 8  # pipeline() and distributed_pipeline() without a plan or chunks
 
@@ -59,9 +60,9 @@ class Pipeline(GPipe):
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
                  chunks: int, checkpoint: str | Sequence[str], deferred_batch_norm: bool, *,
-                 plan: Plan, graph: LayerGraph) -> None:
+                 plan: Plan, graph: LayerGraph, precision: str = "fp32") -> None:
         super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
-                         deferred_batch_norm=deferred_batch_norm)
+                         deferred_batch_norm=deferred_batch_norm, precision=precision)
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
 
@@ -186,6 +187,14 @@ def check_device_memory(
             )
 
 
+def pipeline_precision(precision: object) -> str:
+    """``precision`` if it is one of executor.spec.PRECISIONS, else a one-line BuildError."""
+    try:
+        return check_precision(precision)
+    except ValueError as err:
+        raise BuildError(str(err)) from None
+
+
 def _check_host_allocator(profile: Profile, in_use: str) -> None:
     """One warning line when ``profile`` was measured under another host allocator setting than
     the pipeline runs under ([Note: freed memory stays in the process])."""
@@ -214,6 +223,7 @@ def pipeline(
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
     host_allocator: str = "system",
+    precision: str = "fp32",
     **trace_kwargs: Any,
 ) -> Pipeline:
     """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
@@ -246,6 +256,11 @@ def pipeline(
             ``"retain"``: on a CPU, glibc keeps freed memory for reuse, as the command line
             does ([Note: freed memory stays in the process] in executor/host_allocator.py);
             one warning line when the profile was measured under the other setting.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: every stage computes under
+            ``torch.autocast`` to that dtype on its device, over fp32 parameters and gradients
+            ([Note: mixed precision] in executor/precision.py). A caller's own ``with
+            torch.autocast(...)`` is honoured either way, on worker threads and in every
+            recomputation. fp16 needs a ``torch.amp.GradScaler``.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     Raises:
@@ -254,6 +269,7 @@ def pipeline(
     from autopipe.solvers.partitioner import partition
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    precision = pipeline_precision(precision)  # refused before tracing
     devices = list(devices)
     if not devices:
         raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
@@ -306,7 +322,8 @@ def pipeline(
                       f"{len(initialised)} module(s) were initialised ({initialised[-1]!r}, ...) "
                       "with init= or reset_parameters(); pass weights= to load trained weights",
                       UserWarning, stacklevel=2)
-    pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph)
+    pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph,
+                    precision=precision)
     if pipe.plan is not plan:
         warnings.warn(_placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe

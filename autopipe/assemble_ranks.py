@@ -41,6 +41,7 @@ from autopipe.assemble import (
     DEFAULT_PIPELINE_CHUNKS,
     microbatch_inputs,
     partition_checkpoint,
+    pipeline_precision,
     runtime_checkpoint,
 )
 from autopipe.assemble_mesh import replicas_of, replicated_pipeline
@@ -125,6 +126,7 @@ def distributed_pipeline(
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
     example_target: Any = None,
+    precision: str = "fp32",
     **trace_kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
@@ -173,6 +175,12 @@ def distributed_pipeline(
         init: for a meta-device model without ``weights``: ``init(module)`` for each module
             of this rank's stages (default ``reset_parameters()``), seeded per module so that
             ranks agree on tied ones ([Note: seeded per module]).
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: autocast in every stage and
+            the loss, over fp32 parameters; gradients, tied copies' sums and the replicas'
+            reduction in fp32 (FSDP2: ``MixedPrecisionPolicy(param_dtype=<low>,
+            reduce_dtype=torch.float32)``). See [Note: distributed mixed precision] in
+            executor/distributed.py. A caller's ``with torch.autocast(...): pipe.step(...)`` is
+            honoured either way.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     A model built on the meta device is never materialised whole: every rank gives real tensors
@@ -184,6 +192,7 @@ def distributed_pipeline(
     if not dist.is_initialized():
         raise BuildError("torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) on every rank first")
+    precision = pipeline_precision(precision)
     if schedule is None:
         schedule = plan.schedule if plan is not None else "gpipe"
     if schedule not in SCHEDULES:
@@ -226,7 +235,8 @@ def distributed_pipeline(
     modes = runtime_checkpoint(plan, given)
     stages = build(model, plan, graph)
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
-    wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
+    # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
+    wires = infer_wires(stages, probe, precision)
     mine = list(range(rank % world, k, world))  # [Note: replicas on a mesh]: rank = dp x K + pp
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
@@ -243,6 +253,7 @@ def distributed_pipeline(
         [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp, loss_fn=loss_fn,
         chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
         key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
+        precision=precision,
     )
 
 

@@ -21,7 +21,9 @@ autopipe/frontend/building/stages.py [Note: a stage saves what the model saves])
 names differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one
 string per stage prepended to its local keys (``"net."``).
 
-Placement, and [Note: ties across devices], are in executor/placement.py.
+Placement, and [Note: ties across devices], are in executor/placement.py. Mixed precision
+(``precision=``, and the caller's own ``with torch.autocast(...)``): [Note: mixed precision]
+and [Note: autocast follows the stage] in executor/precision.py.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from executor.errors import ExecutorError
 from executor.fill_drain import clock_cycles
 from executor.microbatch import Batch, gather, scatter
 from executor.placement import check_devices, place
+from executor.precision import precision_autocast
 from executor.recompute import Checkpointing, checkpoint_stop, depend
-from executor.spec import TimelineEvent, check_stage_checkpoints
+from executor.spec import TimelineEvent, check_precision, check_stage_checkpoints
 from executor.stream import (
     AbstractStream,
     copy,
@@ -79,6 +82,12 @@ class GPipe(nn.Module):
         threads: run stages on worker threads (True), inline in the caller (False), or
             ``None``: threads only when the stages span two or more devices (see
             [Note: inline worker] in executor.worker).
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: every stage call (and its
+            recomputation) runs under ``torch.autocast`` to that dtype on its device, while the
+            parameters and their gradients stay fp32 ([Note: mixed precision] in
+            executor/precision.py). The caller's own autocast is honoured on every worker and
+            in every recomputation either way. fp16 needs loss scaling:
+            ``torch.amp.GradScaler`` works on a GPipe as on a plain model.
     """
 
     def __init__(
@@ -92,8 +101,13 @@ class GPipe(nn.Module):
         key_prefixes: Sequence[str] | None = None,
         record_timeline: bool = False,
         threads: bool | None = None,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
+        try:
+            self.precision = check_precision(precision)
+        except ValueError as err:
+            raise ExecutorError(str(err)) from None
         stages = list(stages)
         if not stages:
             raise ExecutorError("stages is empty: a pipeline needs at least one stage module")
@@ -225,7 +239,8 @@ class GPipe(nn.Module):
             if self._crosses(j):  # compute only after the copy has landed
                 batch = wait(batch, self._copy_stream(j, i), streams[j])
             task = _StageTask(
-                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder
+                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder,
+                self.precision,
             )
             futures.append((i, j, pool.submit(j, task)))
         error: BaseException | None = None
@@ -258,12 +273,17 @@ class _StageTask:
         batch: Batch,
         checkpointed: bool,
         recorder: TimelineRecorder | None,
+        precision: str = "fp32",
     ) -> None:
         self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
         self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder
+        self.precision = precision
 
     def _call(self, batch: Batch) -> Batch:
-        return batch.call(self.stage)
+        # the stage's own autocast, inside the caller's; a recomputation replays it (it calls
+        # this again) under the forward's autocast state ([Note: autocast follows the stage])
+        with precision_autocast(self.precision, self.device):
+            return batch.call(self.stage)
 
     def __call__(self) -> tuple[Batch, Checkpointing | None]:
         j, i, device, rec = self.j, self.i, self.device, self.recorder

@@ -202,10 +202,12 @@ def _train(args: argparse.Namespace) -> int:
     from autopipe.app.train import train_example
 
     config: TrainConfig = from_namespace(TrainConfig, args)
+    config.check()
     train_example(config.model, stages=config.stages, chunks=config.chunks,
                   batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
                   devices=config.devices, method=config.method, plan=config.plan,
-                  profile=config.profile, lr=config.lr, host_allocator=config.host_allocator)
+                  profile=config.profile, lr=config.lr, host_allocator=config.host_allocator,
+                  precision=config.precision)
     return 0
 
 
