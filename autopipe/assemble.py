@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from autopipe.core.plan import Plan
+from autopipe.core.precision import precision_mismatch, precision_of
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate
 from autopipe.core.units import format_bytes
@@ -47,11 +48,13 @@ from executor import GPipe
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.keywords import InputSignature
 from executor.model_loss import ModelLoss
-from executor.spec import check_stage_checkpoints
+from executor.spec import check_precision, check_stage_checkpoints
 from executor.worker import normalize_device
 
-__all__ = ["Pipeline", "pipeline", "graph_signature", "graph_model_loss", "microbatch_inputs", "check_device_memory", "free_memory",
-           "device_names", "plan_for_devices", "partition_checkpoint", "runtime_checkpoint"]
+__all__ = ["Pipeline", "pipeline", "graph_signature", "graph_model_loss", "microbatch_inputs",
+           "check_device_memory", "free_memory", "device_names", "plan_for_devices",
+           "partition_checkpoint", "runtime_checkpoint", "pipeline_precision",
+           "warn_precision_mismatch"]
 
 DEFAULT_PIPELINE_CHUNKS = 8  # pipeline() and distributed_pipeline() without a plan or chunks
 
@@ -63,10 +66,12 @@ class Pipeline(GPipe):
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
                  chunks: int, checkpoint: str | Sequence[str], deferred_batch_norm: bool, *,
                  plan: Plan, graph: LayerGraph,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 precision: str = "fp32") -> None:
         super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
                          deferred_batch_norm=deferred_batch_norm, loss_fn=loss_fn,
-                         signature=graph_signature(graph), model_loss=graph_model_loss(graph))
+                         signature=graph_signature(graph), model_loss=graph_model_loss(graph),
+                         precision=precision)
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
 
@@ -201,6 +206,22 @@ def check_device_memory(
             )
 
 
+def pipeline_precision(precision: object) -> str:
+    """``precision`` if it is one of executor.spec.PRECISIONS, else a one-line BuildError."""
+    try:
+        return check_precision(precision)
+    except ValueError as err:
+        raise BuildError(str(err)) from None
+
+
+def warn_precision_mismatch(planned: str, precision: str, what: str) -> None:
+    """One warning line when a pipeline computing in ``precision`` was planned or profiled
+    (``what``) under another precision ([Note: mixed precision memory] in autopipe/core/cost.py)."""
+    line = precision_mismatch(planned, precision, what)
+    if line is not None:
+        warnings.warn(f"autopipe: {line}", UserWarning, stacklevel=3)
+
+
 def _check_host_allocator(profile: Profile, in_use: str) -> None:
     """One warning line when ``profile`` was measured under another host allocator setting than
     the pipeline runs under ([Note: freed memory stays in the process])."""
@@ -231,6 +252,7 @@ def pipeline(
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
     host_allocator: str = "system",
+    precision: str = "fp32",
     **trace_kwargs: Any,
 ) -> Pipeline:
     """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
@@ -272,6 +294,11 @@ def pipeline(
             ``"retain"``: on a CPU, glibc keeps freed memory for reuse, as the command line
             does ([Note: freed memory stays in the process] in executor/host_allocator.py);
             one warning line when the profile was measured under the other setting.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: every stage computes under
+            ``torch.autocast`` to that dtype on its device, over fp32 parameters and gradients
+            ([Note: mixed precision] in executor/precision.py). A caller's own ``with
+            torch.autocast(...)`` is honoured either way, on worker threads and in every
+            recomputation. fp16 needs a ``torch.amp.GradScaler``.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     Raises:
@@ -280,6 +307,7 @@ def pipeline(
     from autopipe.solvers.partitioner import partition
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    precision = pipeline_precision(precision)  # refused before tracing
     batched, constants = split_keywords(model, example_kwargs, None)
     inputs = (*inputs, *batched.values())  # keyword inputs after positional ones, all split
     n_positional = len(inputs) - len(batched)
@@ -300,10 +328,12 @@ def pipeline(
         graph = trace(model, micro[:n_positional], example_kwargs=micro_kwargs, **trace_kwargs)
     if plan is None:
         if profile is None:
-            profile = measure(model, micro, device=str(devices[0]), graph=graph)
+            profile = measure(model, micro, device=str(devices[0]), graph=graph,
+                              precision=precision)
         else:
             profile.check_fingerprint(graph.fingerprint)
             _check_host_allocator(profile, in_use)
+            warn_precision_mismatch(precision_of(profile.meta), precision, "profile")
             measured_on = profile.meta.get("device_type")
             target = torch.device(devices[0]).type
             if measured_on and measured_on != target:
@@ -327,6 +357,8 @@ def pipeline(
             f"the plan has {len(plan.stages)} stages but {len(devices)} devices were given; "
             f"pass {len(plan.stages)} devices or re-run `autopipe partition --stages {len(devices)}`"
         )
+    else:
+        warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_checkpoint(plan, given)
     check_device_memory(plan, devices)
     stages = build(model, plan, graph)
@@ -337,7 +369,7 @@ def pipeline(
                       "with init= or reset_parameters(); pass weights= to load trained weights",
                       UserWarning, stacklevel=2)
     pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph,
-                    loss_fn=loss_fn)
+                    loss_fn=loss_fn, precision=precision)
     if pipe.plan is not plan:
         warnings.warn(_placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe

@@ -43,7 +43,9 @@ from autopipe.assemble import (
     graph_signature,
     microbatch_inputs,
     partition_checkpoint,
+    pipeline_precision,
     runtime_checkpoint,
+    warn_precision_mismatch,
 )
 from autopipe.assemble_mesh import replicas_of, replicated_pipeline
 from autopipe.core.plan import Plan
@@ -71,7 +73,7 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
                  method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor] | None,
-                 target: Any = None) -> Plan:
+                 target: Any = None, precision: str = "fp32") -> Plan:
     """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
     distributed runtime; every rank receives its plan (see [Note: one plan...])."""
     box: list[Any] = [None]
@@ -80,7 +82,8 @@ def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: i
         from autopipe.solvers.partitioner import partition
 
         try:
-            prof = profile(model, micro, graph=graph, loss_fn=None if target is None else loss_fn, target=target)
+            prof = profile(model, micro, graph=graph, loss_fn=None if target is None else loss_fn,
+                           target=target, precision=precision)
             box[0] = partition(prof, stages=stages, method=method, chunks=chunks, checkpoint=checkpoint,
                                runtime="distributed").to_dict()
         except ValueError as err:
@@ -129,6 +132,7 @@ def distributed_pipeline(
     weights: Weights | None = None,
     init: Callable[[nn.Module], None] | None = None,
     example_target: Any = None,
+    precision: str = "fp32",
     **trace_kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
@@ -182,6 +186,12 @@ def distributed_pipeline(
         init: for a meta-device model without ``weights``: ``init(module)`` for each module
             of this rank's stages (default ``reset_parameters()``), seeded per module so that
             ranks agree on tied ones ([Note: seeded per module]).
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: autocast in every stage and
+            the loss, over fp32 parameters; gradients, tied copies' sums and the replicas'
+            reduction in fp32 (FSDP2: ``MixedPrecisionPolicy(param_dtype=<low>,
+            reduce_dtype=torch.float32)``). See [Note: distributed mixed precision] in
+            executor/distributed.py. A caller's ``with torch.autocast(...): pipe.step(...)`` is
+            honoured either way.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     A model built on the meta device is never materialised whole: every rank gives real tensors
@@ -193,6 +203,7 @@ def distributed_pipeline(
     if not dist.is_initialized():
         raise BuildError("torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) on every rank first")
+    precision = pipeline_precision(precision)
     if schedule is None:
         schedule = plan.schedule if plan is not None else "gpipe"
     if schedule not in SCHEDULES:
@@ -240,11 +251,14 @@ def distributed_pipeline(
         elif target is not None:
             target = microbatch_inputs((target,), chunks)[0]
         plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode,
-                            loss_fn=loss_fn, target=target)
+                            loss_fn=loss_fn, target=target, precision=precision)
+    else:
+        warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_checkpoint(plan, given)
     stages = build(model, plan, graph)
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
-    wires = infer_wires(stages, probe)  # shapes only: a meta model is probed on meta
+    # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
+    wires = infer_wires(stages, probe, precision)
     mine = list(range(rank % world, k, world))  # [Note: replicas on a mesh]: rank = dp x K + pp
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
@@ -262,6 +276,7 @@ def distributed_pipeline(
         loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
         chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
         key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
+        precision=precision,
     )
 
 

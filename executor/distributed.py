@@ -34,6 +34,15 @@ recompute cost on the bundled examples). A PipelineStage receives a gradient bef
 micro-batch's backward, so there is nothing to overlap the recomputation with: it runs when the
 gradient arrives, without executor.recompute's early-recompute lane.
 
+[Note: distributed mixed precision] ``precision="bf16"`` (or ``"fp16"``) runs every call of
+this rank's stages, their recomputation and the loss under ``torch.autocast`` to that dtype on
+``device``, over fp32 parameters ([Note: mixed precision] in executor/precision.py); the
+wires are those of a probe under the same autocast, so activations cross in the low dtype
+([Note: wires under autocast] in executor/wire.py). A caller's own ``with torch.autocast(...):
+pipe.step(...)`` holds too (the schedule runs the stages in the calling thread, and a
+recomputation replays its forward's state). Gradients, their mean over micro-batches, the sum
+of tied copies and the replicas' reduction stay fp32 (executor/replicated.py).
+
 [Note: a dead rank is an error, not a hang] Gloo may wait for a dead or stuck peer for the
 whole process-group timeout (30 minutes by default), or forever (pytorch#132644). The
 pipeline therefore talks on its own process group created with ``timeout``, turns any
@@ -80,10 +89,11 @@ from executor.errors import DistributedError
 from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
 from executor.model_loss import ModelLoss, weighted
+from executor.precision import precision_autocast
 from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
-from executor.spec import SCHEDULES, check_stage_checkpoints
+from executor.spec import SCHEDULES, check_precision, check_stage_checkpoints
 from executor.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.wire import Wire, WireStage, infer_wires
 
@@ -154,6 +164,9 @@ class DistributedPipeline:
             ([Note: the first step's own limit]); None: ``timeout`` for it too.
         group: the pipeline's process group (a mesh's "pp" group, created with the first
             step's limit); default: a new group of every rank.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: autocast in every stage call
+            and the loss, fp32 parameters and gradients ([Note: distributed mixed precision]);
+            pass wires inferred with the same ``precision`` (``infer_wires(..., precision=)``).
     """
 
     dp_rank, dp_size = 0, 1  # one replica; executor.replicated.ReplicatedPipeline has more
@@ -176,6 +189,7 @@ class DistributedPipeline:
         timeout: float | None = 60.0,
         first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
         group: dist.ProcessGroup | None = None,
+        precision: str = "fp32",
     ) -> None:
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized; call "
@@ -193,6 +207,7 @@ class DistributedPipeline:
                                    f"{num_stages + 1}; pass infer_wires(all_stages, micro_batch)")
         try:
             self.checkpoints = check_stage_checkpoints(checkpoint, num_stages)  # every stage's
+            self.precision = check_precision(precision)
         except ValueError as err:
             raise DistributedError(str(err)) from None
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)  # in the pipeline
@@ -210,7 +225,7 @@ class DistributedPipeline:
         self.stages = [s.to(self.device) for s in stages]
         self.wire_stages = [
             WireStage(s, wires[i], wires[i + 1], first=i == 0, last=i == num_stages - 1,
-                      device=self.device)
+                      device=self.device, precision=self.precision)
             for s, i in zip(self.stages, self.indices, strict=True)
         ]
         where = {id(p): (k, n) for k, s in enumerate(self.stages) for n, p in s.named_parameters()}
@@ -296,10 +311,11 @@ class DistributedPipeline:
         if self._no_target:  # eval_step(x): torch's schedule computes a loss per micro-batch
             return torch.zeros((), device=self.device)
         assert self._last is not None
-        if isinstance(self._loss_fn, ModelLoss):  # target: this micro-batch's weight x chunks
-            loss = weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
-        else:
-            loss = self._loss_fn(self._last.unflatten(output), target)
+        with precision_autocast(self.precision, self.device):  # the last stage's work
+            if isinstance(self._loss_fn, ModelLoss):  # target: this micro-batch's weight x chunks
+                loss = weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
+            else:
+                loss = self._loss_fn(self._last.unflatten(output), target)
         return loss if self._scaler is None else self._scaler.scale(loss)
 
     def _bind(self, inputs: tuple[Any, ...], keywords: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], Any]:

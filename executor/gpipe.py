@@ -21,7 +21,9 @@ autopipe/frontend/building/stages.py [Note: a stage saves what the model saves])
 names differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one
 string per stage prepended to its local keys (``"net."``).
 
-Placement, and [Note: ties across devices], are in executor/placement.py.
+Placement, and [Note: ties across devices], are in executor/placement.py. Mixed precision
+(``precision=``, and the caller's own ``with torch.autocast(...)``): [Note: mixed precision]
+and [Note: autocast follows the stage] in executor/precision.py.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from executor.keywords import InputSignature
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
 from executor.placement import check_devices, place
+from executor.precision import precision_autocast
 from executor.recompute import Checkpointing, checkpoint_stop, depend
-from executor.spec import TimelineEvent, check_stage_checkpoints
+from executor.spec import TimelineEvent, check_precision, check_stage_checkpoints
 from executor.stream import (
     AbstractStream,
     copy,
@@ -91,6 +94,12 @@ class GPipe(nn.Module):
         model_loss: the output leaf that is the model's own mean loss, weighted per
             micro-batch by its counted items ([Note: a loss the model computes] in
             executor/model_loss.py); every other 0-dim output is weighted by rows.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: every stage call (and its
+            recomputation) runs under ``torch.autocast`` to that dtype on its device, while the
+            parameters and their gradients stay fp32 ([Note: mixed precision] in
+            executor/precision.py). The caller's own autocast is honoured on every worker and
+            in every recomputation either way. fp16 needs loss scaling:
+            ``torch.amp.GradScaler`` works on a GPipe as on a plain model.
     """
 
     def __init__(
@@ -107,9 +116,14 @@ class GPipe(nn.Module):
         loss_fn: Callable[[Any, Any], Tensor] | None = None,
         signature: InputSignature | None = None,
         model_loss: ModelLoss | None = None,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
         self.loss_fn, self.signature, self.model_loss = loss_fn, signature, model_loss
+        try:
+            self.precision = check_precision(precision)
+        except ValueError as err:
+            raise ExecutorError(str(err)) from None
         stages = list(stages)
         if not stages:
             raise ExecutorError("stages is empty: a pipeline needs at least one stage module")
@@ -279,6 +293,7 @@ class GPipe(nn.Module):
             task = _StageTask(
                 self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder,
                 loss,
+                self.precision,
             )
             futures.append((i, j, pool.submit(j, task)))
         error: BaseException | None = None
@@ -312,14 +327,20 @@ class _StageTask:
         checkpointed: bool,
         recorder: TimelineRecorder | None,
         loss: _Loss | None = None,
+        precision: str = "fp32",
     ) -> None:
         self.loss = loss
         self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
         self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder
+        self.precision = precision
 
     def _call(self, batch: Batch) -> Batch:
-        out = batch.call(self.stage)
-        return out if self.loss is None else Batch.from_output(self.loss(out.output()))
+        # the stage's own autocast, inside the caller's; a recomputation replays it (it calls
+        # this again) under the forward's autocast state ([Note: autocast follows the stage]);
+        # the last stage's loss_fn runs under it too, as part of that stage's work
+        with precision_autocast(self.precision, self.device):
+            out = batch.call(self.stage)
+            return out if self.loss is None else Batch.from_output(self.loss(out.output()))
 
     def __call__(self) -> tuple[Batch, Checkpointing | None]:
         j, i, device, rec = self.j, self.i, self.device, self.recorder

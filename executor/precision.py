@@ -57,14 +57,18 @@ class AutocastState:
 
     @contextmanager
     def apply(self) -> Iterator[None]:
-        """Run under these settings; a state with nothing enabled changes nothing."""
-        if not self.enabled:
+        """Run under exactly these settings: each device type whose state differs from the
+        calling thread's is entered (or turned off, where these have it off); where they are
+        already the thread's, nothing is entered."""
+        now = AutocastState.capture()
+        if now == self:
             yield
             return
+        here = {d: (on, dtype) for d, on, dtype in now.devices}
         with ExitStack() as stack:
             for device_type, on, dtype in self.devices:
-                if on:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                if here[device_type] != (on, dtype) or (on and now.cache != self.cache):
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=on,
                                                        cache_enabled=self.cache))
             yield
 

@@ -11,7 +11,10 @@ backward rebuilds the graph, so autograd runs it before :class:`Checkpoint`'s ba
 If no lane ran first (none hangs on an output the loss uses, or the caller adds none, as the
 distributed runtime does), :class:`Checkpoint`'s backward recomputes then, as torch's does.
 Only the stage's inputs are saved for backward. The RNG states (CPU, and the stage's CUDA
-device) are saved in forward and restored in recomputation, so dropout masks replay exactly.
+device) are saved in forward and restored in recomputation, so dropout masks replay exactly;
+so is the forward's autocast state ([Note: autocast follows the stage] in
+executor/precision.py): backward runs on another thread, or outside the caller's ``with
+torch.autocast(...)``, and a recomputation without it would rebuild the graph in other dtypes.
 
 :func:`fork`, :func:`join` and :func:`depend` add such ordering-only edges to the autograd
 graph; :mod:`executor.gpipe` uses :func:`depend` to make micro-batch ``i - 1`` of a stage
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from executor.errors import ExecutorError
 from executor.microbatch import Batch
+from executor.precision import AutocastState
 from executor.spec import recomputed_microbatches
 
 __all__ = [
@@ -183,6 +187,7 @@ class _Shared:
         self.device = device
         self.span = span
         self.rng: RNGState | None = None
+        self.autocast = AutocastState.capture()  # the forward's: Checkpointing is made where it runs
         self.output: Batch | None = None  # the first run's output, until checkpoint() takes it
         self.recomputed: tuple[list[Tensor], list[Tensor]] | None = None  # (outputs, input leaves)
 
@@ -240,11 +245,12 @@ class _Recompute(torch.autograd.Function):
 
 
 def _recompute(shared: _Shared, saved: tuple[Tensor, ...]) -> None:
-    """Run the stage again on its saved inputs, with grad and the forward's RNG state."""
+    """Run the stage again on its saved inputs, with grad and the forward's RNG state and
+    autocast state."""
     leaves = [x.detach().requires_grad_(x.requires_grad) for x in saved]
     assert shared.rng is not None
     with shared.span(), _restored_rng(shared.device, shared.rng):
-        with torch.enable_grad(), _flag("recomputing"):
+        with torch.enable_grad(), _flag("recomputing"), shared.autocast.apply():
             out = shared.function(shared.batch.with_tensors(leaves))
     shared.recomputed = (out.tensors(), leaves)
 

@@ -23,6 +23,14 @@ torch's PipelineStage runs, so PipelineStage synchronises once per step itself
   parameters, gradients and the optimizer's state sharded over the column, one all-gather
   before the first forward and one reduce-scatter after the last backward.
 
+Mixed precision ([Note: distributed mixed precision] in executor/distributed.py): under
+``precision="bf16"`` / ``"fp16"`` the stage computes under autocast either way; FSDP2 also
+all-gathers the parameters in that dtype and reduce-scatters the gradients in fp32
+(``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=torch.float32)``, leaving the stage's
+inputs as they arrive: ``cast_forward_inputs=False``, so an fp32 residual stream stays fp32, as
+under autocast), over fp32 shards, gradients and optimizer state; DDP keeps fp32 parameters
+and gradients and all-reduces them in fp32 (autocast only).
+
 After the step DistributedPipeline divides by the micro-batches and sums tied copies within
 each row ([Note: tied parameters across ranks]); both are linear, so their order with the
 replicas' mean does not matter: every copy ends with the gradient of the mean loss over all
@@ -54,13 +62,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from executor._torch_compat import mesh_group_options
 from executor.distributed import DistributedPipeline
 from executor.errors import DistributedError
+from executor.precision import compute_dtype
 from executor.spec import DATA_PARALLEL_MODES
 from executor.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
 from executor.wire import WireStage
@@ -151,7 +160,11 @@ class ReplicatedPipeline(DistributedPipeline):
     def _replicate(self, wire: WireStage) -> nn.Module:
         dp_mesh = self.mesh["dp"]
         if self.dp_mode == "fsdp":
-            fully_shard(wire, mesh=dp_mesh, reshard_after_forward=False)
+            low = compute_dtype(self.precision)
+            policy = (MixedPrecisionPolicy() if low == torch.float32 else
+                      MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32,
+                                           cast_forward_inputs=False))
+            fully_shard(wire, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
             return wire
         if not any(p.requires_grad for p in wire.parameters()):
             return wire  # DDP refuses a module with nothing to synchronise (a stage of only ReLUs)

@@ -20,6 +20,16 @@ executor/symbolic.py) and keeps each tensor wire's shape as formulas over the in
 sizes (tensors are sent contiguous, so the shape gives the stride); :meth:`Wire.at` evaluates
 them for the micro-batch at hand. Input dimensions the chain fixes stay numbers, and :func:`check_sizes` refuses other values for them in one line.
 Where the symbolic run is not possible the formulas are None and only the example's sizes run.
+
+[Note: wires under autocast] A tensor wire's dtype is what the probe run produced, so a
+pipeline with ``precision="bf16"`` probes under that autocast (:func:`infer_wires`'s
+``precision``) and its activations cross in bf16, as the plain model under autocast keeps
+them. A step may still run under other autocast than the probe did (the caller's own ``with
+torch.autocast(...)``, a probe on the meta device, where autocast does not act, or a CUDA op
+list that differs from the CPU one the probe ran): a floating tensor whose dtype differs from
+its wire's is cast to it before it is sent (and its gradient back on the way home). That
+cast is exact from bf16 / fp16 to fp32, so the next stage computes what it would have, up to
+ops that run in their input's dtype (an activation function on bf16 then runs on fp32).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from executor._torch_compat import TreeSpec, tree_flatten, tree_unflatten
 from executor.errors import DistributedError
 from executor.messages import Slot, layout, message_metas, pack, unpack
 from executor.microbatch import Batch
+from executor.precision import precision_autocast
 from executor.recompute import Checkpointing
 from executor.symbolic import SymbolicRun, evaluate, symbolic_run
 
@@ -124,6 +135,8 @@ def _encode(values: Sequence[Any], wires: Sequence[Wire], device: torch.device) 
     out: list[Tensor] = []
     for k, (value, wire) in enumerate(zip(values, wires, strict=True)):
         if wire.kind == "tensor":
+            if value.dtype != wire.dtype and value.is_floating_point() and wire.dtype.is_floating_point:
+                value = value.to(wire.dtype)  # [Note: wires under autocast]
             out.append(value.contiguous())  # what gloo and NCCL send; the buffers match it
         elif wire.kind == "scalar":
             out.append(torch.tensor(value, dtype=wire.dtype, device=device))
@@ -182,36 +195,42 @@ def _probing(stages: Sequence[nn.Module]) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def infer_wires(stages: Sequence[nn.Module], example_inputs: tuple[Any, ...]) -> list[tuple[Wire, ...]]:
+def infer_wires(stages: Sequence[nn.Module], example_inputs: tuple[Any, ...],
+                precision: str = "fp32") -> list[tuple[Wire, ...]]:
     """The wires of every cut from one probe run of the chain (with autograd, so that
     ``requires_grad`` is known): cut 0 is the model's inputs, cut ``i`` stage ``i``'s inputs,
     and the extra last cut the tensor leaves of the model's output (what the loss receives).
     Tensor wires carry formulas for other input sizes where a symbolic run of the chain is
-    possible ([Note: wires at other sizes])."""
+    possible ([Note: wires at other sizes]). Each stage runs under ``precision``'s autocast,
+    as the pipeline will run it ([Note: wires under autocast])."""
     bad = [k for k, v in enumerate(example_inputs) if not isinstance(v, Tensor)]
     if bad:
         raise DistributedError(
             f"model inputs {bad} are not tensors; torch.distributed.pipelining feeds the first "
             "stage tensors only: pass non-tensor arguments as constants of the model instead"
         )
+    device = next((x.device for x in example_inputs if x.device.type in ("cpu", "cuda")),
+                  torch.device("cpu"))
     with _probing(stages):
-        cuts = _chain(stages, tuple(example_inputs))
+        cuts = _chain(stages, tuple(example_inputs), precision, device)
         wires = [tuple(Wire.of(v) for v in values) for values in cuts]
         try:
-            run = symbolic_run(lambda *xs: _chain(stages, xs), example_inputs)
+            run = symbolic_run(lambda *xs: _chain(stages, xs, precision, device), example_inputs)
             return [tuple(_with_formulas(w, v, run) for w, v in zip(cut, values, strict=True))
                     for cut, values in zip(wires, run.outputs, strict=True)]
         except Exception:  # noqa: BLE001 - no formulas: the example's sizes only
             return wires
 
 
-def _chain(stages: Sequence[nn.Module], inputs: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+def _chain(stages: Sequence[nn.Module], inputs: tuple[Any, ...], precision: str = "fp32",
+           device: torch.device | None = None) -> list[tuple[Any, ...]]:
     """The values at every cut of one run of the chain (see :func:`infer_wires`)."""
     cuts: list[tuple[Any, ...]] = []
     values: tuple[Any, ...] = inputs
     for i, stage in enumerate(stages):
         cuts.append(values)
-        out = stage(*values)
+        with precision_autocast(precision, device or torch.device("cpu")):
+            out = stage(*values)
         values = _as_tuple(out) if i < len(stages) - 1 else tuple(tree_flatten(out)[0])
     cuts.append(tuple(v for v in values if isinstance(v, Tensor)))
     return cuts
@@ -257,15 +276,18 @@ class WireStage(nn.Module):
     as they are, the last flattens its output pytree to tensor leaves and :meth:`unflatten`
     rebuilds it for the loss; between ranks, each cut's values travel packed ([Note: few
     messages per cut]) at the input sizes :meth:`use` sets. ``recompute`` is set per
-    micro-batch by the pipeline (see [Note: distributed recomputation]).
+    micro-batch by the pipeline (see [Note: distributed recomputation]). Every call runs under
+    ``precision``'s autocast on ``device`` ([Note: mixed precision] in executor/precision.py),
+    inside the caller's; a recomputation replays the autocast its forward ran under.
     """
 
     def __init__(
         self, stage: nn.Module, inputs: Sequence[Wire], outputs: Sequence[Wire], *, first: bool,
-        last: bool, device: torch.device,
+        last: bool, device: torch.device, precision: str = "fp32",
     ) -> None:
         super().__init__()
         self.stage = stage
+        self.precision = precision
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.first, self.last = first, last
@@ -289,6 +311,10 @@ class WireStage(nn.Module):
                        for m in layout(self._out)]
 
     def forward(self, *received: Tensor) -> tuple[Tensor, ...]:
+        with precision_autocast(self.precision, self.device):
+            return self._forward(*received)
+
+    def _forward(self, *received: Tensor) -> tuple[Tensor, ...]:
         if self.recompute and self.stage.training and torch.is_grad_enabled():
             # [Note: distributed recomputation]: executor.GPipe's checkpoint, recomputing when
             # the gradient arrives (no side lane: nothing to overlap it with here)

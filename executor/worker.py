@@ -6,7 +6,8 @@ lives on the same device (all-CPU pipelines, or several stages on one GPU) a thr
 hand-off per task, and loses the caller's thread-local state (saved-tensor hooks, autocast,
 profilers). The pool then runs tasks inline, in the caller's thread, in submission order. With
 two or more distinct devices it starts one daemon thread per device (stages on the same device
-share it), so CUDA devices launch kernels concurrently. Grad mode is carried into the task.
+share it), so CUDA devices launch kernels concurrently. Grad mode and the caller's autocast
+state are carried into the task ([Note: autocast follows the stage] in executor/precision.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from executor.precision import AutocastState
 from executor.stream import use_device
 
 __all__ = ["WorkerPool", "normalize_device"]
@@ -98,11 +100,12 @@ class WorkerPool:
             thread.join()
 
     def submit(self, stage: int, fn: Callable[[], T]) -> Future[T]:
-        """Queue ``fn`` on stage ``stage``'s worker, under the caller's grad mode."""
+        """Queue ``fn`` on stage ``stage``'s worker, under the caller's grad mode and autocast."""
         grad_enabled = torch.is_grad_enabled()
+        autocast = AutocastState.capture()
 
         def task() -> T:
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(grad_enabled), autocast.apply():
                 return fn()
 
         future: Future[T] = Future()

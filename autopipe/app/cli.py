@@ -98,7 +98,7 @@ def _profile(args: argparse.Namespace) -> int:
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
         threads=config.threads, progress=not config.no_progress, mode=config.mode,
         meta=config.meta, micro_batch_sizes=config.micro_batch_sizes, comm=config.comm,
-        host_allocator=config.host_allocator,
+        host_allocator=config.host_allocator, precision=config.precision,
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")
@@ -202,11 +202,12 @@ def _train(args: argparse.Namespace) -> int:
     from autopipe.app.train import train_example
 
     config: TrainConfig = from_namespace(TrainConfig, args)
+    config.check()
     train_example(config.model, stages=config.stages, chunks=config.chunks,
                   batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
                   devices=config.devices, method=config.method, plan=config.plan,
                   profile=config.profile, lr=config.lr, clip_grad=config.clip_grad,
-                  host_allocator=config.host_allocator)
+                  host_allocator=config.host_allocator, precision=config.precision)
     return 0
 
 

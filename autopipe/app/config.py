@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autopipe.errors import BuildError
+from executor.spec import PRECISIONS
 
 __all__ = [
     "ProfileConfig",
@@ -51,6 +52,10 @@ ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "auto"]
 Figure = Literal["balance", "timeline", "layers"]
 ProfileMode = Literal["auto", "whole", "layers"]
 HostAllocator = Literal["retain", "system"]
+Precision = Literal["fp32", "bf16", "fp16"]
+assert typing.get_args(Precision) == PRECISIONS, "--precision's choices are executor.spec.PRECISIONS"
+_PRECISION = ("fp32, or bf16 / fp16: autocast in every stage over fp32 parameters, gradients and "
+              "optimizer state")
 _HOST_ALLOCATOR = ("on a CPU, retain: glibc keeps freed memory for reuse, as a training loop "
                    "reuses it (default); system: the allocator as it is. The profile records it")
 
@@ -127,6 +132,8 @@ class ProfileConfig:
                              "slower the model computes with a copy beside it, for plans run with "
                              "`autopipe run` on this host (10-20 s for the bundled examples)")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
+    precision: Precision = _opt("fp32", _PRECISION + "; measured under that autocast, recorded in "
+                                        "the profile, planned for by partition (default fp32)")
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,11 @@ class TrainConfig:
                                          "each parameter once) to this before each step (default: "
                                          "no clipping)", metavar="MAX_NORM")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
+    precision: Precision = _opt("fp32", _PRECISION + "; fp16 with torch.amp.GradScaler (default fp32)")
+
+    def check(self) -> None:
+        """The flags alone, before the model is loaded: one line per bad value."""
+        _check_choice("--precision", self.precision, Precision)
 
 
 @dataclass(frozen=True)
@@ -244,6 +256,7 @@ class RunConfig:
     dp_mode: Literal["ddp", "fsdp"] | None = _opt(None, "how replicas sync: ddp (gradient all-reduce) "
                                                         "or fsdp (sharded state) (default: the "
                                                         "--plan's, else ddp)")
+    precision: Precision = _opt("fp32", _PRECISION + ", gradients reduced in fp32 (default fp32)")
 
     def replicas(self) -> int | str | None:
         """--data-parallel as a number, "auto" or None (the plan's); one line when malformed."""
@@ -285,6 +298,7 @@ class RunConfig:
             _check_choice("--checkpoint", self.checkpoint, Checkpoint)
         if self.dp_mode is not None:
             _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
+        _check_choice("--precision", self.precision, Precision)
         replicas = self.replicas()
         if isinstance(replicas, int) and self.nproc % replicas:
             raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "

@@ -171,7 +171,8 @@ def layout(config: RunConfig, plan: Plan, where: str) -> str:
     each = f"{d} replicas ({config.dp_mode}) of {config.batch_size // d if config.batch_size else 1} rows, " if d > 1 else ""
     ranks = [",".join(str(s % w + r * w) for r in range(d)) for s in range(len(plan.stages))]
     rw = max(4, *(len(x) for x in ranks))
-    lines = [f"{config.model} on {config.nproc} ranks ({config.schedule}, checkpoint={config.checkpoint}): "
+    amp = "" if config.precision == "fp32" else f", precision={config.precision}"
+    lines = [f"{config.model} on {config.nproc} ranks ({config.schedule}, checkpoint={config.checkpoint}{amp}): "
              f"batch {config.batch_size} {'as ' + each if each else ''}in {config.chunks} micro-batches of "
              f"{micro} rows; plan {where}",
              f"{'rank':>{rw}}  {'stage':>5}  {'layers':>6}  {'first .. last':<{wide}}  {'ms per micro-batch':>18}"]

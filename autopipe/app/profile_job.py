@@ -170,6 +170,7 @@ def profile_to_file(
     micro_batch_sizes: str | None = None,
     comm: bool = False,
     host_allocator: str = "retain",
+    precision: str = "fp32",
 ) -> tuple[Profile, Path]:
     """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
 
@@ -179,7 +180,7 @@ def profile_to_file(
     ``meta`` builds the model on the meta device ([Note: models built on meta] in
     autopipe/app/model_spec.py); ``mode`` is profile()'s. ``comm`` adds the transfer between
     two ranks and the distributed runtime's call cost ([Note: measured transfer]).
-    ``host_allocator`` is profile()'s, "retain" as the command line trains.
+    ``host_allocator`` and ``precision`` are profile()'s, "retain" as the command line trains.
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
@@ -207,7 +208,8 @@ def profile_to_file(
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes,
-            host_allocator=host_allocator, comm=comm, **_loss_of(loaded), **kwargs,
+            host_allocator=host_allocator, comm=comm, precision=precision, **_loss_of(loaded),
+            **kwargs,
         )
     finally:
         torch.set_num_threads(before)

@@ -70,7 +70,7 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
                                 chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                                 timeout=config.timeout, first_step_timeout=config.first_step_timeout,
                                 host_allocator=config.host_allocator, data_parallel=replicas,
-                                dp_mode=config.dp_mode)
+                                dp_mode=config.dp_mode, precision=config.precision)
     inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in map(local, ex.inputs))
     target = local(ex.target)
     target = target.to(pipe.device) if isinstance(target, torch.Tensor) else target
@@ -93,7 +93,8 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     timed = max(config.steps - 1, 1)
     if pipe.is_last and pipe.dp_rank == 0:
         each = f"{pipe.dp_size} replicas ({config.dp_mode or 'ddp'}) x " if pipe.dp_size > 1 else ""
-        print(f"{config.model}: {each}{pipe.pp_size} ranks x {len(pipe.stages)} stage(s), {schedule}, "
+        amp = "" if config.precision == "fp32" else f", {config.precision}"
+        print(f"{config.model}: {each}{pipe.pp_size} ranks x {len(pipe.stages)} stage(s), {schedule}{amp}, "
               f"chunks={chunks}, batch {batch}: {timed * batch / elapsed:.1f} samples/s", flush=True)
     return losses
 

@@ -10,6 +10,10 @@ time, so on one CPU the pipelined step cannot beat the unpipelined one: it only 
 per-micro-batch overhead and recomputation. The summary says so, predicts the step for the
 devices actually used (the simulator's [Note: shared devices]) and for one device per stage,
 and names the ``autopipe run`` command that runs each stage in its own process.
+
+With ``precision="bf16"`` / ``"fp16"`` the stages compute under autocast ([Note: mixed
+precision] in executor/precision.py), and so do the loss and the unpipelined model's step the
+summary compares with; fp16 steps through a ``torch.amp.GradScaler``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from autopipe.app.config import (
     resolve,
 )
 from autopipe.app.model_spec import LoadedModel, load_model
-from autopipe.assemble import microbatch_inputs, pipeline
+from autopipe.assemble import microbatch_inputs, pipeline, pipeline_precision
 from autopipe.core.cost import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
@@ -37,6 +41,7 @@ from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, BuildError
 from autopipe.frontend.profiling.profiler import profile as profile_model
 from autopipe.frontend.tracing.graph import trace
+from executor.precision import precision_autocast
 from executor.spec import microbatch_sizes
 
 __all__ = ["TrainReport", "median_ms", "train_example"]
@@ -56,6 +61,7 @@ class TrainReport:
     predicted_ms: float = float("nan")  # forward + backward on these devices
     predicted_apart_ms: float = float("nan")  # forward + backward, one device per stage
     run_command: str = ""
+    precision: str = "fp32"
 
     @property
     def median_step_ms(self) -> float:
@@ -82,7 +88,7 @@ class TrainReport:
         lines = [
             f"{self.example}: batch {self.batch_size} in {m} micro-batches of {micro} rows, "
             f"{k} stages on {', '.join(self.devices)} (checkpoint={self.plan.checkpoint}, "
-            f"method={self.plan.method})",
+            f"method={self.plan.method}{'' if self.precision == 'fp32' else ', precision=' + self.precision})",
             f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f} over {len(self.losses)} steps",
             f"step {step:.1f} ms (medians of {timed}: forward+backward {fb:.1f} ms, AdamW "
             f"{opt:.1f} ms), {self.batch_size / (step / 1e3):.0f} samples/s; predicted forward+backward "
@@ -155,15 +161,18 @@ def train_example(
     clip_grad: float | None = None,
     log: Callable[[str], None] | None = print,
     host_allocator: str = "retain",
+    precision: str = "fp32",
 ) -> TrainReport:
     """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
     returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
     ``batch_size`` default to the plan's or profile's, else 2, 4 and 32; ``checkpoint`` to the
-    plan's (one mode per stage), else except_last. ``clip_grad``: clip the gradient norm to it
-    before each step (``pipe.clip_grad_norm_``), the norms kept in ``report.grad_norms``."""
+    plan's (one mode per stage), else except_last; ``precision`` is the pipeline's (fp16 with
+    a gradient scaler). ``clip_grad``: clip the gradient norm to it before each step
+    (``pipe.clip_grad_norm_``, after unscaling), the norms kept in ``report.grad_norms``."""
     if steps < 1:
         raise AutopipeError(f"steps={steps} < 1: train at least one step (--steps 1 or more)")
     check_clip_grad(clip_grad)
+    precision = pipeline_precision(precision)
     loaded_plan = Plan.load(plan) if isinstance(plan, str) else plan
     loaded_profile = Profile.load(profile) if isinstance(profile, str) else profile
     k, m, b, chosen = _sizes(loaded_plan, loaded_profile, stages, chunks, batch_size, devices)
@@ -171,29 +180,37 @@ def train_example(
     graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
     if loaded_plan is None and loaded_profile is None:  # with the loss the last stage pays
         loaded_profile = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph,
-                                       host_allocator=host_allocator, loss_fn=ex.loss_fn, target=ex.target)
+                                       host_allocator=host_allocator, loss_fn=ex.loss_fn, target=ex.target,
+                                       precision=precision)
     pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,
                     plan=loaded_plan, profile=loaded_profile, method=method, graph=graph,
-                    host_allocator=host_allocator)
+                    host_allocator=host_allocator, precision=precision)
     run = f"autopipe run {name} --nproc {k} --batch-size {b} --chunks {m}"
     report = TrainReport(ex.name if ":" in name else name, pipe.plan, batch_size=b, devices=chosen,
                          predicted_ms=_predict(pipe.plan, chosen),
                          predicted_apart_ms=_predict(pipe.plan, [f"device{s}" for s in range(k)]),
-                         run_command=run + (f" --plan {plan}" if isinstance(plan, str) else ""))
+                         run_command=run + (f" --plan {plan}" if isinstance(plan, str) else "")
+                         + ("" if precision == "fp32" else f" --precision {precision}"),
+                         precision=precision)
     if log:
         log(report.plan.table())
     opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
+    scaler = _scaler(precision, chosen[-1])
     target = ex.target.to(chosen[-1]) if isinstance(ex.target, torch.Tensor) else ex.target
     assert ex.loss_fn is not None  # load_model(for_training=...) checked it
     for step in range(steps):
         start = time.perf_counter()
         opt.zero_grad()
-        loss = ex.loss_fn(pipe(*ex.inputs), target)
-        loss.backward()
+        output = pipe(*ex.inputs)
+        with precision_autocast(precision, torch.device(chosen[-1])):  # as the last stage ran
+            loss = ex.loss_fn(output, target)
+        scaler.scale(loss).backward()
         if clip_grad is not None:
+            scaler.unscale_(opt)  # a no-op unless fp16
             report.grad_norms.append(float(pipe.clip_grad_norm_(clip_grad)))
         before_opt = time.perf_counter()
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         done = time.perf_counter()
         report.step_ms.append((done - start) * 1e3)
         report.optimizer_ms.append((done - before_opt) * 1e3)
@@ -203,24 +220,35 @@ def train_example(
             log(f"step {step + 1}/{steps}  loss {report.losses[-1]:.4f}  {norm}"
                 f"{report.step_ms[-1]:.1f} ms")
     report.baseline_ms = _unpipelined_ms(load_model(name, b, for_training="autopipe train"),
-                                         chosen[0], lr, max(3, steps))
+                                         chosen[0], lr, max(3, steps), precision)
     if log:
         log(report.summary())
     return report
 
 
-def _unpipelined_ms(plain: LoadedModel, device: str, lr: float, repeats: int) -> float:
-    """The same step (forward, loss, backward, AdamW) on the unpipelined model, on one device."""
+def _scaler(precision: str, device: str) -> torch.amp.GradScaler:
+    """fp16's loss scaling (torch's, in one process); a disabled scaler (a plain step) otherwise."""
+    return torch.amp.GradScaler(torch.device(device).type, enabled=precision == "fp16")
+
+
+def _unpipelined_ms(plain: LoadedModel, device: str, lr: float, repeats: int,
+                    precision: str = "fp32") -> float:
+    """The same step (forward, loss, backward, AdamW) on the unpipelined model, on one device,
+    under the pipeline's precision."""
     model = plain.model.to(device)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in plain.inputs)
     target = plain.target.to(device) if isinstance(plain.target, torch.Tensor) else plain.target
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = _scaler(precision, device)
     assert plain.loss_fn is not None
     loss_fn = plain.loss_fn
 
     def step() -> None:
         opt.zero_grad()
-        loss_fn(model(*inputs), target).backward()
-        opt.step()
+        with precision_autocast(precision, torch.device(device)):
+            loss = loss_fn(model(*inputs), target)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
     return median_ms(step, repeats, warmup=1)

@@ -44,6 +44,8 @@ def test_torchrun_command_names_every_setting(tmp_path: Path) -> None:
         (RunConfig("mlp", threads=0), r"^--threads 0 < 1: pass --threads 1 or more$"),
         (RunConfig("mlp", schedule="zb"), "--schedule 'zb' is unknown"),
         (RunConfig("mlp", clip_grad=0.0), r"^--clip-grad 0.0 must be > 0 .*, e.g. --clip-grad 1.0$"),
+        (RunConfig("mlp", precision="fp8"),  # type: ignore[arg-type]
+         r"^--precision 'fp8' is unknown; use one of \['fp32', 'bf16', 'fp16'\]$"),
     ],
 )
 def test_bad_run_configs(config: RunConfig, match: str) -> None:

@@ -4,15 +4,20 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import autopipe
+import autopipe.app.rank_main
+import autopipe.app.train
 from autopipe import AutopipeError, PlanError
 from autopipe.app.cli import main
+from autopipe.app.config import RunConfig
 from autopipe.app.train import TrainReport, train_example
 from autopipe.core.plan import Plan
 from autopipe.solvers.synthetic import random_chain
+from tests.test_assemble_ranks import one_rank  # noqa: F401 - a fixture
 
 
 def test_trains_a_bundled_example_end_to_end() -> None:
@@ -121,3 +126,46 @@ def test_bad_arguments() -> None:
         train_example("mlp", steps=0, log=None)
     with pytest.raises(PlanError, match="does not exist"):
         train_example("mlp", plan="does/not/exist.json", log=None)
+
+
+def test_cli_precision_reaches_the_pipeline(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    built: list[str] = []
+    real = autopipe.app.train.pipeline
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        pipe = real(*args, **kwargs)
+        built.append(pipe.precision)
+        return pipe
+
+    monkeypatch.setattr(autopipe.app.train, "pipeline", spy)
+    assert main(["train", "mlp", "--stages", "2", "--chunks", "2", "--batch-size", "4", "--steps", "1",
+                 "--precision", "bf16"]) == 0
+    assert built == ["bf16"]
+    out = capsys.readouterr().out
+    assert "(checkpoint=except_last, method=exact, precision=bf16)" in out
+    assert "--chunks 2 --precision bf16`" in out  # the autopipe run command it names
+    for command in ("train", "run"):
+        assert main([command, "mlp", "--precision", "fp8"]) == 2
+        assert capsys.readouterr().err == ("autopipe: error: --precision 'fp8' is unknown; use one of "
+                                           "['fp32', 'bf16', 'fp16']\n")
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_run_passes_precision_to_every_ranks_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+
+    def spy(*args: object, **kwargs: object) -> None:
+        seen.append(kwargs["precision"])
+        raise _Built
+
+    monkeypatch.setattr(autopipe.app.rank_main, "distributed_pipeline", spy)
+    config = RunConfig.from_json(RunConfig("mlp", nproc=1, steps=1, batch_size=8, chunks=2,
+                                           precision="bf16").to_json())  # as a rank reads it
+    with pytest.raises(_Built):
+        autopipe.app.rank_main.train(config)
+    assert seen == ["bf16"]

@@ -123,6 +123,7 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
         )
     for i, stage in enumerate(stages):
         registry.apply(stage, i)
+        _free_dtype_checks(stage)
     order = {name: i for i, name in enumerate(graph.layers)}
     recomputed = set(plan.recompute_layers)
     for stage, names in zip(stages, plan.stages, strict=True):  # [Note: recomputed layers]
@@ -132,6 +133,23 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
             recompute_alone(stage, [n for n, owner in graph.node_layer.items() if owner in layers],
                             f"{graph.layers[run[0]]}..{graph.layers[run[-1]]}")
     return stages
+
+
+def _free_dtype_checks(stage: fx.GraphModule) -> None:
+    """[Note: a stage's dtypes follow autocast] torch.export puts an ``_assert_tensor_metadata``
+    before each ``.to(...)`` of the model, holding the dtype the tensor had when traced (fp32).
+    A stage runs under autocast (``precision=``, or the caller's own ``with torch.autocast``)
+    and with FSDP2 parameters gathered in bf16 (executor/replicated.py), where the same tensor
+    may be bf16, and the plain model runs on. So the stages keep these checks' device and
+    layout but not their dtype."""
+    changed = False
+    for node in stage.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+                and node.kwargs.get("dtype") is not None):
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+            changed = True
+    if changed:
+        stage.recompile()
 
 
 class RecomputedLayer(nn.Module):
