@@ -190,3 +190,31 @@ def test_two_ranks_under_bf16_equal_one_process() -> None:
         assert all(f["grads"][n].dtype == torch.float32 for f in fsdp)
         _close(fsdp[0]["grads"][n], p.grad, f"fsdp {n}", tol=5e-2)
         torch.testing.assert_close(fsdp[0]["grads"][n], fsdp[1]["grads"][n])
+
+
+# --- the plan is made for the pipeline's precision ------------------------------------------
+def _mlp() -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)), torch.randn(8, 16)
+
+
+def test_pipeline_profiles_and_plans_under_its_precision() -> None:
+    model, x = _mlp()
+    pipe = autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, precision="bf16")
+    assert pipe.plan.precision == "bf16" and pipe.precision == "bf16"
+    assert pipe(x).dtype == BF16
+
+
+def test_a_plan_or_profile_of_another_precision_warns_in_one_line() -> None:
+    model, x = _mlp()
+    micro = microbatch_inputs((x,), 2)
+    graph = trace(model, micro)
+    prof = cost_profile(graph)  # fp32: no precision recorded
+    with pytest.warns(UserWarning, match=r"^autopipe: the profile was measured under "
+                      r"precision='fp32' but the pipeline computes in 'bf16'.*--precision bf16\)"):
+        autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, profile=prof, graph=graph,
+                          precision="bf16")
+    plan = autopipe.partition(prof, stages=2, chunks=2)
+    with pytest.warns(UserWarning, match=r"^autopipe: the plan was measured under precision='fp32'"):
+        autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], plan=plan, graph=graph,
+                          precision="bf16")

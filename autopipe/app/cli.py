@@ -92,6 +92,7 @@ def _profile(args: argparse.Namespace) -> int:
     from autopipe.app.profile_job import profile_to_file, summary_table
 
     config: ProfileConfig = from_namespace(ProfileConfig, args)
+    config.check()
     prof, path = profile_to_file(
         config.model, out=config.out, force=config.force, batch_size=config.batch_size,
         chunks=config.chunks, device=config.device, repeats=config.repeats, warmup=config.warmup,

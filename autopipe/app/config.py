@@ -135,6 +135,10 @@ class ProfileConfig:
     precision: Precision = _opt("fp32", _PRECISION + "; measured under that autocast, recorded in "
                                         "the profile, planned for by partition (default fp32)")
 
+    def check(self) -> None:
+        """The flags alone, before the model is loaded: one line per bad value."""
+        _check_choice("--precision", self.precision, Precision)
+
 
 @dataclass(frozen=True)
 class PartitionConfig:

@@ -143,6 +143,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         try:
             prof = profile(loaded.model, loaded.inputs, chunks=chunks, graph=graph, name=loaded.name,
                            progress=False, host_allocator=config.host_allocator,
+                           precision=config.precision,
                            **_loss_of(loaded))  # [Note: the loss in the last stage]
         finally:
             torch.set_num_threads(before)

@@ -167,3 +167,12 @@ def test_profile_several_micro_batch_sizes(tmp_path: Path, capsys: pytest.Captur
     capsys.readouterr()
     assert main(["profile", "mlp", "--micro-batch-sizes", "1,x", "--out", str(tmp_path / "b.csv")]) == 2
     assert "--micro-batch-sizes '1,x': give row counts >= 1 separated by commas" in capsys.readouterr().err
+
+
+def test_profile_under_a_precision_records_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mlp.csv"
+    assert main(["profile", "mlp", "--batch-size", "8", "--chunks", "2", "--out", str(out),
+                 "--precision", "bf16", "--no-progress", *FAST]) == 0, capsys.readouterr().err
+    assert Profile.load(out).meta["precision"] == "bf16"
+    assert main(["profile", "mlp", "--out", str(tmp_path / "x.csv"), "--precision", "fp8"]) == 2
+    assert "--precision" in capsys.readouterr().err and not (tmp_path / "x.csv").exists()
