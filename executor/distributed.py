@@ -16,7 +16,10 @@ and ``step`` runs in whichever mode is set, like a plain model's forward and bac
 ``eval_step`` is the evaluation a user expects: forward only (torch's ``schedule.eval``: no
 backward, no gradients, under ``torch.no_grad``), with every stage in eval mode for the call
 and put back afterwards, returning the mean micro-batch loss when given a target, else the
-model's output for the whole batch (micro-batch outputs concatenated, as executor.GPipe does). Gradients accumulate in the stages' parameters exactly as
+model's output for the whole batch, gathered as executor.GPipe gathers it: tensors concatenated,
+a 0-dim leaf the sum of its micro-batches' values weighted by their counted items if it is the
+model's own loss ([Note: a loss the model computes]: the loss ``step`` returns), else by rows.
+``step``'s gradients accumulate in the stages' parameters exactly as
 ``mean(loss_fn(stage_chain(x_i), y_i) for each micro-batch i).backward()`` would leave them,
 so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_module`.
 
@@ -78,6 +81,7 @@ from executor._torch_compat import (
 )
 from executor.errors import DistributedError
 from executor.keywords import InputSignature
+from executor.microbatch import gather
 from executor.model_loss import ModelLoss, weighted
 from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
@@ -219,6 +223,7 @@ class DistributedPipeline:
         self._loss_fn = loss_fn
         self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
+        self._outputs: list[Any] = []  # ... and each micro-batch's output is kept instead
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
@@ -291,9 +296,10 @@ class DistributedPipeline:
         return self.train(False)
 
     def _loss(self, output: Any, target: Any) -> Tensor:
-        if self._no_target:  # eval_step(x): torch's schedule computes a loss per micro-batch
-            return torch.zeros((), device=self.device)
         assert self._last is not None
+        if self._no_target:  # eval_step(x): the outputs are gathered here, the loss is a dummy
+            self._outputs.append(self._last.unflatten(output))
+            return torch.zeros((), device=self.device)
         if isinstance(self._loss_fn, ModelLoss):  # target: this micro-batch's weight x chunks
             return weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
         return self._loss_fn(self._last.unflatten(output), target)
@@ -347,40 +353,42 @@ class DistributedPipeline:
             self._finish_grads()
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
-    def eval_step(self, *inputs: Any, target: Any = None) -> Any:
+    def eval_step(self, *inputs: Any, target: Any = None, **keywords: Any) -> Any:
         """Forward only, in eval mode, without gradients (see [Note: train, eval and evaluation]).
 
         On the last rank: the mean micro-batch loss when ``target`` is given, else the model's
-        output for the whole batch; None on the other ranks. Call it on every rank.
+        output for the whole batch (its own loss weighted as ``step`` weights it); None on the
+        other ranks. Call it on every rank.
         """
-        zero_dim = [k for k, w in enumerate(self.wires[-1]) if w.kind == "tensor" and not w.shape]
-        if zero_dim:  # torch's schedule.eval gathers the outputs, whatever the target
-            raise DistributedError(
-                f"output leaf {zero_dim[0]} is a 0-dim tensor: eval_step gathers outputs over "
-                "micro-batches and cannot concatenate it; return per-sample values (shape "
-                "(batch, ...)) and reduce after the pipeline"
-            )
+        inputs, target = self._bind(inputs, keywords, target)
+        counted = None  # the model's own loss: each micro-batch's weight x chunks, from _bind
+        if isinstance(self._loss_fn, ModelLoss) and self.is_last:
+            counted, target = target, None
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
         losses: list[Tensor] = []
+        self._outputs = []
         try:  # not counted in _steps: checkpoint parts record training steps
             self.eval()
             self._no_target = target is None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
                 schedule = self._prepare(inputs, target, need_target=False)
                 dummy = torch.zeros(self.chunks, device=self.device)  # split per micro-batch, unread
-                out = schedule.eval(*(inputs if self.is_first else ()),
-                                    target=(dummy if target is None else target) if self.is_last else None,
-                                    losses=losses if self.is_last else None)
+                schedule.eval(*(inputs if self.is_first else ()),
+                              target=(dummy if target is None else target) if self.is_last else None,
+                              losses=losses if self.is_last else None, return_outputs=False)
         finally:
             self._no_target = False
             for m, mode in modes:
                 m.training = mode
+        outputs, self._outputs = self._outputs, []
         if not self.is_last:
             return None
         if target is not None:
             return torch.stack(losses).mean()
-        assert self._last is not None
-        return self._last.unflatten(out if isinstance(out, tuple) else (out,))
+        rows = [1.0 / self.chunks] * self.chunks  # equal micro-batches
+        loss = self._loss_fn if counted is not None else None
+        weights = rows if loss is None else list(counted / self.chunks)
+        return gather(outputs, lambda k: weights if loss is not None and k == loss.leaf else rows)
 
     @contextmanager
     def _peer_failures(self) -> Iterator[None]:
