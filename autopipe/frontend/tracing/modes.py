@@ -5,10 +5,12 @@ from the running module's ``training`` flag.
 graph holds the mode it was traced in: torch.export bakes ``aten.dropout(x, 0.1, True)``,
 SDPA's ``dropout_p`` and BatchNorm's ``training``; torch.fx bakes
 ``F.dropout(x, training=self.training)`` (an ``nn.Dropout`` leaf stays a module call and
-follows its own flag). capture.py therefore traces the model in both modes and
+follows its own flag). capture.py therefore traces the model in both modes (the other mode at the
+example's static sizes: a dynamic export costs about three times as much) and
 :func:`bind_modes` lines the two graphs up (difflib over the nodes' ops, after dropping
-value-preserving ``contiguous`` / ``alias`` nodes whose presence depends on strides) and, where
-they differ only in
+value-preserving ``contiguous`` / ``alias`` / whole-slice nodes whose presence depends on strides
+or static sizes, and the dynamic graph's size arithmetic, which matches the static graph's int
+of the same value where it is used) and, where they differ only in
 
 - a literal argument (``True``/``False``, ``0.1``/``0.0``, compared on the op's full schema so
   an omitted default counts): the argument becomes ``by_mode(self.training, train, eval)``;
