@@ -385,10 +385,10 @@ class DistributedPipeline:
             return None
         if target is not None:
             return torch.stack(losses).mean()
-        rows = [1.0 / self.chunks] * self.chunks  # equal micro-batches
-        loss = self._loss_fn if counted is not None else None
-        weights = rows if loss is None else list(counted / self.chunks)
-        return gather(outputs, lambda k: weights if loss is not None and k == loss.leaf else rows)
+        rows: list[Tensor | float] = [1.0 / self.chunks] * self.chunks  # equal micro-batches
+        leaf = self._loss_fn.leaf if isinstance(self._loss_fn, ModelLoss) else -1
+        items = rows if counted is None else list(counted / self.chunks)
+        return gather(outputs, lambda k: items if k == leaf else rows)
 
     @contextmanager
     def _peer_failures(self) -> Iterator[None]:
