@@ -42,6 +42,7 @@ from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.profiling.inputs import micro_batch
 from autopipe.frontend.profiling.profiler import profile as measure
+from autopipe.frontend.tracing.counted_loss import uncounted_loss
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor import GPipe
@@ -70,8 +71,8 @@ class Pipeline(GPipe):
                  precision: str = "fp32") -> None:
         super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
                          deferred_batch_norm=deferred_batch_norm, loss_fn=loss_fn,
-                         signature=graph_signature(graph), model_loss=graph_model_loss(graph),
-                         precision=precision)
+                         signature=graph_signature(graph),
+                         model_loss=graph_model_loss(graph, loss_fn), precision=precision)
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
 
@@ -81,9 +82,19 @@ def graph_signature(graph: LayerGraph) -> InputSignature:
     return InputSignature(graph.num_args - len(graph.keywords), graph.keywords)
 
 
-def graph_model_loss(graph: LayerGraph) -> ModelLoss | None:
-    """The model's own loss in ``graph``, counted per micro-batch (see counted_loss.py)."""
-    return None if graph.loss is None else ModelLoss(graph.loss.leaf, graph.loss.count)
+def graph_model_loss(graph: LayerGraph, loss_fn: Callable[..., Any] | None = None) -> ModelLoss | None:
+    """The model's own loss in ``graph``, counted per micro-batch (see counted_loss.py). Without
+    ``loss_fn``, one warning line when the model returns a loss that cannot be counted."""
+    if graph.loss is not None:
+        return ModelLoss(graph.loss.leaf, graph.loss.count)
+    why = "" if loss_fn is not None else uncounted_loss(graph.gm, graph.num_args)
+    if why:
+        warnings.warn(f"autopipe: the model's {why}, which cannot be counted per item: each "
+                      "micro-batch's loss is weighted by its share of rows, right only for a mean "
+                      "over rows; return a plain mean cross_entropy of labels that are inputs (no "
+                      "weight=, reduction='mean'), or return the logits and pass loss_fn=",
+                      UserWarning, stacklevel=3)
+    return None
 
 
 def device_names(devices: Sequence[str | torch.device | int]) -> list[str]:

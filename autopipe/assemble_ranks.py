@@ -236,7 +236,7 @@ def distributed_pipeline(
     if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
         use_host_allocator(host_allocator)
     graph = trace(model, micro[:positional], example_kwargs=micro_kwargs, **trace_kwargs)
-    model_loss = graph_model_loss(graph)
+    model_loss = graph_model_loss(graph, loss_fn)
     if loss_fn is None and model_loss is None:
         raise BuildError("no loss_fn= and the model returns no loss autopipe can weight (a mean "
                          "cross_entropy / nll_loss of its labels): pass loss_fn=, or labels= in "

@@ -16,7 +16,10 @@ and ``step`` runs in whichever mode is set, like a plain model's forward and bac
 ``eval_step`` is the evaluation a user expects: forward only (torch's ``schedule.eval``: no
 backward, no gradients, under ``torch.no_grad``), with every stage in eval mode for the call
 and put back afterwards, returning the mean micro-batch loss when given a target, else the
-model's output for the whole batch (micro-batch outputs concatenated, as executor.GPipe does). Gradients accumulate in the stages' parameters exactly as
+model's output for the whole batch, gathered as executor.GPipe gathers it: tensors concatenated,
+a 0-dim leaf the sum of its micro-batches' values weighted by their counted items if it is the
+model's own loss ([Note: a loss the model computes]: the loss ``step`` returns), else by rows.
+``step``'s gradients accumulate in the stages' parameters exactly as
 ``mean(loss_fn(stage_chain(x_i), y_i) for each micro-batch i).backward()`` would leave them,
 so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_module`.
 
@@ -88,6 +91,7 @@ from executor._torch_compat import (
 from executor.errors import DistributedError
 from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
+from executor.microbatch import gather
 from executor.model_loss import ModelLoss, weighted
 from executor.precision import precision_autocast
 from executor.prefetch import PrefetchGPipe
@@ -236,6 +240,7 @@ class DistributedPipeline:
         self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
         self._scaler: torch.amp.GradScaler | None = None  # step(scaler=)'s, for _loss
+        self._outputs: list[Any] = []  # ... and each micro-batch's output is kept instead
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
@@ -308,9 +313,10 @@ class DistributedPipeline:
         return self.train(False)
 
     def _loss(self, output: Any, target: Any) -> Tensor:
-        if self._no_target:  # eval_step(x): torch's schedule computes a loss per micro-batch
-            return torch.zeros((), device=self.device)
         assert self._last is not None
+        if self._no_target:  # eval_step(x): the outputs are gathered here, the loss is a dummy
+            self._outputs.append(self._last.unflatten(output))
+            return torch.zeros((), device=self.device)
         with precision_autocast(self.precision, self.device):  # the last stage's work
             if isinstance(self._loss_fn, ModelLoss):  # target: this micro-batch's weight x chunks
                 loss = weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
@@ -391,40 +397,42 @@ class DistributedPipeline:
         replicas: this pipeline's (a replicated pipeline adds its "dp" group)."""
         return [self.group]
 
-    def eval_step(self, *inputs: Any, target: Any = None) -> Any:
+    def eval_step(self, *inputs: Any, target: Any = None, **keywords: Any) -> Any:
         """Forward only, in eval mode, without gradients (see [Note: train, eval and evaluation]).
 
         On the last rank: the mean micro-batch loss when ``target`` is given, else the model's
-        output for the whole batch; None on the other ranks. Call it on every rank.
+        output for the whole batch (its own loss weighted as ``step`` weights it); None on the
+        other ranks. Call it on every rank.
         """
-        zero_dim = [k for k, w in enumerate(self.wires[-1]) if w.kind == "tensor" and not w.shape]
-        if zero_dim:  # torch's schedule.eval gathers the outputs, whatever the target
-            raise DistributedError(
-                f"output leaf {zero_dim[0]} is a 0-dim tensor: eval_step gathers outputs over "
-                "micro-batches and cannot concatenate it; return per-sample values (shape "
-                "(batch, ...)) and reduce after the pipeline"
-            )
+        inputs, target = self._bind(inputs, keywords, target)
+        counted = None  # the model's own loss: each micro-batch's weight x chunks, from _bind
+        if isinstance(self._loss_fn, ModelLoss) and self.is_last:
+            counted, target = target, None
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
         losses: list[Tensor] = []
+        self._outputs = []
         try:  # not counted in _steps: checkpoint parts record training steps
             self.eval()
             self._no_target, self._scaler = target is None, None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
                 schedule = self._prepare(inputs, target, need_target=False)
                 dummy = torch.zeros(self.chunks, device=self.device)  # split per micro-batch, unread
-                out = schedule.eval(*(inputs if self.is_first else ()),
-                                    target=(dummy if target is None else target) if self.is_last else None,
-                                    losses=losses if self.is_last else None)
+                schedule.eval(*(inputs if self.is_first else ()),
+                              target=(dummy if target is None else target) if self.is_last else None,
+                              losses=losses if self.is_last else None, return_outputs=False)
         finally:
             self._no_target = False
             for m, mode in modes:
                 m.training = mode
+        outputs, self._outputs = self._outputs, []
         if not self.is_last:
             return None
         if target is not None:
             return torch.stack(losses).mean()
-        assert self._last is not None
-        return self._last.unflatten(out if isinstance(out, tuple) else (out,))
+        rows: list[Tensor | float] = [1.0 / self.chunks] * self.chunks  # equal micro-batches
+        leaf = self._loss_fn.leaf if isinstance(self._loss_fn, ModelLoss) else -1
+        items = rows if counted is None else list(counted / self.chunks)
+        return gather(outputs, lambda k: items if k == leaf else rows)
 
     @contextmanager
     def _peer_failures(self) -> Iterator[None]:

@@ -9,6 +9,7 @@ executor/model_loss.py); every gradient is compared with a deep copy of the plai
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from autopipe.assemble import Pipeline, pipeline
-from autopipe.frontend.tracing.graph import trace
+from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from executor.errors import ExecutorError, MicroBatchError
 from tests.test_assemble import cost_profile
@@ -34,25 +35,25 @@ V = 64  # vocabulary
 
 def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=64, vocab_size=V))
 
 
 def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+        n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def _bert() -> nn.Module:
     return transformers.BertForMaskedLM(transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64,
         vocab_size=V, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
 def _t5() -> nn.Module:
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=V, dropout_rate=0.0,
+        num_layers=1, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=V, dropout_rate=0.0,
         decoder_start_token_id=0, pad_token_id=0))
 
 
@@ -100,9 +101,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, Tensor]]
 }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def built(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module, Pipeline, dict[str, Tensor]]:
-    make, make_batch, chunks = MODELS[request.param]
+@functools.cache
+def traced(name: str) -> tuple[nn.Module, nn.Module, LayerGraph, dict[str, Tensor]]:
+    """The model (seeded), a deep copy of it, its trace on one micro-batch and the batch: traced
+    once per test session, by the one-process pipelines and the 2-rank test's plan alike."""
+    make, make_batch, chunks = MODELS[name]
     torch.manual_seed(0)
     model = make()
     reference = copy.deepcopy(model)
@@ -110,6 +113,15 @@ def built(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module, Pipelin
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = trace(model, (), example_kwargs=micro(batch, chunks))
+    return model, reference, graph, batch
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def built(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module, Pipeline, dict[str, Tensor]]:
+    model, reference, graph, batch = traced(request.param)
+    chunks = MODELS[request.param][2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         plan = partition(cost_profile(graph), devices=["cpu"] * 3, method="dp", chunks=chunks,
                          checkpoint="except_last")
         pipe = pipeline(model, example_kwargs=batch, devices=["cpu"] * 3, chunks=chunks,
@@ -201,34 +213,42 @@ def test_loss_fn_in_one_process_is_the_whole_batch_loss() -> None:
         pipe(x)
 
 
-def _llama_on_ranks(rank: int, schedule: str) -> dict[str, Any]:
+def _llama_on_ranks(rank: int, schedule: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """One trace per rank (distributed_pipeline's own) and the parent's plan: nothing measured."""
     from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.core.plan import Plan
 
     torch.manual_seed(0)
     model = _llama()
     batch = causal_batch()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = trace(model, (), example_kwargs=micro(batch, 4))
-    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=4, checkpoint="never")
-    pipe = distributed_pipeline(model, example_kwargs=batch, chunks=4, schedule=schedule,
-                                plan=plan, timeout=30)
+        pipe = distributed_pipeline(model, example_kwargs=batch, chunks=4, schedule=schedule,
+                                    plan=Plan.from_dict(plan), timeout=30)
     loss = pipe.step(**batch)
-    return {"loss": loss, "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()}}
+    grads = {n: p.grad for n, p in pipe.stage_module.named_parameters()}
+    return {"loss": loss, "grads": grads, "eval": pipe.eval_step(**batch)}
 
 
 @pytest.mark.timeout(150)
 def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
-    """Under 1F1B a micro-batch's backward runs before later forwards: the weights come first."""
+    """Under 1F1B a micro-batch's backward runs before later forwards: the weights come first.
+    eval_step(**batch) returns the model's output with the loss weighted as step's."""
     from tests.test_assemble_ranks import _ok, spawn
 
-    values = _ok(spawn(_llama_on_ranks, "1f1b", timeout=140))
-    torch.manual_seed(0)
-    reference = _llama()
-    expected = reference(**causal_batch())
+    _model, fresh, graph, batch = traced("llama")
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=4, checkpoint="never")
+    reference = copy.deepcopy(fresh)  # the seeded model's weights (no test steps them)
+    reference.zero_grad(set_to_none=True)
+    values = _ok(spawn(_llama_on_ranks, "1f1b", plan.to_dict(), timeout=140))
+    expected = reference(**batch)
     expected.loss.backward()
-    assert values[0]["loss"] is None
+    assert values[0]["loss"] is None and values[0]["eval"] is None
     assert_close(values[1]["loss"], expected.loss.detach())
+    evaluated = values[1]["eval"]
+    assert type(evaluated) is type(expected)
+    assert_close(evaluated.loss, expected.loss.detach())
+    assert_close(evaluated.logits, expected.logits.detach())
     covered = set()
     for v in values:
         for name, grad in v["grads"].items():

@@ -166,11 +166,26 @@ def _trace_fx(
     except Exception as err:  # torch.fx raises many types; all mean "could not trace"
         return None, _Failure("torch.fx", first_line(err), user_line(err), tracer.failed_in)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _default_to_constants(gm, kwargs)
     try:
         order_placeholders(gm, positional, keywords)
     except TraceError as err:
         return None, _Failure("torch.fx", str(err), "")
     return gm, None
+
+
+def _default_to_constants(gm: fx.GraphModule, kwargs: Mapping[str, Any]) -> None:
+    """torch.fx keeps a constant kwarg as placeholders ``name_1``, ``name_2``... (one per leaf)
+    whose default is the parameter's default, asserted equal to the constant: a graph run
+    without them (every caller passes only the inputs) fails ``scale=2.0`` against ``1.0``.
+    Each placeholder's default becomes the leaf it was specialized to."""
+    by_target = {str(n.target): n for n in gm.graph.nodes if n.op == "placeholder"}
+    for name, value in kwargs.items():
+        for i, leaf in enumerate(tree_leaves(value), 1):
+            node = by_target.get(f"{name}_{i}")
+            if node is not None and (leaf is None or isinstance(leaf, bool | int | float | str)):
+                node.args = (leaf,)
+    gm.recompile()
 
 
 def _export(
@@ -400,7 +415,9 @@ def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
         assert failure is not None
         return failure
     with _in_mode(model, not traced):  # [Note: train and eval in one graph]
-        other, other_failure = _export(model, args, kwargs, dynamic)
+        other, other_failure = _export(model, args, kwargs, None)  # static: a third of the time
+        if other is None and dynamic is not None:
+            other, other_failure = _export(model, args, kwargs, dynamic)
     gm = ep.module()
     binding = bind_modes(gm, other.module() if other is not None else None, traced,
                          _untraceable(traced, other_failure))

@@ -9,12 +9,13 @@ graph, not per model family: the output leaf that is such a mean-reduced loss no
 ``aten.nll_loss*``), and the part of the graph that computes its target from the graph's inputs
 (a causal LM's label shift included) cut out as a small GraphModule that returns
 ``(target != ignore_index).sum()``. A loss with class weights, another reduction, or a target
-computed from the model's parameters is not counted: a pipeline then weights it by rows like any
-other 0-dim output.
+computed by the model's layers is not counted: a pipeline then weights it by rows like any
+other 0-dim output, and says so in one warning when it is built (:func:`uncounted_loss` says why).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.fx.operator_schemas import normalize_function
 from autopipe.frontend.tracing.fx_cut import GraphCut
 from executor._torch_compat import tree_leaves
 
-__all__ = ["CountedLoss", "counted_loss"]
+__all__ = ["CountedLoss", "counted_loss", "uncounted_loss"]
 
 _ATEN = torch.ops.aten
 _LOSS_FUNCTIONS: set[Any] = {F.cross_entropy, F.nll_loss, _ATEN.cross_entropy_loss.default,
@@ -36,6 +37,7 @@ _LOSS_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
 _PASS_THROUGH: set[Any] = {_ATEN.alias.default, _ATEN.clone.default, _ATEN.view.default,
                            _ATEN.reshape.default, _ATEN.to.dtype, _ATEN._to_copy.default}
 _MEAN = ("mean", 1)  # a reduction by name (torch.nn.functional) or by enum (ATen)
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
 @dataclass
@@ -93,22 +95,42 @@ def _counter(gm: fx.GraphModule, target: fx.Node, ignore_index: int, inputs: int
     return fx.GraphModule(gm, cut.graph, class_name="CountedItems")
 
 
-def counted_loss(gm: fx.GraphModule, inputs: int) -> CountedLoss | None:
-    """The first output leaf that is a mean cross-entropy / NLL loss with a countable target."""
+def _losses(gm: fx.GraphModule) -> Iterator[tuple[int, fx.Node, tuple[Any, int, Any, Any]]]:
+    """(output leaf, loss node, its arguments) for each output leaf that is such a loss."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for k, leaf in enumerate(tree_leaves(out.args[0])):
         node = leaf
         while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
             node = node.args[0]
-        if not isinstance(node, fx.Node):
-            continue
-        found = _loss_arguments(gm, node)
-        if found is None:
-            continue
-        target, ignore_index, reduction, weight = found
+        found = _loss_arguments(gm, node) if isinstance(node, fx.Node) else None
+        if found is not None:
+            yield k, node, found
+
+
+def counted_loss(gm: fx.GraphModule, inputs: int) -> CountedLoss | None:
+    """The first output leaf that is a mean cross-entropy / NLL loss with a countable target."""
+    for k, _node, (target, ignore_index, reduction, weight) in _losses(gm):
         if reduction not in _MEAN or weight is not None or not isinstance(target, fx.Node):
             continue
         count = _counter(gm, target, ignore_index, inputs)
         if count is not None:
             return CountedLoss(leaf=k, ignore_index=ignore_index, count=count)
     return None
+
+
+def uncounted_loss(gm: fx.GraphModule, inputs: int) -> str:
+    """Why the first 0-dim cross-entropy / NLL output is not counted ("" when none is), in words."""
+    for k, node, (target, ignore_index, reduction, weight) in _losses(gm):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            continue
+        if weight is not None:
+            why = "has class weights (weight=)"
+        elif reduction not in _MEAN:
+            why = f"has reduction={_REDUCTIONS.get(reduction, reduction)!r}"
+        elif not isinstance(target, fx.Node) or _counter(gm, target, ignore_index, inputs) is None:
+            why = "has a target its layers compute, not one of its inputs"
+        else:
+            continue
+        return f"loss (output leaf {k}) {why}"
+    return ""

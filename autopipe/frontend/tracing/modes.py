@@ -5,10 +5,12 @@ from the running module's ``training`` flag.
 graph holds the mode it was traced in: torch.export bakes ``aten.dropout(x, 0.1, True)``,
 SDPA's ``dropout_p`` and BatchNorm's ``training``; torch.fx bakes
 ``F.dropout(x, training=self.training)`` (an ``nn.Dropout`` leaf stays a module call and
-follows its own flag). capture.py therefore traces the model in both modes and
+follows its own flag). capture.py therefore traces the model in both modes (the other mode at the
+example's static sizes: a dynamic export costs about three times as much) and
 :func:`bind_modes` lines the two graphs up (difflib over the nodes' ops, after dropping
-value-preserving ``contiguous`` / ``alias`` nodes whose presence depends on strides) and, where
-they differ only in
+value-preserving ``contiguous`` / ``alias`` / whole-slice nodes whose presence depends on strides
+or static sizes, and the dynamic graph's size arithmetic, which matches the static graph's int
+of the same value where it is used) and, where they differ only in
 
 - a literal argument (``True``/``False``, ``0.1``/``0.0``, compared on the op's full schema so
   an omitted default counts): the argument becomes ``by_mode(self.training, train, eval)``;
@@ -43,6 +45,7 @@ __all__ = ["ModeBinding", "bind_modes", "by_mode", "run_in_mode", "check_mode", 
 MODE_NAMES = {True: "train", False: "eval"}
 _TRANSPARENT = {"contiguous", "alias", "_assert_tensor_metadata", "lift_fresh_copy"}
 _SCALARS = (bool, int, float, type(None))
+_SIZE_CHECKS = {"_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size"}
 
 
 def by_mode(training: bool, train_value: Any, eval_value: Any) -> Any:
@@ -85,7 +88,31 @@ def _name(target: Any) -> str:
 def _transparent(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target == "contiguous"
+    if node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor:
+        return _whole_slice(*node.args[1:])  # x[:, :]: a dynamic export keeps it, a static drops it
     return node.op == "call_function" and _name(node.target) in _TRANSPARENT
+
+
+def _whole_slice(dim: Any = 0, start: Any = None, end: Any = None, step: Any = 1) -> bool:
+    return start in (0, None) and (end is None or (type(end) is int and end >= 2**62)) and step == 1
+
+
+def _shape(node: fx.Node) -> bool:
+    """Arithmetic on sizes, or a check of them: a dynamic export has these where a static one
+    has plain ints (see the Note)."""
+    if node.op != "call_function":
+        return False
+    if isinstance(node.meta.get("val"), torch.SymInt | torch.SymBool | torch.SymFloat):
+        return True
+    return _name(node.target) in _SIZE_CHECKS
+
+
+def _size_of(x: Any, y: Any) -> bool:
+    """``x``, a size node of the dynamic graph, is the static graph's int ``y`` at the example."""
+    if not (isinstance(x, fx.Node) and _shape(x)) or isinstance(y, fx.Node):
+        return False
+    hint = getattr(getattr(x.meta.get("val"), "node", None), "hint", None)
+    return hint is None or (type(y) is type(hint) and hint == y)
 
 
 def _signature(node: fx.Node) -> str:
@@ -129,6 +156,8 @@ class _Aligner:
     def _comparable(self, gm: fx.GraphModule) -> list[fx.Node]:
         out = []
         for node in gm.graph.nodes:
+            if _shape(node):  # compared where they are used, against the other graph's ints
+                continue
             if _transparent(node):
                 inputs = node.all_input_nodes
                 if inputs:
@@ -175,6 +204,10 @@ class _Aligner:
         return True
 
     def _same(self, x: Any, y: Any) -> bool:
+        if _size_of(x, y) or _size_of(y, x):
+            return True
+        if isinstance(x, fx.Node) and isinstance(y, fx.Node) and _shape(x) and _shape(y):
+            return x.target == y.target and self._same((x.args, x.kwargs), (y.args, y.kwargs))
         if isinstance(x, fx.Node) or isinstance(y, fx.Node):
             if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)):
                 return False
