@@ -256,3 +256,37 @@ def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
             assert_close(grad, p.grad, msg=name)
             covered.add(id(p))
     assert covered == {id(p) for p in reference.parameters()}
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_the_models_loss_under_bf16_on_worker_threads(checkpoint: str) -> None:
+    """precision="bf16" with every stage on a worker thread: the loss and gradients of the plain
+    model under the same autocast, to bf16's tolerance, in every recomputation mode."""
+    from tests.test_assemble_precision import _close
+
+    model, reference, graph, batch = traced("llama")
+    chunks = MODELS["llama"][2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = partition(cost_profile(graph), devices=["cpu"] * 3, method="dp", chunks=chunks,
+                         checkpoint=checkpoint)
+        pipe = pipeline(model, example_kwargs=batch, devices=["cpu"] * 3, chunks=chunks,
+                        plan=plan, graph=graph, precision="bf16")
+    pipe.threads = True  # as on distinct devices: autocast must reach the workers
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    out = pipe(**batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(**batch)
+    # values, not dtype: the graph traced in fp32 holds the loss's logits.float() as its output
+    _close(out.logits, expected.logits, "logits")
+    _close(out.loss, expected.loss, "loss")
+    out.loss.backward()
+    expected.loss.backward()
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        ref = grads[name].grad
+        assert (p.grad is None) == (ref is None), name
+        if ref is not None:
+            assert p.grad is not None and p.grad.dtype == torch.float32
+            _close(p.grad, ref, name, tol=6e-2)
