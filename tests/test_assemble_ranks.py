@@ -454,9 +454,9 @@ def _fail(rank: int, how: str) -> tuple[str, float]:
     model, inputs, target, loss_fn = _case("mlp")
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform",
                                 timeout=FAIL_TIMEOUT_S, first_step_timeout=30)
-    if rank == 1 and how == "hangs":
-        time.sleep(FAIL_WATCHDOG_S + 1)  # a first step that warms up past the timeout and watchdog,
-    pipe.step(*inputs, target=target)  # within its own limit
+    if rank == 1 and how == "hangs":  # a first step that warms up past the timeout and watchdog,
+        time.sleep(FAIL_WATCHDOG_S + 1)  # within its own limit
+    pipe.step(*inputs, target=target)
     if rank == 1 and how == "dies":
         os._exit(17)  # as a crashed or OOM-killed rank would
     if rank == 1:

@@ -72,7 +72,7 @@ def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
 def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> tuple[str, float] | None:
     """Every case, its results saved; then rank 3 dies and the others' next step fails."""
     results = []
-    for n, (case, dp_mode, schedule, modes, explicit) in enumerate(CASES):
+    for n, (case, dp_mode, schedule, _, explicit) in enumerate(CASES):
         model, inputs, target, loss_fn = _case(case)
         replica = rank // K  # [Note: replicas on a mesh]: rank = dp x K + pp
         x, (y,) = _local(inputs, replica), _local((target,), replica)
