@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
+from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS
 from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
 
@@ -198,7 +199,8 @@ def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, in
     """The runtime's overhead per micro-batch next to each model's gap to its ideal."""
     from autopipe.frontend.profiling.comm import measure_comm
 
-    comm = measure_comm("cpu", chunks=args.chunks)
+    comm = measure_comm("cpu", chunks=args.chunks, launches=args.comm_launches, repeats=args.comm_repeats,
+                        steps=args.comm_steps)
     m, latency, bandwidth = args.chunks, comm["comm_latency_ms"], comm["comm_bandwidth"] or float("inf")
     call = comm["stage_call_fwd_ms"] + comm["stage_call_bwd_ms"]
     lines = [
@@ -230,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-overheads", action="store_true", help="skip the overhead breakdown")
+    p.add_argument("--comm-launches", type=int, default=COMM_LAUNCHES,
+                   help="measure_comm's launches of two ranks (a smoke run: 1)")
+    p.add_argument("--comm-repeats", type=int, default=COMM_REPEATS, help="measure_comm's repeats per size")
+    p.add_argument("--comm-steps", type=int, default=EMPTY_STEPS, help="measure_comm's steps of its empty pipelines")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -50,7 +50,7 @@ import autopipe
 from autopipe.app.train import median_ms
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
-from autopipe.frontend.profiling.comm import with_comm
+from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS, with_comm
 from autopipe.frontend.profiling.rank_contention import with_rank_contention
 from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
@@ -248,12 +248,18 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                         help="predict without the measured overheads (the model before them)")
     parser.add_argument("--runtime", choices=["gpipe", "distributed"], default="gpipe",
                         help="executor.GPipe in this process (default), or 2 gloo ranks")
+    parser.add_argument("--comm-launches", type=int, default=COMM_LAUNCHES,
+                        help="measure_comm's launches of two ranks (a smoke run: 1)")
+    parser.add_argument("--comm-repeats", type=int, default=COMM_REPEATS, help="measure_comm's repeats per size")
+    parser.add_argument("--comm-steps", type=int, default=EMPTY_STEPS,
+                        help="measure_comm's steps of its empty pipelines")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.runtime == "distributed":
         from autopipe.frontend.profiling.comm import measure_comm
 
-        comm = measure_comm("cpu", chunks=args.chunks)
+        comm = measure_comm("cpu", chunks=args.chunks, launches=args.comm_launches,
+                            repeats=args.comm_repeats, steps=args.comm_steps)
         print(f"between two ranks: {comm['comm_latency_ms']:.3f} ms + bytes / "
               f"{(comm['comm_bandwidth'] or float('inf')) / 1e9:.2f} GB/s, the receiver "
               f"{comm['comm_receive_share']} x the bytes' time again; stage call "

@@ -441,17 +441,26 @@ def test_checkpoint_merge_round_trip(tmp_path: Path) -> None:
         _close(fresh.state_dict()[key], value, key)
 
 
+# The steady steps' timeout and the watchdog's grace in _fail's ranks: short, so that a rank
+# stuck past both sleeps seconds rather than the default grace's 5 s plus a timeout.
+FAIL_TIMEOUT_S, FAIL_GRACE_S = 0.5, 2.0
+FAIL_WATCHDOG_S = FAIL_TIMEOUT_S + FAIL_GRACE_S  # a step still running then is ended
+
+
 def _fail(rank: int, how: str) -> tuple[str, float]:
+    import executor.watchdog
+
+    executor.watchdog.GRACE_S = FAIL_GRACE_S  # read per step; this test's fresh processes only
     model, inputs, target, loss_fn = _case("mlp")
-    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform", timeout=2,
-                                first_step_timeout=30)
-    if rank == 1 and how == "hangs":
-        time.sleep(8)  # a first step that warms up past the timeout and watchdog, within its own limit
+    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform",
+                                timeout=FAIL_TIMEOUT_S, first_step_timeout=30)
+    if rank == 1 and how == "hangs":  # a first step that warms up past the timeout and watchdog,
+        time.sleep(FAIL_WATCHDOG_S + 1)  # within its own limit
     pipe.step(*inputs, target=target)
     if rank == 1 and how == "dies":
         os._exit(17)  # as a crashed or OOM-killed rank would
     if rank == 1:
-        time.sleep(9)  # alive but stuck past the timeout (2 s) and the watchdog (2 + 5 s)
+        time.sleep(FAIL_WATCHDOG_S + 2)  # alive but stuck past the timeout and the watchdog
     start = time.monotonic()
     try:
         pipe.step(*inputs, target=target)
@@ -466,12 +475,12 @@ def test_failed_rank_ends_the_run_with_an_error_not_a_hang(how: str) -> None:
     """A dead or hung peer ends the step within the timeout, after a first step that took longer
     than the timeout but not its own limit ([Note: the first step's own limit])."""
     survivor, failed = spawn(_fail, how, timeout=70, fresh=True)
-    assert failed.exitcode == (17 if how == "dies" else 0)
+    assert failed.exitcode == (17 if how == "dies" else 0), failed.error
     assert survivor.exitcode is not None, f"rank 0 hung after its peer {how}"
     if survivor.exitcode == 0:  # the step raised PipelineFailure before the peer could answer
         message, seconds = survivor.value
         assert "rank 0/2: pipeline step 2" in message and "peer rank died" in message
-        assert seconds < 8
+        assert seconds < FAIL_WATCHDOG_S + 1
     else:  # the watchdog ended it
         assert survivor.exitcode == 3
 
@@ -555,7 +564,8 @@ def test_merge_state_dicts_refuses_diverged_ties_and_missing_keys() -> None:
 def test_distributed_speedup_benchmark_runs_tiny() -> None:
     from benchmarks.distributed_speedup import main
 
-    table = main(["--batch", "16", "--steps", "1", "--warmup", "0", "--models", "even", "--width", "8"])
+    table = main(["--batch", "16", "--steps", "1", "--warmup", "0", "--models", "even", "--width", "8",
+                  "--comm-launches", "1", "--comm-repeats", "2", "--comm-steps", "2"])
     assert "EvenBlocks (16 x Linear(8, 8) + ReLU)" in table and "2M/(M+1) = 1.78" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and "step ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == [

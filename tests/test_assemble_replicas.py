@@ -74,16 +74,16 @@ def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
     return dataclasses.replace(plan, checkpoint=modes, data_parallel=D, dp_mode=dp_mode)
 
 
-def _train(rank: int, out: str) -> tuple[str, float] | None:
+def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> tuple[str, float] | None:
     """Every case, its results saved; then rank 3 dies and the others' next step fails."""
     results = []
-    for n, (case, dp_mode, schedule, modes, explicit) in enumerate(CASES):
+    for n, (case, dp_mode, schedule, _, explicit) in enumerate(CASES):
         model, inputs, target, loss_fn = _case(case)
         replica = rank // K  # [Note: replicas on a mesh]: rank = dp x K + pp
         x, (y,) = _local(inputs, replica), _local((target,), replica)
         given: dict[str, Any] = {"data_parallel": D, "dp_mode": dp_mode} if explicit else {}
         pipe = distributed_pipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule,
-                                    plan=_plan(case, dp_mode, modes), timeout=20, **given)
+                                    plan=Plan.from_dict(plans[n]), timeout=20, **given)
         opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=LR)
         losses = []
         for _ in range(STEPS):
@@ -147,7 +147,8 @@ def _die(rank: int, pipe: Any, x: tuple[Tensor, ...], y: Tensor) -> tuple[str, f
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[RankResult, Any]]:
     """One 4-rank run for the whole module: each rank's end, and its cases' results."""
     out = tmp_path_factory.mktemp("replicas")
-    ends = spawn(_train, str(out), world=D * K, timeout=140)
+    plans = [_plan(case, dp_mode, modes).to_dict() for case, dp_mode, _, modes, _ in CASES]  # once, not per rank
+    ends = spawn(_train, str(out), plans, world=D * K, timeout=140)
     saved = [out / f"rank{r}.pt" for r in range(D * K)]
     return [(end, torch.load(f, weights_only=False) if f.exists() else None) for end, f in zip(ends, saved, strict=True)]
 

@@ -47,7 +47,8 @@ def test_schedules_other_than_gpipe_need_the_distributed_runtime() -> None:
 def test_two_ranks_under_both_schedules() -> None:
     rows = executor_vs_prediction.main(["--runtime", "distributed", "--models", "mlp", "--batch", "8",
                                         "--chunks", "2", "--checkpoints", "except_last", "--repeats", "1",
-                                        "--rounds", "1", "--schedules", "gpipe", "1f1b"])
+                                        "--rounds", "1", "--schedules", "gpipe", "1f1b", "--comm-launches", "1",
+                                        "--comm-repeats", "2", "--comm-steps", "2"])
     assert [(r.schedule, r.checkpoint) for r in rows] == [("gpipe", "except_last"), ("1f1b", "except_last")]
     for r in rows:  # the measured transfer and call cost only add to the prediction before them
         assert r.measured_ms > 0 and r.predicted_ms > r.before_ms > 0

@@ -8,6 +8,7 @@ happen (or lands in a copy the stages do not use) fails the value checks.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import warnings
@@ -23,6 +24,7 @@ from torch.testing import assert_close
 
 from autopipe.assemble import Pipeline, microbatch_inputs, pipeline
 from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
@@ -82,21 +84,23 @@ HfTraced = Callable[[str, int, bool], tuple[nn.Module, LayerGraph]]
 def hf_traced() -> Iterator[HfTraced]:
     """``hf_traced(name, seed, eval)``: ``_hf(name, seed)`` (in eval mode if ``eval``) and its
     trace on IDS. torch.export is most of a test's time and a graph builds only with the model
-    it was traced from, so each model is traced once for every k; each call puts back the
-    seed's weights (a test loads others into it) and clears its gradients."""
-    cache: dict[tuple[str, int, bool], tuple[nn.Module, LayerGraph]] = {}
+    it was traced from, so each model is traced once per mode: every call gets a deep copy of
+    that model and its graph together (the copy's graph holds the copy's tensors), with the
+    seed's weights loaded into it, no gradients, nothing shared with another call's."""
+    traced: dict[tuple[str, bool], tuple[nn.Module, LayerGraph]] = {}
 
     def get(name: str, seed: int, eval: bool) -> tuple[nn.Module, LayerGraph]:
-        if (name, seed, eval) not in cache:
-            model = _hf(name, seed).train(not eval)
-            cache[name, seed, eval] = model, trace(model, microbatch_inputs((IDS,), 2))
-        model, graph = cache[name, seed, eval]
+        if (name, eval) not in traced:
+            model = _hf(name, 0).train(not eval)
+            traced[name, eval] = model, trace(model, microbatch_inputs((IDS,), 2))
+        with warnings.catch_warnings():  # torch's pytree specs warn as they are copied
+            warnings.simplefilter("ignore", FutureWarning)
+            model, graph = copy.deepcopy(traced[name, eval])
         model.load_state_dict(_hf(name, seed).state_dict())
-        model.zero_grad(set_to_none=True)
         return model.train(not eval), graph
 
     yield get
-    cache.clear()
+    traced.clear()
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -172,9 +176,9 @@ def test_fx_ties_batchnorm_and_constants_round_trip() -> None:
     assert_close(other.eval()(x), model.eval()(x))
 
 
-def test_strict_load_into_the_pipeline_reports_the_models_own_names() -> None:
-    model = _hf("llama", 0)
-    pipe = _pipeline(model, (IDS,), 3)
+def test_strict_load_into_the_pipeline_reports_the_models_own_names(hf_traced: HfTraced) -> None:
+    model, graph = hf_traced("llama", 0, False)
+    pipe = _pipeline(model, (IDS,), 3, graph)
     bad = _hf("llama", 1).state_dict()
     del bad["model.norm.weight"]
     bad["model.rotary_emb.inv_freq"] = model.get_buffer("model.rotary_emb.inv_freq")
@@ -210,19 +214,19 @@ def _batch() -> tuple[Tensor, Tensor]:
     return torch.randint(0, 64, (8, 8), generator=g), torch.randint(0, 64, (8, 8), generator=g)
 
 
-def _save_llama_parts(rank: int, out: str) -> dict[str, str]:
+def _save_llama_parts(rank: int, out: str, plans: dict[str, dict[str, Any]]) -> dict[str, str]:
     """A 2-stage Llama pipeline saved before and after one SGD step; a 4-stage one (2 per rank)."""
     ids, target = _batch()
-    pipe = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, chunks=CHUNKS,
-                                method="uniform", timeout=20)
+    pipe = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, plan=Plan.from_dict(plans["two"]),
+                                chunks=CHUNKS, timeout=20)
     paths = {kind: os.path.join(out, f"{kind}{rank}.pt") for kind in ("start", "two", "four")}
     torch.save(pipe.state_dict(), paths["start"])
     opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=0.5)
     pipe.step(ids, target=target)
     opt.step()
     torch.save(pipe.state_dict(), paths["two"])
-    other = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, chunks=CHUNKS,
-                                 schedule="interleaved1f1b", method="uniform", timeout=20)
+    other = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, plan=Plan.from_dict(plans["four"]),
+                                 chunks=CHUNKS, schedule="interleaved1f1b", timeout=20)
     torch.save(other.state_dict(), paths["four"])
     # Nothing collective follows the second pipeline's group creation: without this barrier
     # rank 0 (which hosts the rendezvous store) could exit while rank 1 still uses the store.
@@ -231,8 +235,14 @@ def _save_llama_parts(rank: int, out: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_rank_parts_merge_into_the_plain_model_and_bad_merges_say_why(tmp_path: Path) -> None:
-    ranks = _ok(spawn(_save_llama_parts, str(tmp_path), timeout=100))
+def test_rank_parts_merge_into_the_plain_model_and_bad_merges_say_why(tmp_path: Path,
+                                                                      hf_traced: HfTraced) -> None:
+    # plans of equal layer counts, made here from made-up costs: the ranks neither profile nor
+    # trace twice (IDS' micro-batch has _batch()'s shape, so the module's trace serves)
+    _, graph = hf_traced("llama", 0, False)
+    plans = {kind: partition(cost_profile(graph), stages=k, method="uniform", chunks=CHUNKS).to_dict()
+             for kind, k in (("two", 2), ("four", 4))}
+    ranks = _ok(spawn(_save_llama_parts, str(tmp_path), plans, timeout=100))
     start, two, four = ([r[kind] for r in ranks] for kind in ("start", "two", "four"))
     model = _hf("llama", 0)
     ids, target = _batch()
