@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from autopipe.core.plan import Plan
-from autopipe.core.precision import precision_mismatch, precision_of
+from autopipe.core.planned_precision import precision_mismatch, precision_of
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate
 from autopipe.core.units import format_bytes

@@ -58,7 +58,7 @@ data parallel].
 [Note: mixed precision memory] Under ``precision="bf16"`` / ``"fp16"`` (executor/precision.py's
 [Note: mixed precision]) a stage keeps fp32 master parameters, fp32 gradients and fp32 optimizer
 state: ``state_bytes`` as in fp32, from the profile's fp32 ``param_bytes``. Its activations are
-what the profile measured under autocast (autopipe/frontend/profiling/precision.py): low-dtype
+what the profile measured under autocast (autopipe/frontend/profiling/under_autocast.py): low-dtype
 values, and the low-dtype copies of weights that autocast casts for a matmul and autograd saves
 for its backward, one copy per micro-batch (each stage call is its own autocast region, whose
 cast cache is emptied when the call returns). All of that is in ``saved_bytes`` and the cut

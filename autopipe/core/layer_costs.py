@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from autopipe.core.precision import precision_of
+from autopipe.core.planned_precision import precision_of
 from autopipe.core.profile_table import Profile
 
 __all__ = ["FloatArray", "IntArray", "LayerCosts"]

@@ -45,9 +45,9 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from autopipe.frontend.profiling.layer_timing import fresh, leaves_as_views, time_runs
-from autopipe.frontend.profiling.precision import as_stage
 from autopipe.frontend.profiling.replay import LayerCall, Values
 from autopipe.frontend.profiling.timing import Timer
+from autopipe.frontend.profiling.under_autocast import as_stage
 from executor._torch_compat import tree_leaves
 from executor.gpipe import GPipe
 

@@ -63,12 +63,16 @@ from autopipe.frontend.profiling.layer_timing import (
 )
 from autopipe.frontend.profiling.layerwise import LayerRun, layer_by_layer
 from autopipe.frontend.profiling.overheads import RecomputeSampler, stage_call_ms
-from autopipe.frontend.profiling.precision import autocast_call, layer_output_bytes, measured_edges
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.process_memory import PeakRss
 from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
 from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
+from autopipe.frontend.profiling.under_autocast import (
+    autocast_call,
+    layer_output_bytes,
+    measured_edges,
+)
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator

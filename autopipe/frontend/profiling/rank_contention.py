@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autopipe.core.precision import precision_of
+from autopipe.core.planned_precision import precision_of
 from autopipe.frontend.profiling.inputs import micro_batch, to_device
 from autopipe.frontend.profiling.layer_timing import fresh, timed_step
-from autopipe.frontend.profiling.precision import autocast_call
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.timing import CpuTimer
+from autopipe.frontend.profiling.under_autocast import autocast_call
 from executor.rank_cores import local_cores, pin_threads
 
 if TYPE_CHECKING:

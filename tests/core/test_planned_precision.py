@@ -9,7 +9,7 @@ import pytest
 
 from autopipe.core.cost import cast_cache_bytes
 from autopipe.core.plan import Plan
-from autopipe.core.precision import precision_mismatch, precision_of
+from autopipe.core.planned_precision import precision_mismatch, precision_of
 from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError, PlanError, ProfileError
 from autopipe.solvers.partitioner import partition
