@@ -8,7 +8,8 @@ inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA; a CPU rank 
 itself to its share of the host's cores: [Note: ranks pinned to cores] in executor/rank_cores.py,
 unless ``--no-pin-cores``), builds its stage with
 :func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters (after
-``pipe.clip_grad_norm_`` with ``--clip-grad``, the norm printed beside the loss). The last
+``pipe.clip_grad_norm_`` with ``--clip-grad``, the norm printed beside the loss; under
+``--precision fp16`` through a PipelineGradScaler, executor/grad_scaler.py). The last
 rank prints the loss of every step and the throughput. With ``data_parallel`` D > 1 each
 replica trains its own batch / D rows of the (seeded, same on every rank) batch, and the last
 rank of replica 0 prints its replica's loss and the whole batch's throughput.
@@ -39,6 +40,7 @@ from autopipe.core.plan import Plan
 from autopipe.errors import AutopipeError
 from executor.distributed import PipelineFailure
 from executor.errors import ExecutorError
+from executor.grad_scaler import PipelineGradScaler
 from executor.rank_cores import pin_local_rank
 
 __all__ = ["main", "train"]
@@ -75,6 +77,8 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     target = local(ex.target)
     target = target.to(pipe.device) if isinstance(target, torch.Tensor) else target
     opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=config.lr)
+    # fp16: the loss scaled in the schedule, an overflow on any rank skipping every rank's step
+    scaler = PipelineGradScaler(pipe, enabled=config.precision == "fp16")
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(config.steps):
@@ -82,9 +86,13 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
         if step == 1:  # the first step warms up (allocations, connections)
             start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = pipe.step(*inputs, target=target)
-        norm = None if config.clip_grad is None else float(pipe.clip_grad_norm_(config.clip_grad))
-        opt.step()
+        loss = pipe.step(*inputs, target=target, scaler=scaler if scaler.is_enabled() else None)
+        norm = None
+        if config.clip_grad is not None:
+            scaler.unscale_(opt)  # a no-op unless fp16
+            norm = float(pipe.clip_grad_norm_(config.clip_grad))
+        scaler.step(opt)
+        scaler.update()
         if loss is not None and pipe.dp_rank == 0:
             losses.append(float(loss))
             clipped = "" if norm is None else f"  grad norm {norm:.4f}"

@@ -250,3 +250,23 @@ def test_run_takes_the_plans_schedule_unless_told(plans: dict[str, Path], tmp_pa
     assert resolved.schedule == "gpipe"
     resolved, _, _ = prepare(RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2), tmp_path)
     assert resolved.schedule == "gpipe"
+
+
+def _rank_trains(rank: int, config_json: str) -> list[float]:
+    from autopipe.app.rank_main import train
+
+    return train(RunConfig.from_json(config_json))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_rank_trains_under_a_precision_with_clipping(plans: dict[str, Path], precision: str) -> None:
+    """rank_main's loop on 2 ranks: autocast in the stages, fp16 through a PipelineGradScaler
+    (scaled in the schedule, unscaled before clipping), the losses finite and falling."""
+    from tests.test_assemble_ranks import _ok, spawn
+
+    config = RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2, steps=4, threads=1, timeout=30,
+                       batch_size=16, chunks=4,  # as the launcher resolves them from the plan
+                       precision=precision, clip_grad=1.0)  # type: ignore[arg-type]
+    first, last = _ok(spawn(_rank_trains, config.to_json()))
+    assert first == [] and len(last) == 4 and all(math.isfinite(v) for v in last)
+    assert last[-1] < last[0], last
