@@ -213,49 +213,76 @@ def test_loss_fn_in_one_process_is_the_whole_batch_loss() -> None:
         pipe(x)
 
 
-def _llama_on_ranks(rank: int, schedule: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """One trace per rank (distributed_pipeline's own) and the parent's plan: nothing measured."""
+# family -> (schedule, batch) on 2 ranks: 1F1B runs a micro-batch's backward before later
+# forwards. PipelineStage needs equal micro-batches: GPT-2's 3 chunks take 9 rows, not 8 (the
+# same micro-batch shape, so the cached trace's plan fits)
+RANKED: dict[str, tuple[str, Callable[[], dict[str, Tensor]]]] = {
+    "llama": ("1f1b", causal_batch),
+    "gpt2": ("gpipe", functools.partial(causal_batch, 9)),
+    "bert": ("1f1b", masked_batch),
+    "t5": ("gpipe", seq2seq_batch),
+}
+
+
+def _families_on_ranks(rank: int, plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each family in turn: one trace per rank (distributed_pipeline's own) and the parent's
+    plan, so nothing is measured; the model seeded as in :func:`traced`."""
     from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
-    torch.manual_seed(0)
-    model = _llama()
-    batch = causal_batch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = distributed_pipeline(model, example_kwargs=batch, chunks=4, schedule=schedule,
-                                    plan=Plan.from_dict(plan), timeout=30)
-    loss = pipe.step(**batch)
-    grads = {n: p.grad for n, p in pipe.stage_module.named_parameters()}
-    return {"loss": loss, "grads": grads, "eval": pipe.eval_step(**batch)}
+    values = {}
+    for name, plan in plans.items():
+        make, _, chunks = MODELS[name]
+        schedule, make_batch = RANKED[name]
+        torch.manual_seed(0)
+        model = make()
+        batch = make_batch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = distributed_pipeline(model, example_kwargs=batch, chunks=chunks,
+                                        schedule=schedule, plan=Plan.from_dict(plan),
+                                        timeout=30)
+        loss = pipe.step(**batch)
+        grads = {n: p.grad for n, p in pipe.stage_module.named_parameters()}
+        values[name] = {"loss": loss, "grads": grads, "eval": pipe.eval_step(**batch)}
+    return values
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
-    """Under 1F1B a micro-batch's backward runs before later forwards: the weights come first.
-    eval_step(**batch) returns the model's output with the loss weighted as step's."""
+    """Llama, GPT-2, BERT (masked LM) and T5 on 2 ranks, in one call on the pool: step(**batch)
+    gives the model's whole-batch loss and every gradient. Under 1F1B a micro-batch's backward
+    runs before later forwards: the weights come first. eval_step(**batch) returns the model's
+    output with the loss weighted as step's."""
     from tests.test_assemble_ranks import _ok, spawn
 
-    _model, fresh, graph, batch = traced("llama")
-    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=4, checkpoint="never")
-    reference = copy.deepcopy(fresh)  # the seeded model's weights (no test steps them)
-    reference.zero_grad(set_to_none=True)
-    values = _ok(spawn(_llama_on_ranks, "1f1b", plan.to_dict(), timeout=140))
-    expected = reference(**batch)
-    expected.loss.backward()
-    assert values[0]["loss"] is None and values[0]["eval"] is None
-    assert_close(values[1]["loss"], expected.loss.detach())
-    evaluated = values[1]["eval"]
-    assert type(evaluated) is type(expected)
-    assert_close(evaluated.loss, expected.loss.detach())
-    assert_close(evaluated.logits, expected.logits.detach())
-    covered = set()
-    for v in values:
-        for name, grad in v["grads"].items():
-            p = reference.get_parameter(name)
-            assert_close(grad, p.grad, msg=name)
-            covered.add(id(p))
-    assert covered == {id(p) for p in reference.parameters()}
+    plans, fresh, batches = {}, {}, {}
+    for name in RANKED:
+        _model, fresh[name], graph, _ = traced(name)
+        batches[name] = RANKED[name][1]()
+        plans[name] = partition(cost_profile(graph), stages=2, method="dp",
+                                chunks=MODELS[name][2], checkpoint="never").to_dict()
+    values = _ok(spawn(_families_on_ranks, plans, timeout=190))
+    for name in RANKED:
+        batch = batches[name]
+        reference = copy.deepcopy(fresh[name])  # the seeded model's weights (no test steps them)
+        reference.zero_grad(set_to_none=True)
+        expected = reference(**batch)
+        expected.loss.backward()
+        first, last = values[0][name], values[1][name]
+        assert first["loss"] is None and first["eval"] is None, name
+        assert_close(last["loss"], expected.loss.detach(), msg=name)
+        evaluated = last["eval"]
+        assert type(evaluated) is type(expected), name
+        assert_close(evaluated.loss, expected.loss.detach(), msg=name)
+        assert_close(evaluated.logits, expected.logits.detach(), msg=name)
+        covered = set()
+        for v in (first, last):
+            for param, grad in v["grads"].items():
+                p = reference.get_parameter(param)
+                assert_close(grad, p.grad, msg=f"{name}: {param}")
+                covered.add(id(p))
+        assert covered == {id(p) for p in reference.parameters()}, name
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
