@@ -53,7 +53,7 @@ from autopipe.errors import BuildError, first_line
 from autopipe.frontend.building.materialize import has_meta_tensors, materialize_stages
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
-from autopipe.frontend.tracing.graph import trace
+from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor.distributed import DistributedPipeline, infer_wires
 from executor.host_allocator import check_host_allocator, use_host_allocator
@@ -133,6 +133,7 @@ def distributed_pipeline(
     init: Callable[[nn.Module], None] | None = None,
     example_target: Any = None,
     precision: str = "fp32",
+    graph: LayerGraph | None = None,
     **trace_kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
@@ -192,6 +193,12 @@ def distributed_pipeline(
             reduce_dtype=torch.float32)``). See [Note: distributed mixed precision] in
             executor/distributed.py. A caller's ``with torch.autocast(...): pipe.step(...)`` is
             honoured either way.
+        graph: this rank's ``autopipe.trace(model, <the first micro-batch>)`` to use instead of
+            tracing again, as :func:`autopipe.pipeline` takes one (e.g. the graph the caller
+            partitioned with). It must be of this ``model`` (its own parameters) and of the
+            micro-batch ``example_inputs`` / ``example_kwargs`` split into ``chunks`` give
+            (``autopipe.assemble.microbatch_inputs``); another model or shape is refused in one line.
+            A LayerGraph does not pickle: trace on the rank that builds.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
     A model built on the meta device is never materialised whole: every rank gives real tensors
@@ -235,7 +242,10 @@ def distributed_pipeline(
     check_host_allocator(host_allocator)
     if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
         use_host_allocator(host_allocator)
-    graph = trace(model, micro[:positional], example_kwargs=micro_kwargs, **trace_kwargs)
+    if graph is None:
+        graph = trace(model, micro[:positional], example_kwargs=micro_kwargs, **trace_kwargs)
+    else:
+        _check_graph(graph, model, micro, tuple(batched))
     model_loss = graph_model_loss(graph, loss_fn)
     if loss_fn is None and model_loss is None:
         raise BuildError("no loss_fn= and the model returns no loss autopipe can weight (a mean "
@@ -278,6 +288,28 @@ def distributed_pipeline(
         key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
         precision=precision,
     )
+
+
+def _check_graph(graph: LayerGraph, model: nn.Module, micro: tuple[Any, ...],
+                 keywords: tuple[str, ...]) -> None:
+    """Refuse a ``graph=`` of another model or micro-batch, on every rank before any collective:
+    its parameters must be ``model``'s, its inputs the micro-batch's (names, shapes, dtypes)."""
+    own = {id(p) for p in model.parameters()}
+    foreign = [n for n, p in graph.gm.named_parameters() if id(p) not in own]
+    if foreign:
+        raise BuildError(f"graph= was traced from another model (its parameter {foreign[0]!r} is "
+                         "not this model's): pass autopipe.trace(model, ...) of this model, or no graph=")
+    values = [n.meta.get("val") for n in graph.gm.graph.nodes if n.op == "placeholder"][:graph.num_args]
+
+    def shapes(xs: Iterable[Any]) -> list[Any]:
+        return [(tuple(x.shape), x.dtype) if isinstance(x, Tensor) else type(x).__name__ for x in xs]
+
+    if graph.keywords != keywords or shapes(values) != shapes(micro):
+        got = ", ".join(str(s) for s in shapes(micro))
+        raise BuildError(f"graph= was traced on inputs {', '.join(str(s) for s in shapes(values))}"
+                         f"{f' (keywords {list(graph.keywords)})' if graph.keywords else ''}, but the "
+                         f"micro-batch here is {got}{f' (keywords {list(keywords)})' if keywords else ''}: "
+                         "trace the model on autopipe.assemble.microbatch_inputs(example_inputs, chunks), or pass no graph=")
 
 
 def _free_others(model: nn.Module, keep: list[nn.Module]) -> None:

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from autopipe import TraceError
+from autopipe import BuildError, TraceError
 from autopipe.assemble import microbatch_inputs
 from autopipe.assemble_ranks import distributed_pipeline
-from autopipe.core.plan import Plan
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.distributed import DistributedError, DistributedPipeline
@@ -42,15 +41,16 @@ def ids(batch: int, length: int, seed: int) -> Tensor:
     return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def plan_for(model: nn.Module, example: Tensor, chunks: int = CHUNKS) -> dict[str, Any]:
-    """A 2-stage plan from made-up costs, made once in the parent: the ranks only trace once."""
-    graph = trace(model, microbatch_inputs((example,), chunks))
-    return partition(cost_profile(graph), stages=2, method="dp", chunks=chunks).to_dict()
+def build(model: nn.Module, example: Tensor, **kwargs: Any) -> tuple[DistributedPipeline, dict[str, Any]]:
+    """This rank's pipeline of ``model`` on a 2-stage plan from made-up costs, and that plan's stages.
 
-
-def build(model: nn.Module, example: Tensor, plan: dict[str, Any], **kwargs: Any) -> DistributedPipeline:
-    return distributed_pipeline(model, (example,), loss_fn=lm_loss, plan=Plan.from_dict(plan),
-                                chunks=CHUNKS, timeout=30, **kwargs)
+    Each rank traces once: the graph it plans with is the one it builds with (``graph=``), and
+    made-up costs give both ranks the same plan (the tests compare its stages)."""
+    graph = trace(model, microbatch_inputs((example,), CHUNKS))
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=CHUNKS)
+    pipe = distributed_pipeline(model, (example,), loss_fn=lm_loss, plan=plan, chunks=CHUNKS,
+                                timeout=30, graph=graph, **kwargs)
+    return pipe, {"stages": plan.stages, "fingerprint": plan.fingerprint}
 
 
 def reference_step(model: nn.Module, x: Tensor, y: Tensor, chunks: int = CHUNKS) -> Tensor:
@@ -78,12 +78,12 @@ def assert_grads_match(values: list[dict[str, Any]], key: Any, model: nn.Module)
 
 
 # --- other lengths -------------------------------------------------------------------------------
-def _lengths(rank: int, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _lengths(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in ("gpt2", "llama", "bert"):
-            pipe = build(hf_model(name), ids(4, 8, 0), plans[name], schedule="1f1b")
+            pipe, out[(name, "plan")] = build(hf_model(name), ids(4, 8, 0), schedule="1f1b")
             for length in LENGTHS:
                 for p in pipe.stage_module.parameters():
                     p.grad = None
@@ -101,11 +101,9 @@ def _lengths(rank: int, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)
 def test_two_ranks_run_other_lengths_like_one_process() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plans = {name: plan_for(hf_model(name), ids(4, 8, 0)) for name in ("gpt2", "llama", "bert")}
-    values = _ok(spawn(_lengths, plans, timeout=170))
+    values = _ok(spawn(_lengths, timeout=170))
     for name in ("gpt2", "llama", "bert"):
+        assert values[0][(name, "plan")] == values[1][(name, "plan")]
         model = hf_model(name)
         for length in LENGTHS:
             model.zero_grad(set_to_none=True)
@@ -122,12 +120,12 @@ def test_two_ranks_run_other_lengths_like_one_process() -> None:
 
 
 # --- eval_step, train() and eval() -----------------------------------------------------------
-def _modes(rank: int, plan: dict[str, Any]) -> dict[str, Any]:
+def _modes(rank: int) -> dict[str, Any]:
     x, y = ids(4, 8, 1), ids(4, 8, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = build(gpt2_with_dropout(), ids(4, 8, 0), plan)
-        out: dict[str, Any] = {"outputs": [pipe.eval_step(x) for _ in range(2)],
+        pipe, plan = build(gpt2_with_dropout(), ids(4, 8, 0))
+        out: dict[str, Any] = {"plan": plan, "outputs": [pipe.eval_step(x) for _ in range(2)],
                                "eval_loss": pipe.eval_step(x, target=y),
                                "training_after_eval_step": pipe.training}
         pipe.eval()
@@ -146,10 +144,8 @@ def _modes(rank: int, plan: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 def test_two_ranks_eval_step_and_modes_match_the_model() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_for(gpt2_with_dropout(), ids(4, 8, 0))
-    values = _ok(spawn(_modes, plan, timeout=110))
+    values = _ok(spawn(_modes, timeout=110))
+    assert values[0]["plan"] == values[1]["plan"]
     model = gpt2_with_dropout().eval()
     x, y = ids(4, 8, 1), ids(4, 8, 2)
     with torch.no_grad():
@@ -219,3 +215,33 @@ def test_eval_step_on_one_rank() -> None:
                                          r"runs 'mul' in train mode only"):
         one_mode.eval_step(torch.randn(4, 4))
     assert one_mode.training
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_graph_is_used_as_given_and_one_of_another_model_or_shape_is_refused() -> None:
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    model = mlp()
+    graph = trace(model, microbatch_inputs((x,), CHUNKS))
+    pipe = distributed_pipeline(model, (x,), loss_fn=F.mse_loss, chunks=CHUNKS, method="uniform",
+                                graph=graph)
+    reference = mlp()
+    want = torch.stack([F.mse_loss(reference(xi), yi) for xi, yi in
+                        zip(x.tensor_split(CHUNKS), y.tensor_split(CHUNKS), strict=True)]).mean()
+    want.backward()
+    assert_close(pipe.step(x, target=y), want)
+    assert_close(grads(pipe), {n: p.grad for n, p in reference.named_parameters()})
+    model = mlp()
+    with pytest.raises(BuildError, match=r"^graph= was traced from another model \(its parameter "
+                                         r"'0.weight' is not this model's\): pass autopipe.trace\(model"):
+        distributed_pipeline(model, (x,), loss_fn=F.mse_loss, chunks=CHUNKS, graph=graph)
+    whole = trace(model, (x,))  # the mini-batch, not its micro-batch
+    with pytest.raises(BuildError, match=r"^graph= was traced on inputs \(\(4, 4\), torch.float32\), but "
+                                         r"the micro-batch here is \(\(2, 4\), torch.float32\): trace"):
+        distributed_pipeline(model, (x,), loss_fn=F.mse_loss, chunks=CHUNKS, graph=whole)
+    wide = trace(model, microbatch_inputs((x,), CHUNKS))
+    with pytest.raises(BuildError, match=r"^graph= was traced on inputs.*torch.float64\): trace"):
+        distributed_pipeline(model, (x.double(),), loss_fn=F.mse_loss, chunks=CHUNKS, graph=wide)

@@ -2,12 +2,15 @@
 
 Each notebook runs in a fresh ``python3`` kernel (nbclient) from the notebooks/ folder, as a
 user opening it would; it reads the committed profiles in profiles/. A cell that ends by
-drawing a figure must show it as an image.
+drawing a figure must show it as an image. The kernels are separate processes, so both
+notebooks run at once (one event loop drives both clients) and each test checks its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,13 +36,29 @@ def test_notebook_is_committed_clean(path: Path) -> None:
                 f"{path.name} is committed with outputs; clear them (Kernel > Restart & Clear)")
 
 
+@pytest.fixture(scope="module")
+def executed() -> dict[Path, Any]:
+    """Every notebook executed, at the same time: its run notebook, or what its run raised."""
+    notebooks = {path: nbformat.read(path, as_version=4) for path in PATHS}
+
+    async def run_all() -> list[Any]:
+        clients = [nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                           resources={"metadata": {"path": str(NOTEBOOKS)}})
+                   for nb in notebooks.values()]
+        # each raises CellExecutionError naming the failing cell
+        return await asyncio.gather(*(c.async_execute() for c in clients), return_exceptions=True)
+
+    results = asyncio.run(run_all())
+    return {path: result if isinstance(result, BaseException) else nb
+            for (path, nb), result in zip(notebooks.items(), results, strict=True)}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
-def test_notebook_runs(path: Path) -> None:
-    nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()  # raises CellExecutionError naming the failing cell
+def test_notebook_runs(path: Path, executed: dict[Path, Any]) -> None:
+    nb = executed[path]
+    if isinstance(nb, BaseException):
+        raise nb
     drawing = [c for c in nb.cells if c.cell_type == "code"
                and c.source.strip().splitlines()[-1].startswith(DRAWS)]
     assert drawing, f"{path.name} draws no figure"
