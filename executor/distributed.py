@@ -25,38 +25,11 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 
 [Note: what crosses a cut] is in executor/wire.py.
 
-[Note: distributed recomputation] ``checkpoint`` follows executor.recompute's modes, one for
-every stage or one per stage ([Note: per-stage recomputation] in executor/spec.py): stage ``i``
-recomputes the last ``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last
-under torch's schedules ([Note: which micro-batches recompute]), never in eval mode or
-under no_grad (as in executor.GPipe). It uses executor.recompute's own checkpoint (RNG
-replayed), so a recomputation costs what it costs in executor.GPipe and what the profile's
-``recompute_ratio`` measured there ([Note: layers in sequence]): the forward keeps no graph at
-all, where torch.utils.checkpoint's non-reentrant forward still builds one (1.2-1.6x the
-recompute cost on the bundled examples). A PipelineStage receives a gradient before it starts a
-micro-batch's backward, so there is nothing to overlap the recomputation with: it runs when the
-gradient arrives, without executor.recompute's early-recompute lane.
+[Note: distributed recomputation] is in executor/recompute.py, [Note: distributed mixed
+precision] in executor/precision.py.
 
-[Note: distributed mixed precision] ``precision="bf16"`` (or ``"fp16"``) runs every call of
-this rank's stages, their recomputation and the loss under ``torch.autocast`` to that dtype on
-``device``, over fp32 parameters ([Note: mixed precision] in executor/precision.py); the
-wires are those of a probe under the same autocast, so activations cross in the low dtype
-([Note: wires under autocast] in executor/wire.py). A caller's own ``with torch.autocast(...):
-pipe.step(...)`` holds too (the schedule runs the stages in the calling thread, and a
-recomputation replays its forward's state). Gradients, their mean over micro-batches, the sum
-of tied copies and the replicas' reduction stay fp32 (executor/replicated.py).
-
-[Note: a dead rank is an error, not a hang] Gloo may wait for a dead or stuck peer for the
-whole process-group timeout (30 minutes by default), or forever (pytorch#132644). The
-pipeline therefore talks on its own process group created with ``timeout``, turns any
-communication error into :class:`PipelineFailure` naming the rank, step and schedule, and arms
-a watchdog per step: if a step overruns ``timeout`` plus a grace period the watchdog prints the
-same kind of one-line error and ends the process with ``os._exit`` and exit status 3
-(:data:`WATCHDOG_EXIT_CODE`), as torch's NCCL watchdog does with
-``TORCH_NCCL_ASYNC_ERROR_HANDLING``: a hung step cannot be unwound from another thread. Peers
-then see the connection drop and fail too. The first step has its own, longer limit
-([Note: the first step's own limit] in executor/watchdog.py); ``timeout=None`` turns the
-watchdog off.
+[Note: a dead rank is an error, not a hang] is in executor/peer_failures.py: a peer's failure
+becomes :class:`PipelineFailure` within the timeout, a hung step ends the process.
 
 [Note: tied parameters across ranks] A Parameter used by stages on different ranks (a GPT's
 tied embedding and head) exists once per rank. After each step the owners all-reduce (sum) its
@@ -69,8 +42,8 @@ copies are sharded alike across replicas, so shard i meets shard i).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -83,16 +56,13 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from executor._torch_compat import (
-    is_communication_error,
-    prefetch_support,
-    warn_no_prefetch,
-)
+from executor._torch_compat import prefetch_support, warn_no_prefetch
 from executor.errors import DistributedError
 from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
 from executor.microbatch import gather
 from executor.model_loss import ModelLoss, weighted
+from executor.peer_failures import PipelineFailure, peer_failures
 from executor.precision import precision_autocast
 from executor.prefetch import PrefetchGPipe
 from executor.recompute import checkpoint_stop
@@ -130,10 +100,6 @@ def schedule_class(schedule: str) -> type:
             warn_no_prefetch(problem)
             return ScheduleGPipe
     return _SCHEDULE_CLASSES[schedule]
-
-
-class PipelineFailure(RuntimeError):
-    """A peer rank died, hung or failed mid-step (a runtime fault, not bad input)."""
 
 
 # --- the pipeline -----------------------------------------------------------------------------
@@ -339,9 +305,7 @@ class DistributedPipeline:
             raise DistributedError("the model computes its own loss, which the last rank weights by "
                                    "the items its micro-batches count: pass the batch on every rank")
         self._check_batch(inputs, "inputs")
-        parts = [tuple(p) for p in zip(*(x.tensor_split(self.chunks) if isinstance(x, Tensor) and x.dim()
-                                         else [x] * self.chunks for x in inputs), strict=True)]
-        return inputs, (self._loss_fn.weights(parts) * self.chunks).to(self.device)
+        return inputs, self._loss_fn.schedule_targets(inputs, self.chunks, self.device)
 
     def _prepare(self, inputs: tuple[Any, ...], target: Any, *, need_target: bool) -> Any:
         """Check this step's inputs, agree on their sizes, and pick the schedule for them."""
@@ -434,21 +398,8 @@ class DistributedPipeline:
         items = rows if counted is None else list(counted / self.chunks)
         return gather(outputs, lambda k: items if k == leaf else rows)
 
-    @contextmanager
-    def _peer_failures(self) -> Iterator[None]:
-        """A communication error is a peer's failure: PipelineFailure, naming this step. A stage's
-        own one-line error on bad input (a ValueError: the traced graph's input or mode check)
-        is raised as itself, not inside the multi-line RuntimeError PipelineStage wraps it in."""
-        try:
-            yield
-        except RuntimeError as err:
-            if isinstance(err.__cause__, ValueError):
-                raise err.__cause__ from None
-            # PipelineStage wraps errors of a stage's forward (DDP's collectives) in its own
-            peer = next((e for e in (err, err.__cause__) if e is not None and is_communication_error(e)), None)
-            if peer is None:
-                raise  # this rank's own bug (a shape error, out of memory): not a peer's fault
-            raise PipelineFailure(self._failure(str(peer).strip().splitlines()[0])) from err
+    def _peer_failures(self) -> AbstractContextManager[None]:
+        return peer_failures(self._failure)
 
     def _check_batch(self, values: Sequence[Any], what: str) -> None:
         for v in values:

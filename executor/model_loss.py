@@ -50,6 +50,14 @@ class ModelLoss:
                                   "ignore_index): its loss is undefined; pass a batch with labels")
         return counts / total
 
+    def schedule_targets(self, inputs: tuple[Any, ...], chunks: int, device: torch.device) -> Tensor:
+        """The per-micro-batch targets a torch schedule splits out of ``inputs``' equal
+        micro-batches: each one's weight x ``chunks``, since the schedule averages the losses
+        (executor/distributed.py's ``step``)."""
+        parts = [tuple(p) for p in zip(*(x.tensor_split(chunks) if isinstance(x, Tensor) and x.dim()
+                                         else [x] * chunks for x in inputs), strict=True)]
+        return (self.weights(parts) * chunks).to(device)
+
     def pick(self, output: Any) -> Tensor:
         """The loss leaf of a micro-batch's output."""
         value = tree_leaves(output)[self.leaf]

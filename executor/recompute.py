@@ -19,6 +19,19 @@ torch.autocast(...)``, and a recomputation without it would rebuild the graph in
 :func:`fork`, :func:`join` and :func:`depend` add such ordering-only edges to the autograd
 graph; :mod:`executor.gpipe` uses :func:`depend` to make micro-batch ``i - 1`` of a stage
 back-propagate after micro-batch ``i`` (the fill-drain order, reversed).
+
+[Note: distributed recomputation] The distributed runtime's ``checkpoint``
+(executor/distributed.py) follows this module's modes, one for every stage or one per stage
+([Note: per-stage recomputation] in executor/spec.py): stage ``i`` recomputes the last
+``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last under torch's schedules
+([Note: which micro-batches recompute]), never in eval mode or under no_grad (as in
+executor.GPipe). It uses this module's own checkpoint (RNG replayed), so a recomputation costs
+what it costs in executor.GPipe and what the profile's ``recompute_ratio`` measured there
+([Note: layers in sequence]): the forward keeps no graph at all, where torch.utils.checkpoint's
+non-reentrant forward still builds one (1.2-1.6x the recompute cost on the bundled examples). A
+PipelineStage receives a gradient before it starts a micro-batch's backward, so there is
+nothing to overlap the recomputation with: it runs when the gradient arrives, without
+executor.recompute's early-recompute lane.
 """
 
 from __future__ import annotations

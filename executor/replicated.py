@@ -23,7 +23,7 @@ torch's PipelineStage runs, so PipelineStage synchronises once per step itself
   parameters, gradients and the optimizer's state sharded over the column, one all-gather
   before the first forward and one reduce-scatter after the last backward.
 
-Mixed precision ([Note: distributed mixed precision] in executor/distributed.py): under
+Mixed precision ([Note: distributed mixed precision] in executor/precision.py): under
 ``precision="bf16"`` / ``"fp16"`` the stage computes under autocast either way; FSDP2 also
 all-gathers the parameters in that dtype and reduce-scatters the gradients in fp32
 (``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=torch.float32)``, leaving the stage's
