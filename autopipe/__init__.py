@@ -40,7 +40,7 @@ from autopipe.errors import (
 
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.assemble import pipeline
-    from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+    from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.core.devices import DeviceSpec
     from autopipe.core.plan import Plan
     from autopipe.core.profile_table import Profile
@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.frontend.profiling.profiler import profile
     from autopipe.frontend.tracing.graph import LayerGraph, trace
     from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
+    from autopipe.rank_parts import merge_state_dicts
     from autopipe.solvers.partitioner import partition
 
 __all__ = [
@@ -89,7 +90,7 @@ _LAZY: dict[str, str] = {
     "build": "autopipe.frontend.building.stages",
     "pipeline": "autopipe.assemble",
     "distributed_pipeline": "autopipe.assemble_ranks",
-    "merge_state_dicts": "autopipe.assemble_ranks",
+    "merge_state_dicts": "autopipe.rank_parts",
     "Profile": "autopipe.core.profile_table",
     "profile": "autopipe.frontend.profiling.profiler",
     "partition": "autopipe.solvers.partitioner",

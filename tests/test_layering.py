@@ -45,7 +45,8 @@ def test_executor_never_imports_autopipe() -> None:
     assert _violations("executor", ("autopipe",)) == []
 
 
-APPLICATION = ("autopipe.app", "autopipe.assemble", "autopipe.assemble_ranks", "autopipe.assemble_mesh")
+APPLICATION = ("autopipe.app", "autopipe.assemble", "autopipe.assemble_ranks", "autopipe.assemble_mesh",
+               "autopipe.rank_parts")
 # the runtime's modules as a library: what every package may use of it
 RUNTIME_SHARED = ("executor.spec", "executor._torch_compat")
 
