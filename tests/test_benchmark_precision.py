@@ -32,8 +32,13 @@ def test_precision_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     for line, r in zip(step_lines, rows, strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 15 and cells[3] == r.precision
+        # the cells print the row's values (rounded: a tiny step's 0.1 ms rounding moves a ratio
+        # recomputed from them by more than the printed ratio's own rounding)
         measured, predicted, ratio = float(cells[4]), float(cells[6]), float(cells[7])
-        assert ratio == pytest.approx(measured / predicted, abs=0.01, rel=0.01)
+        assert measured == pytest.approx(r.measured_ms, abs=0.051)
+        assert predicted == pytest.approx(r.predicted_ms, abs=0.051)
+        assert ratio == pytest.approx(r.ratio_ms, abs=0.0051)
+        assert r.ratio_ms == pytest.approx(r.measured_ms / r.predicted_ms)
     bf16_step = [c.strip() for c in step_lines[1].strip("|").split("|")]
     assert float(bf16_step[11]) > 0 and float(bf16_step[14]) > 0  # bf16 / fp32 ratios present
 
