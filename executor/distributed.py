@@ -41,7 +41,6 @@ copies are sharded alike across replicas, so shard i meets shard i).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -57,6 +56,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from executor._torch_compat import prefetch_support, warn_no_prefetch
+from executor.checkpoint import Checkpointable, CheckpointView
 from executor.errors import DistributedError
 from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
@@ -65,6 +65,7 @@ from executor.model_loss import ModelLoss, weighted
 from executor.peer_failures import PipelineFailure, peer_failures
 from executor.precision import precision_autocast
 from executor.prefetch import PrefetchGPipe
+from executor.rank_state import PART_METADATA, rank_checkpoint_view, rank_state_dict
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import SCHEDULES, check_precision, check_stage_checkpoints
@@ -103,7 +104,7 @@ def schedule_class(schedule: str) -> type:
 
 
 # --- the pipeline -----------------------------------------------------------------------------
-class DistributedPipeline:
+class DistributedPipeline(Checkpointable):
     """This rank's stages of a pipeline run by a torch.distributed.pipelining schedule.
 
     Args:
@@ -189,7 +190,7 @@ class DistributedPipeline:
         self._watch = StepWatch(self.limits, self._failure, self._groups)
         self.device = torch.device(device)
         self.key_aliases = key_aliases or {}
-        self._steps = 0
+        self.steps = 0  # training steps run (step calls): a checkpoint's default step
         timedelta = self.limits.group_timeout
         self.group = group if group is not None else dist.new_group(backend=dist.get_backend(), timeout=timedelta)
         self.stages = [s.to(self.device) for s in stages]
@@ -241,27 +242,15 @@ class DistributedPipeline:
         """This rank's stage (an ``nn.ModuleList`` of them when it holds several)."""
         return self.stages[0] if len(self.stages) == 1 else nn.ModuleList(self.stages)
 
-    PART_METADATA = "autopipe:part"  # see [Note: checkpoint parts]
+    PART_METADATA = PART_METADATA  # see [Note: checkpoint parts] in executor/rank_state.py
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers under the original model's keys (tied: every key).
+        """This rank's parameters and buffers under the original model's keys (tied: every key),
+        which part of which pipeline it is in its ``_metadata`` ([Note: checkpoint parts])."""
+        return rank_state_dict(self)
 
-        [Note: checkpoint parts] The keys are exactly what ``model.state_dict()`` has for the
-        tensors this rank holds. Which part of which pipeline this is (rank, world, stage
-        indices, number of stages, steps taken) rides outside the keys, in the dict's
-        ``_metadata`` under ``PART_METADATA``, where torch keeps its own per-module versions
-        (``torch.save`` keeps it, ``load_state_dict`` ignores it), so that merging the parts
-        (autopipe.merge_state_dicts) can name a missing rank or a part of another pipeline.
-        """
-        out: OrderedDict[str, Any] = OrderedDict()
-        for stage in self.stages:
-            for key, value in stage.state_dict().items():
-                for alias in self.key_aliases.get(key, [key]):
-                    out[alias] = value
-        out._metadata = OrderedDict({self.PART_METADATA: {  # type: ignore[attr-defined]
-            "rank": self.rank, "world": self.world, "stages": list(self.indices),
-            "num_stages": self.num_stages, "steps": self._steps}})
-        return out
+    def _checkpoint_view(self) -> CheckpointView:
+        return rank_checkpoint_view(self)
 
     @property
     def training(self) -> bool:
@@ -331,7 +320,7 @@ class DistributedPipeline:
         ``scaler`` (a PipelineGradScaler) scales each micro-batch's loss in the schedule; the loss
         returned is unscaled ([Note: loss scaling on ranks] in executor/grad_scaler.py)."""
         inputs, target = self._bind(inputs, keywords, target)
-        self._steps += 1
+        self.steps += 1
         self._scaler = scaler  # read by _loss
         losses: list[Tensor] = []
         with self._watchdog(), self._peer_failures():
@@ -375,7 +364,7 @@ class DistributedPipeline:
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
         losses: list[Tensor] = []
         self._outputs = []
-        try:  # not counted in _steps: checkpoint parts record training steps
+        try:  # not counted in steps: checkpoint parts record training steps
             self.eval()
             self._no_target, self._scaler = target is None, None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
@@ -429,7 +418,7 @@ class DistributedPipeline:
         return f"rank {self.rank}/{self.world}"
 
     def _failure(self, cause: str) -> str:
-        return (f"{self._who()}: pipeline step {self._steps} ({self.schedule_name}, "
+        return (f"{self._who()}: pipeline step {self.steps} ({self.schedule_name}, "
                 f"stages {self.indices}) failed: a peer rank died, hung or failed ({cause}); "
                 "see that rank's log")
 

@@ -6,7 +6,7 @@ catch :class:`ExecutorError` to report runtime configuration problems in its own
 
 from __future__ import annotations
 
-__all__ = ["ExecutorError", "MicroBatchError", "PlacementError", "DistributedError"]
+__all__ = ["ExecutorError", "MicroBatchError", "PlacementError", "DistributedError", "CheckpointError"]
 
 
 class ExecutorError(ValueError):
@@ -23,3 +23,8 @@ class PlacementError(ExecutorError):
 
 class DistributedError(ExecutorError):
     """A distributed pipeline that cannot be built or run as configured."""
+
+
+class CheckpointError(ExecutorError):
+    """A checkpoint that cannot be saved or loaded as asked (another model or optimizer, a
+    truncated part, a missing folder); nothing already saved was changed."""

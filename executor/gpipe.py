@@ -28,7 +28,6 @@ and [Note: autocast follows the stage] in executor/precision.py.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -38,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from executor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from executor.checkpoint import Checkpointable, CheckpointView
 from executor.errors import ExecutorError
 from executor.fill_drain import clock_cycles
 from executor.grad_norm import clip_grads_
@@ -48,6 +48,12 @@ from executor.placement import check_devices, place
 from executor.precision import precision_autocast
 from executor.recompute import Checkpointing, checkpoint_stop, depend
 from executor.spec import TimelineEvent, check_precision, check_stage_checkpoints
+from executor.state_keys import (
+    original_keys,
+    prefix_state_dict,
+    unprefix_incompatible_keys,
+    unprefix_state_dict,
+)
 from executor.stream import (
     AbstractStream,
     copy,
@@ -62,10 +68,8 @@ from executor.worker import WorkerPool
 
 __all__ = ["GPipe"]
 
-_STAGES = "stages."
 
-
-class GPipe(nn.Module):
+class GPipe(Checkpointable, nn.Module):
     """Pipeline-parallel ``nn.Module`` over hand-made or planner-made stages.
 
     Args:
@@ -159,9 +163,10 @@ class GPipe(nn.Module):
         self._recording = False
         self._load_prefix = ""
         self._load_errors: list[str] = []
-        self.register_state_dict_post_hook(_unprefix_state_dict)
-        self.register_load_state_dict_pre_hook(_prefix_state_dict)
-        self.register_load_state_dict_post_hook(_unprefix_incompatible_keys)
+        self.steps = 0  # training mini-batches run: a checkpoint's default step
+        self.register_state_dict_post_hook(unprefix_state_dict)
+        self.register_load_state_dict_pre_hook(prefix_state_dict)
+        self.register_load_state_dict_post_hook(unprefix_incompatible_keys)
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -190,6 +195,27 @@ class GPipe(nn.Module):
         first stage's device; see [Note: one norm over stages and ranks] in executor/grad_norm.py)."""
         grads = [p.grad for p in self.parameters()]
         return clip_grads_(grads, (), max_norm, norm_type, error_if_nonfinite, device=self.devices[0])
+
+    def _checkpoint_view(self) -> CheckpointView:
+        """Every tensor under its original key(s), a tie's other copies refreshed after a load."""
+        by_id: dict[int, tuple[Tensor, list[str]]] = {}
+        for key, tensor in self.state_dict(keep_vars=True).items():
+            by_id.setdefault(id(tensor), (tensor, []))[1].append(key)
+        held = {**dict(self.named_parameters(remove_duplicate=False)),
+                **dict(self.named_buffers(remove_duplicate=False))}
+        owners = [[held[k] for k in locals_ if k in held]
+                  for locals_ in original_keys(self).values() if len(locals_) > 1]
+
+        def copy_ties() -> None:
+            with torch.no_grad():
+                for first, *others in owners:
+                    for other in others:
+                        if other is not first:
+                            other.copy_(first)
+
+        return CheckpointView(names=list(by_id.values()), devices=list(self.devices),
+                              about={"runtime": "GPipe", "num_stages": len(self.stages), "chunks": self.chunks},
+                              after_load=copy_ties if owners else None)
 
     # --- forward -------------------------------------------------------------------------
 
@@ -223,6 +249,8 @@ class GPipe(nn.Module):
         if self.training:
             for bn in self._deferred:
                 bn.commit()
+        if enabled:
+            self.steps += 1
         return gather([b.output() for b in batches], weights)
 
     def _targets(self, keywords: dict[str, Any]) -> list[Any] | None:
@@ -376,69 +404,3 @@ class _Loss:
 
 
 # --- state_dict in the original model's keys (see [Note: state_dict keys]) -----------------
-
-
-def _split_key(module: GPipe, key: str, prefix: str) -> tuple[int, str] | None:
-    """``prefix + "stages.3.net.0.weight"`` -> (3, original key) for keys of this pipeline."""
-    if not key.startswith(prefix + _STAGES):
-        return None
-    index, _, local = key[len(prefix) + len(_STAGES) :].partition(".")
-    if not index.isdigit() or int(index) >= len(module.stages):
-        return None
-    return int(index), module.key_prefixes[int(index)] + local
-
-
-def _unprefix_state_dict(module: nn.Module, state_dict: Any, prefix: str, _meta: Any) -> None:
-    assert isinstance(module, GPipe)
-    for key in list(state_dict):
-        split = _split_key(module, key, prefix)
-        if split is not None:
-            value = state_dict.pop(key)
-            state_dict.setdefault(prefix + split[1], value)  # a tie appears once
-
-
-def _original_keys(module: GPipe) -> dict[str, list[str]]:
-    """Original key -> the ``stages.N.local`` keys holding it (several for a tie)."""
-    owners: dict[str, list[str]] = {}
-    for j, stage in enumerate(module.stages):
-        for local in stage.state_dict(keep_vars=True):
-            owners.setdefault(module.key_prefixes[j] + local, []).append(f"{_STAGES}{j}.{local}")
-    return owners
-
-
-def _prefix_state_dict(
-    module: nn.Module, state_dict: Any, prefix: str, _meta: Any, _strict: bool,
-    _missing: list[str], _unexpected: list[str], error_msgs: list[str],
-) -> None:
-    assert isinstance(module, GPipe)
-    # for _unprefix_incompatible_keys, which gets neither the prefix nor the error messages
-    module._load_prefix, module._load_errors = prefix, error_msgs
-    owners = _original_keys(module)
-    for key in list(state_dict):
-        if not key.startswith(prefix) or key.startswith(prefix + _STAGES):
-            continue
-        targets = owners.get(key[len(prefix) :])
-        if targets:
-            value = state_dict.pop(key)
-            for target in targets:
-                state_dict[prefix + target] = value
-
-
-def _unprefix_incompatible_keys(module: nn.Module, incompatible: Any) -> None:
-    """Missing and unexpected keys, and the errors (size mismatch for ...), in original keys."""
-    assert isinstance(module, GPipe)
-    prefix, errors = module._load_prefix, module._load_errors
-    module._load_errors = []
-    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
-        renamed = []
-        for key in keys:
-            split = _split_key(module, key, prefix)
-            renamed.append(key if split is None else prefix + split[1])
-        keys[:] = list(dict.fromkeys(renamed))
-    if not errors:
-        return
-    original = {prefix + local: prefix + key
-                for key, locals_ in _original_keys(module).items() for local in locals_}
-    longest_first = sorted(original, key=len, reverse=True)  # stages.0.ab before stages.0.a
-    pattern = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
-    errors[:] = list(dict.fromkeys(pattern.sub(lambda m: original[m.group(0)], e) for e in errors))

@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from executor._torch_compat import mesh_group_options
+from executor.checkpoint import CheckpointView
 from executor.distributed import DistributedPipeline
 from executor.errors import DistributedError
 from executor.precision import compute_dtype
@@ -172,11 +173,19 @@ class ReplicatedPipeline(DistributedPipeline):
         return DistributedDataParallel(wire, device_ids=ids, device_mesh=dp_mesh,
                                        gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
 
-    def state_dict(self) -> dict[str, Any]:
-        """This stage's part (see [Note: replicas on a mesh]); under FSDP a collective."""
+    def _reshard(self) -> None:
         for wire in self.wire_stages:
             if isinstance(wire, FSDPModule):
                 wire.reshard()  # sharded parameters registered, whatever the last call left
+
+    def _checkpoint_view(self) -> CheckpointView:
+        """FSDP's sharded parameters (DCP saves each rank's shards, and reshards on load)."""
+        self._reshard()
+        return super()._checkpoint_view()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's part (see [Note: replicas on a mesh]); under FSDP a collective."""
+        self._reshard()
         out = super().state_dict()
         full: dict[int, Tensor] = {}
         with self._peer_failures():
