@@ -12,6 +12,7 @@ use LayerNorm / GroupNorm; BatchNorm is exercised separately by the deferred-Bat
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from autopipe.errors import AutopipeError
 
-__all__ = ["Example", "EXAMPLES", "get_example", "UnevenMLP", "ResCNN", "TinyGPT", "TinyUNet"]
+__all__ = ["Example", "EXAMPLES", "get_example", "step_seed", "UnevenMLP", "ResCNN", "TinyGPT", "TinyUNet"]
 
 
 class UnevenMLP(nn.Module):
@@ -175,35 +176,60 @@ class TinyUNet(nn.Module):
         return self.out(d1)
 
 
+Batch = tuple[tuple[Tensor, ...], Tensor]  # (inputs, target)
+Draw = Callable[[torch.Generator | None], Batch]
+
+
 @dataclass
 class Example:
-    """A model with everything needed to profile and train it on synthetic data."""
+    """A model with everything needed to profile and train it on synthetic data.
+
+    [Note: a batch per step] ``inputs`` / ``target`` are step 0's batch, drawn right after the
+    model from the seeded default generator (so profiles and plans made from them stay valid);
+    ``batch(step)`` draws step ``step``'s from a generator seeded by (seed, step). Every run
+    and every rank thus sees the same batch at the same step, and a run resumed from a
+    checkpoint at step S trains on what an uninterrupted run would (``autopipe train`` /
+    ``autopipe run`` call it each step)."""
 
     name: str
     model: nn.Module
     inputs: tuple[Tensor, ...]
     target: Tensor
     loss_fn: Callable[[Tensor, Tensor], Tensor]
+    draw: Draw | None = None  # one batch from a generator (None: the seeded default one)
+    seed: int = 0
+
+    def batch(self, step: int) -> Batch:
+        """Step ``step``'s (0-based) inputs and target ([Note: a batch per step]); without
+        ``draw``, the one batch for every step."""
+        if step == 0 or self.draw is None:
+            return self.inputs, self.target
+        return self.draw(torch.Generator().manual_seed(step_seed(self.seed, step)))
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step``'s batch: a hash of (seed, step), the same on every machine (the
+    CPU generator keeps 32 bits of a seed, so ``seed << 32 | step`` would not do)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{step}".encode(), digest_size=8).digest(), "little")
+
+
+def _example(name: str, model: nn.Module, draw: Draw, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Example:
+    inputs, target = draw(None)  # after the model, from the seeded default generator: step 0's
+    return Example(name, model, inputs, target, loss_fn, draw)
 
 
 def _mlp(batch: int) -> Example:
-    return Example(
-        "mlp",
-        UnevenMLP(),
-        (torch.randn(batch, 64),),
-        torch.randint(0, 10, (batch,)),
-        F.cross_entropy,
-    )
+    def draw(g: torch.Generator | None) -> Batch:
+        return (torch.randn(batch, 64, generator=g),), torch.randint(0, 10, (batch,), generator=g)
+
+    return _example("mlp", UnevenMLP(), draw, F.cross_entropy)
 
 
 def _cnn(batch: int) -> Example:
-    return Example(
-        "cnn",
-        ResCNN(),
-        (torch.randn(batch, 3, 16, 16),),
-        torch.randint(0, 10, (batch,)),
-        F.cross_entropy,
-    )
+    def draw(g: torch.Generator | None) -> Batch:
+        return (torch.randn(batch, 3, 16, 16, generator=g),), torch.randint(0, 10, (batch,), generator=g)
+
+    return _example("cnn", ResCNN(), draw, F.cross_entropy)
 
 
 def _lm_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -212,23 +238,18 @@ def _lm_loss(logits: Tensor, target: Tensor) -> Tensor:
 
 def _gpt(batch: int) -> Example:
     seq = 32
-    return Example(
-        "gpt",
-        TinyGPT(),
-        (torch.randint(0, 256, (batch, seq)),),
-        torch.randint(0, 256, (batch, seq)),
-        _lm_loss,
-    )
+
+    def draw(g: torch.Generator | None) -> Batch:
+        return (torch.randint(0, 256, (batch, seq), generator=g),), torch.randint(0, 256, (batch, seq), generator=g)
+
+    return _example("gpt", TinyGPT(), draw, _lm_loss)
 
 
 def _unet(batch: int) -> Example:
-    return Example(
-        "unet",
-        TinyUNet(),
-        (torch.randn(batch, 3, 32, 32),),
-        torch.randint(0, 2, (batch, 32, 32)),
-        F.cross_entropy,
-    )
+    def draw(g: torch.Generator | None) -> Batch:
+        return (torch.randn(batch, 3, 32, 32, generator=g),), torch.randint(0, 2, (batch, 32, 32), generator=g)
+
+    return _example("unet", TinyUNet(), draw, F.cross_entropy)
 
 
 EXAMPLES: dict[str, Callable[[int], Example]] = {
@@ -240,7 +261,8 @@ EXAMPLES: dict[str, Callable[[int], Example]] = {
 
 
 def get_example(name: str, batch_size: int = 32, seed: int = 0) -> Example:
-    """Build the bundled example ``name`` with inputs of ``batch_size`` rows, seeded."""
+    """Build the bundled example ``name`` with inputs of ``batch_size`` rows, seeded (and each
+    step's batch: ``ex.batch(step)``, [Note: a batch per step])."""
     if name not in EXAMPLES:
         raise AutopipeError(
             f"unknown example {name!r}; choose one of {sorted(EXAMPLES)}"
@@ -249,4 +271,6 @@ def get_example(name: str, batch_size: int = 32, seed: int = 0) -> Example:
         raise AutopipeError(f"batch_size must be >= 1, got {batch_size}; pass batch_size=1 or more")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return EXAMPLES[name](batch_size)
+        ex = EXAMPLES[name](batch_size)
+    ex.seed = seed
+    return ex

@@ -12,6 +12,11 @@ every rank of ``autopipe run`` builds the same inputs), and returns ``(model, in
 ``.target`` and ``.loss_fn``, like :class:`autopipe.examples.Example`), or a bare ``nn.Module``,
 in which case ``input_shape`` (one sample's shape, without the batch dimension) makes a random
 float batch. Training (``autopipe train``, ``autopipe run``) needs the target and the loss.
+
+Training draws each step's batch with :meth:`LoadedModel.batch` ([Note: a batch per step] in
+autopipe/examples.py): a bundled example's ``Example.batch(step)``, or a factory's object's own
+``batch(step) -> (inputs, target)`` method; a factory that returns a tuple, or an object without
+``batch``, trains on its one batch at every step.
 """
 
 from __future__ import annotations
@@ -41,6 +46,15 @@ class LoadedModel:
     inputs: tuple[Any, ...]
     target: Any = None  # what loss_fn compares the output with (None: the factory gave none)
     loss_fn: Callable[[Any, Any], Any] | None = None
+    batches: Callable[[int], tuple[Any, Any]] | None = None  # step -> (inputs, target)
+
+    def batch(self, step: int) -> tuple[tuple[Any, ...], Any]:
+        """Step ``step``'s (0-based) inputs and target: step 0's are ``inputs`` / ``target``; later
+        ones from ``batches`` when the model brings them, else the same one batch."""
+        if step == 0 or self.batches is None:
+            return self.inputs, self.target
+        inputs, target = self.batches(step)
+        return (inputs if isinstance(inputs, tuple) else (inputs,)), target
 
 
 def _factory(spec: str) -> Any:
@@ -148,7 +162,7 @@ def load_model(
                                f"example {spec!r} brings its own inputs: drop --input-shape")
         with _building(meta):
             ex = get_example(spec, batch_size or 32)
-        return _real_inputs(LoadedModel(spec, ex.model, ex.inputs, ex.target, ex.loss_fn))
+        return _real_inputs(LoadedModel(spec, ex.model, ex.inputs, ex.target, ex.loss_fn, ex.batch))
     factory = _factory(spec)
     try:
         takes_batch = "batch_size" in inspect.signature(factory).parameters
@@ -193,6 +207,7 @@ def load_model(
 def _unpack(spec: str, name: str, made: Any) -> LoadedModel:
     if isinstance(made, nn.Module):
         return LoadedModel(name, made, ())
+    batches = getattr(made, "batch", None) if hasattr(made, "model") and hasattr(made, "inputs") else None
     if hasattr(made, "model") and hasattr(made, "inputs"):
         made = (made.model, made.inputs, getattr(made, "target", None), getattr(made, "loss_fn", None))
     if isinstance(made, tuple) and len(made) in (2, 4) and isinstance(made[0], nn.Module):
@@ -201,7 +216,7 @@ def _unpack(spec: str, name: str, made: Any) -> LoadedModel:
         if loss_fn is not None and not callable(loss_fn):
             raise ProfileError(f"factory {spec!r} returned a loss_fn of type {type(loss_fn).__name__}; "
                                "it must be callable as loss_fn(output, target)")
-        return LoadedModel(name, made[0], inputs, target, loss_fn)
+        return LoadedModel(name, made[0], inputs, target, loss_fn, batches if callable(batches) else None)
     raise ProfileError(
         f"factory {spec!r} returned {type(made).__name__}; it must return an nn.Module, "
         "(model, inputs), (model, inputs, target, loss_fn) or an object with .model and .inputs"
