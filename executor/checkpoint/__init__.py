@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.checkpoint.contents import CheckpointView, module_view
-from executor.checkpoint.dcp_io import Loaded, SavedCheckpoint, load, save
+from executor.checkpoint.dcp_io import Loaded, SavedCheckpoint, check, load, save
 from executor.checkpoint.folders import read_manifest, resolve
 
 __all__ = ["Checkpointable", "CheckpointView", "SavedCheckpoint", "save_checkpoint", "load_checkpoint",
-           "checkpoint_info"]
+           "checkpoint_info", "check_checkpoint"]
 
 
 class Checkpointable:
@@ -102,3 +102,13 @@ def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of the checkpoint ``path`` names: its step, folder, ranks and plan."""
     folder = resolve(path)
     return {**read_manifest(folder), "folder": str(folder)}
+
+
+def check_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                     lr_scheduler: Any = None) -> dict[str, Any]:
+    """Raise :class:`CheckpointError` (one line) unless the checkpoint ``path`` names would load
+    into the plain ``model`` (every tensor, by name and shape), ``optimizer`` (its class) and
+    ``lr_scheduler``, reading only its manifest and metadata, in this process alone; else its
+    manifest, as :func:`checkpoint_info` gives it."""
+    folder, manifest = check(module_view(model), path, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    return {**manifest, "folder": str(folder)}

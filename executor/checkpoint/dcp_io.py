@@ -50,7 +50,7 @@ from executor.checkpoint.folders import (
 )
 from executor.errors import CheckpointError
 
-__all__ = ["SavedCheckpoint", "save", "load", "Loaded"]
+__all__ = ["SavedCheckpoint", "save", "load", "check", "Loaded"]
 
 
 def _first_line(err: BaseException) -> str:
@@ -235,10 +235,8 @@ def _other_problems(manifest: dict[str, Any], folder: Path, optimizer: Any, lr_s
     return ""
 
 
-def load(view: CheckpointView, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
-         lr_scheduler: Any = None) -> Loaded:
-    """Fill this rank's tensors (and optimizer, scheduler, RNG) from the checkpoint at ``path``
-    (a step's folder, or a root: its newest whole step)."""
+def _locate(view: CheckpointView, path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The folder ``path`` names, its manifest and DCP's keys (every rank agreeing they are whole)."""
     problem, folder, manifest, keys = "", Path(path), {}, {}
     try:
         folder = resolve(path)
@@ -250,6 +248,25 @@ def load(view: CheckpointView, path: str | os.PathLike[str], *, optimizer: torch
         problem = (f"checkpoint {str(folder)!r}: its .metadata is unreadable ({_first_line(err)}); load an "
                    "earlier step's folder")
     _agree(view, problem)
+    return folder, manifest, keys
+
+
+def check(view: CheckpointView, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
+          lr_scheduler: Any = None) -> tuple[Path, dict[str, Any]]:
+    """load()'s checks of the folder, the model's tensors and shapes and the optimizer's class,
+    reading only the manifest and DCP's metadata; the folder and its manifest."""
+    folder, manifest, keys = _locate(view, path)
+    problem, _ = _model_problems(view, keys, folder)
+    _agree(view, problem or _unexpected(view, keys, folder)
+           or _other_problems(manifest, folder, optimizer, lr_scheduler))
+    return folder, manifest
+
+
+def load(view: CheckpointView, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
+         lr_scheduler: Any = None) -> Loaded:
+    """Fill this rank's tensors (and optimizer, scheduler, RNG) from the checkpoint at ``path``
+    (a step's folder, or a root: its newest whole step)."""
+    folder, manifest, keys = _locate(view, path)
     problem, state = _model_problems(view, keys, folder)
     problem = problem or _unexpected(view, keys, folder) or _other_problems(manifest, folder, optimizer,
                                                                             lr_scheduler)
