@@ -9,8 +9,9 @@
 
 Flags, choices and defaults come from the config dataclasses in autopipe.app.config.
 
-Every AutopipeError (a ValueError subclass with a one-line message saying what to do) is printed
-as ``autopipe: error: ...`` and the exit status is 2; no traceback reaches the user.
+Every AutopipeError (a ValueError subclass with a one-line message saying what to do), and the
+runtime's ExecutorError (e.g. a checkpoint of another model), is printed as
+``autopipe: error: ...`` and the exit status is 2; no traceback reaches the user.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from autopipe.app.config import (
 )
 from autopipe.app.flags import add_arguments, from_namespace
 from autopipe.errors import AutopipeError
+from executor.errors import ExecutorError
 
 __all__ = ["main", "build_parser"]
 
@@ -62,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.func
     try:
         return handler(args)
-    except AutopipeError as err:
+    except (AutopipeError, ExecutorError) as err:  # the runtime's bad input too (a checkpoint's)
         print(f"autopipe: error: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:
@@ -207,7 +209,9 @@ def _train(args: argparse.Namespace) -> int:
                   batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
                   devices=config.devices, method=config.method, plan=config.plan,
                   profile=config.profile, lr=config.lr, clip_grad=config.clip_grad,
-                  host_allocator=config.host_allocator, precision=config.precision)
+                  host_allocator=config.host_allocator, precision=config.precision,
+                  checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
+                  resume=config.resume, keep=config.keep)
     return 0
 
 

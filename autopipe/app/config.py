@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_STAGES",
     "resolve",
     "check_clip_grad",
+    "check_checkpoints",
 ]
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -54,6 +55,14 @@ _PRECISION = ("fp32, or bf16 / fp16: autocast in every stage over fp32 parameter
               "optimizer state")
 _HOST_ALLOCATOR = ("on a CPU, retain: glibc keeps freed memory for reuse, as a training loop "
                    "reuses it (default); system: the allocator as it is. The profile records it")
+
+_CHECKPOINT_DIR = ("save checkpoints of the run (model, AdamW, step, RNG; through torch.distributed."
+                   "checkpoint) in DIR/step-NNNNNNNN/, each renamed into place when whole; a DIR "
+                   "that already holds checkpoints is refused without --resume (default: none)")
+_CHECKPOINT_EVERY = "also save every N steps (default: only after the last step; needs --checkpoint-dir)"
+_RESUME = ("load the newest whole checkpoint in --checkpoint-dir (model, AdamW, step) and train on from "
+           "its step to --steps; refused when there is none or it is another model's or optimizer's")
+_KEEP = "keep only the newest N checkpoints in --checkpoint-dir (default: all)"
 
 _EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
 _TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory returning "
@@ -218,10 +227,15 @@ class TrainConfig:
                                          "no clipping)", metavar="MAX_NORM")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     precision: Precision = _opt("fp32", _PRECISION + "; fp16 with torch.amp.GradScaler (default fp32)")
+    checkpoint_dir: str | None = _opt(None, _CHECKPOINT_DIR, metavar="DIR")
+    checkpoint_every: int | None = _opt(None, _CHECKPOINT_EVERY, metavar="N")
+    resume: bool = _opt(False, _RESUME)
+    keep: int | None = _opt(None, _KEEP, metavar="N")
 
     def check(self) -> None:
         """The flags alone, before the model is loaded: one line per bad value."""
         _check_choice("--precision", self.precision, Precision)
+        check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.resume, self.keep)
 
 
 @dataclass(frozen=True)
@@ -257,6 +271,14 @@ class RunConfig:
                                                         "or fsdp (sharded state) (default: the "
                                                         "--plan's, else ddp)")
     precision: Precision = _opt("fp32", _PRECISION + ", gradients reduced in fp32 (default fp32)")
+    checkpoint_dir: str | None = _opt(None, _CHECKPOINT_DIR, metavar="DIR")
+    checkpoint_every: int | None = _opt(None, _CHECKPOINT_EVERY, metavar="N")
+    resume: bool = _opt(False, _RESUME)
+    keep: int | None = _opt(None, _KEEP, metavar="N")
+    max_restarts: int = _opt(0, "after a rank fails or hangs, restart every rank up to N times "
+                                "(torchrun's elastic agent); each restart resumes from the newest "
+                                "checkpoint in --checkpoint-dir, without one from step 1 (default 0)",
+                             metavar="N")
 
     def replicas(self) -> int | str | None:
         """--data-parallel as a number, "auto" or None (the plan's); one line when malformed."""
@@ -299,6 +321,10 @@ class RunConfig:
         if self.dp_mode is not None:
             _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
         _check_choice("--precision", self.precision, Precision)
+        check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.resume, self.keep)
+        if self.max_restarts < 0:
+            raise BuildError(f"--max-restarts {self.max_restarts} < 0: pass 0 (a failed rank ends the run) "
+                             "or the number of restarts to allow")
         replicas = self.replicas()
         if isinstance(replicas, int) and self.nproc % replicas:
             raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "
@@ -317,6 +343,22 @@ def check_clip_grad(clip_grad: float | None) -> None:
     if clip_grad is not None and not clip_grad > 0:
         raise BuildError(f"--clip-grad {clip_grad} must be > 0 (the largest gradient norm a step "
                          "keeps), e.g. --clip-grad 1.0")
+
+
+def check_checkpoints(checkpoint_dir: str | None, every: int | None, resume: bool, keep: int | None) -> None:
+    """--checkpoint-every, --resume and --keep need --checkpoint-dir and sensible counts."""
+    if checkpoint_dir is None:
+        given = [flag for flag, value in (("--checkpoint-every", every), ("--resume", resume or None),
+                                          ("--keep", keep)) if value is not None]
+        if given:
+            raise BuildError(f"{given[0]} needs --checkpoint-dir DIR, the folder checkpoints are saved in "
+                             "and resumed from; pass --checkpoint-dir")
+    if every is not None and every < 1:
+        raise BuildError(f"--checkpoint-every {every} < 1: save every N >= 1 steps, or drop it to save "
+                         "after the last step only")
+    if keep is not None and keep < 1:
+        raise BuildError(f"--keep {keep} < 1: keep at least the newest checkpoint (--keep 1), or drop "
+                         "--keep to keep all")
 
 
 def _check_choice(flag: str, value: Any, kind: Any) -> None:

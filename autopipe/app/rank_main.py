@@ -14,6 +14,18 @@ rank prints the loss of every step and the throughput. With ``data_parallel`` D 
 replica trains its own batch / D rows of the (seeded, same on every rank) batch, and the last
 rank of replica 0 prints its replica's loss and the whole batch's throughput.
 
+Step ``s`` trains on the model's batch of that step (``LoadedModel.batch``: [Note: a batch per
+step] in autopipe/examples.py; a factory without per-step batches trains on its one batch every
+step). With ``--checkpoint-dir`` the ranks save after the last step and every
+``--checkpoint-every`` steps; with ``--resume``, or when torchrun's elastic agent has restarted
+them after a failure (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0), they load the newest
+whole checkpoint and train on from its step, rank 0 printing where and which steps run again
+([Note: resuming a run] in autopipe/app/run_checkpoints.py).
+
+Testing hook: ``AUTOPIPE_FAULT="rank=R,step=S,signal=KILL|STOP[,when=step|save][,attempt=A]"``
+makes rank R kill or stop itself mid-step or mid-save in attempt A (default 0, the first run), as
+a crash or a hang would (autopipe/app/faults.py); without it, nothing of that runs.
+
 A failure ends the rank with ONE line on stderr that the launcher reads back ([Note: one line
 from K ranks] in autopipe/app/launch.py): ``autopipe run: error on rank R [at step S]: ...``
 for bad input (AutopipeError, ExecutorError), executor's ``PipelineFailure: ...`` when a peer
@@ -34,11 +46,13 @@ import torch
 import torch.distributed as dist
 
 from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, RunConfig
+from autopipe.app.faults import Faults
 from autopipe.app.model_spec import load_model
+from autopipe.app.run_checkpoints import RunCheckpoints, restart_count
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.core.plan import Plan
 from autopipe.errors import AutopipeError
-from executor.distributed import PipelineFailure
+from executor.distributed import DistributedPipeline, PipelineFailure
 from executor.errors import ExecutorError
 from executor.grad_scaler import PipelineGradScaler
 from executor.rank_cores import pin_local_rank
@@ -73,20 +87,30 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
                                 timeout=config.timeout, first_step_timeout=config.first_step_timeout,
                                 host_allocator=config.host_allocator, data_parallel=replicas,
                                 dp_mode=config.dp_mode, precision=config.precision)
-    inputs = tuple(x.to(pipe.device) if isinstance(x, torch.Tensor) else x for x in map(local, ex.inputs))
-    target = local(ex.target)
-    target = target.to(pipe.device) if isinstance(target, torch.Tensor) else target
+
+    def placed(x: object) -> object:
+        x = local(x)
+        return x.to(pipe.device) if isinstance(x, torch.Tensor) else x
+
     opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=config.lr)
     # fp16: the loss scaled in the schedule, an overflow on any rank skipping every rank's step
     scaler = PipelineGradScaler(pipe, enabled=config.precision == "fp16")
+    rank, restart = dist.get_rank(), restart_count()
+    first, saver = _resume(config, pipe, opt, scaler, rank, restart)
+    faults = Faults.from_env(rank, restart)  # the testing hook; none without AUTOPIPE_FAULT
     losses: list[float] = []
     start = time.perf_counter()
-    for step in range(config.steps):
+    for step in range(first, config.steps):
         progress.step = step + 1
-        if step == 1:  # the first step warms up (allocations, connections)
+        if saver is not None and rank == 0:
+            saver.started(step + 1)
+        if step == first + 1:  # the first step warms up (allocations, connections)
             start = time.perf_counter()
+        batch_inputs, batch_target = ex.batch(step)  # [Note: a batch per step]
+        inputs, target = tuple(placed(x) for x in batch_inputs), placed(batch_target)
         opt.zero_grad(set_to_none=True)
-        loss = pipe.step(*inputs, target=target, scaler=scaler if scaler.is_enabled() else None)
+        with faults.during_step(step + 1, pipe.stages):
+            loss = pipe.step(*inputs, target=target, scaler=scaler if scaler.is_enabled() else None)
         norm = None
         if config.clip_grad is not None:
             scaler.unscale_(opt)  # a no-op unless fp16
@@ -97,14 +121,36 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
             losses.append(float(loss))
             clipped = "" if norm is None else f"  grad norm {norm:.4f}"
             print(f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}{clipped}", flush=True)
+        if saver is not None and saver.due(step + 1, config.steps):
+            with faults.during_save(step + 1):
+                saver.save(pipe, opt, step + 1, {"model": config.model, "batch_size": batch,
+                                                 "grad_scaler": scaler.state_dict()})
     elapsed = time.perf_counter() - start
-    timed = max(config.steps - 1, 1)
-    if pipe.is_last and pipe.dp_rank == 0:
+    timed = max(config.steps - first - 1, 1)
+    if pipe.is_last and pipe.dp_rank == 0 and first < config.steps:
         each = f"{pipe.dp_size} replicas ({config.dp_mode or 'ddp'}) x " if pipe.dp_size > 1 else ""
         amp = "" if config.precision == "fp32" else f", {config.precision}"
         print(f"{config.model}: {each}{pipe.pp_size} ranks x {len(pipe.stages)} stage(s), {schedule}{amp}, "
               f"chunks={chunks}, batch {batch}: {timed * batch / elapsed:.1f} samples/s", flush=True)
     return losses
+
+
+def _resume(config: RunConfig, pipe: DistributedPipeline, opt: torch.optim.Optimizer,
+            scaler: PipelineGradScaler, rank: int, restart: int) -> tuple[int, RunCheckpoints | None]:
+    """The step to start from (the checkpoint's when resuming) and where to save, if anywhere;
+    rank 0 prints where the run resumed ([Note: resuming a run])."""
+    saver = RunCheckpoints.of(config.checkpoint_dir, config.checkpoint_every, config.keep,
+                              config.resume or restart > 0, "autopipe run")
+    first, line = 0, ""
+    if saver is not None:
+        first, extra, line = saver.load(pipe, opt, config.steps, restart)
+        if extra.get("grad_scaler") and scaler.is_enabled():
+            scaler.load_state_dict(extra["grad_scaler"])
+    elif restart:
+        line = f"autopipe run: restart {restart}: no --checkpoint-dir, starting again from step 1"
+    if line and rank == 0:
+        print(line, flush=True)
+    return first, saver
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,12 @@ and names the ``autopipe run`` command that runs each stage in its own process.
 With ``precision="bf16"`` / ``"fp16"`` the stages compute under autocast ([Note: mixed
 precision] in executor/precision.py), and so do the loss and the unpipelined model's step the
 summary compares with; fp16 steps through a ``torch.amp.GradScaler``.
+
+Step ``s`` trains on the model's batch of that step (``LoadedModel.batch``, [Note: a batch per
+step] in autopipe/examples.py: a factory without one trains on its one batch every step). With
+``checkpoint_dir`` the pipeline and AdamW are saved after the last step (and every
+``checkpoint_every``), and ``resume`` trains on from the newest checkpoint there ([Note:
+resuming a run] in autopipe/app/run_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from autopipe.app.config import (
     DEFAULT_BATCH,
     DEFAULT_CHUNKS,
     DEFAULT_STAGES,
+    check_checkpoints,
     check_clip_grad,
     resolve,
 )
 from autopipe.app.model_spec import LoadedModel, load_model
+from autopipe.app.run_checkpoints import RunCheckpoints, check_before_start, nothing_left
 from autopipe.assemble import microbatch_inputs, pipeline, pipeline_precision
 from autopipe.core.cost import CostOptions
 from autopipe.core.plan import Plan
@@ -162,21 +170,32 @@ def train_example(
     log: Callable[[str], None] | None = print,
     host_allocator: str = "retain",
     precision: str = "fp32",
-) -> TrainReport:
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    keep: int | None = None,
+) -> TrainReport | None:
     """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
     returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
     ``batch_size`` default to the plan's or profile's, else 2, 4 and 32; ``checkpoint`` to the
     plan's (one mode per stage), else except_last; ``precision`` is the pipeline's (fp16 with
     a gradient scaler). ``clip_grad``: clip the gradient norm to it before each step
-    (``pipe.clip_grad_norm_``, after unscaling), the norms kept in ``report.grad_norms``."""
+    (``pipe.clip_grad_norm_``, after unscaling), the norms kept in ``report.grad_norms``.
+    ``checkpoint_dir`` / ``checkpoint_every`` / ``keep``: save the run there; ``resume``: train
+    on from its newest checkpoint to ``steps`` (None, with a line, when it is there already)."""
     if steps < 1:
         raise AutopipeError(f"steps={steps} < 1: train at least one step (--steps 1 or more)")
     check_clip_grad(clip_grad)
+    check_checkpoints(checkpoint_dir, checkpoint_every, resume, keep)
     precision = pipeline_precision(precision)
     loaded_plan = Plan.load(plan) if isinstance(plan, str) else plan
     loaded_profile = Profile.load(profile) if isinstance(profile, str) else profile
     k, m, b, chosen = _sizes(loaded_plan, loaded_profile, stages, chunks, batch_size, devices)
     ex = load_model(name, b, for_training="autopipe train")
+    resumed = check_before_start(checkpoint_dir, resume, ex.model)  # before profiling
+    if resumed is not None and resumed >= steps:
+        (log or print)(nothing_left("autopipe train", str(checkpoint_dir), resumed, steps))
+        return None
     graph = trace(ex.model, microbatch_inputs(ex.inputs, m))
     if loaded_plan is None and loaded_profile is None:  # with the loss the last stage pays
         loaded_profile = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph,
@@ -196,12 +215,23 @@ def train_example(
         log(report.plan.table())
     opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
     scaler = _scaler(precision, chosen[-1])
-    target = ex.target.to(chosen[-1]) if isinstance(ex.target, torch.Tensor) else ex.target
     assert ex.loss_fn is not None  # load_model(for_training=...) checked it
-    for step in range(steps):
+    saver = RunCheckpoints.of(checkpoint_dir, checkpoint_every, keep, resume, "autopipe train")
+    first = 0
+    if saver is not None:
+        first, extra, line = saver.load(pipe, opt, steps)
+        if extra.get("grad_scaler"):
+            scaler.load_state_dict(extra["grad_scaler"])
+        if log and line:
+            log(line)
+    for step in range(first, steps):
+        if saver is not None:
+            saver.started(step + 1)
+        inputs, target = ex.batch(step)  # [Note: a batch per step]
+        target = target.to(chosen[-1]) if isinstance(target, torch.Tensor) else target
         start = time.perf_counter()
         opt.zero_grad()
-        output = pipe(*ex.inputs)
+        output = pipe(*inputs)
         with precision_autocast(precision, torch.device(chosen[-1])):  # as the last stage ran
             loss = ex.loss_fn(output, target)
         scaler.scale(loss).backward()
@@ -219,6 +249,11 @@ def train_example(
             norm = f"grad norm {report.grad_norms[-1]:.4f}  " if clip_grad is not None else ""
             log(f"step {step + 1}/{steps}  loss {report.losses[-1]:.4f}  {norm}"
                 f"{report.step_ms[-1]:.1f} ms")
+        if saver is not None and saver.due(step + 1, steps):
+            folder = saver.save(pipe, opt, step + 1,
+                                {"model": name, "batch_size": b, "grad_scaler": scaler.state_dict()})
+            if log:
+                log(f"saved {folder}")
     report.baseline_ms = _unpipelined_ms(load_model(name, b, for_training="autopipe train"),
                                          chosen[0], lr, max(3, steps), precision)
     if log:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import autopipe
 import autopipe.app.rank_main
@@ -24,8 +25,19 @@ def test_trains_a_bundled_example_end_to_end() -> None:
     lines: list[str] = []
     report = train_example("mlp", stages=2, chunks=4, batch_size=16, steps=4, lr=1e-2,
                            log=lines.append)
-    assert len(report.plan.stages) == 2 and report.devices == ["cpu", "cpu"]
-    assert len(report.losses) == 4 and report.losses[-1] < report.losses[0]
+    assert report is not None and len(report.plan.stages) == 2 and report.devices == ["cpu", "cpu"]
+    # each step trains on its own batch ([Note: a batch per step]), as the unpipelined model does
+    ex = autopipe.get_example("mlp", batch_size=16)
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-2)
+    plain = []
+    for step in range(4):
+        (x,), y = ex.batch(step)
+        opt.zero_grad()
+        loss = ex.loss_fn(ex.model(x), y)
+        loss.backward()
+        opt.step()
+        plain.append(loss.item())
+    assert report.losses == pytest.approx(plain, rel=1e-4) and len(set(report.losses)) == 4
     assert report.median_step_ms > 0 and report.baseline_ms > 0 and report.predicted_ms > 0
     assert len(report.optimizer_ms) == 4 and 0 < report.median_forward_backward_ms < report.median_step_ms
     # stages sharing one CPU take turns: the shared prediction is the slower one
@@ -84,7 +96,7 @@ def test_cli_train_clips_with_the_pipelines_norm(capsys: pytest.CaptureFixture[s
                                           flags=re.M)]
     assert len(norms) == 2 and all(v > 1e-3 for v in norms)  # each step's norm, then clipped
     report = train_example("mlp", stages=2, chunks=2, batch_size=4, steps=1, clip_grad=1e-3, log=None)
-    assert len(report.grad_norms) == 1
+    assert report is not None and len(report.grad_norms) == 1
     assert main(["train", "mlp", "--clip-grad", "-1"]) == 2
     assert capsys.readouterr().err == ("autopipe: error: --clip-grad -1.0 must be > 0 (the largest gradient "
                                        "norm a step keeps), e.g. --clip-grad 1.0\n")
