@@ -14,13 +14,11 @@ rank's layers are printed. Then ``python -m torch.distributed.run --standalone
 --nproc_per_node K -m autopipe.app.rank_main --config JSON`` runs the ranks (torchrun picks a
 free port and, when one rank fails, stops the others).
 
-[Note: one line from K ranks] A failing pipeline makes every rank and torchrun itself print a
-traceback (41-168 lines for two ranks). The ranks' stderr and torchrun's own go to files in a
-log directory instead (``--redirects 2`` keeps the ranks' stdout, the losses, on the
-terminal), and the launcher reads them back: a rank's one-line error (rank_main prints one per
-AutopipeError / ExecutorError), the ``PipelineFailure`` of a rank whose peer died or hung, and
-torchrun's "root cause" (which rank exited first, with which code or signal) become ONE line
-naming the rank, the peer and the step, with the log directory; the status is 2.
+A rank's failure becomes ONE line, exit status 2 ([Note: one line from K ranks] in
+autopipe/app/rank_logs.py). With ``--max-restarts N`` torchrun restarts every rank after one
+fails, and the log says so ([Note: a restart in the log] there); with ``--checkpoint-dir`` the
+restarted ranks resume from the newest checkpoint ([Note: resuming a run] in
+autopipe/app/run_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -28,12 +26,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,9 +42,12 @@ from autopipe.app.config import (
     resolve,
 )
 from autopipe.app.model_spec import load_model
+from autopipe.app.rank_logs import TorchrunWatch, collect, diagnose, echo_warnings
+from autopipe.app.run_checkpoints import check_before_start, nothing_left
 from autopipe.assemble_mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
+from executor.checkpoint import checkpoint_info
 
 __all__ = ["RankFailure", "prepare", "torchrun_command", "run", "diagnose"]
 
@@ -123,6 +122,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
                                                                               config.nproc)
     k = _check_ranks(config, plan, chunks, batch, replicas)
     loaded = load_model(config.model, batch // replicas, for_training="autopipe run")
+    check_before_start(config.checkpoint_dir, config.resume, loaded.model)  # [Note: resuming a run]
     micro = microbatch_inputs(loaded.inputs, chunks)
     graph = trace(loaded.model, micro)
     if len(graph.layers) < k:
@@ -188,8 +188,9 @@ def torchrun_command(config: RunConfig, log_dir: str | os.PathLike[str] | None =
     ``log_dir``, the ranks' stderr goes to files there ([Note: one line from K ranks])."""
     config.check()
     logs = ["--log-dir", str(log_dir), "--redirects", "2"] if log_dir is not None else []
+    restarts = [f"--max-restarts={config.max_restarts}"] if config.max_restarts else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.nproc}", *logs, "-m", "autopipe.app.rank_main",
+            f"--nproc_per_node={config.nproc}", *restarts, *logs, "-m", "autopipe.app.rank_main",
             "--config", config.to_json()]
 
 
@@ -207,28 +208,43 @@ def run(
     torchrun's logs stay in ``log_dir`` (default: a new ``autopipe-run-*`` temporary directory).
     Returns 124 when ``timeout`` seconds pass first.
     """
+    config.check()
+    if config.checkpoint_dir is not None and config.resume:  # nothing to plan or start when done
+        step = int(checkpoint_info(config.checkpoint_dir)["step"])
+        if step >= config.steps:
+            print(nothing_left("autopipe run", checkpoint_info(config.checkpoint_dir)["folder"], step,
+                               config.steps), flush=True)
+            return 0
     work = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="autopipe-run-"))
     work.mkdir(parents=True, exist_ok=True)
     resolved, plan, where = prepare(config, work)
     if log:
         print(layout(resolved, plan, where), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), **(extra_env or {})}
+    if config.max_restarts:  # a store shared across restarts serves the dead ranks' addresses
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # (pytorch/pytorch#135712)
     ranks_dir = work / "torchrun"
-    with open(work / "torchrun.log", "w", encoding="utf-8") as own:
-        proc = subprocess.Popen(torchrun_command(resolved, ranks_dir), env=env, stderr=own)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            print(f"autopipe run: no result after {timeout:.0f}s; stopped torchrun (logs in {work})",
-                  file=sys.stderr)
-            return TIMEOUT_EXIT
-        except BaseException:  # Ctrl-C: do not leave the ranks running
-            _stop(proc)
-            raise
-    logs = _collect(ranks_dir, work, config.nproc)
+    proc = subprocess.Popen(torchrun_command(resolved, ranks_dir), env=env, stderr=subprocess.PIPE)
+    watch = TorchrunWatch(proc, work / "torchrun.log", ranks_dir, work, config.nproc,  # [Note: a restart in the log]
+                          config.max_restarts).start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        print(f"autopipe run: no result after {timeout:.0f}s; stopped torchrun (logs in {work})",
+              file=sys.stderr)
+        return TIMEOUT_EXIT
+    except BaseException:  # Ctrl-C: do not leave the ranks running
+        _stop(proc)
+        raise
+    finally:
+        watch.join()
+    logs = collect(ranks_dir, work, config.nproc)
     if code == 0:
-        _echo_warnings(logs, work)
+        echo_warnings(logs, work)
+        if watch.failures:
+            print(f"autopipe run: finished after {watch.failures} restart(s); each attempt's logs are in "
+                  f"{ranks_dir}", file=sys.stderr)
         return 0
     raise RankFailure(diagnose(logs, (work / "torchrun.log").read_text(encoding="utf-8", errors="replace"),
                                config.nproc, work))
@@ -241,87 +257,3 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _collect(ranks_dir: Path, work: Path, world: int) -> dict[int, str]:
-    """Each rank's stderr, copied to ``work/rankN.log`` (torchrun nests it in run/attempt dirs)."""
-    logs: dict[int, str] = {}
-    for path in sorted(ranks_dir.glob("*/attempt_*/*/stderr.log"), key=lambda p: p.stat().st_mtime):
-        if path.parent.name.isdigit():
-            logs[int(path.parent.name)] = path.read_text(encoding="utf-8", errors="replace")
-    for rank in range(world):
-        (work / f"rank{rank}.log").write_text(logs.get(rank, ""), encoding="utf-8")
-    return logs
-
-
-def _echo_warnings(logs: dict[int, str], work: Path, most: int = 8) -> None:
-    """A successful run's stderr lines (warnings), each once, at most ``most`` of them."""
-    seen: list[str] = []
-    for rank in sorted(logs):
-        for line in logs[rank].splitlines():
-            if line.strip() and line not in seen:
-                seen.append(line)
-    for line in seen[:most]:
-        print(line, file=sys.stderr)
-    if len(seen) > most:
-        print(f"autopipe run: {len(seen) - most} more line(s) of the ranks' stderr in {work}", file=sys.stderr)
-
-
-@dataclass(frozen=True)
-class _Exit:
-    rank: int
-    code: int
-
-
-_RANK_ERROR = re.compile(r"^autopipe run: error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
-_PIPELINE_FAILURE = re.compile(
-    r"^PipelineFailure: rank (\d+)/\d+(?: \([^)]*\))?: pipeline step (\d+) \(([^,]+),[^)]*\) failed: .*?\((.*)\); "
-    r"see that rank's log$", re.M)
-_ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def _last_error(text: str) -> str | None:
-    """The last ``SomeError: message`` line of a traceback."""
-    hits = re.findall(r"^(\w+(?:\.\w+)*(?:Error|Exception|Failure|Interrupt)\b.*)$", text, re.M)
-    return hits[-1].strip()[:300] if hits else None
-
-
-def diagnose(logs: dict[int, str], torchrun_log: str, world: int, work: Path) -> str:
-    """ONE line from the ranks' stderr and torchrun's: which rank failed, at which step, which
-    peer died or hung when that is known, and where the logs are ([Note: one line from K ranks])."""
-    where = f"the ranks' logs are in {work}"
-    root = _ROOT.search(torchrun_log)
-    first = _Exit(int(root.group(1)), int(root.group(2))) if root else None
-    errors = {int(m.group(1)): m for text in logs.values() for m in _RANK_ERROR.finditer(text)}
-    if errors:  # a rank's own one-line error: bad input or a runtime check, the root cause
-        rank = first.rank if first is not None and first.rank in errors else min(errors)
-        m = errors[rank]
-        at = f" at step {m.group(2)}" if m.group(2) else " while building its stage"
-        return f"rank {rank}{at}: {m.group(3)}; {where}"
-    failures = {int(m.group(1)): m for text in logs.values() for m in _PIPELINE_FAILURE.finditer(text)}
-    if failures:
-        rank = min(failures)
-        m = failures[rank]
-        peer = ""
-        if first is not None and first.rank not in failures:
-            peer = f"its peer rank {first.rank} {_exit_text(first.code)}"
-        elif world == 2:
-            peer = f"its peer rank {1 - rank} died or hung"
-        cause = peer or f"a peer rank died or hung ({m.group(4)})"
-        return (f"rank {rank} stopped at pipeline step {m.group(2)} ({m.group(3)}): {cause}; {where}")
-    if first is not None:
-        text = logs.get(first.rank, "")
-        last = _last_error(text)
-        why = f": {last}" if last else ""
-        return f"rank {first.rank} {_exit_text(first.code)}{why}; its log is {work / f'rank{first.rank}.log'}"
-    last = _last_error(torchrun_log)
-    return f"torchrun failed{': ' + last if last else ''}; its log is {work / 'torchrun.log'}"
