@@ -28,10 +28,9 @@ from autopipe.app.config import (
     RunConfig,
     SimulateConfig,
     TrainConfig,
-    add_arguments,
-    from_namespace,
     resolve,
 )
+from autopipe.app.flags import add_arguments, from_namespace
 from autopipe.errors import AutopipeError
 
 __all__ = ["main", "build_parser"]

@@ -16,10 +16,8 @@ else to DEFAULT_CHUNKS = 4 and DEFAULT_BATCH = 32. :func:`resolve` applies the r
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,8 +37,6 @@ __all__ = [
     "DEFAULT_STAGES",
     "resolve",
     "check_clip_grad",
-    "add_arguments",
-    "from_namespace",
 ]
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -327,52 +323,3 @@ def _check_choice(flag: str, value: Any, kind: Any) -> None:
     choices = typing.get_args(kind)
     if value not in choices:
         raise BuildError(f"{flag} {value!r} is unknown; use one of {list(choices)}")
-
-
-# --- argparse from the dataclasses --------------------------------------------------------------
-def _unwrap(kind: Any) -> tuple[Any, bool]:
-    """``X | None`` -> (X, True); X -> (X, False)."""
-    args = typing.get_args(kind)
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], len(rest) < len(args)
-    return kind, False
-
-
-def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
-    """Add one argument per field of the dataclass ``config`` (see [Note: one place for defaults])."""
-    hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
-        meta = dict(f.metadata)
-        kind, _ = _unwrap(hints[f.name])
-        help_text = meta.pop("help")
-        if meta.pop("positional", False):
-            parser.add_argument(f.name, help=help_text, **meta)
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        switches = meta.pop("switches", None)
-        if switches is not None:  # a choice made by mutually exclusive switches, e.g. --timeline
-            group = parser.add_mutually_exclusive_group()
-            for switch, (value, text) in switches.items():
-                group.add_argument(switch, action="store_const", const=value, dest=f.name, help=text)
-            parser.set_defaults(**{f.name: f.default})
-            continue
-        kw: dict[str, Any] = {"help": help_text, "dest": f.name, **meta}
-        if f.default is not dataclasses.MISSING and not meta.get("required"):
-            kw["default"] = f.default
-        if kind is bool:
-            kw["action"] = "store_true"
-        elif typing.get_origin(kind) is Literal:
-            # shown, not enforced by argparse: its refusal is a usage dump; the library's own
-            # check answers in one line with exit status 2 (cli.main)
-            kw["metavar"] = "|".join(typing.get_args(kind))
-        elif typing.get_origin(kind) is list:
-            kw.setdefault("metavar", f.name.upper())
-        else:
-            kw["type"] = kind
-        parser.add_argument(flag, **kw)
-
-
-def from_namespace(config: type, args: argparse.Namespace) -> Any:
-    """The config dataclass filled from parsed arguments."""
-    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
