@@ -32,6 +32,7 @@ __all__ = [
     "PlotConfig",
     "TrainConfig",
     "RunConfig",
+    "Launch",
     "DEFAULT_CHUNKS",
     "DEFAULT_BATCH",
     "DEFAULT_STAGES",
@@ -224,8 +225,42 @@ class TrainConfig:
         _check_choice("--precision", self.precision, Precision)
 
 
+_Launch = typing.TypeVar("_Launch", bound="Launch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What the torchrun launches of ``autopipe run`` share: where the ranks
+    run, this host (``torchrun --standalone``) or ``nnodes`` hosts meeting at ``rdzv_endpoint``
+    and each running the same command line ([Note: one command line on every node] in
+    autopipe/app/nodes.py), and the config reaching every rank as JSON."""
+
+    nnodes: int = _opt(1, "hosts, each running this same command line (default 1: this host alone, "
+                          "torchrun --standalone)")
+    node_rank: int | None = _opt(None, "this host's number 0..N-1 with --nnodes N: node 0 hosts the "
+                                       "rendezvous at --rdzv-endpoint (default: torchrun's guess, "
+                                       "the endpoint's host matching this host's name or addresses)")
+    rdzv_endpoint: str | None = _opt(None, "with --nnodes: HOST:PORT of node 0 that every node "
+                                           "reaches (torchrun's c10d rendezvous)", metavar="HOST:PORT")
+    local_addr: str | None = _opt(None, "with --nnodes: the address the other nodes reach this one "
+                                        "at (default: this host's name)", metavar="ADDR")
+
+    def check_nodes(self, nproc: int) -> None:
+        """The node flags against each other and ``nproc`` ranks in all: one line per bad value."""
+        from autopipe.app.nodes import check_nodes
+
+        check_nodes(self, nproc)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls: type[_Launch], text: str) -> _Launch:
+        return cls(**json.loads(text))
+
+
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Launch):
     """What every rank of ``autopipe run`` trains: a model, a plan (the launcher makes one when
     none is given) and the loop. Travels to the ranks as JSON (:meth:`to_json`), resolved."""
 
@@ -299,17 +334,15 @@ class RunConfig:
         if self.dp_mode is not None:
             _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
         _check_choice("--precision", self.precision, Precision)
+        self.check_nodes(self.nproc)
+        if self.nnodes > 1 and self.plan is None:
+            raise BuildError(f"--nnodes {self.nnodes} without --plan: each node would profile and partition "
+                             "on its own, into plans that can differ; make one (`autopipe partition PROFILE "
+                             "--stages K --out plans/NAME.json`) and pass --plan with a copy on every node")
         replicas = self.replicas()
         if isinstance(replicas, int) and self.nproc % replicas:
             raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "
                              f"replicas; pass --nproc a multiple of {replicas} (replicas x stages)")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> RunConfig:
-        return cls(**json.loads(text))
 
 
 def check_clip_grad(clip_grad: float | None) -> None:

@@ -32,7 +32,8 @@ def _unwrap(kind: Any) -> tuple[Any, bool]:
 def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
     """Add one argument per field of the dataclass ``config`` (see [Note: one place for defaults])."""
     hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
+    # a base's keyword-only fields (where the ranks run: config.Launch) after the command's own
+    for f in sorted(dataclasses.fields(config), key=lambda f: f.kw_only is True):
         meta = dict(f.metadata)
         kind, _ = _unwrap(hints[f.name])
         help_text = meta.pop("help")
