@@ -32,6 +32,7 @@ __all__ = [
     "PlotConfig",
     "TrainConfig",
     "RunConfig",
+    "CommConfig",
     "Launch",
     "DEFAULT_CHUNKS",
     "DEFAULT_BATCH",
@@ -128,6 +129,9 @@ class ProfileConfig:
                              "the distributed runtime's cost per micro-batch and, on a CPU, how much "
                              "slower the model computes with a copy beside it, for plans run with "
                              "`autopipe run` on this host (10-20 s for the bundled examples)")
+    comm_from: str | None = _opt(None, "the link between two hosts as `autopipe comm` measured it "
+                                       "(its --out FILE.json): its latency, bandwidth and call costs "
+                                       "go into the profile instead of measuring this host's", metavar="FILE")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     precision: Precision = _opt("fp32", _PRECISION + "; measured under that autocast, recorded in "
                                         "the profile, planned for by partition (default fp32)")
@@ -230,7 +234,7 @@ _Launch = typing.TypeVar("_Launch", bound="Launch")
 
 @dataclass(frozen=True, kw_only=True)
 class Launch:
-    """What the torchrun launches of ``autopipe run`` share: where the ranks
+    """What the torchrun launches of ``autopipe run`` and ``autopipe comm`` share: where the ranks
     run, this host (``torchrun --standalone``) or ``nnodes`` hosts meeting at ``rdzv_endpoint``
     and each running the same command line ([Note: one command line on every node] in
     autopipe/app/nodes.py), and the config reaching every rank as JSON."""
@@ -343,6 +347,40 @@ class RunConfig(Launch):
         if isinstance(replicas, int) and self.nproc % replicas:
             raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "
                              f"replicas; pass --nproc a multiple of {replicas} (replicas x stages)")
+
+
+@dataclass(frozen=True)
+class CommConfig(Launch):
+    """``autopipe comm``: two ranks time the link between them (both on this host, or one on each
+    of two nodes) and write what ``profile --comm-from`` reads ([Note: measured transfer])."""
+
+    out: str = _opt(None, "FILE.json to write, on every node", required=True)
+    force: bool = _opt(False, "overwrite --out if it exists")
+    sizes: str = _opt("64,65536,524288,4194304", "bytes per crossing to time, 2 or more sizes; each "
+                                                 "takes about 3 x (repeats + 3) x size / bandwidth "
+                                                 "(default 64,65536,524288,4194304)", metavar="B1,B2,..")
+    repeats: int = _opt(20, "timed crossings per size (default 20)")
+    chunks: int = _opt(DEFAULT_CHUNKS, f"micro-batches of the empty pipelines that time the runtime's "
+                                       f"own cost per stage call (default {DEFAULT_CHUNKS})")
+
+    def byte_sizes(self) -> list[int]:
+        """--sizes as numbers, checked: one line when malformed."""
+        parts = self.sizes.split(",")
+        if len(parts) < 2 or not all(x.isdigit() and int(x) >= 4 for x in parts) or len(set(parts)) < len(parts):
+            raise BuildError(f"--sizes {self.sizes!r}: give 2 or more different byte counts >= 4, comma-"
+                             "separated, e.g. 64,65536,1048576")
+        return [int(x) for x in parts]
+
+    def check(self) -> None:
+        if self.nnodes > 2:
+            raise BuildError(f"--nnodes {self.nnodes}: the link is timed by two ranks, both on this host "
+                             "(--nnodes 1) or one on each of two (--nnodes 2)")
+        self.check_nodes(2)
+        self.byte_sizes()
+        if self.repeats < 1:
+            raise BuildError(f"--repeats {self.repeats} < 1: pass --repeats 1 or more")
+        if self.chunks < 1:
+            raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
 
 
 def check_clip_grad(clip_grad: float | None) -> None:

@@ -3,9 +3,10 @@
     code = launch_ranks(ranks_command(config, 2, "autopipe.app.rank_main", work / "torchrun"),
                         work, 2, nodes=1, world=2, env=dict(os.environ), timeout=None)
 
-``autopipe run`` (autopipe/app/launch.py) starts ``python -m torch.distributed.run ... -m
-MODULE --config JSON``, the ranks placed on this host or on several ([Note: one command line on
-every node] in autopipe/app/nodes.py). Nothing here imports torch.
+``autopipe run`` (autopipe/app/launch.py) and ``autopipe comm`` (autopipe/app/comm_job.py)
+both start ``python -m torch.distributed.run ... -m MODULE --config JSON``, the ranks placed on
+this host or on several ([Note: one command line on every node] in autopipe/app/nodes.py).
+Nothing here imports torch: ``autopipe comm`` starts its ranks without loading it.
 
 [Note: one line from K ranks] A failing pipeline makes every rank and torchrun itself print a
 traceback (41-168 lines for two ranks). The ranks' stderr and torchrun's own go to files in a
@@ -36,7 +37,7 @@ TIMEOUT_EXIT = 124
 
 
 class RankFailure(BuildError):
-    """A rank of ``autopipe run`` failed; the message is the one line that
+    """A rank of ``autopipe run`` or ``autopipe comm`` failed; the message is the one line that
     says which and why."""
 
 
@@ -118,7 +119,7 @@ class _Exit:
     local: int  # its local rank: its log's number on this node
 
 
-_RANK_ERROR = re.compile(r"^autopipe run: error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
+_RANK_ERROR = re.compile(r"^autopipe (?:run|comm): error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
 _PIPELINE_FAILURE = re.compile(
     r"^PipelineFailure: rank (\d+)/\d+(?: \([^)]*\))?: pipeline step (\d+) \(([^,]+),[^)]*\) failed: .*?\((.*)\); "
     r"see that rank's log$", re.M)
