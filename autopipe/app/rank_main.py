@@ -45,7 +45,7 @@ from executor.errors import ExecutorError
 from executor.grad_scaler import PipelineGradScaler
 from executor.rank_cores import pin_local_rank
 
-__all__ = ["main", "train", "check_same_run"]
+__all__ = ["main", "train", "check_same_run", "NODE_OWN"]
 
 
 @dataclass
@@ -53,11 +53,15 @@ class Progress:
     step: int = 0  # the step being run (1-based); 0 while the stage is being built
 
 
+# a node's own: where it is, how its cores are used, where its copy of the plan lies
+NODE_OWN: dict[str, Any] = {"node_rank": None, "local_addr": None, "threads": 1, "no_pin_cores": False, "plan": None}
+
+
 def check_same_run(config: RunConfig) -> None:
-    """Every rank trains what rank 0 does: the same flags (but each node's own --node-rank and
-    --local-addr) and the same plan, wherever its file lies ([Note: one command line on every
-    node] in autopipe/app/nodes.py); else one line on every rank, before any stage is built."""
-    flags = dataclasses.asdict(dataclasses.replace(config, plan=None, node_rank=None, local_addr=None))
+    """Every rank trains what rank 0 does: the same flags (but each node's own, ``NODE_OWN``) and
+    the same plan, wherever its file lies ([Note: one command line on every node] in
+    autopipe/app/nodes.py); else one line on every rank, before any stage is built."""
+    flags = dataclasses.asdict(dataclasses.replace(config, **NODE_OWN))
     mine: tuple[dict[str, Any], dict[str, Any] | None] = (flags, Plan.load(config.plan).to_dict()
                                                            if config.plan else None)
     every: list[Any] = [None] * dist.get_world_size()

@@ -132,7 +132,7 @@ def _gathered(monkeypatch: pytest.MonkeyPatch, ranks: list[RunConfig]) -> None:
 
     def gather(out: list[object], mine: object) -> None:
         for r, config in enumerate(ranks):
-            flags = dataclasses.asdict(dataclasses.replace(config, plan=None, node_rank=None, local_addr=None))
+            flags = dataclasses.asdict(dataclasses.replace(config, **rank_main.NODE_OWN))
             out[r] = (flags, autopipe.Plan.load(config.plan).to_dict() if config.plan else None)
 
     monkeypatch.setattr(dist, "all_gather_object", gather)
@@ -152,7 +152,7 @@ def test_every_rank_checks_the_others_train_the_same(monkeypatch: pytest.MonkeyP
     one = RunConfig("mlp", plan=str(plans[0]), nproc=2, nnodes=2, node_rank=0, rdzv_endpoint="n0:1", local_addr="a")
     copy = tmp_path / "copy.json"  # the same plan in another file, another node's own flags: agreed
     copy.write_text(plans[0].read_text())
-    _gathered(monkeypatch, [one, dataclasses.replace(one, plan=str(copy), node_rank=1, local_addr="b")])
+    _gathered(monkeypatch, [one, dataclasses.replace(one, plan=str(copy), node_rank=1, local_addr="b", threads=4)])
     rank_main.check_same_run(one)
     _gathered(monkeypatch, [one, dataclasses.replace(one, steps=5, lr=0.1)])
     with pytest.raises(BuildError, match=r"^rank 1 was started with --steps 5 \(rank 0: 10\), --lr 0.1 \(rank 0: "
