@@ -119,7 +119,7 @@ class _Exit:
     local: int  # its local rank: its log's number on this node
 
 
-_RANK_ERROR = re.compile(r"^autopipe (?:run|comm): error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
+_RANK_ERROR = re.compile(r"^autopipe (run|comm): error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
 _PIPELINE_FAILURE = re.compile(
     r"^PipelineFailure: rank (\d+)/\d+(?: \([^)]*\))?: pipeline step (\d+) \(([^,]+),[^)]*\) failed: .*?\((.*)\); "
     r"see that rank's log$", re.M)
@@ -151,12 +151,12 @@ def diagnose(logs: dict[int, str], torchrun_log: str, world: int, work: Path, no
     if root:
         rank = int(root.group(1))
         first = _Exit(rank, int(root.group(3)), int(root.group(2)) if root.group(2) else rank)
-    errors = {int(m.group(1)): m for text in logs.values() for m in _RANK_ERROR.finditer(text)}
+    errors = {int(m.group(2)): m for text in logs.values() for m in _RANK_ERROR.finditer(text)}
     if errors:  # a rank's own one-line error: bad input or a runtime check, the root cause
         rank = first.rank if first is not None and first.rank in errors else min(errors)
         m = errors[rank]
-        at = f" at step {m.group(2)}" if m.group(2) else " while building its stage"
-        return f"rank {rank}{at}: {m.group(3)}; {where}"
+        at = f" at step {m.group(3)}" if m.group(3) else " while building its stage" if m.group(1) == "run" else ""
+        return f"rank {rank}{at}: {m.group(4)}; {where}"
     failures = {int(m.group(1)): m for text in logs.values() for m in _PIPELINE_FAILURE.finditer(text)}
     if failures:
         rank = min(failures)

@@ -122,7 +122,7 @@ def test_a_nodes_diagnosis_names_the_global_rank_and_this_nodes_log(tmp_path: Pa
         f"rank 3 exited with status 1: RuntimeError: out of memory; its log is {tmp_path / 'local_rank1.log'}")
     own = {0: "autopipe comm: error on rank 2: the link measurement needs 2 ranks\n"}
     assert diagnose(own, "", 2, tmp_path, nodes=2) == (
-        f"rank 2 while building its stage: the link measurement needs 2 ranks; this node's ranks' logs are in "
+        f"rank 2: the link measurement needs 2 ranks; this node's ranks' logs are in "
         f"{tmp_path}")
 
 
