@@ -16,10 +16,8 @@ else to DEFAULT_CHUNKS = 4 and DEFAULT_BATCH = 32. :func:`resolve` applies the r
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,13 +32,13 @@ __all__ = [
     "PlotConfig",
     "TrainConfig",
     "RunConfig",
+    "CommConfig",
+    "Launch",
     "DEFAULT_CHUNKS",
     "DEFAULT_BATCH",
     "DEFAULT_STAGES",
     "resolve",
     "check_clip_grad",
-    "add_arguments",
-    "from_namespace",
 ]
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -131,6 +129,9 @@ class ProfileConfig:
                              "the distributed runtime's cost per micro-batch and, on a CPU, how much "
                              "slower the model computes with a copy beside it, for plans run with "
                              "`autopipe run` on this host (10-20 s for the bundled examples)")
+    comm_from: str | None = _opt(None, "the link between two hosts as `autopipe comm` measured it "
+                                       "(its --out FILE.json): its latency, bandwidth and call costs "
+                                       "go into the profile instead of measuring this host's", metavar="FILE")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     precision: Precision = _opt("fp32", _PRECISION + "; measured under that autocast, recorded in "
                                         "the profile, planned for by partition (default fp32)")
@@ -228,8 +229,42 @@ class TrainConfig:
         _check_choice("--precision", self.precision, Precision)
 
 
+_Launch = typing.TypeVar("_Launch", bound="Launch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What the torchrun launches of ``autopipe run`` and ``autopipe comm`` share: where the ranks
+    run, this host (``torchrun --standalone``) or ``nnodes`` hosts meeting at ``rdzv_endpoint``
+    and each running the same command line ([Note: one command line on every node] in
+    autopipe/app/nodes.py), and the config reaching every rank as JSON."""
+
+    nnodes: int = _opt(1, "hosts, each running this same command line (default 1: this host alone, "
+                          "torchrun --standalone)")
+    node_rank: int | None = _opt(None, "this host's number 0..N-1 with --nnodes N: node 0 hosts the "
+                                       "rendezvous at --rdzv-endpoint (default: torchrun's guess, "
+                                       "the endpoint's host matching this host's name or addresses)")
+    rdzv_endpoint: str | None = _opt(None, "with --nnodes: HOST:PORT of node 0 that every node "
+                                           "reaches (torchrun's c10d rendezvous)", metavar="HOST:PORT")
+    local_addr: str | None = _opt(None, "with --nnodes: the address the other nodes reach this one "
+                                        "at (default: this host's name)", metavar="ADDR")
+
+    def check_nodes(self, nproc: int) -> None:
+        """The node flags against each other and ``nproc`` ranks in all: one line per bad value."""
+        from autopipe.app.nodes import check_nodes
+
+        check_nodes(self, nproc)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls: type[_Launch], text: str) -> _Launch:
+        return cls(**json.loads(text))
+
+
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Launch):
     """What every rank of ``autopipe run`` trains: a model, a plan (the launcher makes one when
     none is given) and the loop. Travels to the ranks as JSON (:meth:`to_json`), resolved."""
 
@@ -303,17 +338,49 @@ class RunConfig:
         if self.dp_mode is not None:
             _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
         _check_choice("--precision", self.precision, Precision)
+        self.check_nodes(self.nproc)
+        if self.nnodes > 1 and self.plan is None:
+            raise BuildError(f"--nnodes {self.nnodes} without --plan: each node would profile and partition "
+                             "on its own, into plans that can differ; make one (`autopipe partition PROFILE "
+                             "--stages K --out plans/NAME.json`) and pass --plan with a copy on every node")
         replicas = self.replicas()
         if isinstance(replicas, int) and self.nproc % replicas:
             raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "
                              f"replicas; pass --nproc a multiple of {replicas} (replicas x stages)")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
 
-    @classmethod
-    def from_json(cls, text: str) -> RunConfig:
-        return cls(**json.loads(text))
+@dataclass(frozen=True)
+class CommConfig(Launch):
+    """``autopipe comm``: two ranks time the link between them (both on this host, or one on each
+    of two nodes) and write what ``profile --comm-from`` reads ([Note: measured transfer])."""
+
+    out: str = _opt(None, "FILE.json to write, on every node", required=True)
+    force: bool = _opt(False, "overwrite --out if it exists")
+    sizes: str = _opt("64,65536,524288,4194304", "bytes per crossing to time, 2 or more sizes; each "
+                                                 "takes about 3 x (repeats + 3) x size / bandwidth "
+                                                 "(default 64,65536,524288,4194304)", metavar="B1,B2,..")
+    repeats: int = _opt(20, "timed crossings per size (default 20)")
+    chunks: int = _opt(DEFAULT_CHUNKS, f"micro-batches of the empty pipelines that time the runtime's "
+                                       f"own cost per stage call (default {DEFAULT_CHUNKS})")
+
+    def byte_sizes(self) -> list[int]:
+        """--sizes as numbers, checked: one line when malformed."""
+        parts = self.sizes.split(",")
+        if len(parts) < 2 or not all(x.isdigit() and int(x) >= 4 for x in parts) or len(set(parts)) < len(parts):
+            raise BuildError(f"--sizes {self.sizes!r}: give 2 or more different byte counts >= 4, comma-"
+                             "separated, e.g. 64,65536,1048576")
+        return [int(x) for x in parts]
+
+    def check(self) -> None:
+        if self.nnodes > 2:
+            raise BuildError(f"--nnodes {self.nnodes}: the link is timed by two ranks, both on this host "
+                             "(--nnodes 1) or one on each of two (--nnodes 2)")
+        self.check_nodes(2)
+        self.byte_sizes()
+        if self.repeats < 1:
+            raise BuildError(f"--repeats {self.repeats} < 1: pass --repeats 1 or more")
+        if self.chunks < 1:
+            raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
 
 
 def check_clip_grad(clip_grad: float | None) -> None:
@@ -327,52 +394,3 @@ def _check_choice(flag: str, value: Any, kind: Any) -> None:
     choices = typing.get_args(kind)
     if value not in choices:
         raise BuildError(f"{flag} {value!r} is unknown; use one of {list(choices)}")
-
-
-# --- argparse from the dataclasses --------------------------------------------------------------
-def _unwrap(kind: Any) -> tuple[Any, bool]:
-    """``X | None`` -> (X, True); X -> (X, False)."""
-    args = typing.get_args(kind)
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], len(rest) < len(args)
-    return kind, False
-
-
-def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
-    """Add one argument per field of the dataclass ``config`` (see [Note: one place for defaults])."""
-    hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
-        meta = dict(f.metadata)
-        kind, _ = _unwrap(hints[f.name])
-        help_text = meta.pop("help")
-        if meta.pop("positional", False):
-            parser.add_argument(f.name, help=help_text, **meta)
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        switches = meta.pop("switches", None)
-        if switches is not None:  # a choice made by mutually exclusive switches, e.g. --timeline
-            group = parser.add_mutually_exclusive_group()
-            for switch, (value, text) in switches.items():
-                group.add_argument(switch, action="store_const", const=value, dest=f.name, help=text)
-            parser.set_defaults(**{f.name: f.default})
-            continue
-        kw: dict[str, Any] = {"help": help_text, "dest": f.name, **meta}
-        if f.default is not dataclasses.MISSING and not meta.get("required"):
-            kw["default"] = f.default
-        if kind is bool:
-            kw["action"] = "store_true"
-        elif typing.get_origin(kind) is Literal:
-            # shown, not enforced by argparse: its refusal is a usage dump; the library's own
-            # check answers in one line with exit status 2 (cli.main)
-            kw["metavar"] = "|".join(typing.get_args(kind))
-        elif typing.get_origin(kind) is list:
-            kw.setdefault("metavar", f.name.upper())
-        else:
-            kw["type"] = kind
-        parser.add_argument(flag, **kw)
-
-
-def from_namespace(config: type, args: argparse.Namespace) -> Any:
-    """The config dataclass filled from parsed arguments."""
-    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})

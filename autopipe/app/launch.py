@@ -12,15 +12,12 @@ against the rank count and the traced model, the batch against the chunks, the r
 against the layers) and, without ``--plan``, the model is profiled and partitioned here; each
 rank's layers are printed. Then ``python -m torch.distributed.run --standalone
 --nproc_per_node K -m autopipe.app.rank_main --config JSON`` runs the ranks (torchrun picks a
-free port and, when one rank fails, stops the others).
+free port and, when one rank fails, stops the others). With ``--nnodes N --rdzv-endpoint
+HOST:PORT`` the same command line on each of N hosts starts that host's K / N ranks of a c10d
+rendezvous instead ([Note: one command line on every node] in autopipe/app/nodes.py).
 
-[Note: one line from K ranks] A failing pipeline makes every rank and torchrun itself print a
-traceback (41-168 lines for two ranks). The ranks' stderr and torchrun's own go to files in a
-log directory instead (``--redirects 2`` keeps the ranks' stdout, the losses, on the
-terminal), and the launcher reads them back: a rank's one-line error (rank_main prints one per
-AutopipeError / ExecutorError), the ``PipelineFailure`` of a rank whose peer died or hung, and
-torchrun's "root cause" (which rank exited first, with which code or signal) become ONE line
-naming the rank, the peer and the step, with the log directory; the status is 2.
+The ranks run under autopipe/app/torchrun.py, which turns their failures into one line
+([Note: one line from K ranks] there).
 """
 
 from __future__ import annotations
@@ -28,12 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import signal
-import subprocess
-import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,18 +38,12 @@ from autopipe.app.config import (
     resolve,
 )
 from autopipe.app.model_spec import load_model
+from autopipe.app.torchrun import RankFailure, diagnose, launch_ranks, ranks_command
 from autopipe.assemble_mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 
 __all__ = ["RankFailure", "prepare", "torchrun_command", "run", "diagnose"]
-
-TIMEOUT_EXIT = 124
-
-
-class RankFailure(BuildError):
-    """A rank of ``autopipe run`` failed; the message is the one line that says which and why."""
-
 
 def _stages_per_rank(config: RunConfig) -> int:
     return 2 if config.schedule == "interleaved1f1b" else 1
@@ -184,13 +170,12 @@ def layout(config: RunConfig, plan: Plan, where: str) -> str:
 
 
 def torchrun_command(config: RunConfig, log_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """The torchrun command line that runs ``config`` on ``config.nproc`` local processes; with
-    ``log_dir``, the ranks' stderr goes to files there ([Note: one line from K ranks])."""
+    """The torchrun command line that runs ``config`` on ``config.nproc`` processes, on this host
+    or this node's share of them ([Note: one command line on every node] in
+    autopipe/app/nodes.py); with ``log_dir``, the ranks' stderr goes to files there ([Note: one
+    line from K ranks])."""
     config.check()
-    logs = ["--log-dir", str(log_dir), "--redirects", "2"] if log_dir is not None else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.nproc}", *logs, "-m", "autopipe.app.rank_main",
-            "--config", config.to_json()]
+    return ranks_command(config, config.nproc, "autopipe.app.rank_main", log_dir)
 
 
 def run(
@@ -213,115 +198,5 @@ def run(
     if log:
         print(layout(resolved, plan, where), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), **(extra_env or {})}
-    ranks_dir = work / "torchrun"
-    with open(work / "torchrun.log", "w", encoding="utf-8") as own:
-        proc = subprocess.Popen(torchrun_command(resolved, ranks_dir), env=env, stderr=own)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            print(f"autopipe run: no result after {timeout:.0f}s; stopped torchrun (logs in {work})",
-                  file=sys.stderr)
-            return TIMEOUT_EXIT
-        except BaseException:  # Ctrl-C: do not leave the ranks running
-            _stop(proc)
-            raise
-    logs = _collect(ranks_dir, work, config.nproc)
-    if code == 0:
-        _echo_warnings(logs, work)
-        return 0
-    raise RankFailure(diagnose(logs, (work / "torchrun.log").read_text(encoding="utf-8", errors="replace"),
-                               config.nproc, work))
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _collect(ranks_dir: Path, work: Path, world: int) -> dict[int, str]:
-    """Each rank's stderr, copied to ``work/rankN.log`` (torchrun nests it in run/attempt dirs)."""
-    logs: dict[int, str] = {}
-    for path in sorted(ranks_dir.glob("*/attempt_*/*/stderr.log"), key=lambda p: p.stat().st_mtime):
-        if path.parent.name.isdigit():
-            logs[int(path.parent.name)] = path.read_text(encoding="utf-8", errors="replace")
-    for rank in range(world):
-        (work / f"rank{rank}.log").write_text(logs.get(rank, ""), encoding="utf-8")
-    return logs
-
-
-def _echo_warnings(logs: dict[int, str], work: Path, most: int = 8) -> None:
-    """A successful run's stderr lines (warnings), each once, at most ``most`` of them."""
-    seen: list[str] = []
-    for rank in sorted(logs):
-        for line in logs[rank].splitlines():
-            if line.strip() and line not in seen:
-                seen.append(line)
-    for line in seen[:most]:
-        print(line, file=sys.stderr)
-    if len(seen) > most:
-        print(f"autopipe run: {len(seen) - most} more line(s) of the ranks' stderr in {work}", file=sys.stderr)
-
-
-@dataclass(frozen=True)
-class _Exit:
-    rank: int
-    code: int
-
-
-_RANK_ERROR = re.compile(r"^autopipe run: error on rank (\d+)(?: at step (\d+))?: (.*)$", re.M)
-_PIPELINE_FAILURE = re.compile(
-    r"^PipelineFailure: rank (\d+)/\d+(?: \([^)]*\))?: pipeline step (\d+) \(([^,]+),[^)]*\) failed: .*?\((.*)\); "
-    r"see that rank's log$", re.M)
-_ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def _last_error(text: str) -> str | None:
-    """The last ``SomeError: message`` line of a traceback."""
-    hits = re.findall(r"^(\w+(?:\.\w+)*(?:Error|Exception|Failure|Interrupt)\b.*)$", text, re.M)
-    return hits[-1].strip()[:300] if hits else None
-
-
-def diagnose(logs: dict[int, str], torchrun_log: str, world: int, work: Path) -> str:
-    """ONE line from the ranks' stderr and torchrun's: which rank failed, at which step, which
-    peer died or hung when that is known, and where the logs are ([Note: one line from K ranks])."""
-    where = f"the ranks' logs are in {work}"
-    root = _ROOT.search(torchrun_log)
-    first = _Exit(int(root.group(1)), int(root.group(2))) if root else None
-    errors = {int(m.group(1)): m for text in logs.values() for m in _RANK_ERROR.finditer(text)}
-    if errors:  # a rank's own one-line error: bad input or a runtime check, the root cause
-        rank = first.rank if first is not None and first.rank in errors else min(errors)
-        m = errors[rank]
-        at = f" at step {m.group(2)}" if m.group(2) else " while building its stage"
-        return f"rank {rank}{at}: {m.group(3)}; {where}"
-    failures = {int(m.group(1)): m for text in logs.values() for m in _PIPELINE_FAILURE.finditer(text)}
-    if failures:
-        rank = min(failures)
-        m = failures[rank]
-        peer = ""
-        if first is not None and first.rank not in failures:
-            peer = f"its peer rank {first.rank} {_exit_text(first.code)}"
-        elif world == 2:
-            peer = f"its peer rank {1 - rank} died or hung"
-        cause = peer or f"a peer rank died or hung ({m.group(4)})"
-        return (f"rank {rank} stopped at pipeline step {m.group(2)} ({m.group(3)}): {cause}; {where}")
-    if first is not None:
-        text = logs.get(first.rank, "")
-        last = _last_error(text)
-        why = f": {last}" if last else ""
-        return f"rank {first.rank} {_exit_text(first.code)}{why}; its log is {work / f'rank{first.rank}.log'}"
-    last = _last_error(torchrun_log)
-    return f"torchrun failed{': ' + last if last else ''}; its log is {work / 'torchrun.log'}"
+    return launch_ranks(torchrun_command(resolved, work / "torchrun"), work, config.nproc // config.nnodes,
+                        nodes=config.nnodes, world=config.nproc, env=env, timeout=timeout)
