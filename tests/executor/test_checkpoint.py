@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from executor import GPipe
-from executor.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
-from executor.checkpoint import dcp_io
+from executor.checkpoint import checkpoint_info, dcp_io, load_checkpoint, save_checkpoint
 from executor.errors import CheckpointError
 
 CUTS = {1: [], 2: [3], 3: [2, 4]}
