@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
     from autopipe.rank_parts import merge_state_dicts
     from autopipe.solvers.partitioner import partition
+    from executor.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 
 __all__ = [
     "AutopipeError",
@@ -69,6 +70,9 @@ __all__ = [
     "pipeline",
     "distributed_pipeline",
     "merge_state_dicts",
+    "save_checkpoint",
+    "load_checkpoint",
+    "checkpoint_info",
     "Profile",
     "profile",
     "partition",
@@ -91,6 +95,9 @@ _LAZY: dict[str, str] = {
     "pipeline": "autopipe.assemble",
     "distributed_pipeline": "autopipe.assemble_ranks",
     "merge_state_dicts": "autopipe.rank_parts",
+    "save_checkpoint": "executor.checkpoint",
+    "load_checkpoint": "executor.checkpoint",
+    "checkpoint_info": "executor.checkpoint",
     "Profile": "autopipe.core.profile_table",
     "profile": "autopipe.frontend.profiling.profiler",
     "partition": "autopipe.solvers.partitioner",

@@ -134,3 +134,11 @@ def make_wrong() -> int:
 
 def make_raises() -> nn.Module:
     raise RuntimeError("boom\nsecond line")
+
+
+def make_link_bound(batch_size: int = 4096) -> tuple[nn.Module, tuple[Tensor]]:
+    """Four Linear(128, 128) + ReLU and a head: every cut carries a micro-batch's whole 128-wide
+    activation (256 KiB at 512 rows) for a few ms of compute, so the link decides whether two
+    stages pay (tests/app/test_two_hosts.py)."""
+    torch.manual_seed(0)
+    return Chain((128, 128, 128, 128, 128, 4)), (torch.randn(batch_size, 128),)

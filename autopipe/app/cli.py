@@ -6,6 +6,7 @@
     autopipe plot PLAN ...           draw balance / timeline figures  (plot)
     autopipe train EXAMPLE ...       the whole job in one process     (app.train)
     autopipe run MODEL ...           train with torchrun              (app.launch, app.rank_main)
+    autopipe comm --out FILE ...     time the link between two ranks  (app.comm_job)
 
 Flags, choices and defaults come from the config dataclasses in autopipe.app.config.
 
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from autopipe.app.config import (
     DEFAULT_CHUNKS,
+    CommConfig,
     PartitionConfig,
     PlotConfig,
     ProfileConfig,
@@ -100,7 +102,7 @@ def _profile(args: argparse.Namespace) -> int:
         max_depth=config.max_depth, leaf=config.leaf, input_shape=config.input_shape,
         threads=config.threads, progress=not config.no_progress, mode=config.mode,
         meta=config.meta, micro_batch_sizes=config.micro_batch_sizes, comm=config.comm,
-        host_allocator=config.host_allocator, precision=config.precision,
+        comm_from=config.comm_from, host_allocator=config.host_allocator, precision=config.precision,
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")
@@ -225,6 +227,19 @@ def _run(args: argparse.Namespace) -> int:
     from autopipe.app.launch import run
 
     return run(from_namespace(RunConfig, args))
+
+
+@_register
+def _comm_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    _command(sub, "comm", CommConfig, _comm,
+             "time the link between two ranks (on this host, or one on each of two with --nnodes 2) "
+             "into FILE.json for `profile --comm-from`")
+
+
+def _comm(args: argparse.Namespace) -> int:
+    from autopipe.app.comm_job import measure_link
+
+    return measure_link(from_namespace(CommConfig, args))
 
 
 if __name__ == "__main__":  # pragma: no cover

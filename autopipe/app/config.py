@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
 from autopipe.errors import BuildError
 from executor.spec import PRECISIONS
 
@@ -32,12 +33,13 @@ __all__ = [
     "PlotConfig",
     "TrainConfig",
     "RunConfig",
+    "CommConfig",
+    "Launch",
     "DEFAULT_CHUNKS",
     "DEFAULT_BATCH",
     "DEFAULT_STAGES",
     "resolve",
     "check_clip_grad",
-    "check_checkpoints",
 ]
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -55,14 +57,6 @@ _PRECISION = ("fp32, or bf16 / fp16: autocast in every stage over fp32 parameter
               "optimizer state")
 _HOST_ALLOCATOR = ("on a CPU, retain: glibc keeps freed memory for reuse, as a training loop "
                    "reuses it (default); system: the allocator as it is. The profile records it")
-
-_CHECKPOINT_DIR = ("save checkpoints of the run (model, AdamW, step, RNG; through torch.distributed."
-                   "checkpoint) in DIR/step-NNNNNNNN/, each renamed into place when whole; a DIR "
-                   "that already holds checkpoints is refused without --resume (default: none)")
-_CHECKPOINT_EVERY = "also save every N steps (default: only after the last step; needs --checkpoint-dir)"
-_RESUME = ("load the newest whole checkpoint in --checkpoint-dir (model, AdamW, step) and train on from "
-           "its step to --steps; refused when there is none or it is another model's or optimizer's")
-_KEEP = "keep only the newest N checkpoints in --checkpoint-dir (default: all)"
 
 _EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
 _TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory returning "
@@ -136,6 +130,9 @@ class ProfileConfig:
                              "the distributed runtime's cost per micro-batch and, on a CPU, how much "
                              "slower the model computes with a copy beside it, for plans run with "
                              "`autopipe run` on this host (10-20 s for the bundled examples)")
+    comm_from: str | None = _opt(None, "the link between two hosts as `autopipe comm` measured it "
+                                       "(its --out FILE.json): its latency, bandwidth and call costs "
+                                       "go into the profile instead of measuring this host's", metavar="FILE")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     precision: Precision = _opt("fp32", _PRECISION + "; measured under that autocast, recorded in "
                                         "the profile, planned for by partition (default fp32)")
@@ -208,7 +205,7 @@ class PlotConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(CheckpointFlags):
     model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
     stages: int | None = _opt(None, f"pipeline stages K (default: the plan's, else one per --devices, "
                                     f"else {DEFAULT_STAGES})")
@@ -227,19 +224,49 @@ class TrainConfig:
                                          "no clipping)", metavar="MAX_NORM")
     host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     precision: Precision = _opt("fp32", _PRECISION + "; fp16 with torch.amp.GradScaler (default fp32)")
-    checkpoint_dir: str | None = _opt(None, _CHECKPOINT_DIR, metavar="DIR")
-    checkpoint_every: int | None = _opt(None, _CHECKPOINT_EVERY, metavar="N")
-    resume: bool = _opt(False, _RESUME)
-    keep: int | None = _opt(None, _KEEP, metavar="N")
 
     def check(self) -> None:
         """The flags alone, before the model is loaded: one line per bad value."""
         _check_choice("--precision", self.precision, Precision)
-        check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.resume, self.keep)
+        self.check_checkpoints()
+
+
+_Launch = typing.TypeVar("_Launch", bound="Launch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What the torchrun launches of ``autopipe run`` and ``autopipe comm`` share: where the ranks
+    run, this host (``torchrun --standalone``) or ``nnodes`` hosts meeting at ``rdzv_endpoint``
+    and each running the same command line ([Note: one command line on every node] in
+    autopipe/app/nodes.py), and the config reaching every rank as JSON."""
+
+    nnodes: int = _opt(1, "hosts, each running this same command line (default 1: this host alone, "
+                          "torchrun --standalone)")
+    node_rank: int | None = _opt(None, "this host's number 0..N-1 with --nnodes N: node 0 hosts the "
+                                       "rendezvous at --rdzv-endpoint (default: torchrun's guess, "
+                                       "the endpoint's host matching this host's name or addresses)")
+    rdzv_endpoint: str | None = _opt(None, "with --nnodes: HOST:PORT of node 0 that every node "
+                                           "reaches (torchrun's c10d rendezvous)", metavar="HOST:PORT")
+    local_addr: str | None = _opt(None, "with --nnodes: the address the other nodes reach this one "
+                                        "at (default: this host's name)", metavar="ADDR")
+
+    def check_nodes(self, nproc: int) -> None:
+        """The node flags against each other and ``nproc`` ranks in all: one line per bad value."""
+        from autopipe.app.nodes import check_nodes
+
+        check_nodes(self, nproc)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls: type[_Launch], text: str) -> _Launch:
+        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Launch, RestartFlags):
     """What every rank of ``autopipe run`` trains: a model, a plan (the launcher makes one when
     none is given) and the loop. Travels to the ranks as JSON (:meth:`to_json`), resolved."""
 
@@ -271,14 +298,6 @@ class RunConfig:
                                                         "or fsdp (sharded state) (default: the "
                                                         "--plan's, else ddp)")
     precision: Precision = _opt("fp32", _PRECISION + ", gradients reduced in fp32 (default fp32)")
-    checkpoint_dir: str | None = _opt(None, _CHECKPOINT_DIR, metavar="DIR")
-    checkpoint_every: int | None = _opt(None, _CHECKPOINT_EVERY, metavar="N")
-    resume: bool = _opt(False, _RESUME)
-    keep: int | None = _opt(None, _KEEP, metavar="N")
-    max_restarts: int = _opt(0, "after a rank fails or hangs, restart every rank up to N times "
-                                "(torchrun's elastic agent); each restart resumes from the newest "
-                                "checkpoint in --checkpoint-dir, without one from step 1 (default 0)",
-                             metavar="N")
 
     def replicas(self) -> int | str | None:
         """--data-parallel as a number, "auto" or None (the plan's); one line when malformed."""
@@ -321,21 +340,50 @@ class RunConfig:
         if self.dp_mode is not None:
             _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
         _check_choice("--precision", self.precision, Precision)
-        check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.resume, self.keep)
-        if self.max_restarts < 0:
-            raise BuildError(f"--max-restarts {self.max_restarts} < 0: pass 0 (a failed rank ends the run) "
-                             "or the number of restarts to allow")
+        self.check_checkpoints()
+        self.check_nodes(self.nproc)
+        if self.nnodes > 1 and self.plan is None:
+            raise BuildError(f"--nnodes {self.nnodes} without --plan: each node would profile and partition "
+                             "on its own, into plans that can differ; make one (`autopipe partition PROFILE "
+                             "--stages K --out plans/NAME.json`) and pass --plan with a copy on every node")
         replicas = self.replicas()
         if isinstance(replicas, int) and self.nproc % replicas:
             raise BuildError(f"--nproc {self.nproc} does not split into --data-parallel {replicas} "
                              f"replicas; pass --nproc a multiple of {replicas} (replicas x stages)")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
 
-    @classmethod
-    def from_json(cls, text: str) -> RunConfig:
-        return cls(**json.loads(text))
+@dataclass(frozen=True)
+class CommConfig(Launch):
+    """``autopipe comm``: two ranks time the link between them (both on this host, or one on each
+    of two nodes) and write what ``profile --comm-from`` reads ([Note: measured transfer])."""
+
+    out: str = _opt(None, "FILE.json to write, on every node", required=True)
+    force: bool = _opt(False, "overwrite --out if it exists")
+    sizes: str = _opt("64,65536,524288,4194304", "bytes per crossing to time, 2 or more sizes; each "
+                                                 "takes about 3 x (repeats + 3) x size / bandwidth "
+                                                 "(default 64,65536,524288,4194304)", metavar="B1,B2,..")
+    repeats: int = _opt(20, "timed crossings per size (default 20)")
+    chunks: int = _opt(DEFAULT_CHUNKS, f"micro-batches of the empty pipelines that time the runtime's "
+                                       f"own cost per stage call (default {DEFAULT_CHUNKS})")
+
+    def byte_sizes(self) -> list[int]:
+        """--sizes as numbers, checked: one line when malformed."""
+        parts = self.sizes.split(",")
+        if len(parts) < 2 or not all(x.isdigit() and int(x) >= 4 for x in parts) or len(set(parts)) < len(parts):
+            raise BuildError(f"--sizes {self.sizes!r}: give 2 or more different byte counts >= 4, comma-"
+                             "separated, e.g. 64,65536,1048576")
+        return [int(x) for x in parts]
+
+    def check(self) -> None:
+        if self.nnodes > 2:
+            raise BuildError(f"--nnodes {self.nnodes}: the link is timed by two ranks, both on this host "
+                             "(--nnodes 1) or one on each of two (--nnodes 2)")
+        self.check_nodes(2)
+        self.byte_sizes()
+        if self.repeats < 1:
+            raise BuildError(f"--repeats {self.repeats} < 1: pass --repeats 1 or more")
+        if self.chunks < 1:
+            raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
 
 
 def check_clip_grad(clip_grad: float | None) -> None:
@@ -343,22 +391,6 @@ def check_clip_grad(clip_grad: float | None) -> None:
     if clip_grad is not None and not clip_grad > 0:
         raise BuildError(f"--clip-grad {clip_grad} must be > 0 (the largest gradient norm a step "
                          "keeps), e.g. --clip-grad 1.0")
-
-
-def check_checkpoints(checkpoint_dir: str | None, every: int | None, resume: bool, keep: int | None) -> None:
-    """--checkpoint-every, --resume and --keep need --checkpoint-dir and sensible counts."""
-    if checkpoint_dir is None:
-        given = [flag for flag, value in (("--checkpoint-every", every), ("--resume", resume or None),
-                                          ("--keep", keep)) if value is not None]
-        if given:
-            raise BuildError(f"{given[0]} needs --checkpoint-dir DIR, the folder checkpoints are saved in "
-                             "and resumed from; pass --checkpoint-dir")
-    if every is not None and every < 1:
-        raise BuildError(f"--checkpoint-every {every} < 1: save every N >= 1 steps, or drop it to save "
-                         "after the last step only")
-    if keep is not None and keep < 1:
-        raise BuildError(f"--keep {keep} < 1: keep at least the newest checkpoint (--keep 1), or drop "
-                         "--keep to keep all")
 
 
 def _check_choice(flag: str, value: Any, kind: Any) -> None:

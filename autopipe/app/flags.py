@@ -1,5 +1,13 @@
-"""argparse from the config dataclasses of autopipe/app/config.py: one argument per field, its
-help and default the field's ([Note: one place for defaults] in config.py)."""
+"""argparse from the config dataclasses (autopipe.app.config): one flag per field.
+
+    parser = argparse.ArgumentParser(prog="autopipe run")
+    add_arguments(parser, RunConfig)
+    config = from_namespace(RunConfig, parser.parse_args(argv))
+
+A field's metadata (``_opt`` / ``_pos`` in config.py) carries its help, and the dataclass its
+type and default, so a flag cannot drift from the library call it feeds ([Note: one place for
+defaults] in autopipe/app/config.py).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +32,8 @@ def _unwrap(kind: Any) -> tuple[Any, bool]:
 def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
     """Add one argument per field of the dataclass ``config`` (see [Note: one place for defaults])."""
     hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
+    # a base's keyword-only fields (where the ranks run: config.Launch) after the command's own
+    for f in sorted(dataclasses.fields(config), key=lambda f: f.kw_only is True):
         meta = dict(f.metadata)
         kind, _ = _unwrap(hints[f.name])
         help_text = meta.pop("help")

@@ -12,13 +12,15 @@ against the rank count and the traced model, the batch against the chunks, the r
 against the layers) and, without ``--plan``, the model is profiled and partitioned here; each
 rank's layers are printed. Then ``python -m torch.distributed.run --standalone
 --nproc_per_node K -m autopipe.app.rank_main --config JSON`` runs the ranks (torchrun picks a
-free port and, when one rank fails, stops the others).
+free port and, when one rank fails, stops the others). With ``--nnodes N --rdzv-endpoint
+HOST:PORT`` the same command line on each of N hosts starts that host's K / N ranks of a c10d
+rendezvous instead ([Note: one command line on every node] in autopipe/app/nodes.py).
 
-A rank's failure becomes ONE line, exit status 2 ([Note: one line from K ranks] in
-autopipe/app/rank_logs.py). With ``--max-restarts N`` torchrun restarts every rank after one
-fails, and the log says so ([Note: a restart in the log] there); with ``--checkpoint-dir`` the
-restarted ranks resume from the newest checkpoint ([Note: resuming a run] in
-autopipe/app/run_checkpoints.py).
+The ranks run under autopipe/app/torchrun.py, which turns their failures into one line
+([Note: one line from K ranks] there). With ``--max-restarts N`` torchrun restarts every rank
+after one fails and the log says so ([Note: a restart in the log] in
+autopipe/app/restart_watch.py); with ``--checkpoint-dir`` the restarted ranks resume from the
+newest checkpoint ([Note: resuming a run] in autopipe/app/run_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -26,9 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, cast
@@ -42,21 +41,14 @@ from autopipe.app.config import (
     resolve,
 )
 from autopipe.app.model_spec import load_model
-from autopipe.app.rank_logs import TorchrunWatch, collect, diagnose, echo_warnings
 from autopipe.app.run_checkpoints import check_before_start, nothing_left
+from autopipe.app.torchrun import RankFailure, diagnose, launch_ranks, ranks_command
 from autopipe.assemble_mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from executor.checkpoint import checkpoint_info
 
 __all__ = ["RankFailure", "prepare", "torchrun_command", "run", "diagnose"]
-
-TIMEOUT_EXIT = 124
-
-
-class RankFailure(BuildError):
-    """A rank of ``autopipe run`` failed; the message is the one line that says which and why."""
-
 
 def _stages_per_rank(config: RunConfig) -> int:
     return 2 if config.schedule == "interleaved1f1b" else 1
@@ -184,14 +176,12 @@ def layout(config: RunConfig, plan: Plan, where: str) -> str:
 
 
 def torchrun_command(config: RunConfig, log_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """The torchrun command line that runs ``config`` on ``config.nproc`` local processes; with
-    ``log_dir``, the ranks' stderr goes to files there ([Note: one line from K ranks])."""
+    """The torchrun command line that runs ``config`` on ``config.nproc`` processes, on this host
+    or this node's share of them ([Note: one command line on every node] in
+    autopipe/app/nodes.py); with ``log_dir``, the ranks' stderr goes to files there ([Note: one
+    line from K ranks])."""
     config.check()
-    logs = ["--log-dir", str(log_dir), "--redirects", "2"] if log_dir is not None else []
-    restarts = [f"--max-restarts={config.max_restarts}"] if config.max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.nproc}", *restarts, *logs, "-m", "autopipe.app.rank_main",
-            "--config", config.to_json()]
+    return ranks_command(config, config.nproc, "autopipe.app.rank_main", log_dir, restarts=config.max_restarts)
 
 
 def run(
@@ -210,10 +200,9 @@ def run(
     """
     config.check()
     if config.checkpoint_dir is not None and config.resume:  # nothing to plan or start when done
-        step = int(checkpoint_info(config.checkpoint_dir)["step"])
-        if step >= config.steps:
-            print(nothing_left("autopipe run", checkpoint_info(config.checkpoint_dir)["folder"], step,
-                               config.steps), flush=True)
+        done = checkpoint_info(config.checkpoint_dir)
+        if done["step"] >= config.steps:
+            print(nothing_left("autopipe run", done["folder"], done["step"], config.steps), flush=True)
             return 0
     work = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="autopipe-run-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -221,39 +210,6 @@ def run(
     if log:
         print(layout(resolved, plan, where), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), **(extra_env or {})}
-    if config.max_restarts:  # a store shared across restarts serves the dead ranks' addresses
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # (pytorch/pytorch#135712)
-    ranks_dir = work / "torchrun"
-    proc = subprocess.Popen(torchrun_command(resolved, ranks_dir), env=env, stderr=subprocess.PIPE)
-    watch = TorchrunWatch(proc, work / "torchrun.log", ranks_dir, work, config.nproc,  # [Note: a restart in the log]
-                          config.max_restarts).start()
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        print(f"autopipe run: no result after {timeout:.0f}s; stopped torchrun (logs in {work})",
-              file=sys.stderr)
-        return TIMEOUT_EXIT
-    except BaseException:  # Ctrl-C: do not leave the ranks running
-        _stop(proc)
-        raise
-    finally:
-        watch.join()
-    logs = collect(ranks_dir, work, config.nproc)
-    if code == 0:
-        echo_warnings(logs, work)
-        if watch.failures:
-            print(f"autopipe run: finished after {watch.failures} restart(s); each attempt's logs are in "
-                  f"{ranks_dir}", file=sys.stderr)
-        return 0
-    raise RankFailure(diagnose(logs, (work / "torchrun.log").read_text(encoding="utf-8", errors="replace"),
-                               config.nproc, work))
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return launch_ranks(torchrun_command(resolved, work / "torchrun"), work, config.nproc // config.nnodes,
+                        nodes=config.nnodes, world=config.nproc, env=env, timeout=timeout,
+                        restarts=config.max_restarts)

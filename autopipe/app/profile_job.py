@@ -20,6 +20,7 @@ from autopipe.app.model_spec import load_model
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
+from autopipe.frontend.profiling.comm import load_comm, with_comm
 from autopipe.frontend.profiling.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
 
 
@@ -78,7 +79,8 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
     ranks = c.stage_calls.get("distributed", {})
     if c.transfer is not None:
         t, call = c.transfer, c.call_for("distributed", "gpipe")
-        lines.append(f"between two ranks ({m.get('comm_backend')}): {t.latency_ms} ms + bytes / "
+        on = " on 2 nodes" if m.get("comm_nodes") == 2 else ""
+        lines.append(f"between two ranks{on} ({m.get('comm_backend')}): {t.latency_ms} ms + bytes / "
                      f"{'no measurable bandwidth' if math.isinf(t.bandwidth) else format_bytes(t.bandwidth) + '/s'}"
                      f", the receiver {t.receive_share} x the bytes' time again; "
                      f"{call.fwd_ms} + {call.bwd_ms} ms per stage call"
@@ -169,6 +171,7 @@ def profile_to_file(
     meta: bool = False,
     micro_batch_sizes: str | None = None,
     comm: bool = False,
+    comm_from: str | os.PathLike[str] | None = None,
     host_allocator: str = "retain",
     precision: str = "fp32",
 ) -> tuple[Profile, Path]:
@@ -179,11 +182,16 @@ def profile_to_file(
     ``chunks`` defaults to DEFAULT_CHUNKS ([Note: one chunks rule] in autopipe/app/config.py).
     ``meta`` builds the model on the meta device ([Note: models built on meta] in
     autopipe/app/model_spec.py); ``mode`` is profile()'s. ``comm`` adds the transfer between
-    two ranks and the distributed runtime's call cost ([Note: measured transfer]).
+    two ranks and the distributed runtime's call cost ([Note: measured transfer]); ``comm_from``
+    takes them from a file of ``autopipe comm`` instead (the link between two hosts).
     ``host_allocator`` and ``precision`` are profile()'s, "retain" as the command line trains.
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
+    if comm and comm_from is not None:
+        raise ProfileError(f"--comm and --comm-from {comm_from}: pass one; --comm measures two ranks on this "
+                           "host, --comm-from takes the link `autopipe comm` measured")
+    measured = load_comm(comm_from) if comm_from is not None else None  # a bad file: before measuring
     shape = parse_shape(input_shape) if input_shape is not None else None
     sizes = _parse_sizes(micro_batch_sizes) if micro_batch_sizes is not None else None
     loaded = load_model(model, batch_size, input_shape=shape, meta=meta)
@@ -213,4 +221,6 @@ def profile_to_file(
         )
     finally:
         torch.set_num_threads(before)
+    if measured is not None:
+        prof = with_comm(prof, measured=measured)
     return prof, prof.save(csv_path, overwrite=force)

@@ -35,12 +35,14 @@ died or hung.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -51,18 +53,41 @@ from autopipe.app.model_spec import load_model
 from autopipe.app.run_checkpoints import RunCheckpoints, restart_count
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.core.plan import Plan
-from autopipe.errors import AutopipeError
+from autopipe.errors import AutopipeError, BuildError
 from executor.distributed import DistributedPipeline, PipelineFailure
 from executor.errors import ExecutorError
 from executor.grad_scaler import PipelineGradScaler
 from executor.rank_cores import pin_local_rank
 
-__all__ = ["main", "train"]
+__all__ = ["main", "train", "check_same_run", "NODE_OWN"]
 
 
 @dataclass
 class Progress:
     step: int = 0  # the step being run (1-based); 0 while the stage is being built
+
+
+# a node's own: where it is, how its cores are used, where its copy of the plan lies
+NODE_OWN: dict[str, Any] = {"node_rank": None, "local_addr": None, "threads": 1, "no_pin_cores": False, "plan": None}
+
+
+def check_same_run(config: RunConfig) -> None:
+    """Every rank trains what rank 0 does: the same flags (but each node's own, ``NODE_OWN``) and
+    the same plan, wherever its file lies ([Note: one command line on every node] in
+    autopipe/app/nodes.py); else one line on every rank, before any stage is built."""
+    flags = dataclasses.asdict(dataclasses.replace(config, **NODE_OWN))
+    mine: tuple[dict[str, Any], dict[str, Any] | None] = (flags, Plan.load(config.plan).to_dict()
+                                                           if config.plan else None)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    first, plan = cast(tuple[dict[str, Any], Any], every[0])
+    for rank, (theirs, their_plan) in enumerate(cast(list[tuple[dict[str, Any], Any]], every[1:]), 1):
+        differ = [f"--{k.replace('_', '-')} {theirs[k]} (rank 0: {first[k]})" for k in flags if theirs[k] != first[k]]
+        if their_plan != plan:
+            differ.append("another plan (its --plan file differs from rank 0's)")
+        if differ:
+            raise BuildError(f"rank {rank} was started with {', '.join(differ)}; run the same `autopipe run` "
+                             "command line on every node, with a copy of the same plan")
 
 
 def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
@@ -175,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds=max(config.timeout, config.first_step_timeout)))
     progress = Progress()
     try:
+        if config.nnodes > 1:
+            check_same_run(config)
         train(config, progress)
     except (AutopipeError, ExecutorError) as err:
         at = f" at step {progress.step}" if progress.step else ""

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopipe.app.checkpoint_flags import check_checkpoints
 from autopipe.app.config import (
     DEFAULT_BATCH,
     DEFAULT_CHUNKS,
     DEFAULT_STAGES,
-    check_checkpoints,
     check_clip_grad,
     resolve,
 )

@@ -167,11 +167,11 @@ def apply_optimizer_blobs(optimizer: torch.optim.Optimizer, view: CheckpointView
 def pack(obj: Any) -> Tensor:
     """``obj`` as torch.save bytes in a uint8 tensor (refused unless weights_only can read it)."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getvalue()
     try:
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as err:  # noqa: BLE001 - whatever weights_only refuses
+    except Exception as err:  # noqa: BLE001 - what pickle or weights_only refuses
         raise CheckpointError(f"extra / the LR scheduler's state must be plain data (dict, list, str, "
                               f"numbers, tensors) to be loaded safely: {str(err).splitlines()[0]}") from None
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -21,7 +21,8 @@ import torch
 import autopipe
 from autopipe.app.config import RunConfig
 from autopipe.app.launch import run
-from autopipe.app.rank_logs import TorchrunWatch, diagnose
+from autopipe.app.restart_watch import TorchrunWatch
+from autopipe.app.torchrun import describe_attempts, diagnose
 from autopipe.examples import get_example
 from executor.checkpoint import load_checkpoint
 from tests.app.test_checkpoint_flags import plain_run
@@ -59,7 +60,8 @@ def test_a_stopped_rank_is_continued_into_torchruns_sigterm_and_the_attempt_repo
     (attempt / "0" / "stderr.log").write_text(_FAILURE)
     proc = subprocess.Popen([sys.executable, "-c", _FAKE_TORCHRUN], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     said = io.StringIO()
-    watch = TorchrunWatch(proc, tmp_path / "torchrun.log", tmp_path / "torchrun", tmp_path, 2, 1, out=said).start()
+    watch = TorchrunWatch(proc, tmp_path / "torchrun.log", 2, 1, describe_attempts(tmp_path / "torchrun", 2),
+                          out=said).start()
     assert proc.stdout is not None
     out = proc.stdout.read()  # torchrun's stderr is the watch's
     proc.wait(timeout=30)

@@ -43,6 +43,13 @@ higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms,
 launch's, each empty pipeline's step its slower launch's. Measured: docs/benchmarks.md,
 "Measured vs predicted, two ranks"; the runs before and after this choice are in CHANGELOG.md
 (2026-11-30, "The call cost comes from the slower of two launches").
+
+Between two hosts, :func:`measure_comm_on_ranks` takes the same measurements on the two ranks
+of a process group that a launcher made (``autopipe comm --nnodes 2``: torchrun on each host,
+one rank each; autopipe/app/comm_job.py), one launch, fitted alike; ``autopipe profile
+--comm-from FILE`` puts the saved result (:func:`load_comm`) into a profile through
+:func:`with_comm`'s ``measured``. Ranks on two hosts share no cores, so no rank contention is
+measured with it.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import socket
 import statistics
 import tempfile
@@ -74,8 +82,8 @@ SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")  # timed beside GPi
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_LAUNCHES", "COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "measure_comm", "receive_share",
-           "with_comm"]
+__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "load_comm",
+           "measure_comm", "measure_comm_on_ranks", "receive_share", "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
@@ -183,6 +191,16 @@ def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int)
     return {"fwd": median_ms(pipes["gpipe"].eval_step), **{s: median_ms(p.step) for s, p in pipes.items()}}
 
 
+def _measure(rank: int, device: torch.device, sizes: Sequence[int], repeats: int, chunks: int,
+             steps: int) -> dict[str, Any]:
+    """This rank's side of [Note: measured transfer], in a process group of two."""
+    _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
+    ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
+          for n in sizes]
+    late = _late_receive_ms(torch.zeros(max(sizes) // 4, device=device), rank, repeats)
+    return {"ms": ms, "late": late, **_empty_pipeline_ms(rank, device, chunks, steps)}
+
+
 def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], repeats: int,
           chunks: int, steps: int) -> None:
     torch.set_num_threads(1)
@@ -194,12 +212,8 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
     dist.init_process_group(backend, rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=60))
     try:
-        _one_way_ms(torch.zeros(max(sizes) // 4 + 1, device=device), rank, 2)  # connect, warm up
-        ms = [_one_way_ms(torch.zeros(max(n // 4, 1), dtype=torch.float32, device=device), rank, repeats)
-              for n in sizes]
-        late = _late_receive_ms(torch.zeros(max(sizes) // 4, device=device), rank, repeats)
-        steps_ms = _empty_pipeline_ms(rank, device, chunks, steps)
-        Path(out, f"{rank}.json").write_text(json.dumps({"ms": ms, "late": late, **steps_ms}))
+        measured = _measure(rank, device, sizes, repeats, chunks, steps)
+        Path(out, f"{rank}.json").write_text(json.dumps(measured))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -233,6 +247,29 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
     dev = torch.device(device)
     backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     runs = [_launch(backend, sizes, repeats, chunks, steps) for _ in range(max(1, launches))]
+    return _fit(runs, backend, sizes, chunks)
+
+
+def measure_comm_on_ranks(*, chunks: int = 8, sizes: Sequence[int] = COMM_SIZES, repeats: int = COMM_REPEATS,
+                          steps: int = EMPTY_STEPS) -> dict[str, Any]:
+    """:func:`measure_comm`'s result, measured by the two ranks of this process's default group
+    (on NCCL, each on its current CUDA device) instead of two spawned here: the link between
+    two hosts when a torchrun launch put one rank on each (``autopipe comm --nnodes 2``). Every
+    rank returns the same result, from its one launch."""
+    if not dist.is_initialized() or dist.get_world_size() != 2:
+        got = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise ProfileError(f"measure_comm_on_ranks needs a process group of 2 ranks, got {got}; launch "
+                           "two ranks (torchrun --nproc_per_node 2, or --nnodes 2 with one per node)")
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = _measure(dist.get_rank(), device, sizes, repeats, chunks, steps)
+    both: list[Any] = [None, None]
+    dist.all_gather_object(both, mine)
+    return _fit([both], backend, sizes, chunks)
+
+
+def _fit(runs: list[list[dict[str, Any]]], backend: str, sizes: Sequence[int], chunks: int) -> dict[str, Any]:
+    """The profile metadata from each launch's two ranks' measurements."""
     # a crossing: the slower rank's time, the median launch; each step: its slower launch
     ms = [statistics.median(max(r[0]["ms"][i], r[1]["ms"][i]) for r in runs) for i in range(len(sizes))]
     late = statistics.median(r[0]["late"] for r in runs)
@@ -259,6 +296,28 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
             meta[f"stage_call_{schedule}_fwd_ms"] = round(fitted * share, 6)
             meta[f"stage_call_{schedule}_bwd_ms"] = round(fitted * (1 - share), 6)
     return meta
+
+
+_REQUIRED = ("comm_backend", "comm_latency_ms", "comm_bandwidth", "comm_receive_share", "stage_call_fwd_ms",
+             "stage_call_bwd_ms")
+
+
+def load_comm(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A measurement that :func:`measure_comm_on_ranks` made and ``autopipe comm`` saved, for
+    :func:`with_comm`'s ``measured``; one line when the file is not one."""
+    try:
+        measured = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such file; measure the link first: `autopipe comm --out {path}` "
+                           "(with --nnodes 2 ... on each of the two hosts)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProfileError(f"{path} is not a link measurement ({first_line(err)}); re-run `autopipe comm "
+                           f"--out {path} --force`") from None
+    missing = [k for k in _REQUIRED if not isinstance(measured, dict) or k not in measured]
+    if missing:
+        raise ProfileError(f"{path} is not a link measurement of `autopipe comm`: it lacks {', '.join(missing)}; "
+                           f"re-run `autopipe comm --out {path} --force`")
+    return measured
 
 
 RECEIVE_SHARE_RANGE = (0.0, 2.0)  # outside it, a measurement is noise: clamp
