@@ -27,7 +27,7 @@ makes rank R kill or stop itself mid-step or mid-save in attempt A (default 0, t
 a crash or a hang would (autopipe/app/faults.py); without it, nothing of that runs.
 
 A failure ends the rank with ONE line on stderr that the launcher reads back ([Note: one line
-from K ranks] in autopipe/app/launch.py): ``autopipe run: error on rank R [at step S]: ...``
+from K ranks] in autopipe/app/torchrun.py): ``autopipe run: error on rank R [at step S]: ...``
 for bad input (AutopipeError, ExecutorError), executor's ``PipelineFailure: ...`` when a peer
 died or hung.
 """
