@@ -83,11 +83,16 @@ def _agree(view: CheckpointView, problem: str) -> None:
 
 
 class SavedCheckpoint:
-    """A save in progress or done: ``wait()`` blocks until its folder is whole and returns it."""
+    """A save in progress or done: ``wait()`` blocks until its folder is whole and returns it.
+
+    An async save of ranks (``group``: the save's own process group) ends with every rank
+    learning rank 0's commit, on that group in the save's background thread: without it, a rank
+    other than 0 returned from ``wait()`` before rank 0 had renamed the folder, and a load of
+    the root right after picked the previous step there and the new one on rank 0."""
 
     def __init__(self, folder: Path, future: Future[Any] | None = None,
-                 commit_fn: Callable[[], None] | None = None) -> None:
-        self.folder, self._future, self._commit_fn = folder, future, commit_fn
+                 commit_fn: Callable[[], None] | None = None, group: Any = None) -> None:
+        self.folder, self._future, self._commit_fn, self._group = folder, future, commit_fn, group
         self._committed = threading.Event()
         self._error: str | None = None
         if future is None:
@@ -103,6 +108,13 @@ class SavedCheckpoint:
                 self._commit_fn()
         except Exception as err:  # noqa: BLE001 - reported by wait()
             self._error = _first_line(err)
+        try:
+            if self._group is not None:  # every rank: the first rank's error, or none
+                errors: list[Any] = [None] * dist.get_world_size(self._group)
+                dist.all_gather_object(errors, self._error, group=self._group)
+                self._error = next((e for e in errors if e is not None), None)
+        except Exception as err:  # noqa: BLE001 - reported by wait()
+            self._error = self._error or _first_line(err)
         finally:
             self._committed.set()
 
@@ -122,7 +134,7 @@ def save(view: CheckpointView, root: str | os.PathLike[str], *, step: int,
          optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None, extra: Any = None,
          keep: int | None = None, async_save: bool = False, group: Any = None) -> SavedCheckpoint:
     """Write ``root/step-<step>/`` (see the module docstring); ``group``: the process group an
-    async save talks on (a gloo group when the default one is NCCL)."""
+    async save of ranks talks on, a gloo group of its own (Checkpointable._checkpoint_group)."""
     root = Path(root)
     problem = ""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -162,7 +174,8 @@ def save(view: CheckpointView, root: str | os.PathLike[str], *, step: int,
     if async_save:
         with _single_process(view):
             future = dcp_async_save(state, **where)
-        return SavedCheckpoint(final, future, finish if view.rank == 0 else None)  # type: ignore[arg-type]
+        return SavedCheckpoint(final, future, finish if view.rank == 0 else None,  # type: ignore[arg-type]
+                               group=group if view.distributed else None)
     problem = ""
     try:
         with _single_process(view):
