@@ -63,6 +63,11 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
+# What DCP warns a one-process save with; an async save's from DCP's own thread, past any
+# catch_warnings, so it is ignored for good once one is asked for (a save of this process alone)
+_NO_DIST_SAVE = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+
+
 @contextmanager
 def _single_process(view: CheckpointView) -> Iterator[None]:
     """Without DCP's warning that no process group means one process: that is what a view says."""
@@ -172,6 +177,8 @@ def save(view: CheckpointView, root: str | os.PathLike[str], *, step: int,
 
     where = {"checkpoint_id": str(partial), "no_dist": not view.distributed, "process_group": group}
     if async_save:
+        if not view.distributed:  # DCP warns from its save thread, after _single_process has ended
+            warnings.filterwarnings("ignore", message=_NO_DIST_SAVE, category=UserWarning)
         with _single_process(view):
             future = dcp_async_save(state, **where)
         return SavedCheckpoint(final, future, finish if view.rank == 0 else None,  # type: ignore[arg-type]
