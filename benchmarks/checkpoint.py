@@ -17,9 +17,9 @@ split into 2 stages (a uniform plan made once here, from a made-up profile: no p
   stage's state_dict and optimizer in its own file; the checkpoint is one collective. A row's
   time per repeat is the slower rank's, each rank timed from a barrier;
 - async overlap: ``--steps`` training steps (forward, backward, AdamW) with a save after the
-  first, and the handle waited for after the last: the loop's time minus the same loop's
-  without a save is what the save cost training ("blocked"), synchronous vs async (whose call
-  returns once the state is copied, [Note: a checkpoint folder]).
+  first, and the handle waited for after the last: the loop's time minus the same repeat's
+  loop without a save (the three loops take turns in each repeat) is what the save cost
+  training ("blocked"), synchronous vs async (whose call returns once the state is copied).
 
 Times are medians of ``--repeats`` with min-max; sizes are the bytes on disk. Loads read what
 the save just wrote, from the page cache: the figures are the formats' and the code's costs,
@@ -103,8 +103,13 @@ class Overlap:
     call: list[float]
 
     @property
+    def blocked_each(self) -> list[float]:
+        """Per repeat, the loop's ms minus the same repeat's loop without a save."""
+        return [loop - none for loop, none in zip(self.loop, self.none, strict=True)]
+
+    @property
     def blocked(self) -> float:
-        return statistics.median(self.loop) - statistics.median(self.none)
+        return statistics.median(self.blocked_each)
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -235,19 +240,18 @@ class _Bench:
         return (time.perf_counter() - start) * 1e3, call
 
     def overlap(self, steps: int, repeats: int) -> dict[str, tuple[list[float], list[float]]]:
-        """Per mode: the loop's ms and the save call's ms, one per repeat."""
-        out: dict[str, tuple[list[float], list[float]]] = {}
+        """Per mode: the loop's ms and the save call's ms, one per repeat; the modes take turns
+        within each repeat, so that the machine's drift reaches all three alike."""
+        out: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in ("none", "sync", "async")}
         folder = self.root / "overlap"
-        for mode in ("none", "sync", "async", "none"):  # "none" again: the drift over the run
-            loops, calls = out.get(mode, ([], []))
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for mode, (loops, calls) in out.items():
                 loop, call = self._loop(steps, mode, folder)
                 loops.append(loop)
                 calls += [] if call is None else [call]
                 self._sync()
                 if self.rank in (None, 0):
                     shutil.rmtree(folder, ignore_errors=True)
-            out[mode] = (loops, calls)
         return out
 
 
@@ -324,14 +328,14 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def overlap_table(overlaps: Sequence[Overlap]) -> str:
-    lines = ["| runtime | save | loop ms | min-max | loop ms without a save | blocked ms | save call ms | "
-             "blocked / sync's |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| runtime | save | loop ms | min-max | loop ms without a save | blocked ms | min-max | "
+             "save call ms | blocked / sync's |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for o in overlaps:
         sync = next(s for s in overlaps if s.runtime == o.runtime and s.mode == "sync")
         lines.append(f"| {o.runtime} | {o.mode} | {statistics.median(o.loop):.1f} | {_spread(o.loop)} | "
-                     f"{statistics.median(o.none):.1f} | {o.blocked:.1f} | {statistics.median(o.call):.1f} | "
-                     f"{o.blocked / sync.blocked:.2f} |")
+                     f"{statistics.median(o.none):.1f} | {o.blocked:.1f} | {_spread(o.blocked_each)} | "
+                     f"{statistics.median(o.call):.1f} | {o.blocked / sync.blocked:.2f} |")
     return "\n".join(lines)
 
 
