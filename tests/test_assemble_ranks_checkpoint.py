@@ -62,9 +62,10 @@ def _run(rank: int, plan: dict[str, Any], dropout: float, start: int, stop: int,
 def _ranks(rank: int, root: str, plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Tensor]]:
     """Every case of this module on one rank, in turn."""
     k2, k4, at = plans["k2"], plans["k4"], rc.SAVED_AT
-    out = {"straight": _run(rank, k2, rc.DROPOUT, 0, rc.STEPS)}
-    _run(rank, k2, rc.DROPOUT, 0, at + 1, save=f"{root}/dropout", save_at=at,
-         async_save=True)  # its root: the newest step, whole on every rank once wait() returned
+    # the straight run saves on its way (async: its next steps must not reach the checkpoint),
+    # one pipeline less; the resumed one loads the root, whole on every rank once wait() returned
+    out = {"straight": _run(rank, k2, rc.DROPOUT, 0, rc.STEPS, save=f"{root}/dropout", save_at=at,
+                            async_save=True)}
     out["resumed"] = _run(rank, k2, rc.DROPOUT, at, rc.STEPS, load=f"{root}/dropout")
     _run(rank, k2, 0.0, 0, at, save=f"{root}/ranks")  # for this process: GPipe, the plain model
     out["other_k"] = _run(rank, k4, 0.0, at, rc.STEPS, load=f"{root}/ranks")
