@@ -37,13 +37,15 @@ class Checkpointable:
     def _checkpoint_view(self) -> CheckpointView:
         raise NotImplementedError
 
-    def _checkpoint_group(self) -> dist.ProcessGroup | None:
-        """The process group an async save of ranks talks on: the default one if it is gloo,
-        else a gloo group of every rank, made on first use (a collective, as the save is)."""
-        if dist.get_backend() == "gloo":
-            return None
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        """The process group an async save of ranks talks on: a gloo group of every rank for
+        checkpoints alone, made on first use (a collective, as the save is). Never the default
+        group, even a gloo one: DCP runs the save's collectives in a background thread, and
+        any the caller runs meanwhile on the same group (a training loop's all_reduce of its
+        loss) would be ordered differently on each rank, which hangs both."""
         if getattr(self, "_gloo_group", None) is None:
             self._gloo_group = dist.new_group(backend="gloo")
+        assert self._gloo_group is not None
         return self._gloo_group
 
     def _wait_for_save(self) -> None:

@@ -63,6 +63,11 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
+# What DCP warns a one-process save with; an async save's from DCP's own thread, past any
+# catch_warnings, so it is ignored for good once one is asked for (a save of this process alone)
+_NO_DIST_SAVE = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+
+
 @contextmanager
 def _single_process(view: CheckpointView) -> Iterator[None]:
     """Without DCP's warning that no process group means one process: that is what a view says."""
@@ -83,11 +88,16 @@ def _agree(view: CheckpointView, problem: str) -> None:
 
 
 class SavedCheckpoint:
-    """A save in progress or done: ``wait()`` blocks until its folder is whole and returns it."""
+    """A save in progress or done: ``wait()`` blocks until its folder is whole and returns it.
+
+    An async save of ranks (``group``: the save's own process group) ends with every rank
+    learning rank 0's commit, on that group in the save's background thread: without it, a rank
+    other than 0 returned from ``wait()`` before rank 0 had renamed the folder, and a load of
+    the root right after picked the previous step there and the new one on rank 0."""
 
     def __init__(self, folder: Path, future: Future[Any] | None = None,
-                 commit_fn: Callable[[], None] | None = None) -> None:
-        self.folder, self._future, self._commit_fn = folder, future, commit_fn
+                 commit_fn: Callable[[], None] | None = None, group: Any = None) -> None:
+        self.folder, self._future, self._commit_fn, self._group = folder, future, commit_fn, group
         self._committed = threading.Event()
         self._error: str | None = None
         if future is None:
@@ -103,6 +113,13 @@ class SavedCheckpoint:
                 self._commit_fn()
         except Exception as err:  # noqa: BLE001 - reported by wait()
             self._error = _first_line(err)
+        try:
+            if self._group is not None:  # every rank: the first rank's error, or none
+                errors: list[Any] = [None] * dist.get_world_size(self._group)
+                dist.all_gather_object(errors, self._error, group=self._group)
+                self._error = next((e for e in errors if e is not None), None)
+        except Exception as err:  # noqa: BLE001 - reported by wait()
+            self._error = self._error or _first_line(err)
         finally:
             self._committed.set()
 
@@ -122,7 +139,7 @@ def save(view: CheckpointView, root: str | os.PathLike[str], *, step: int,
          optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None, extra: Any = None,
          keep: int | None = None, async_save: bool = False, group: Any = None) -> SavedCheckpoint:
     """Write ``root/step-<step>/`` (see the module docstring); ``group``: the process group an
-    async save talks on (a gloo group when the default one is NCCL)."""
+    async save of ranks talks on, a gloo group of its own (Checkpointable._checkpoint_group)."""
     root = Path(root)
     problem = ""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -160,9 +177,12 @@ def save(view: CheckpointView, root: str | os.PathLike[str], *, step: int,
 
     where = {"checkpoint_id": str(partial), "no_dist": not view.distributed, "process_group": group}
     if async_save:
+        if not view.distributed:  # DCP warns from its save thread, after _single_process has ended
+            warnings.filterwarnings("ignore", message=_NO_DIST_SAVE, category=UserWarning)
         with _single_process(view):
             future = dcp_async_save(state, **where)
-        return SavedCheckpoint(final, future, finish if view.rank == 0 else None)  # type: ignore[arg-type]
+        return SavedCheckpoint(final, future, finish if view.rank == 0 else None,  # type: ignore[arg-type]
+                               group=group if view.distributed else None)
     problem = ""
     try:
         with _single_process(view):
