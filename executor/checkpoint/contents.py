@@ -2,12 +2,12 @@
 the step, RNG, LR scheduler and the caller's ``extra``.
 
 [Note: keyed by the plain model's names] A checkpoint must not care which plan wrote it. Every
-tensor is therefore saved under the name(s) ``model.state_dict()`` gives it, whichever stage
+tensor is therefore saved under the name ``model.state_dict()`` gives it, whichever stage
 or rank holds it: ``model.<name>`` for parameters and buffers, ``optim.<name>.<state>`` (e.g.
 ``optim.h.0.mlp.weight.exp_avg``) for a parameter's optimizer state. A tied tensor is saved
-under each of its names that the writer knows and loaded from the first of its names the
-checkpoint has. Data-parallel replicas save the same keys (DCP writes one copy); FSDP's
-sharded parameters and states are DTensors, which DCP saves as shards and reshards on load, so a
+once, under the least of its names (every writer knows them all: a pipeline's keys come from
+the plain model's state_dict), and loaded from the first of its names the checkpoint has.
+Data-parallel replicas save the same keys (DCP writes one copy); FSDP's sharded parameters and states are DTensors, which DCP saves as shards and reshards on load, so a
 checkpoint of K stages x D replicas (DDP or FSDP) loads under any other plan, into one process,
 or into the plain model. Everything that is not a tensor of the model or optimizer (the step,
 RNG states, the LR scheduler's and optimizer's hyperparameters, ``extra``) is one small blob per
@@ -63,7 +63,7 @@ def module_view(module: nn.Module, **kwargs: Any) -> CheckpointView:
 
 def model_entries(view: CheckpointView) -> dict[str, Tensor]:
     """``model.<name>`` -> a detached alias of the tensor (DCP saves from and loads into it)."""
-    return {f"model.{name}": tensor.detach() for tensor, names in view.names for name in names}
+    return {f"model.{min(names)}": tensor.detach() for tensor, names in view.names}
 
 
 def _param_names(view: CheckpointView) -> dict[int, list[str]]:
@@ -98,7 +98,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, view: CheckpointView,
                 if not isinstance(value, Tensor):
                     continue
                 if present is None:
-                    out.update({f"optim.{name}.{key}": value for name in aliases})
+                    out[f"optim.{min(aliases)}.{key}"] = value
                     continue
                 found = next((f"optim.{n}.{key}" for n in aliases if f"optim.{n}.{key}" in present), None)
                 if found is None:
