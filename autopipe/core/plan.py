@@ -16,7 +16,8 @@ pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data 
 ``distributed``, the runtime whose measured costs it was planned with; None: unrecorded) with
 [Note: one profile, two runtimes] in autopipe/core/corrections.py; ``precision`` (default
 ``fp32``, the precision of the profile it was planned from: [Note: mixed precision memory] in
-cost.py) with mixed precision. A plan made for another micro-batch
+cost.py) with mixed precision; ``skipped_schedules`` (default none: the schedules a search could
+not weigh, each with why) with the zero-bubble schedules. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -124,6 +125,7 @@ class Plan:
     recompute_layers: list[str] = field(default_factory=list)  # [Note: recomputed layers]
     runtime: str | None = None  # whose measured costs it was planned with (None: unrecorded)
     precision: str = "fp32"  # its profile's, what its costs predict ([Note: mixed precision memory])
+    skipped_schedules: dict[str, str] = field(default_factory=dict)  # a search's, each with why
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -147,6 +149,7 @@ class Plan:
         dp_mode: str = "ddp",
         recompute_layers: Sequence[str] = (),
         runtime: str | None = None,
+        skipped_schedules: dict[str, str] | None = None,
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
@@ -158,6 +161,7 @@ class Plan:
         segment), in stages of mode ``never`` ([Note: recomputed layers] in
         autopipe/core/recomputed_layers.py). ``runtime``: whose measured costs to plan with
         (default: the profile's, [Note: one profile, two runtimes] in autopipe/core/corrections.py).
+        ``skipped_schedules``: what a search could not weigh, schedule -> why (plan.explain() says it).
         Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
@@ -192,7 +196,7 @@ class Plan:
             schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
             data_parallel=data_parallel, dp_mode=dp_mode,
             recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
-            precision=costs.precision,
+            precision=costs.precision, skipped_schedules=dict(skipped_schedules or {}),
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -304,7 +308,7 @@ class Plan:
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
-                    "recompute_layers", "runtime", "precision")  # older plans lack them
+                    "recompute_layers", "runtime", "precision", "skipped_schedules")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -355,6 +359,9 @@ def _check_types(plan: Plan) -> None:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
     if plan.precision not in PRECISIONS:
         raise TypeError(f"'precision' must be one of {list(PRECISIONS)}, got {plan.precision!r}")
+    if not isinstance(plan.skipped_schedules, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in plan.skipped_schedules.items()):
+        raise TypeError("'skipped_schedules' must map schedule names to reasons")
     if plan.runtime not in (None, *RUNTIMES):
         raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
     where = {n: s for s, names in enumerate(plan.stages) for n in names}
