@@ -39,6 +39,14 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.errors import ProfileError
 from autopipe.frontend.profiling._whole_or_layers import choose_mode
+from autopipe.frontend.profiling.backward_split import (
+    BackwardSplit,
+    Overhead,
+    measure_split,
+    split_columns,
+    split_overhead,
+    split_ratio,
+)
 from autopipe.frontend.profiling.in_sequence import (
     SequenceScales,
     measure_sequence,
@@ -84,9 +92,10 @@ __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the edges
+# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the
+# edges, the split backward's (I + W) / backward ([Note: split backward measured])
 Edges = list[tuple[str, str, int]]
-Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales, Edges]
+Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales, Edges, float | None]
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -150,14 +159,17 @@ def _measure(
     warmup: int,
     progress: bool | None,
     precision: str,
-) -> tuple[list[dict[str, Any]], tuple[float, float, float], Edges]:
+) -> tuple[list[dict[str, Any]], tuple[float, float, float], Edges, tuple[dict[str, BackwardSplit], Overhead]]:
     """Every layer's row, the harness overhead subtracted, the recompute ratio (overheads.py),
-    the edges (their bytes re-measured under a precision: [Note: profiling under a precision])."""
+    the edges (their bytes re-measured under a precision: [Note: profiling under a precision]),
+    each measured layer's split backward ([Note: split backward measured])."""
     meter = memory_meter_for(dev)
     fwd_extra, bwd_extra = harness_overhead(timer, dev, precision)
     sampler = RecomputeSampler(timer, repeats, warmup)
     rows: list[dict[str, Any]] = []
     measured: dict[str, tuple[float, float, int, int | None]] = {}
+    splits: dict[str, BackwardSplit] = {}
+    split_extra = split_overhead(timer, dev, precision)
     ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
     outs: dict[str, list[int]] = {}  # under a precision: each layer's output bytes, measured
     node_bytes: dict[str, int] = {}
@@ -177,6 +189,8 @@ def _measure(
             fwd_ms = max(0.0, fwd_ms - fwd_extra)
             bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
             measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak)
+            if (split := measure_split(run.call, run.values, timer)) is not None:
+                splits[run.call.name] = split
             sampler.offer(run.call, run.values, fwd_ms, bwd_ms)
         source = run.reuse_of or run.call.name
         rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
@@ -187,7 +201,7 @@ def _measure(
     edges, out_bytes = measured_edges(g, node_bytes) if precision != "fp32" else (g.edges(), {})
     return [{**r, "saved_shared_bytes": shared[r["layer"]],
              "output_bytes": out_bytes.get(r["layer"], r["output_bytes"])} for r in rows], \
-        (fwd_extra, bwd_extra, sampler.ratio()), edges
+        (fwd_extra, bwd_extra, sampler.ratio()), edges, (splits, split_extra)
 
 
 def _measure_at(
@@ -213,22 +227,23 @@ def _measure_at(
             home = _home(g.gm)  # a caller's graph goes back where it was
             try:
                 g.gm.to(dev)
-                rows, extra, edges = _measure(g, _whole_model_runs(model, g, args, precision, dev), timer,
-                                              dev, repeats, warmup, progress, precision)
+                rows, extra, edges, splits = _measure(g, _whole_model_runs(model, g, args, precision, dev),
+                                                      timer, dev, repeats, warmup, progress, precision)
                 seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,  # [Note:
                                        warmup, extra[:2], recompute_call_ms, g.node_layer,  # layers in sequence]
                                        budget_s=sequence_budget_s(repeats), precision=precision)
+                ratio = split_ratio(rows, *splits)
                 rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:
                     g.gm.to(home)
-        return g, rows, extra, seq, edges
+        return g, split_columns(rows, *splits), extra, seq, edges, ratio
     # the model is never moved or run: see [Note: layer by layer]
     with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
         g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
-        rows, extra, edges = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
-                                      repeats, warmup, progress, precision)
-    return g, rows, extra, SequenceScales(), edges
+        rows, extra, edges, splits = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
+                                              repeats, warmup, progress, precision)
+    return g, split_columns(rows, *splits), extra, SequenceScales(), edges, split_ratio(rows, *splits)
 
 
 def profile(
@@ -333,11 +348,11 @@ def profile(
     with PeakRss() as rss:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        g, rows, (fwd_extra, bwd_extra, ratio), scales, edges = measure_at(inputs, graph)
+        g, rows, (fwd_extra, bwd_extra, ratio), scales, edges, split = measure_at(inputs, graph)
         frame = pd.DataFrame(rows)
         fingerprints = {str(micro): g.fingerprint}
         for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
-            g_r, rows_r, _, _, _ = measure_at(with_rows(example_inputs, r), None)
+            g_r, rows_r, *_ = measure_at(with_rows(example_inputs, r), None)
             if g_r.layers != g.layers:
                 raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
                                    f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
@@ -367,6 +382,7 @@ def profile(
         "dedupe": bool(dedupe) if chosen == "layers" else False,
         "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
         **({"grouped": grouped_meta(g.layers, g.grouped)} if g.grouped else {}),  # [Note: automatic granularity]
+        **({"bwd_split_ratio": split} if split is not None else {}),  # [Note: split backward measured]
         "peak_memory_bytes": peak[0],
         "peak_memory_of": peak[1],
         **({"micro_batch_sizes": sorted([micro, *others]), "fingerprints": fingerprints}
