@@ -21,7 +21,7 @@ The last three are in autopipe/core/zero_bubble.py ([Note: split backward]). An 
 ``(stage, kind, microbatch)`` with kind ``"F"`` (forward), ``"B"`` (the whole backward), or,
 under the zero-bubble schedules, ``"I"`` and ``"W"`` (its input- and weight-gradient parts). ``executor.GPipe``
 (one process, torchgpipe's order) runs the same forwards but drains its backwards in reverse,
-B(M-1) .. B0; see [Note: stage memory] in autopipe/core/cost.py for what that changes.
+B(M-1) .. B0; see [Note: stage memory] in autopipe/core/stage_memory.py for what that changes.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ autopipe/core/zero_bubble.py) waits for stage s+1's backward or I of m and the g
 transfer; a weight-gradient part W for its own stage's I of m. Two consecutive stages on one
 rank (the V's bottom) pass values without a message, as torch's runtime does, so nothing
 crosses there. A checkpointed
-micro-batch (see [Note: stage memory] in autopipe.core.cost) is recomputed right before its
+micro-batch (see [Note: stage memory] in autopipe.core.stage_memory) is recomputed right before its
 backward, once the gradient has arrived. After a forward the stage sends its output activations,
 after a backward its input gradients; sends occupy the sender, and receiving occupies the
 receiver for its share of the bytes right before the forward or backward that reads them

@@ -10,7 +10,7 @@ the whole backward in one pass (FULL_BACKWARD); DualPipeV runs some of those too
 first stage skips its I (its input needs no gradient) and runs the whole backward in its W
 (``PipelineStage.backward_weight_one_chunk``); the cost model charges it so
 (``cost.split_backward_ms``). Until its W a micro-batch keeps its activations (the retained
-graph) and the gradients W starts from ([Note: stage memory] in cost.py).
+graph) and the gradients W starts from ([Note: stage memory] in stage_memory.py).
 
 Each function below is the torch method named in its docstring, written out on plain tuples
 (tests/test_schedule_parity.py constructs torch's schedule classes on fake stages and compares
