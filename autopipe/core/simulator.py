@@ -41,7 +41,7 @@ measured timeline can be drawn on one plot.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from autopipe.core.cost import (
@@ -56,7 +56,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.data_parallel import sync_phase
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
-from autopipe.errors import PlanError
+from autopipe.errors import PartitionError, PlanError
 from executor.spec import (
     DATA_PARALLEL_PHASES,
     MULTI_STAGE_SCHEDULES,
@@ -120,8 +120,8 @@ def _split(stage: StageCost, schedule: str) -> tuple[float, float]:
         return 0.0, 0.0
     if stage.bwd_input_ms is None:
         raise PlanError(f"profile again: schedule={schedule!r} splits each backward into input and weight "
-                        "gradients and these stage costs have no split (bwd_input_ms); plan from a profile "
-                        "that has one, or simulate another schedule")
+                        "gradients and these stage costs have no split (bwd_input_ms); simulate(plan, profile, "
+                        "schedule=...) with a profile that has it, or another schedule")
     return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms)
 
 
@@ -282,9 +282,11 @@ def simulate_stages(
 def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = None) -> SimulationResult:
     """Predict ``plan``'s training iteration under ``schedule`` (default: the plan's own).
 
-    With a ``profile`` the stage costs are recomputed from it (after checking the plan matches
-    it, and scaled to the plan's micro-batch when the plan records another one: [Note:
-    micro-batch scaling]); without one the plan's own per-stage breakdown is used.
+    With a ``profile`` the stage costs are recomputed from it under ``schedule`` (after checking
+    the plan matches it, and scaled to the plan's micro-batch when the plan records another one:
+    [Note: micro-batch scaling]), so a plan of another schedule can be simulated under a
+    zero-bubble one from a profile with the split; without one the plan's own per-stage
+    breakdown is used.
     """
     schedule = plan.schedule if schedule is None else schedule
     options = plan.cost_options
@@ -293,8 +295,13 @@ def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = 
     else:
         profile = plan.profile_for(profile)
         where = {name: s for s, names in enumerate(plan.stages) for name in names}
-        stages = stage_costs(LayerCosts.from_profile(profile), [where[n] for n in profile.layers],
-                             plan.devices, options)
+        if schedule in SIMULATED_SCHEDULES:
+            options = replace(options, schedule=schedule)
+        try:
+            stages = stage_costs(LayerCosts.from_profile(profile), [where[n] for n in profile.layers],
+                                 plan.devices, options)
+        except PartitionError as err:
+            raise PlanError(str(err)) from None
     return simulate_stages(stages, chunks=plan.chunks, checkpoint=plan.checkpoint,
                            ms_per_byte=options.ms_per_byte, schedule=schedule,
                            devices=[d.name for d in plan.devices])

@@ -174,3 +174,15 @@ def test_zero_bubble_calls_pay_interleaved_1f1bs() -> None:
                           schedule="interleaved_zb")
     durations = sorted(round(e.duration_ms, 6) for e in sim.timeline if e.stage == 1 and e.phase != "forward")
     assert durations == [0.7, 1.7]
+
+
+def test_a_plan_of_another_schedule_simulates_under_a_zero_bubble_one() -> None:
+    prof = random_chain(8, 4, split=True)
+    split = [prof.layers[:2], prof.layers[2:4], prof.layers[4:6], prof.layers[6:]]
+    plan = Plan.from_stages(prof, split, chunks=4, checkpoint="never", schedule="interleaved1f1b",
+                            devices=["r0", "r1", "r0", "r1"])
+    zb = Plan.from_stages(prof, split, chunks=4, checkpoint="never", schedule="interleaved_zb",
+                          devices=["r0", "r1", "r0", "r1"])
+    assert simulate(plan, prof, schedule="interleaved_zb").iteration_time == pytest.approx(zb.iteration_time)
+    with pytest.raises(PlanError, match=r"^profile again: .*simulate\(plan, profile, schedule=\.\.\.\)"):
+        simulate(plan, schedule="interleaved_zb")  # the plan's own costs have no split
