@@ -4,7 +4,7 @@ For each bundled example and checkpoint mode: profile, partition for ``--stages`
 build the pipeline (executor.GPipe), run one training iteration under
 executor.activation_meter.ActivationMeter (the bytes autograd keeps for backward, per stage:
 [Note: counting activations]) and compare each stage's peak with the plan's prediction
-(``plan.breakdown[s].activation_bytes``, [Note: stage memory] in autopipe/core/cost.py). Bytes
+(``plan.breakdown[s].activation_bytes``, [Note: stage memory] in autopipe/core/stage_memory.py). Bytes
 do not depend on the machine's load, so one run is exact; the target is within 10%.
 
 With ``always``, a stage fed a value that its producer also saves ([Note: saved once] in

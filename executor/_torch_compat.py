@@ -33,7 +33,12 @@ name directly: it imports it from here, where
   missing or refuses, it says so and the watchdog alone bounds later steps;
 - :func:`found_inf_per_device` is ``torch.amp.GradScaler._found_inf_per_device``, the flags
   ``unscale_`` leaves and ``step`` / ``update`` read (torch's fused optimizers read them too),
-  for executor/grad_scaler.py ([Note: loss scaling on ranks]); missing, it says so in one line.
+  for executor/grad_scaler.py ([Note: loss scaling on ranks]); missing, it says so in one line;
+- :func:`split_backward_api` is ``torch.distributed.pipelining._backward``'s
+  ``stage_backward_input`` and ``stage_backward_weight``, the two halves of a backward that the
+  zero-bubble schedules run, checked by signature; the profiler times each layer's backward
+  with them ([Note: split backward measured] in autopipe/frontend/profiling/backward_split.py),
+  and where they differ it measures no split (the planner then refuses those schedules).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ __all__ = [
     "mesh_group_options",
     "set_group_timeout",
     "found_inf_per_device",
+    "split_backward_api",
 ]
 
 BatchNormBase = _BatchNorm
@@ -328,3 +334,27 @@ def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.Op
                            "executor.grad_scaler needs torch 2.11 to 2.15")
     found: dict[torch.device, torch.Tensor] = method(optimizer)
     return found
+
+
+# torch 2.13's parameters of the two halves of a split backward
+SPLIT_BACKWARD_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "stage_backward_input": ("stage_outputs_or_loss", "output_grads", "input_values", "weights"),
+    "stage_backward_weight": ("weights", "param_groups", "retain_graph"),
+}
+
+
+@functools.cache
+def split_backward_api() -> tuple[Callable[..., Any], Callable[..., Any]] | str:
+    """(stage_backward_input, stage_backward_weight) as torch.distributed.pipelining's
+    PipelineStage runs a zero-bubble schedule's I and W, or why they cannot be used here."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError as err:
+        return f"torch.distributed.pipelining._backward does not import ({err})"
+    found = []
+    for name, expected in SPLIT_BACKWARD_SIGNATURES.items():
+        fn = getattr(_backward, name, None)
+        if fn is None or _parameters(fn, method=False) != expected:
+            return f"torch {torch.__version__}'s {name} is not the one autopipe was written for"
+        found.append(fn)
+    return found[0], found[1]

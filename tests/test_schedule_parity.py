@@ -1,11 +1,15 @@
 """The simulator runs each rank's forwards and backwards in torch.distributed.pipelining's order.
 
 [Note: schedule orders] (autopipe/core/schedules.py) writes torch's ScheduleGPipe,
-Schedule1F1B and ScheduleInterleaved1F1B orders out torch-free. Here torch's own code decides:
-the single-stage schedules run their real ``_step_microbatches`` against a stage that only
-records what it is asked to compute (no process group, no tensors), and the interleaved one is
-asked for its per-rank actions. The simulator's timeline must execute exactly that order on
-every rank, for stages of uneven cost.
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and
+ScheduleDualPipeV orders out torch-free. Here torch's own code decides: the single-stage
+schedules run their real ``_step_microbatches`` against a stage that only records what it is
+asked to compute (no process group, no tensors), the interleaved one is asked for its per-rank
+actions, and the zero-bubble ones are CONSTRUCTED on fake stages (a namespace with a group size,
+rank, stage index and count: no process group), which computes every rank's order, adds
+torch's bubbles and lowers it to the order the runtime executes (``pipeline_order_with_comms``);
+its compute actions, an OVERLAP_F_B as its two sub-actions in turn, are the expected order. The
+simulator's timeline must execute exactly that order on every rank, for stages of uneven cost.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ torch_pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
 from autopipe.core.cost import StageCost  # noqa: E402
 from autopipe.core.schedules import rank_order  # noqa: E402
 from autopipe.core.simulator import simulate_stages  # noqa: E402
+from executor.spec import check_schedule, stage_rank  # noqa: E402
 
 
 class _RecordingStage:
@@ -68,15 +73,20 @@ def _torch_interleaved(rank: int, ranks: int, local: int, chunks: int) -> list[t
 
 
 def _simulated(schedule: str, devices: list[str], chunks: int) -> dict[str, list[tuple[int, str, int]]]:
-    """Each device's forwards and backwards, in the order the simulator ran them."""
+    """Each device's forwards and backwards, in the order the simulator ran them: a backward
+    whose micro-batch has a weight-gradient event is an I, else a whole B."""
     k = len(devices)
-    stages = [StageCost(1.0 + 0.3 * s, 2.0 + 0.7 * (s % 2), 0.0, 0.0, 0, 0, 8, 8, 64) for s in range(k)]
+    stages = [StageCost(1.0 + 0.3 * s, 2.0 + 0.7 * (s % 2), 0.0, 0.0, 0, 0, 8, 8, 64,
+                        bwd_input_ms=0.8 + 0.5 * (s % 3)) for s in range(k)]
     sim = simulate_stages(stages, chunks=chunks, checkpoint="except_last", ms_per_byte=0.01,
                           schedule=schedule, devices=devices)
+    split = {(e.stage, e.microbatch) for e in sim.timeline if e.phase == "weight"}
+    kinds = {"forward": "F", "weight": "W", "backward": "B"}
     out: dict[str, list[tuple[int, str, int]]] = {d: [] for d in devices}
     for e in sorted(sim.timeline, key=lambda e: e.start_ms):
-        if e.phase in ("forward", "backward"):
-            out[devices[e.stage]].append((e.stage, e.phase[0].upper(), e.microbatch))
+        if e.phase in kinds:
+            kind = "I" if e.phase == "backward" and (e.stage, e.microbatch) in split else kinds[e.phase]
+            out[devices[e.stage]].append((e.stage, kind, e.microbatch))
     return out
 
 
@@ -100,3 +110,49 @@ def test_interleaved_1f1b(ranks: int, local: int, chunks: int) -> None:
         expected = _torch_interleaved(r, ranks, local, chunks)
         assert rank_order("interleaved1f1b", r, ranks, chunks, local) == expected
         assert simulated[f"rank{r}"] == expected, (ranks, local, chunks, r)
+
+
+_ZERO_BUBBLE = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                "dualpipev": "ScheduleDualPipeV"}
+
+
+def _torch_zero_bubble(schedule: str, ranks: int, local: int, chunks: int) -> dict[int, list[tuple[int, str, int]]]:
+    """Every rank's compute order of torch's zero-bubble schedule, as it runs it: the class
+    constructed on rank 0's fake stages, its lowered ``pipeline_order_with_comms``."""
+    k = ranks * local
+    fake = [SimpleNamespace(group_size=ranks, group_rank=0, num_stages=k, stage_index=s, submod=None,
+                            is_first=s == 0, is_last=s == k - 1)
+            for s in range(k) if stage_rank(schedule, s, ranks) == 0]
+    torch_schedule = getattr(torch_pipelining, _ZERO_BUBBLE[schedule])(fake, chunks)
+    kinds = {torch_pipelining._ComputationType.FORWARD: "F", torch_pipelining._ComputationType.FULL_BACKWARD: "B",
+             torch_pipelining._ComputationType.BACKWARD_INPUT: "I",
+             torch_pipelining._ComputationType.BACKWARD_WEIGHT: "W"}
+    out: dict[int, list[tuple[int, str, int]]] = {}
+    for rank, actions in torch_schedule.pipeline_order_with_comms.items():
+        ops = []
+        for action in actions:
+            for a in action.sub_actions or (action,):  # OVERLAP_F_B: its forward, then its backward
+                if a.computation_type in kinds:
+                    ops.append((a.stage_index, kinds[a.computation_type], a.microbatch_index))
+        out[rank] = ops
+    return out
+
+
+@pytest.mark.parametrize(("schedule", "ranks", "local", "chunks"), [
+    ("interleaved_zb", 2, 2, 2), ("interleaved_zb", 2, 2, 4), ("interleaved_zb", 2, 2, 6),
+    ("interleaved_zb", 3, 2, 6), ("interleaved_zb", 4, 2, 8), ("interleaved_zb", 2, 3, 4),
+    ("interleaved_zb", 3, 1, 5), ("interleaved_zb", 4, 2, 3),
+    ("zbv", 1, 2, 2), ("zbv", 2, 2, 2), ("zbv", 2, 2, 5), ("zbv", 3, 2, 4), ("zbv", 4, 2, 8),
+    ("zbv", 4, 2, 12),
+    ("dualpipev", 1, 2, 3), ("dualpipev", 2, 2, 4), ("dualpipev", 2, 2, 7), ("dualpipev", 3, 2, 6),
+    ("dualpipev", 3, 2, 9), ("dualpipev", 4, 2, 8), ("dualpipev", 4, 2, 16),
+])
+def test_zero_bubble_schedules(schedule: str, ranks: int, local: int, chunks: int) -> None:
+    k = ranks * local
+    check_schedule(schedule, k, ranks, chunks)  # what torch accepts, it accepts too
+    devices = [f"rank{stage_rank(schedule, s, ranks)}" for s in range(k)]
+    simulated = _simulated(schedule, devices, chunks)
+    expected = _torch_zero_bubble(schedule, ranks, local, chunks)
+    for r in range(ranks):
+        assert rank_order(schedule, r, ranks, chunks, local) == expected[r], (schedule, ranks, chunks, r)
+        assert simulated[f"rank{r}"] == expected[r], (schedule, ranks, chunks, r)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
 from autopipe.errors import BuildError
-from executor.spec import PRECISIONS
+from executor.spec import PRECISIONS, SCHEDULES
 
 __all__ = [
     "ProfileConfig",
@@ -46,13 +46,14 @@ Checkpoint = Literal["always", "except_last", "never"]
 Method = Literal["auto", "exact", "ilp", "uniform", "params", "blockpartition"]  # "dp": exact
 Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
 Ties = Literal["share", "colocate"]
-Schedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
-ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "auto"]
+Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", "dualpipev"]
+ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", "dualpipev", "auto"]
 Figure = Literal["balance", "timeline", "layers"]
 ProfileMode = Literal["auto", "whole", "layers"]
 HostAllocator = Literal["retain", "system"]
 Precision = Literal["fp32", "bf16", "fp16"]
 assert typing.get_args(Precision) == PRECISIONS, "--precision's choices are executor.spec.PRECISIONS"
+assert typing.get_args(Schedule) == SCHEDULES, "--schedule's choices are executor.spec.SCHEDULES"
 _PRECISION = ("fp32, or bf16 / fp16: autocast in every stage over fp32 parameters, gradients and "
               "optimizer state")
 _HOST_ALLOCATOR = ("on a CPU, retain: glibc keeps freed memory for reuse, as a training loop "

@@ -26,7 +26,8 @@ list (autopipe/frontend/profiling/steps.py), and each step fills one field here:
   the distributed runtime's only.
 
 :meth:`Corrections.for_runtime` is the profile as one runtime sees it: that runtime's call costs
-(where interleaved 1F1B was not measured, 1F1B's; where a schedule was not, its GPipe's), and
+(where interleaved 1F1B was not measured, 1F1B's; the zero-bubble schedules, never measured
+yet, interleaved 1F1B's: [Note: zero-bubble calls]; where a schedule was not, its GPipe's), and
 for the in-process runtime no transfer latency and no slowdown. Where the distributed runtime's
 calls were not measured but executor.GPipe's were, it plans with executor.GPipe's and says so
 in a warning. The JSON form (the ``"corrections"`` object of a profile's side file) names every
@@ -44,12 +45,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopipe.errors import ProfileError
-from executor.spec import SCHEDULES
+from executor.spec import SCHEDULES, ZERO_BUBBLE_SCHEDULES
 
-__all__ = ["RUNTIMES", "Corrections", "InSequence", "LossCost", "Phases", "Transfer", "is_legacy_key"]
+__all__ = ["RUNTIMES", "Corrections", "InSequence", "LossCost", "Phases", "Transfer", "call_fallbacks",
+           "is_legacy_key"]
 
 RUNTIMES: tuple[str, ...] = ("gpipe", "distributed")  # executor.GPipe; torch.distributed.pipelining
 _RERUN = "re-run `autopipe profile ...`"
+_LEGACY_SCHEDULES = ("1f1b", "interleaved1f1b")  # the schedules flat-meta profiles timed
+
+
+def call_fallbacks(schedule: str) -> tuple[str, ...]:
+    """The schedules whose measured call cost ``schedule``'s plans pay, first measured first:
+    its own, then interleaved 1F1B's for the zero-bubble schedules and 1F1B's for interleaved
+    1F1B, then GPipe's. [Note: zero-bubble calls] The zero-bubble schedules are not timed yet
+    (the distributed runtime does not run them: ``profile --comm`` times gpipe, 1f1b and
+    interleaved1f1b), so they pay the closest runtime's: torch's _PipelineScheduleRuntime runs
+    interleaved 1F1B and all three through the same action loop, with messages per action
+    alike; a split backward's two calls share the backward's call cost half and half
+    (``cost.split_backward_ms``)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return (schedule, "interleaved1f1b", "1f1b", "gpipe")
+    if schedule == "interleaved1f1b":
+        return (schedule, "1f1b", "gpipe")
+    return (schedule, "gpipe")
 
 
 def _number(value: Any, key: str, *, optional: bool = False) -> float:
@@ -191,10 +210,10 @@ class Corrections:
         return "distributed" if measured or self.rank_compute_slowdown is not None else "gpipe"
 
     def call_for(self, runtime: str, schedule: str) -> Phases:
-        """``runtime``'s call cost under ``schedule``: its own; for interleaved 1F1B without one,
-        1F1B's; else its GPipe schedule's; nothing measured: zero."""
+        """``runtime``'s call cost under ``schedule``: the first measured of
+        :func:`call_fallbacks`; nothing measured: zero."""
         calls = self.stage_calls.get(runtime, {})
-        for name in (schedule, "1f1b", "gpipe") if schedule == "interleaved1f1b" else (schedule, "gpipe"):
+        for name in call_fallbacks(schedule):
             if name in calls:
                 return calls[name]
         return Phases(0.0, 0.0)
@@ -275,7 +294,7 @@ class Corrections:
         # the flat keys described one runtime: the distributed one where --comm measured it
         calls: dict[str, dict[str, Phases]] = {}
         main = phases("stage_call")
-        schedules = {s: p for s in SCHEDULES[1:] if (p := phases(f"stage_call_{s}")) is not None}
+        schedules = {s: p for s in _LEGACY_SCHEDULES if (p := phases(f"stage_call_{s}")) is not None}
         if meta.get("stage_call_of") == "DistributedPipeline" or schedules:
             calls["distributed"] = {**({} if main is None else {"gpipe": main}), **schedules}
             main = phases("gpipe_call")
@@ -303,7 +322,7 @@ _LEGACY = {"harness_fwd_ms", "harness_bwd_ms", "stage_call_fwd_ms", "stage_call_
            "gpipe_call_fwd_ms", "gpipe_call_bwd_ms", "recompute_call_ms", "recompute_ratio", "sequence_fwd_scale",
            "sequence_bwd_scale", "sequence_rounds", "loss_fwd_ms", "loss_bwd_ms", "loss_micro_batch_size",
            "comm_latency_ms", "comm_bandwidth", "comm_receive_share", "rank_compute_slowdown",
-           *(f"stage_call_{s}_{p}_ms" for s in SCHEDULES[1:] for p in ("fwd", "bwd"))}
+           *(f"stage_call_{s}_{p}_ms" for s in _LEGACY_SCHEDULES for p in ("fwd", "bwd"))}
 
 
 def is_legacy_key(key: str) -> bool:

@@ -31,25 +31,19 @@ the stage's busy time per iteration; the slowest stage (the bottleneck) sets the
 
 [Note: transfer cost] is in autopipe/core/transfer.py.
 
-[Note: stage memory] parameters x optimizer factor (``none`` 1 = weights only, ``sgd`` 2 =
-+grads, ``momentum`` 3, ``adam``/``adamw`` 4) + buffers + activations. Activations of one
-micro-batch are the stage's ``saved_bytes``. Checkpointing follows torchgpipe, per stage
-([Note: per-stage recomputation] in executor/spec.py): ``always`` checkpoints all M
-micro-batches, ``except_last`` all but the one back-propagated first, ``never`` none; the
-checkpointed ones are the R whose backward comes last ([Note: which micro-batches recompute]
-in executor/spec.py). A checkpointed micro-batch keeps only its stage input
-from its forward until its backward, which first recomputes the forward (``saved_bytes`` again)
-and then frees both; any other micro-batch keeps ``saved_bytes`` from its forward to the end of
-its backward. Walking the stage's operations in its schedule's order ([Note: schedule orders]
-in autopipe/core/schedules.py) with these rules (``_held``) gives the level after every
-allocation as ``a x input_bytes + b x saved_bytes``; the peak is the largest, over the few
-Pareto-maximal (a, b) pairs (``activation_terms``). That is exact for the order the schedule
-runs, whatever the stage's bytes: GPipe with R of M checkpointed peaks at
-``R x input + max(M - R, 1) x saved`` (``M x saved`` for R = 0), 1F1B at stage s holds at most
-``min(M, K - s)`` micro-batches. executor.GPipe (one process) back-propagates in the reverse
-order and checkpoints the mirror-image micro-batches, so the same formula is exact for it
-(benchmarks/memory_vs_prediction.py counts it). The simulator walks the order it ran, so its
-peaks equal these (tests/core/test_simulator.py).
+[Note: stage memory] (autopipe/core/stage_memory.py) A stage's memory is its parameters x
+optimizer factor (``none`` 1 = weights only, ``sgd`` 2 = +grads, ``momentum`` 3,
+``adam``/``adamw`` 4) + buffers + its activations, walked over its schedule's order there.
+
+[Note: split backward time] Under the zero-bubble schedules ([Note: split backward] in
+autopipe/core/zero_bubble.py) a stage's backward of one micro-batch is its input-gradient part I,
+the sum of its layers' ``bwd_input_ms`` (their share of ``bwd_ms``, so that I + W is the whole
+backward, however the profile's rows were scaled), with any recomputation, and its
+weight-gradient part W, the rest; the first stage's I is nothing, its W the whole backward, as
+torch runs it. The stage call's backward cost is paid half by each (``split_backward_ms``:
+two calls where there was one; [Note: zero-bubble calls] in corrections.py). A profile
+without the split (measured before it, or written by hand) plans every other schedule and
+refuses these in one line (``check_split``).
 
 Replicas of the pipeline (``data_parallel``) change a stage's state bytes and add its
 collectives (per iteration, not per micro-batch): autopipe/core/data_parallel.py, [Note: pipeline x
@@ -78,9 +72,8 @@ one stage.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -91,23 +84,32 @@ from autopipe.core.data_parallel import (
     state_factor,
 )
 from autopipe.core.devices import DeviceSpec, resolve_devices
-from autopipe.core.layer_costs import FloatArray, LayerCosts
+from autopipe.core.layer_costs import SPLIT_COLUMNS, FloatArray, LayerCosts
 from autopipe.core.recomputed_layers import (
     recompute_alone_ms,
     recompute_peak,
     segment_freed,
     segments,
 )
-from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
+from autopipe.core.schedules import rank_layout
 from autopipe.core.stage_cost import StageCost
+from autopipe.core.stage_memory import (
+    Terms,
+    activation_bytes,
+    activation_peak,
+    activation_terms,
+    stage_terms,
+    weight_held_bytes,
+)
 from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms
 from autopipe.errors import PartitionError
 from executor.spec import (
     CHECKPOINT_MODES,
+    MULTI_STAGE_SCHEDULES,
     PRECISION_BYTES,
     SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     check_stage_checkpoints,
-    is_recomputed,
     recomputed_microbatches,
 )
 
@@ -120,10 +122,14 @@ __all__ = [
     "layer_work",
     "recompute_ms",
     "stage_fixed_ms",
+    "Terms",
     "activation_terms",
     "activation_bytes",
     "activation_peak",
     "stage_terms",
+    "weight_held_bytes",
+    "split_backward_ms",
+    "check_split",
     "state_bytes",
     "cast_cache_bytes",
     "stage_time",
@@ -141,7 +147,8 @@ OPTIMIZER_FACTOR: dict[str, int] = {"none": 1, "sgd": 2, "momentum": 3, "adam": 
 # Amount: a number, a numpy array or a PuLP expression: each formula below takes any of them.
 
 # --- [Note: cost model] Every formula of stage time and memory is written once, below (a cut's
-# crossing in transfer.py, a recomputed segment of layers in recomputed_layers.py). --------------
+# crossing in transfer.py, a recomputed segment of layers in recomputed_layers.py, the walk of a
+# stage's activations over its schedule's order in stage_memory.py). ----------------------------
 # The DP evaluates them on numpy arrays of whole (first layer, last layer) blocks, the ILP on PuLP
 # expressions, stage_costs / Plan / the baselines on floats; each function is plain arithmetic on
 # its arguments, so one definition serves all of them. Change a formula here, and only here.
@@ -180,86 +187,6 @@ def stage_time(
                                                 receive_share)
 
 
-Terms = tuple[tuple[int, int], ...]  # (a, b): a x input_bytes + b x saved_bytes
-
-
-def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[tuple[int, int, int, bool]]:
-    """(stage, inputs held, saved activations held, after an allocation?) after each change of
-    what a stage holds, walking ``ops`` in order ([Note: stage memory]); stage s checkpoints its
-    last ``recomputed[s]`` micro-batches ([Note: which micro-batches recompute] in executor/spec.py)."""
-    ops = list(ops)
-    chunks: dict[int, int] = {}
-    for s, _, i in ops:
-        chunks[s] = max(chunks.get(s, 0), i + 1)
-    held: dict[int, list[int]] = {}
-    for s, kind, i in ops:
-        h = held.setdefault(s, [0, 0])
-        checkpointed = is_recomputed(i, chunks[s], recomputed[s])
-        if kind == "F":
-            h[0 if checkpointed else 1] += 1
-            yield s, h[0], h[1], True
-        elif checkpointed:
-            h[1] += 1  # the recomputed forward, next to the input it was recomputed from
-            yield s, h[0], h[1], True
-            h[0] -= 1
-            h[1] -= 1
-            yield s, h[0], h[1], False
-        else:
-            h[1] -= 1
-            yield s, h[0], h[1], False
-
-
-@lru_cache(maxsize=4096)
-def _terms(ops: tuple[Op, ...], recomputed: int) -> Terms:
-    stage = ops[0][0] if ops else 0
-    seen = {(a, b) for _, a, b, alloc in _held(ops, {stage: recomputed}) if alloc}
-    top = [t for t in seen if not any(u != t and u[0] >= t[0] and u[1] >= t[1] for u in seen)]
-    return tuple(sorted(top)) or ((0, 0),)
-
-
-def activation_terms(ops: Sequence[Op], recomputed: int) -> Terms:
-    """The Pareto-maximal (a, b) held after an allocation by one stage running ``ops``: its
-    peak activations are ``max(a x input_bytes + b x saved_bytes)`` ([Note: stage memory])."""
-    return _terms(tuple(ops), recomputed)
-
-
-def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms) -> Amount:
-    """Peak activation bytes of a stage: the largest ``a x input_bytes + b x saved_bytes`` over
-    its ``terms``. Floats and numpy arrays take the maximum; a PuLP expression needs one term
-    at a time (a constraint per term)."""
-    out: Amount = None
-    for a, b in terms:
-        value = a * input_bytes + b * saved_bytes
-        out = value if out is None else np.maximum(out, value)
-    return out
-
-
-def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int],
-                    input_bytes: Mapping[int, float], saved_bytes: Mapping[int, float]) -> float:
-    """Peak activation bytes of a device running ``ops`` of one or more stages in that order
-    (an interleaved rank holds several stages at once)."""
-    level: dict[int, float] = {}
-    peak = 0.0
-    for s, a, b, alloc in _held(ops, recomputed):
-        level[s] = a * input_bytes[s] + b * saved_bytes[s]
-        if alloc:
-            peak = max(peak, sum(level.values()))
-    return peak
-
-
-@lru_cache(maxsize=65536)
-def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed: int,
-                ranks: int | None = None) -> Terms:
-    """``activation_terms`` of stage ``stage`` of ``stages`` under ``schedule`` with ``chunks``
-    micro-batches; ``interleaved1f1b`` needs the number of ``ranks`` the stages cycle over."""
-    if schedule == "interleaved1f1b":
-        w = stages if ranks is None else ranks
-        ops = [op for op in rank_order(schedule, stage % w, w, chunks, stages // w) if op[0] == stage]
-    else:
-        ops = stage_order(schedule, stage, stages, chunks)
-    return activation_terms(ops, recomputed)
-
-
 def state_bytes(param_bytes: Amount, buffer_bytes: Amount, optimizer: str, data_parallel: int = 1,
                 dp_mode: str = "ddp") -> Amount:
     """Parameters with their gradients and optimizer state (``OPTIMIZER_FACTOR``; sharded over
@@ -274,6 +201,21 @@ def cast_cache_bytes(param_bytes: Amount, precision: str, recomputed: int) -> Am
     if precision == "fp32" or recomputed == 0:
         return 0
     return param_bytes * PRECISION_BYTES[precision] / PRECISION_BYTES["fp32"]
+
+
+def split_backward_ms(bwd_ms: float, bwd_input_ms: float, call_bwd_ms: float) -> tuple[float, float]:
+    """The I and W operations of a split backward ([Note: split backward time]): the stage's
+    input-gradient part and the rest of its backward, each with half its backward call cost."""
+    return bwd_input_ms + call_bwd_ms / 2, bwd_ms - bwd_input_ms + call_bwd_ms / 2
+
+
+def check_split(costs: LayerCosts, schedule: str) -> None:
+    """PartitionError in one line when ``schedule`` splits each backward and the profile has no
+    split of it ([Note: split backward time])."""
+    if schedule in ZERO_BUBBLE_SCHEDULES and costs.bwd_input is None:
+        raise PartitionError(f"profile again: schedule={schedule!r} splits each backward into input and weight "
+                             f"gradients, and this profile has no {'/'.join(SPLIT_COLUMNS)} columns (autopipe "
+                             f"profile measures them); or plan schedule='1f1b' or 'interleaved1f1b'")
 
 
 def lower_bound(work: FloatArray, speeds: Sequence[float], call_ms: float = 0.0) -> float:
@@ -342,12 +284,13 @@ class CostOptions:
 
 
 def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
-    """The ranks ``interleaved1f1b`` cycles its stages over (the distinct device names), else
-    None; PartitionError when the devices do not take the stages in turn."""
-    if schedule != "interleaved1f1b":
+    """The ranks a schedule of several stages per rank places its stages on (the distinct device
+    names: [Note: stage to rank] in executor/spec.py), else None; PartitionError when the
+    devices do not take the stages so."""
+    if schedule not in MULTI_STAGE_SCHEDULES:
         return None
     try:
-        return rank_layout([d.name for d in devices])[0]
+        return rank_layout([d.name for d in devices], schedule)[0]
     except ValueError as err:
         raise PartitionError(str(err)) from None
 
@@ -393,6 +336,8 @@ def stage_costs(
             cut[stage[u]:reach] += costs.value_bytes[u]
             resaved[stage[u]:reach] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
+    check_split(costs, options.schedule)
+    split = options.schedule in ZERO_BUBBLE_SCHEDULES
     chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
     runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
     result = []
@@ -400,9 +345,9 @@ def stage_costs(
         mask = stage == s
         mine = [r for r in runs if stage[r[0]] == s]
         fwd = float(costs.fwd[mask].sum()) / dev.speed
-        bwd = float(costs.bwd[mask].sum()) / dev.speed + recompute_alone_ms(
-            sum(float(costs.fwd[r].sum()) for r in mine), len(mine), costs.recompute_ratio,
-            costs.recompute_call_ms, dev.speed)
+        alone = recompute_alone_ms(sum(float(costs.fwd[r].sum()) for r in mine), len(mine),
+                                   costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
+        bwd = float(costs.bwd[mask].sum()) / dev.speed + alone
         params = int(costs.params[mask].sum())
         for members, nbytes in costs.tie_groups:
             if mask[list(members)].any():
@@ -411,6 +356,11 @@ def stage_costs(
             int(resaved[s - 1]) if s > 0 else 0)
         cut_in = int(cut[s - 1]) if s > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
+        # [Note: split backward time]: the first stage's I is nothing; recomputation is in I
+        bwd_input = None if costs.bwd_input is None or not split else 0.0 if s == 0 else (
+            float(costs.bwd_input[mask].sum()) / dev.speed + alone)
+        held = 0 if costs.weight_grad is None or not split else int(weight_held_bytes(
+            int(costs.weight_grad[mask].sum()), cut_out, s == 0, s == k - 1))
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -420,7 +370,7 @@ def stage_costs(
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)
                             + cast_cache_bytes(params, costs.precision, recomputed[s])),
-            activation_bytes=int(activation_bytes(cut_in, saved, terms[s])) + recompute_peak(
+            activation_bytes=int(activation_bytes(cut_in, saved, terms[s], held)) + recompute_peak(
                 costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
             input_bytes=cut_in,
             output_bytes=cut_out,
@@ -433,5 +383,7 @@ def stage_costs(
             receive_share=costs.comm_receive_share if options.ms_per_byte else 0.0,
             grad_sync_ms=grad_sync_ms(params, *replicas),
             param_gather_ms=param_gather_ms(params, *replicas),
+            bwd_input_ms=bwd_input,
+            weight_held_bytes=held,
         ))
     return result

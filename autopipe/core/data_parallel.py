@@ -49,6 +49,18 @@ forward's pre-hook), so it delays that forward. The split itself is the bottlene
 ([Note: per-stage mode DP]); the collectives enter the choice of (D, K) and the rest of the
 configuration through the simulated iteration. ``data_parallel=1`` adds nothing (``dp_mode``
 is then ignored): every plan without replicas is costed as before.
+
+[Note: weight gradients and the all-reduce] Under the zero-bubble schedules ([Note: split
+backward] in autopipe/core/zero_bubble.py) a stage's gradients are final only after its LAST
+weight-gradient part W (or whole backward B): torch's _PipelineScheduleRuntime counts both
+toward ``last_backward``, which turns DDP's sync (FSDP's reduce-scatter) on for that call. So
+the collective starts when that W's compute ends, and what it overlaps is what the device still
+runs after it: the Ws of the last micro-batches that the schedule deferred for the rank's other
+stage (a V rank holds stages r and 2W-1-r; the later one's Ws end first, so its all-reduce runs
+under the earlier one's remaining Ws) and the other ranks' cool-down. The simulator models
+exactly that: the collective on the communication stream from the end of the stage's last W,
+the device computing on. As for 1F1B, the overlap of DDP's buckets with the W that produces the
+gradients is not counted: on the conservative side.
 """
 
 from __future__ import annotations

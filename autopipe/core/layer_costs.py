@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from autopipe.core.corrections import call_fallbacks
 from autopipe.core.planned_precision import precision_of
-from autopipe.core.profile_table import Profile
+from autopipe.core.profile_table import SPLIT_COLUMNS, Profile
 
-__all__ = ["FloatArray", "IntArray", "LayerCosts"]
+__all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -63,6 +64,10 @@ class LayerCosts:
     comm_receive_share: float = 0.0  # of a crossing's bytes, paid by the receiver too
     runtime: str = "gpipe"  # executor.GPipe in one process, or "distributed"
     precision: str = "fp32"  # what the profile measured under ([Note: mixed precision memory] in cost.py)
+    # [Note: split backward time] in cost.py: of ``bwd``, the input-gradient part, and the bytes
+    # a layer's weight pass starts from; None where the profile has no split
+    bwd_input: FloatArray | None = None
+    weight_grad: IntArray | None = None
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -70,10 +75,10 @@ class LayerCosts:
         return sum(self.call_for(schedule))
 
     def call_for(self, schedule: str) -> tuple[float, float]:
-        """(forward, backward) call cost under ``schedule``: the one the profile measured for it;
-        for interleaved 1F1B without one, 1F1B's; else the one measured for GPipe."""
+        """(forward, backward) call cost under ``schedule``: the first the profile measured of
+        ``call_fallbacks(schedule)`` ([Note: zero-bubble calls] in corrections.py)."""
         measured = {name: (fwd, bwd) for name, fwd, bwd in self.schedule_calls}
-        for name in (schedule, "1f1b") if schedule == "interleaved1f1b" else (schedule,):
+        for name in call_fallbacks(schedule)[:-1]:  # the last, GPipe's, is call_fwd_ms / call_bwd_ms
             if name in measured:
                 return measured[name]
         return self.call_fwd_ms, self.call_bwd_ms
@@ -117,6 +122,14 @@ class LayerCosts:
         # host compute beside each other, each this much slower than the profile timed it alone
         beside = max(c.rank_compute_slowdown or 1.0, 1.0)
         gpipe = calls.get("gpipe")
+        bwd_input = None
+        if all(col in df.columns for col in SPLIT_COLUMNS):  # the input part's share of bwd_ms
+            parts = df["bwd_input_ms"].to_numpy(dtype=np.float64) + df["bwd_weight_ms"].to_numpy(dtype=np.float64)
+            share = np.divide(df["bwd_input_ms"].to_numpy(dtype=np.float64), parts,
+                              out=np.ones(n), where=parts > 0)
+            bwd_input = df["bwd_ms"].to_numpy(dtype=np.float64) * share
+            if n:  # the loss's backward reaches the last layer's inputs: the input part
+                bwd_input[-1] += bwd[-1] - float(df["bwd_ms"].iloc[-1])
         return cls(
             names=names,
             fwd=df["fwd_ms"].to_numpy(dtype=np.float64) * beside,
@@ -141,6 +154,8 @@ class LayerCosts:
             comm_receive_share=0.0 if c.transfer is None else c.transfer.receive_share,
             runtime=chosen,
             precision=precision_of(profile.meta),
+            bwd_input=None if bwd_input is None else bwd_input * beside,
+            weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
         )
 
     def __len__(self) -> int:

@@ -16,7 +16,8 @@ pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data 
 ``distributed``, the runtime whose measured costs it was planned with; None: unrecorded) with
 [Note: one profile, two runtimes] in autopipe/core/corrections.py; ``precision`` (default
 ``fp32``, the precision of the profile it was planned from: [Note: mixed precision memory] in
-cost.py) with mixed precision. A plan made for another micro-batch
+cost.py) with mixed precision; ``skipped_schedules`` (default none: the schedules a search could
+not weigh, each with why) with the zero-bubble schedules. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -35,7 +36,6 @@ import numpy as np
 
 from autopipe.core import plan_text
 from autopipe.core.atomic_files import atomic_write_text
-from autopipe.core.corrections import RUNTIMES
 from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
@@ -46,10 +46,11 @@ from autopipe.core.cost import (
     resolve_devices,
     stage_costs,
 )
+from autopipe.core.plan_checks import check_types
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, PlanError
-from executor.spec import DATA_PARALLEL_MODES, PRECISIONS, recomputed_microbatches
+from executor.spec import recomputed_microbatches
 
 __all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
 
@@ -124,6 +125,7 @@ class Plan:
     recompute_layers: list[str] = field(default_factory=list)  # [Note: recomputed layers]
     runtime: str | None = None  # whose measured costs it was planned with (None: unrecorded)
     precision: str = "fp32"  # its profile's, what its costs predict ([Note: mixed precision memory])
+    skipped_schedules: dict[str, str] = field(default_factory=dict)  # a search's, each with why
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -147,6 +149,7 @@ class Plan:
         dp_mode: str = "ddp",
         recompute_layers: Sequence[str] = (),
         runtime: str | None = None,
+        skipped_schedules: dict[str, str] | None = None,
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
@@ -158,6 +161,7 @@ class Plan:
         segment), in stages of mode ``never`` ([Note: recomputed layers] in
         autopipe/core/recomputed_layers.py). ``runtime``: whose measured costs to plan with
         (default: the profile's, [Note: one profile, two runtimes] in autopipe/core/corrections.py).
+        ``skipped_schedules``: what a search could not weigh, schedule -> why (plan.explain() says it).
         Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
@@ -192,7 +196,7 @@ class Plan:
             schedule=schedule, alternatives=list(alternatives), device_memory=sim.device_memory,
             data_parallel=data_parallel, dp_mode=dp_mode,
             recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
-            precision=costs.precision,
+            precision=costs.precision, skipped_schedules=dict(skipped_schedules or {}),
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -304,7 +308,7 @@ class Plan:
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
-                    "recompute_layers", "runtime", "precision")  # older plans lack them
+                    "recompute_layers", "runtime", "precision", "skipped_schedules")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
@@ -319,49 +323,10 @@ class Plan:
             kw["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
             kw["device_memory"] = dict(data.get("device_memory", {}))
             plan = cls(**kw)
-            _check_types(plan)
+            check_types(plan)
         except (TypeError, ValueError, AttributeError) as err:
             raise PlanError(f"{where} has a malformed field: {err}; re-run `autopipe partition ...`") from None
         return plan
-
-
-def _check_types(plan: Plan) -> None:
-    k = len(plan.stages)
-    if not (isinstance(plan.stages, list) and all(
-            isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in plan.stages)):
-        raise TypeError("'stages' must be a list of non-empty lists of layer names")
-    for name in ("devices", "stage_times", "stage_memory", "peak_memory", "breakdown"):
-        value = getattr(plan, name)
-        if not isinstance(value, list) or len(value) != k:
-            raise TypeError(f"{name!r} must be a list with one entry per stage ({k})")
-    numbers = [*plan.stage_times, *plan.stage_memory, *plan.peak_memory, plan.bottleneck,
-               plan.iteration_time, plan.lower_bound, plan.bubble_fraction]
-    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):
-        raise TypeError("times and memory must be numbers")
-    if not isinstance(plan.chunks, int) or plan.chunks < 1:
-        raise TypeError(f"'chunks' must be an integer >= 1, got {plan.chunks!r}")
-    for name in ("batch_size", "micro_batch_size"):
-        value = getattr(plan, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise TypeError(f"{name!r} must be an integer >= 1 or null, got {value!r}")
-    if not isinstance(plan.checkpoint, str | list):
-        raise TypeError(f"'checkpoint' must be a mode or a list of modes, got {plan.checkpoint!r}")
-    plan.cost_options.modes(k)
-    if not all(isinstance(v, int) for v in plan.device_memory.values()):
-        raise TypeError("'device_memory' must map device names to bytes")
-    if not isinstance(plan.data_parallel, int) or isinstance(plan.data_parallel, bool) or plan.data_parallel < 1:
-        raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
-    if plan.dp_mode not in DATA_PARALLEL_MODES:
-        raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
-    if plan.precision not in PRECISIONS:
-        raise TypeError(f"'precision' must be one of {list(PRECISIONS)}, got {plan.precision!r}")
-    if plan.runtime not in (None, *RUNTIMES):
-        raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
-    where = {n: s for s, names in enumerate(plan.stages) for n in names}
-    modes = plan.stage_checkpoints
-    if not isinstance(plan.recompute_layers, list) or not all(
-            isinstance(n, str) and modes[where.get(n, 0)] == "never" and n in where for n in plan.recompute_layers):
-        raise TypeError("'recompute_layers' must list layers of stages whose checkpoint is 'never'")
 
 
 def _one(checkpoint: str | Sequence[str]) -> str | list[str]:

@@ -44,7 +44,7 @@ def memory_forced(plan: Plan) -> list[tuple[int, int]]:
         if mode == "never" or dev.memory is None:
             continue
         never = stage_terms(plan.schedule, s, k, plan.chunks, 0, ranks)
-        need = b.param_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never))
+        need = b.param_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never, b.weight_held_bytes))
         share = dev.memory // (k // ranks) if ranks else dev.memory  # [Note: interleaved memory]
         if need > share:
             out.append((s, need))
@@ -142,9 +142,28 @@ def explain(plan: Plan) -> str:
                      f"(those that save most for their forward time): " + "; ".join(_recomputed_lines(plan)) + ".")
     if plan.solver.gap is not None:
         parts.append(f"Solver status {plan.solver.status}, gap {100 * plan.solver.gap:.2f}%.")
+    weighed = _schedules_weighed(plan)
+    if weighed:
+        parts.append(weighed)
     text = " ".join(parts)
     if plan.alternatives:
         text += "\n\nNext best alternatives searched:\n" + alternatives_table(plan)
+    return text
+
+
+def _schedules_weighed(plan: Plan) -> str:
+    """The schedules a search weighed, each at the best of its configurations it simulated (the
+    others were bounded no faster than the chosen plan: [Note: automatic search]), and those it
+    left out with why; "" for a plan of one given configuration."""
+    if not plan.alternatives and not plan.skipped_schedules:
+        return ""
+    best: dict[str, float] = {plan.schedule: plan.iteration_time}
+    for a in plan.alternatives:
+        best[a.schedule] = min(best.get(a.schedule, a.iteration_time), a.iteration_time)
+    text = "Schedules weighed (each at its best simulated; the rest bounded no faster): " + ", ".join(f"{name} {t:.3f} ms" for name, t in
+                                               sorted(best.items(), key=lambda x: x[1])) + "."
+    if plan.skipped_schedules:
+        text += " Not weighed: " + "; ".join(f"{name} ({why})" for name, why in plan.skipped_schedules.items()) + "."
     return text
 
 

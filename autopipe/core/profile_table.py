@@ -34,6 +34,14 @@ ONE micro-batch):
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
                    shared parameter's bytes on every member (or on one member and 0 elsewhere).
     kind, module_type   optional: free text ("call_module", "nn.Linear", ...)
+    bwd_input_ms, bwd_weight_ms, weight_grad_bytes   optional, all three or none: the backward
+                   split as torch.distributed.pipelining's zero-bubble schedules run it, into
+                   the gradients of the layer's inputs and of its weights (their sum is
+                   ``bwd_ms``: the profiler scales the measured pair to it and records the
+                   measured (I + W) / bwd as ``meta["bwd_split_ratio"]``), and the bytes the
+                   weight pass starts from, held from the first to the second ([Note: split
+                   backward time] in autopipe/core/cost.py). Without them the planner refuses
+                   the zero-bubble schedules in one line (profile again)
 
 ``edges`` lists ``(src_layer, dst_layer, bytes)`` for every tensor passed between layers (graph
 inputs are not layers and have no edges). ``meta`` records how the profile was measured: device,
@@ -70,7 +78,10 @@ from autopipe.core.atomic_files import atomic_write_text
 from autopipe.core.corrections import Corrections, is_legacy_key
 from autopipe.errors import ProfileError
 
-__all__ = ["Profile", "fingerprint_mismatch", "micro_batch_text"]
+__all__ = ["Profile", "SPLIT_COLUMNS", "fingerprint_mismatch", "micro_batch_text"]
+
+# A backward's input- and weight-gradient parts and what W starts from: optional, all or none.
+SPLIT_COLUMNS: tuple[str, ...] = ("bwd_input_ms", "bwd_weight_ms", "weight_grad_bytes")
 
 _RERUN = "re-run `autopipe profile ...`"
 _FROM_META = Corrections()  # not given: read from the flat meta keys of earlier releases
@@ -317,6 +328,18 @@ def _validate_frame(df: pd.DataFrame, where: str) -> pd.DataFrame:
                 f"{values[row]}; {_RERUN}"
             )
         df[col] = values.astype(float) if col.endswith("_ms") or col == "peak_bytes" else values.astype("int64")
+    present = [c for c in SPLIT_COLUMNS if c in df.columns]
+    if present and len(present) < len(SPLIT_COLUMNS):
+        missing = [c for c in SPLIT_COLUMNS if c not in df.columns]
+        raise ProfileError(f"{where} has {present} but not {missing}: the split backward takes all of "
+                           f"{list(SPLIT_COLUMNS)} or none; {_RERUN}")
+    for col in present:
+        values = pd.to_numeric(df[col], errors="coerce")
+        if values.isna().any() or (values < 0).any():
+            row = int((values.isna() | (values < 0)).to_numpy().argmax())
+            raise ProfileError(f"{where}: column {col!r} must hold numbers >= 0, layer {df['layer'][row]!r} "
+                               f"has {df[col][row]!r}; {_RERUN}")
+        df[col] = values.astype(float) if col.endswith("_ms") else values.astype("int64")
     for col in Profile.TEXT_OPTIONAL:
         if col not in df.columns:
             df[col] = ""

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from autopipe.core.profile_table import Profile
+from autopipe.core.profile_table import SPLIT_COLUMNS, Profile
 from autopipe.errors import ProfileError
 
 __all__ = ["SCALED_COLUMNS", "measured_sizes", "profile_at", "rows_for", "scaled"]
@@ -118,6 +118,14 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
     df["saved_shared_bytes"] = np.rint(share * df["saved_bytes"].to_numpy()).astype(np.int64)
     ratio = {name: (new / old if old else rows / base) for name, new, old in
              zip(profile.layers, df["output_bytes"], profile.df["output_bytes"], strict=True)}
+    if all(c in df.columns for c in SPLIT_COLUMNS):  # the same split of the new backward
+        parts = (profile.df["bwd_input_ms"] + profile.df["bwd_weight_ms"]).to_numpy(dtype=np.float64)
+        share = np.divide(profile.df["bwd_input_ms"].to_numpy(dtype=np.float64), parts,
+                          out=np.ones_like(parts), where=parts > 0)
+        df["bwd_input_ms"] = df["bwd_ms"].to_numpy(dtype=np.float64) * share
+        df["bwd_weight_ms"] = df["bwd_ms"].to_numpy(dtype=np.float64) - df["bwd_input_ms"]
+        df["weight_grad_bytes"] = np.rint(profile.df["weight_grad_bytes"].to_numpy(dtype=np.float64)
+                                          * np.array([ratio[n] for n in profile.layers])).astype(np.int64)
     edges = [(u, v, int(round(b * ratio[u]))) for u, v, b in profile.edges]
     meta["fingerprint"] = _fingerprint(profile, rows)
     return Profile(df, edges, meta, corrections)

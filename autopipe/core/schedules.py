@@ -10,10 +10,18 @@ them with torch's own, rank by rank):
                      forward until the forwards run out, then the remaining backwards
     interleaved1f1b  ScheduleInterleaved1F1B: V stages per rank (stage s on rank s % W);
                      warm-up forwards, 1F1B over the rank's stages in rounds, cool-down
+    interleaved_zb   ScheduleInterleavedZeroBubble (ZB1P): interleaved1f1b's layout and rounds,
+                     one warm-up forward less per hop, each backward split into I then W, rank r
+                     deferring its first r weight gradients to fill the cool-down
+    zbv              ScheduleZBVZeroBubble: two stages per rank in a V (rank r: r and 2W-1-r)
+    dualpipev        ScheduleDualPipeV: the same V; overlapped forward + full backward pairs in
+                     the steady state, split backwards at the ends
 
-An operation is ``(stage, kind, microbatch)`` with kind ``"F"`` or ``"B"``. ``executor.GPipe``
+The last three are in autopipe/core/zero_bubble.py ([Note: split backward]). An operation is
+``(stage, kind, microbatch)`` with kind ``"F"`` (forward), ``"B"`` (the whole backward), or,
+under the zero-bubble schedules, ``"I"`` and ``"W"`` (its input- and weight-gradient parts). ``executor.GPipe``
 (one process, torchgpipe's order) runs the same forwards but drains its backwards in reverse,
-B(M-1) .. B0; see [Note: stage memory] in autopipe/core/cost.py for what that changes.
+B(M-1) .. B0; see [Note: stage memory] in autopipe/core/stage_memory.py for what that changes.
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from executor.spec import SCHEDULES
+from autopipe.core import zero_bubble
+from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES, stage_rank
 
 __all__ = ["Op", "rank_order", "stage_order", "rank_layout"]
 
-Op = tuple[int, str, int]  # (stage, "F" or "B", micro-batch)
+Op = tuple[int, str, int]  # (stage, "F", "B", "I" or "W", micro-batch)
 
 
 def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[Op]:
@@ -49,13 +58,20 @@ def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[Op]
 
 
 def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
-    """Rank ``rank``'s operations; ``interleaved1f1b`` runs ``per_rank`` stages on each of
-    ``ranks`` ranks (stage s on rank s % ranks), the others one stage per rank."""
+    """Rank ``rank``'s operations; ``interleaved1f1b`` and ``interleaved_zb`` run ``per_rank``
+    stages on each of ``ranks`` ranks (stage s on rank s % ranks), ``zbv`` and ``dualpipev`` two
+    in a V ([Note: stage to rank] in executor/spec.py), the others one stage per rank."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-    if schedule != "interleaved1f1b":
-        return stage_order(schedule, rank, ranks, chunks)
-    return list(_interleaved(rank, ranks, per_rank, chunks))
+    if schedule == "interleaved1f1b":
+        return list(_interleaved(rank, ranks, per_rank, chunks))
+    if schedule == "interleaved_zb":
+        return list(zero_bubble.interleaved_zb(rank, ranks, per_rank, chunks))
+    if schedule == "zbv":
+        return list(zero_bubble.zbv(rank, ranks, chunks))
+    if schedule == "dualpipev":
+        return list(zero_bubble.dualpipev(rank, ranks, chunks))
+    return stage_order(schedule, rank, ranks, chunks)
 
 
 @lru_cache(maxsize=1024)
@@ -90,15 +106,23 @@ def _interleaved(rank: int, ranks: int, local: int, m: int) -> list[Op]:
     return ops
 
 
-def rank_layout(devices: Sequence[str]) -> tuple[int, list[int]]:
-    """Ranks and each stage's rank for ``interleaved1f1b``: the distinct device names are the
-    ranks, and stage s must run on rank s % ranks (as executor.distributed places them)."""
+def rank_layout(devices: Sequence[str], schedule: str = "interleaved1f1b") -> tuple[int, list[int]]:
+    """Ranks and each stage's rank under a schedule that runs several stages per rank: the
+    distinct device names, in order of first use, are the ranks, and stage s must run on
+    ``executor.spec.stage_rank`` (s % ranks, or the V of zbv / dualpipev), as the runtime
+    places them."""
     names = list(dict.fromkeys(devices))
     ranks = len(names)
-    if len(devices) % ranks or any(d != names[s % ranks] for s, d in enumerate(devices)):
+    v = schedule in V_SCHEDULES
+    if v and len(devices) != 2 * ranks:
+        raise ValueError(f"{schedule} runs exactly 2 stages per rank, but {len(devices)} stages' devices "
+                         f"name {ranks} ranks: {list(devices)}; give each rank's device to 2 stages")
+    rank_of = [stage_rank(schedule if schedule in MULTI_STAGE_SCHEDULES else "interleaved1f1b", s, ranks)
+               for s in range(len(devices))]
+    if len(devices) % ranks or any(d != names[r] for d, r in zip(devices, rank_of, strict=True)):
+        where = "stages r and 2W-1-r on rank r" if v else "stage s on rank s % ranks"
         raise ValueError(
-            f"interleaved1f1b runs stage s on rank s % ranks, but the stages' devices are "
-            f"{list(devices)}; list the {ranks} ranks' devices in turn, "
-            f"e.g. {[names[s % ranks] for s in range(len(devices))]}"
+            f"{schedule} runs {where}, but the stages' devices are "
+            f"{list(devices)}; list the {ranks} ranks' devices so, e.g. {[names[r] for r in rank_of]}"
         )
-    return ranks, [s % ranks for s in range(len(devices))]
+    return ranks, rank_of

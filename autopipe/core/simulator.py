@@ -6,10 +6,16 @@ orders] in autopipe/core/schedules.py, torch.distributed.pipelining's own orders
     gpipe            F0 F1 ... F(M-1)  B0 B1 ... B(M-1)             (ScheduleGPipe)
     1f1b             min(M, K-s) warm-up forwards, then one backward / one forward, then the rest
     interleaved1f1b  V stages per rank, stage s on rank s % W, torch's interleaved order
+    interleaved_zb   the same layout, ZB1P's order of forwards, input and weight gradients
+    zbv, dualpipev   two stages per rank in a V (rank r: r and 2W-1-r), torch's orders
 
 A forward of micro-batch m on stage s waits for stage s-1's forward of m and its transfer; a
-backward waits for stage s+1's backward of m and the gradient's transfer. A checkpointed
-micro-batch (see [Note: stage memory] in autopipe.core.cost) is recomputed right before its
+backward (or, split, its input-gradient part I: [Note: split backward] in
+autopipe/core/zero_bubble.py) waits for stage s+1's backward or I of m and the gradient's
+transfer; a weight-gradient part W for its own stage's I of m. Two consecutive stages on one
+rank (the V's bottom) pass values without a message, as torch's runtime does, so nothing
+crosses there. A checkpointed
+micro-batch (see [Note: stage memory] in autopipe.core.stage_memory) is recomputed right before its
 backward, once the gradient has arrived. After a forward the stage sends its output activations,
 after a backward its input gradients; sends occupy the sender, and receiving occupies the
 receiver for its share of the bytes right before the forward or backward that reads them
@@ -18,13 +24,14 @@ receiver for its share of the bytes right before the forward or backward that re
 Replicas ([Note: pipeline x data parallel] in autopipe/core/data_parallel.py): a stage with a
 ``param_gather_ms`` all-gathers its parameters right before its first forward, on its device;
 its ``grad_sync_ms`` collective (all-reduce, or reduce-scatter after a gather) starts when its
-last backward's compute ends, on the device's communication stream (one collective at a time
+last backward's compute ends (its last W under the zero-bubble schedules: [Note: weight
+gradients and the all-reduce] in autopipe/core/data_parallel.py), on the device's communication stream (one collective at a time
 per device), while the device computes on. The iteration ends with the last event of any kind;
 collectives are not busy time in the bubble.
 
 Memory: a stage holds its parameter state throughout, and its activations as the cost model's
 walk over the operations its device ran, in the order it ran them (``cost.activation_peak``), so
-the peaks are the cost model's, exactly. ``device_memory`` is each device's peak with all of its
+the peaks are the cost model's, exactly ([Note: stage memory] in autopipe/core/stage_memory.py). ``device_memory`` is each device's peak with all of its
 stages together (an interleaved rank's stages, or stages sharing one device).
 
 The events are executor.spec.TimelineEvent, the value the executor measures, so a predicted and a
@@ -34,7 +41,7 @@ measured timeline can be drawn on one plot.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from autopipe.core.cost import (
@@ -44,14 +51,17 @@ from autopipe.core.cost import (
     crossing_ms,
     receive_ms,
     recompute_ms,
+    split_backward_ms,
     stage_costs,
 )
 from autopipe.core.data_parallel import sync_phase
 from autopipe.core.schedules import Op, rank_layout, rank_order, stage_order
-from autopipe.errors import PlanError
+from autopipe.errors import PartitionError, PlanError
 from executor.spec import (
     DATA_PARALLEL_PHASES,
+    MULTI_STAGE_SCHEDULES,
     SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     TimelineEvent,
     check_stage_checkpoints,
     is_recomputed,
@@ -103,12 +113,24 @@ def _clock(op: Op, k: int, m: int) -> tuple[int, int]:
     return (i + s, s) if kind == "F" else (i + (k - 1 - s) - 2 * (k + m), -s)
 
 
+def _split(stage: StageCost, schedule: str) -> tuple[float, float]:
+    """The I and W operations' durations of a split backward ([Note: split backward time] in
+    autopipe/core/cost.py); PlanError when the stage's profile had no split."""
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        return 0.0, 0.0
+    if stage.bwd_input_ms is None:
+        raise PlanError(f"profile again: schedule={schedule!r} splits each backward into input and weight "
+                        "gradients and these stage costs have no split (bwd_input_ms); simulate(plan, profile, "
+                        "schedule=...) with a profile that has it, or another schedule")
+    return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms)
+
+
 def _queues(schedule: str, names: list[str], m: int) -> tuple[list[list[Op]], list[int], list[int]]:
     """The operation queues, the device (resource) each runs on, and each stage's device."""
     k = len(names)
-    if schedule == "interleaved1f1b":
+    if schedule in MULTI_STAGE_SCHEDULES:
         try:
-            w, rank_of = rank_layout(names)
+            w, rank_of = rank_layout(names, schedule)
         except ValueError as err:
             raise PlanError(str(err)) from None
         return [rank_order(schedule, r, w, m, k // w) for r in range(w)], list(range(w)), rank_of
@@ -129,8 +151,8 @@ def simulate_stages(
 
     ``checkpoint`` is one mode or one per stage. ``devices`` names each stage's device; stages
     with the same name share it and never run at the same time (see [Note: shared devices]);
-    under ``interleaved1f1b`` the names are the ranks, taken in turn. Default: every stage on
-    its own device.
+    under a schedule of several stages per rank the names are the ranks, as
+    ``executor.spec.stage_rank`` places the stages. Default: every stage on its own device.
     """
     if schedule not in SIMULATED_SCHEDULES:
         raise PlanError(f"schedule={schedule!r} is not simulated; choose one of {list(SIMULATED_SCHEDULES)}")
@@ -144,6 +166,9 @@ def simulate_stages(
         raise PlanError(str(err)) from None
     queues, resource, device_of = _queues(schedule, names, m)
     n_res = max(resource) + 1
+    # a cut between two stages of one rank carries no message ([Note: stage to rank])
+    local = [schedule in MULTI_STAGE_SCHEDULES and device_of[s] == device_of[s + 1] for s in range(k - 1)]
+    parts = [_split(st, schedule) for st in stages]
     ready: dict[tuple[str, int, int], float] = {("F", 0, i): 0.0 for i in range(m)}
     pos, free = [0] * len(queues), [0.0] * n_res
     comm_free = [0.0] * n_res  # each device's collectives, one at a time
@@ -161,7 +186,7 @@ def simulate_stages(
         s, kind, i = op
         st = stages[s]
         if kind == "F":
-            if s > 0:  # the receiving end of the crossing ([Note: transfer cost])
+            if s > 0 and not local[s - 1]:  # the receiving end of the crossing ([Note: transfer cost])
                 start = emit(s, i, "transfer", start, receive_ms(st.input_bytes, ms_per_byte, st.receive_share))
             if forwards[s] == 0 and st.param_gather_ms > 0:  # fsdp: gathered once, not prefetched
                 start = comm_free[resource[q]] = emit(s, i, "allgather", start, st.param_gather_ms)
@@ -169,32 +194,48 @@ def simulate_stages(
             end = emit(s, i, "forward", start, st.fwd_ms + st.call_fwd_ms)
             if s == k - 1:
                 ready["B", s, i] = end
+            elif local[s]:
+                ready["F", s + 1, i] = end
             else:
                 end = ready["F", s + 1, i] = emit(
                     s, i, "transfer", end, crossing_ms(st.output_bytes, ms_per_byte, st.latency_ms))
-        else:
-            if s < k - 1:
+        elif kind == "W":
+            end = emit(s, i, "weight", start, parts[s][1])
+            end = synced(s, q, i, end)
+        else:  # a whole backward "B", or its input-gradient part "I"
+            if s < k - 1 and not local[s]:
                 start = emit(s, i, "transfer", start, receive_ms(st.output_bytes, ms_per_byte, st.receive_share))
             if is_recomputed(i, m, rec[s]):
                 start = emit(s, i, "recompute", start, recompute_ms(st.fwd_ms, 1, 1, st.recompute_ratio,
                                                                    st.recompute_call_ms))
-            end = emit(s, i, "backward", start, st.bwd_ms + st.call_bwd_ms)
-            backwards[s] += 1
-            if backwards[s] == m and st.grad_sync_ms > 0:  # after the last backward's compute
-                at = max(end, comm_free[resource[q]])
-                comm_free[resource[q]] = emit(s, i, sync_phase(st.param_gather_ms), at, st.grad_sync_ms)
-            if s > 0:
+            end = emit(s, i, "backward", start, parts[s][0] if kind == "I" else st.bwd_ms + st.call_bwd_ms)
+            if kind == "I":
+                ready["W", s, i] = end
+            else:
+                end = synced(s, q, i, end)
+            if s > 0 and local[s - 1]:
+                ready["B", s - 1, i] = end
+            elif s > 0:
                 end = ready["B", s - 1, i] = emit(
                     s, i, "transfer", end, crossing_ms(st.input_bytes, ms_per_byte, st.latency_ms))
         free[resource[q]] = end
         ran[resource[q]].append(op)
         pos[q] += 1
 
+    def synced(s: int, q: int, i: int, end: float) -> float:
+        """After a stage's last gradient (its last B or W), its collective on the comm stream."""
+        backwards[s] += 1
+        st = stages[s]
+        if backwards[s] == m and st.grad_sync_ms > 0:  # after the last backward's compute
+            at = max(end, comm_free[resource[q]])
+            comm_free[resource[q]] = emit(s, i, sync_phase(st.param_gather_ms), at, st.grad_sync_ms)
+        return end
+
     def start_of(q: int) -> float | None:
         if pos[q] >= len(queues[q]):
             return None
         s, kind, i = queues[q][pos[q]]
-        when = ready.get((kind, s, i))
+        when = ready.get(("B" if kind == "I" else kind, s, i))
         return None if when is None else max(free[resource[q]], when)
 
     if len(set(resource)) == len(resource):  # one queue per device: each runs its own order
@@ -224,14 +265,15 @@ def simulate_stages(
     recomputed = dict(enumerate(rec))
     inputs = {s: float(st.input_bytes) for s, st in enumerate(stages)}
     saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}
+    held = {s: float(st.weight_held_bytes) for s, st in enumerate(stages)}
     peaks = [st.param_bytes + int(activation_peak([op for op in ran[device_of[s]] if op[0] == s],
-                                                  recomputed, inputs, saved))
+                                                  recomputed, inputs, saved, held))
              for s, st in enumerate(stages)]
     device_memory: dict[str, int] = {}
     for r, ops in enumerate(ran):
         owners = [s for s in range(k) if device_of[s] == r]
         device_memory[names[owners[0]]] = (sum(stages[s].param_bytes for s in owners)
-                                           + int(activation_peak(ops, recomputed, inputs, saved)))
+                                           + int(activation_peak(ops, recomputed, inputs, saved, held)))
     bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))
     return SimulationResult(schedule, timeline, total, bubble, peaks, device_memory)
@@ -240,9 +282,11 @@ def simulate_stages(
 def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = None) -> SimulationResult:
     """Predict ``plan``'s training iteration under ``schedule`` (default: the plan's own).
 
-    With a ``profile`` the stage costs are recomputed from it (after checking the plan matches
-    it, and scaled to the plan's micro-batch when the plan records another one: [Note:
-    micro-batch scaling]); without one the plan's own per-stage breakdown is used.
+    With a ``profile`` the stage costs are recomputed from it under ``schedule`` (after checking
+    the plan matches it, and scaled to the plan's micro-batch when the plan records another one:
+    [Note: micro-batch scaling]), so a plan of another schedule can be simulated under a
+    zero-bubble one from a profile with the split; without one the plan's own per-stage
+    breakdown is used.
     """
     schedule = plan.schedule if schedule is None else schedule
     options = plan.cost_options
@@ -251,8 +295,13 @@ def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = 
     else:
         profile = plan.profile_for(profile)
         where = {name: s for s, names in enumerate(plan.stages) for name in names}
-        stages = stage_costs(LayerCosts.from_profile(profile), [where[n] for n in profile.layers],
-                             plan.devices, options)
+        if schedule in SIMULATED_SCHEDULES:
+            options = replace(options, schedule=schedule)
+        try:
+            stages = stage_costs(LayerCosts.from_profile(profile), [where[n] for n in profile.layers],
+                                 plan.devices, options)
+        except PartitionError as err:
+            raise PlanError(str(err)) from None
     return simulate_stages(stages, chunks=plan.chunks, checkpoint=plan.checkpoint,
                            ms_per_byte=options.ms_per_byte, schedule=schedule,
                            devices=[d.name for d in plan.devices])

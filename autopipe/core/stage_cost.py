@@ -35,6 +35,10 @@ class StageCost:
     # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
     grad_sync_ms: float = 0.0  # after the stage's last backward
     param_gather_ms: float = 0.0  # before its first forward (fsdp)
+    # a split backward ([Note: split backward time] in cost.py): the input-gradient part of
+    # bwd_ms (None: the profile has no split), and what a micro-batch holds from I to W
+    bwd_input_ms: float | None = None
+    weight_held_bytes: int = 0
 
     @property
     def time_ms(self) -> float:

@@ -26,7 +26,7 @@ from autopipe.plot.style import (
     new_figure,
     stage_label,
 )
-from executor.spec import DATA_PARALLEL_PHASES, PHASES
+from executor.spec import PHASES
 
 __all__ = ["plot_balance", "compare_plans"]
 
@@ -48,7 +48,7 @@ def plot_balance(plan: Plan, *, title: str | None = None) -> Figure:
     fig = new_figure(max(8.0, 3.0 + 1.2 * k), 4.2)
     ax_t, ax_m = fig.subplots(1, 2)
     bottom = np.zeros(k)
-    for phase in (p for p in PHASES if p not in DATA_PARALLEL_PHASES):  # per micro-batch only
+    for phase in (p for p in PHASES if p in _BREAKDOWN):  # per micro-batch only; bwd_ms has the weights
         values = np.array([getattr(b, _BREAKDOWN[phase]) for b in plan.breakdown])
         ax_t.bar(x, values, 0.7, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
         bottom += values

@@ -28,6 +28,7 @@ __all__ = [
 PHASE_COLORS: dict[str, str] = {
     "forward": "#4C72B0",
     "backward": "#DD8452",
+    "weight": "#C9A227",  # a split backward's weight gradients ([Note: split backward])
     "recompute": "#8172B3",
     "transfer": "#937860",
     "allgather": "#55A868",  # the data-parallel collectives ([Note: pipeline x data parallel])

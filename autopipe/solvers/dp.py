@@ -32,12 +32,13 @@ from autopipe.core.cost import (
     stage_terms,
     stage_time,
     state_bytes,
+    weight_held_bytes,
 )
 from autopipe.core.layer_costs import FloatArray
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.stage_dp import solve_split
-from executor.spec import recomputed_microbatches
+from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, recomputed_microbatches
 
 __all__ = ["DPResult", "solve_dp", "RangeCosts"]
 
@@ -55,7 +56,7 @@ def first_stage_terms(options: CostOptions, k: int, mode: str | None = None) -> 
     """Memory terms of stage 0 of ``k`` (the most a stage holds under 1F1B) in ``mode`` (default:
     the options' first stage's)."""
     mode = options.modes(k)[0] if mode is None else mode
-    ranks = k if options.schedule == "interleaved1f1b" else None
+    ranks = (k // 2 if options.schedule in V_SCHEDULES else k) if options.schedule in MULTI_STAGE_SCHEDULES else None
     return stage_terms(options.schedule, 0, k, options.chunks,
                        recomputed_microbatches(mode, options.chunks), ranks)
 
@@ -85,6 +86,8 @@ class RangeCosts:
         self.params = np.concatenate([zero, np.cumsum(costs.params.astype(np.float64))])
         self.buffers = np.concatenate([zero, np.cumsum(costs.buffers.astype(np.float64))])
         self.saved = np.concatenate([zero, np.cumsum(costs.saved.astype(np.float64))])
+        grads = np.zeros(n) if costs.weight_grad is None else costs.weight_grad.astype(np.float64)
+        self.weight_grad = np.concatenate([zero, np.cumsum(grads)])  # as the first stage holds it
         self.rec_n, self.m = rec_n, m
         self.precision = costs.precision  # [Note: mixed precision memory]
         self.ties = costs.tie_groups
@@ -121,9 +124,11 @@ class RangeCosts:
             last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
         saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
+        held = weight_held_bytes(self.weight_grad[None, j0:j1] - self.weight_grad[:, None],
+                                 self.cut[None, j0:j1], True, False) if any(c for _, _, c in self.terms) else 0
         out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
                            + cast_cache_bytes(params, self.precision, self.rec_n)
-                           + activation_bytes(self.cut[:, None], saved, self.terms))
+                           + activation_bytes(self.cut[:, None], saved, self.terms, held))
         return out
 
 

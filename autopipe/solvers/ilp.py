@@ -43,9 +43,11 @@ from autopipe.core.cost import (
     stage_fixed_ms,
     stage_time,
     state_bytes,
+    weight_held_bytes,
 )
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
+from executor.spec import ZERO_BUBBLE_SCHEDULES
 
 __all__ = ["GAP", "ILPResult", "solve_ilp"]
 
@@ -150,6 +152,7 @@ def _solve(
         return pulp.lpSum(int(per_value[u]) * z[u, s] for u in senders if per_value[u])
 
     call = costs.call_ms(options.schedule)
+    grads = costs.weight_grad if options.schedule in ZERO_BUBBLE_SCHEDULES else None
     lower = max(lower_bound(work_array, [d.speed for d in devices], call), known_bound or 0.0)
     prob += t >= lower
 
@@ -171,9 +174,12 @@ def _solve(
             state = state_bytes(params, total(costs.buffers, s), options.optimizer,
                                 options.data_parallel, options.dp_mode) + cast_cache_bytes(
                 params, costs.precision, recomputed[s])  # [Note: mixed precision memory]
+            held = 0 if grads is None else weight_held_bytes(  # [Note: split backward time] in cost.py
+                total(grads, s), crossing(s), s == 0, s == k - 1)
             for term in terms[s]:  # the peak is the largest term: each must fit
                 prob += state + activation_bytes(
-                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved), (term,)) <= dev.memory
+                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved), (term,),
+                    held) <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from autopipe.core.cost import LayerCosts, StageCost, schedule_ranks, stage_costs
+from autopipe.core.cost import LayerCosts, StageCost, Terms, schedule_ranks, stage_costs
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.recomputed_layers import choose
@@ -26,12 +26,13 @@ from autopipe.solvers.stage_dp import budget_devices
 __all__ = ["recompute_layers_where_faster"]
 
 
-def _saved_to_fit(stage: StageCost, terms: tuple[tuple[int, int], ...], limit: int) -> float:
+def _saved_to_fit(stage: StageCost, terms: Terms, limit: int) -> float:
     """The largest ``saved_bytes`` with which ``stage``'s state and activations fit ``limit``
     (-inf where even none fit)."""
     room = limit - stage.param_bytes  # what its state leaves for activations
-    bounds = [(room - a * stage.input_bytes) / b for a, b in terms if b > 0]
-    if any(room - a * stage.input_bytes < 0 for a, b in terms if b == 0):
+    fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes for a, _, c in terms]
+    bounds = [left / b for left, (_, b, _) in zip(fixed, terms, strict=True) if b > 0]
+    if any(left < 0 for left, (_, b, _) in zip(fixed, terms, strict=True) if b == 0):
         return -np.inf
     return min(bounds, default=np.inf)
 
@@ -59,7 +60,7 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
         fit = _saved_to_fit(never[s], terms[s], limit)
         if fit == -np.inf:
             continue
-        need, held = never[s].saved_bytes - fit, max(b for _, b in terms[s])
+        need, held = never[s].saved_bytes - fit, max(b for _, b, _ in terms[s])
         mine = [i for i, st in enumerate(assignment) if st == s]
         for _ in range(4):  # a segment's recompute lives again at the peak: ask for that much more
             names = [costs.names[i] for i in choose(costs, mine, need)]

@@ -26,6 +26,7 @@ from autopipe.core.cost import (
     CostOptions,
     DeviceSpec,
     LayerCosts,
+    check_split,
     layer_work,
     resolve_devices,
     schedule_ranks,
@@ -46,15 +47,16 @@ from autopipe.solvers.dag_bound import dag_bound, forced_order
 from autopipe.solvers.data_parallel_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import GAP, solve_ilp
-from autopipe.solvers.search import (
-    ILP_MAX_VARIABLES,
-    INTERLEAVED_PER_RANK,
-    Setting,
-    chunk_candidates,
-    search,
-)
+from autopipe.solvers.search import ILP_MAX_VARIABLES, search
+from autopipe.solvers.search_space import Setting, chunk_candidates, stages_per_rank
 from autopipe.solvers.stage_dp import budget_devices
-from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
+from executor.spec import (
+    CHECKPOINT_MODES,
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    check_schedule,
+    stage_rank,
+)
 
 __all__ = ["METHODS", "partition", "is_chain"]
 
@@ -97,12 +99,16 @@ def partition(
     relative speed, plus transfers at its cuts; see autopipe.core.cost) subject to each device's
     memory (``DeviceSpec.memory`` or ``memory_limit``, e.g. ``"16GiB"``), for the given
     ``chunks``, ``checkpoint`` (one mode, or a list with one per stage) and ``schedule``
-    (``gpipe``, ``1f1b``, ``interleaved1f1b``: stage s on device s % ranks).
+    (``gpipe``, ``1f1b``, ``interleaved1f1b`` and ``interleaved_zb``: stage s on device s %
+    ranks, ``zbv`` and ``dualpipev``: two stages per rank in a V, rank r running stages r and
+    2W-1-r; the last three split each backward into input and weight gradients, which needs a
+    profile that measured the split: [Note: zero-bubble schedules] in executor/spec.py).
 
     Any of ``stages``, ``chunks``, ``checkpoint``, ``schedule`` may be ``"auto"``: the plan is
     then the configuration with the shortest SIMULATED iteration that fits memory ([Note:
     automatic search] in autopipe/solvers/search.py): ``stages="auto"`` tries 1 .. len(devices)
-    devices (``devices`` required; ``interleaved1f1b`` runs two stages on each), ``chunks="auto"``
+    devices (``devices`` required; the multi-stage schedules run two stages on each),
+    ``chunks="auto"``
     the divisors of ``batch_size`` (default: the profile's) up to ``max_chunks``, with the
     profile scaled to each micro-batch ([Note: micro-batch scaling]), ``checkpoint="auto"`` a
     mode per stage, ``schedule="auto"`` each schedule. ``plan.explain()`` then lists the next
@@ -124,7 +130,8 @@ def partition(
     profiled micro-batch's, so that is the pipeline it fits. Given ``stages`` and no ``devices``,
     each stage gets its own device of the kind the profile was measured on (``cpu:0``,
     ``cpu:1``, ...; ``stage0``, ... when the profile does not say), or under
-    ``interleaved1f1b`` every two stages share one (``cpu:0, cpu:1, cpu:0, cpu:1``). ``progress``: the search's
+    a multi-stage schedule every two stages share one (``cpu:0, cpu:1, cpu:0, cpu:1``; in a V
+    ``cpu:0, cpu:1, cpu:1, cpu:0``). ``progress``: the search's
     and the ILP's progress on stderr; None (default) shows it when stderr is a terminal, True
     always, False never. ``devices=N``: N devices of the profiled kind. ``data_parallel=D``
     runs D replicas of a pipeline on N / D devices each, every replica on ``batch_size / D``
@@ -194,8 +201,8 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
                              f"with D x {stages} = the number of devices")
     batch = global_batch(profile, args["batch_size"], data_parallel)
     counts = replica_counts(data_parallel, None if pool is None else len(pool), batch, args["chunks"])
-    interleaved = args["schedule"] == "interleaved1f1b"
-    ranks = stages // INTERLEAVED_PER_RANK if interleaved and isinstance(stages, int) else stages
+    per_rank = stages_per_rank(args["schedule"]) if args["schedule"] != "auto" else 1
+    ranks = stages // per_rank if isinstance(stages, int) else stages
     if isinstance(ranks, int) and pool is not None and ranks > len(pool) // counts[0]:
         raise PartitionError(f"stages={stages} with data_parallel={counts[0]} needs "
                              f"{counts[0] * ranks} devices, got {len(pool)}; give more devices or "
@@ -227,13 +234,14 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
     kind = profile.meta.get("device_type")
     searching = "auto" in (stages, chunks, checkpoint, schedule)
     if devices is None and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
-        if schedule == "interleaved1f1b" and not searching:  # two stages a rank, as the runtime
-            if stages % INTERLEAVED_PER_RANK:
-                raise PartitionError(f"schedule='interleaved1f1b' runs {INTERLEAVED_PER_RANK} stages on "
+        if schedule in MULTI_STAGE_SCHEDULES and not searching:  # two stages a rank, as the runtime
+            per_rank = stages_per_rank(schedule)
+            if stages % per_rank:
+                raise PartitionError(f"schedule={schedule!r} runs {per_rank} stages on "
                                      f"each rank: give an even stages (not {stages}) or "
-                                     f"devices=[...] with the ranks' devices in turn")
-            ranks = stages // INTERLEAVED_PER_RANK
-            devices = [f"{kind or 'rank'}:{s % ranks}" for s in range(stages)]
+                                     f"devices=[...] with the ranks' devices as it places them")
+            ranks = stages // per_rank
+            devices = [f"{kind or 'rank'}:{stage_rank(schedule, s, ranks)}" for s in range(stages)]
         elif kind:
             devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
     if searching:
@@ -286,9 +294,11 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
                                  "devices=[...] (--devices N or names) to say how many there are")
         devices = [f"stage{s}" for s in range(int(stages or 0))] if stages else None
     pool = resolve_devices(None, devices, memory_limit)
-    if schedule == "interleaved1f1b" and len({d.name for d in pool}) < len(pool):
-        raise PartitionError("a search takes devices as the pool to choose ranks from, each "
-                             "listed once; interleaved1f1b then runs two stages on each")
+    if schedule != "auto":  # "auto" leaves out what it cannot plan, and explain() says why
+        check_split(LayerCosts.from_profile(profile), schedule)
+    if schedule in MULTI_STAGE_SCHEDULES and len({d.name for d in pool}) < len(pool):
+        raise PartitionError(f"a search takes devices as the pool to choose ranks from, each "
+                             f"listed once; {schedule} then runs two stages on each")
     if isinstance(stages, int) and stages > len(pool):
         raise PartitionError(f"stages={stages} but only {len(pool)} devices given; use stages <= "
                              f"{len(pool)} or 'auto'")
@@ -317,6 +327,7 @@ def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | 
     options = CostOptions(chunks, checkpoint if isinstance(checkpoint, str) else tuple(checkpoint),
                           optimizer, bandwidth, ties, schedule, data_parallel, dp_mode)
     costs = LayerCosts.from_profile(profile)
+    check_split(costs, schedule)  # zero-bubble: "profile again" for a profile without the split
     n, k = len(costs), len(specs)
     check_stage_count(n, k)
     modes = options.modes(k)

@@ -7,19 +7,24 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
 
     ranks W      devices used: 1 .. len(devices) for stages="auto" (the W fastest, then
                  roomiest, in the given order); ``gpipe`` / ``1f1b`` run W stages, one per
-                 rank, ``interleaved1f1b`` runs INTERLEAVED_PER_RANK stages on each (W >= 2);
-                 a fixed stages=K is K stages under every schedule (K / 2 ranks interleaved)
+                 rank, the multi-stage schedules (``interleaved1f1b``, ``interleaved_zb``, the V
+                 of ``zbv`` and ``dualpipev``) INTERLEAVED_PER_RANK stages on each (W >= 2)
+                 as executor.spec.stage_rank places them (autopipe/solvers/search_space.py);
+                 a fixed stages=K is K stages under every schedule (K / 2 ranks multi-stage)
     chunks M     micro-batches per mini-batch: the divisors of batch_size up to max_chunks for
                  chunks="auto" (equal micro-batches, which every runtime accepts), with the
                  profile scaled to ceil(B / M) rows ([Note: micro-batch scaling])
-    schedule     gpipe, 1f1b, interleaved1f1b; only counts the runtime accepts
-                 (executor.spec.check_schedule)
+    schedule     all six of executor.spec.SCHEDULES for schedule="auto"; only counts the
+                 runtime accepts (executor.spec.check_schedule); the zero-bubble ones only for
+                 a profile with a split backward, each left out with its reason otherwise
+                 (``plan.skipped_schedules``, said by plan.explain())
     checkpoint   per stage: the per-stage DP ([Note: per-stage mode DP]) with every mode
                  allowed, AND each single mode for all stages, so the result is never slower
                  (simulated) than any single-mode plan it searched
 
 Each configuration's split is the exact min-max DP over the topological order; the simulator
-then times it. A lower bound on the iteration of every configuration, from totals only
+then times it; plan.explain() lists the next best configurations and the best of every
+schedule weighed. A lower bound on the iteration of every configuration, from totals only
 (``config_bound``), orders the work and prunes: configurations are solved from the most
 promising on, and the search stops when the next bound is no better than the best simulated
 time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
@@ -35,7 +40,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tqdm import tqdm
@@ -52,32 +56,23 @@ from autopipe.solvers.dag_bound import dag_bound, forced_order
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import GAP, solve_ilp
 from autopipe.solvers.layer_recompute import recompute_layers_where_faster
+from autopipe.solvers.search_space import (
+    INTERLEAVED_PER_RANK,
+    Setting,
+    chunk_candidates,
+    plan_devices,
+    stages_per_rank,
+    unplannable,
+)
+from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
 from executor.spec import CHECKPOINT_MODES, check_schedule
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
-INTERLEAVED_PER_RANK = 2  # stages per rank under interleaved1f1b (the runtime's default)
 ILP_MAX_VARIABLES = 1500  # layers x (stages - 1) the search's ILP may have
 ILP_SECONDS = 2.0  # the search's ILP budget unless time_limit is given
 ALTERNATIVES = 5
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What the search may choose from (each list has one entry when fixed)."""
-
-    ranks: list[int]  # devices used (one stage each, or INTERLEAVED_PER_RANK under interleaved)
-    chunks: list[int]
-    schedules: list[str]
-    checkpoints: list[str | tuple[str, ...]]  # "auto" (per stage), a mode, or one per stage
-    batch_size: int | None
-    optimizer: str = "adam"
-    bandwidth: float | None = 10e9
-    ties: str = "share"
-    stages: int | None = None  # a fixed stage count: interleaved then uses stages / 2 ranks
-    data_parallel: int = 1  # replicas, each on its own pool ([Note: pipeline x data parallel])
-    dp_mode: str = "ddp"
 
 
 @dataclass(frozen=True)
@@ -97,27 +92,6 @@ class _Result:
     memory: int  # the highest device peak
 
 
-def chunk_candidates(batch_size: int, max_chunks: int) -> list[int]:
-    """Micro-batch counts that cut ``batch_size`` rows into equal micro-batches, at most
-    ``max_chunks`` of them."""
-    return [m for m in range(1, min(batch_size, max_chunks) + 1) if batch_size % m == 0]
-
-
-def _pick(pool: Sequence[DeviceSpec], w: int) -> list[DeviceSpec]:
-    """The ``w`` fastest devices (then roomiest), in the pool's order."""
-    if w == len(pool):
-        return list(pool)
-    rank = sorted(range(len(pool)), key=lambda i: (-pool[i].speed, -(pool[i].memory or math.inf), i))
-    keep = set(rank[:w])
-    return [d for i, d in enumerate(pool) if i in keep]
-
-
-def _plan_devices(schedule: str, ranks: list[DeviceSpec]) -> list[DeviceSpec]:
-    if schedule != "interleaved1f1b":
-        return ranks
-    return [ranks[s % len(ranks)] for s in range(INTERLEAVED_PER_RANK * len(ranks))]
-
-
 class _Search:
     def __init__(self, profile: Profile, pool: list[DeviceSpec], setting: Setting,
                  progress: bool | None) -> None:
@@ -129,6 +103,7 @@ class _Search:
         self.results: list[_Result] = []
         self.floor: dict[_Config, float] = {}  # M x the per-stage DP's bottleneck
         self.solved = 0
+        self.skipped = unplannable(setting.schedules, LayerCosts.from_profile(profile))  # and why
 
     def at(self, m: int) -> tuple[Profile, LayerCosts]:
         """The profile (and its costs) at the micro-batch of M micro-batches."""
@@ -149,13 +124,16 @@ class _Search:
         out = []
         distinct = len({d.name for d in self.pool}) == len(self.pool)
         for schedule in self.setting.schedules:
+            if schedule in self.skipped:
+                continue
+            per_rank = stages_per_rank(schedule)
             ranks = self.setting.ranks
-            if schedule == "interleaved1f1b" and self.setting.stages is not None:
+            if per_rank > 1 and self.setting.stages is not None:
                 fixed = self.setting.stages
-                ranks = [fixed // INTERLEAVED_PER_RANK] if fixed % INTERLEAVED_PER_RANK == 0 else []
+                ranks = [fixed // per_rank] if fixed % per_rank == 0 else []
             for w in ranks:
-                k = w * (INTERLEAVED_PER_RANK if schedule == "interleaved1f1b" else 1)
-                if k > self.n or (schedule == "interleaved1f1b" and (w < 2 or not distinct)):
+                k = w * per_rank
+                if k > self.n or (per_rank > 1 and (w < 2 or not distinct)):
                     continue
                 speeds = [d.speed for d in _pick(self.pool, w)]
                 for m in self.setting.chunks:
@@ -239,7 +217,7 @@ class _Search:
             self.found(c, cp, splits.get(c.ranks))
 
     def solve_one(self, c: _Config, cp: str | tuple[str, ...]) -> None:
-        devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
+        devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
         if not isinstance(cp, str) and len(cp) != len(devices):
             return  # a per-stage list fixes the stage count
         if not self._live(c, cp):
@@ -267,7 +245,7 @@ class _Search:
             if schedule in shown or not configs:
                 continue
             c = configs[0]  # the lowest bound
-            devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
+            devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
             if not isinstance(first, str) and len(first) != len(devices):
                 continue
             split = solve_split(self.at(c.chunks)[1], budget_devices(devices, c.schedule),
@@ -279,7 +257,7 @@ class _Search:
 
     def evaluate(self, c: _Config, cp: str | tuple[str, ...], split: Split, always: bool = False) -> None:
         costs = self.at(c.chunks)[1]
-        devices = _plan_devices(c.schedule, _pick(self.pool, c.ranks))
+        devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
         opts = replace(self.options(c.schedule, c.chunks, cp), checkpoint=tuple(split.modes))
         stages = stage_costs(costs, split.assignment, devices, opts)
         bound = split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks)
@@ -291,14 +269,14 @@ class _Search:
 
     def infeasible(self) -> PartitionError:
         """No configuration fits: the one-line memory error of the roomiest one searched."""
-        c = max(self.configs(), key=lambda x: (x.schedule != "interleaved1f1b", x.ranks, x.chunks),
+        c = max(self.configs(), key=lambda x: (stages_per_rank(x.schedule) == 1, x.ranks, x.chunks),
                 default=None)
         if c is None:
             return PartitionError(
                 f"no configuration to search: {self.n} layers, stages {self.setting.ranks}, chunks "
                 f"{self.setting.chunks}, schedules {self.setting.schedules} (each schedule's "
                 f"stage and micro-batch rules: executor.spec.check_schedule); widen the choices")
-        devices = budget_devices(_plan_devices(c.schedule, _pick(self.pool, c.ranks)), c.schedule)
+        devices = budget_devices(plan_devices(c.schedule, _pick(self.pool, c.ranks)), c.schedule)
         try:
             solve_dp(self.at(c.chunks)[1], devices, self.options(c.schedule, c.chunks, "always"))
         except PartitionError as err:
@@ -321,12 +299,12 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     best = ranked[0]
     c = best.config
     prof, costs = s.at(c.chunks)
-    devices = _plan_devices(c.schedule, _pick(pool, c.ranks))
+    devices = plan_devices(c.schedule, _pick(pool, c.ranks))
     assignment, name, info = best.split.assignment, "exact", None
     gain = _refine(costs, devices, best, setting, method, time_limit, progress)
     if gain is not None:
         assignment, name, info = gain
-    alternatives = _alternatives(ranked[1:], best, setting.data_parallel)
+    alternatives = _alternatives(ranked[1:], best, setting.data_parallel)  # each schedule's best too
     layers = prof.layers
     stages = [[layers[v] for v in range(len(assignment)) if assignment[v] == st]
               for st in range(len(devices))]
@@ -337,7 +315,7 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
                             method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
                             alternatives=alternatives, data_parallel=setting.data_parallel,
-                            dp_mode=setting.dp_mode)
+                            dp_mode=setting.dp_mode, skipped_schedules=s.skipped)
     auto = "auto" in setting.checkpoints  # [Note: recomputed layers]: a few layers, not a stage
     return recompute_layers_where_faster(plan, prof) if auto else plan
 
@@ -379,20 +357,23 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
 
 
 def _alternatives(ranked: list[_Result], best: _Result, replicas: int) -> list[Alternative]:
+    """The next best configurations, then the best of each schedule not among them, so that
+    ``plan.explain()`` shows every schedule the search weighed."""
     out: list[Alternative] = []
     seen = {(best.config, tuple(best.split.modes))}
+    shown = {best.config.schedule}
     for r in ranked:
         key = (r.config, tuple(r.split.modes))
-        if key in seen:
+        if key in seen or (len(out) >= ALTERNATIVES and r.config.schedule in shown):
             continue
         seen.add(key)
+        shown.add(r.config.schedule)
         c = r.config
         k = len(r.split.modes)
         modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
         note = "" if r.checkpoint == "auto" else "one mode for all stages"
+        if len(out) >= ALTERNATIVES:
+            note = f"best {c.schedule}" + (f", {note}" if note else "")
         out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note,
                                replicas))
-        if len(out) == ALTERNATIVES:
-            break
     return out
-

@@ -41,9 +41,10 @@ from autopipe.core.cost import (
     stage_terms,
     stage_time,
     state_bytes,
+    weight_held_bytes,
 )
 from autopipe.core.layer_costs import FloatArray
-from executor.spec import CHECKPOINT_MODES, recomputed_microbatches
+from executor.spec import CHECKPOINT_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]
 
@@ -75,6 +76,8 @@ class StageBlocks:
         self.params = np.concatenate([zero, np.cumsum(costs.params.astype(np.float64))])
         self.buffers = np.concatenate([zero, np.cumsum(costs.buffers.astype(np.float64))])
         self.saved = np.concatenate([zero, np.cumsum(costs.saved.astype(np.float64))])
+        grads = np.zeros(n) if costs.weight_grad is None else costs.weight_grad.astype(np.float64)
+        self.weight_grad = np.concatenate([zero, np.cumsum(grads)])  # [Note: split backward time]
         self.cut = costs.cut_bytes().astype(np.float64)
         self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
         self.ties = costs.tie_groups
@@ -111,6 +114,9 @@ class StageBlocks:
         return out
 
     def time(self, j0: int, j1: int, recomputed: int, speed: float) -> FloatArray:
+        return self._cached(("stage time", j0, recomputed, speed), lambda: self._time(j0, j1, recomputed, speed))
+
+    def _time(self, j0: int, j1: int, recomputed: int, speed: float) -> FloatArray:
         f, b, cut = self.fwd, self.bwd, self.cut
         work = self._cached(("work", j0, recomputed), lambda: layer_work(
             f[None, j0:j1] - f[:j1, None], b[None, j0:j1] - b[:j1, None], recomputed, self.m,
@@ -146,30 +152,41 @@ class StageBlocks:
             self.options.data_parallel, self.options.dp_mode))
         return out
 
-    def memory(self, j0: int, j1: int, terms: Terms, recomputed: int) -> FloatArray:
-        def make() -> FloatArray:
-            saved = self.saved[None, j0:j1] - self.saved[:j1, None] + self.resaved_cut[:j1, None]
-            out: FloatArray = (self.state(j0, j1) + activation_bytes(self.cut[:j1, None], saved, terms)
-                               + cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed))
-            return out
-        return self._cached(("memory", j0, terms, recomputed), make)
+    def memory(self, j0: int, j1: int, terms: Terms, recomputed: int,
+               ends: tuple[bool, bool] = (False, False)) -> FloatArray:
+        """Peak memory of every range as a stage with these ``terms``; ``ends``: whether it is
+        the first and the last stage (what it holds from a split backward's I to its W)."""
+        split = any(c for _, _, c in terms)
+        ends = ends if split else (False, False)
+
+        saved = self._cached(("saved", j0), lambda: self.saved[None, j0:j1] - self.saved[:j1, None]
+                             + self.resaved_cut[:j1, None])
+        held = self._cached(("held", j0, ends), lambda: weight_held_bytes(
+            self.weight_grad[None, j0:j1] - self.weight_grad[:j1, None], self.cut[None, j0:j1],
+            *ends)) if split else 0
+        out: FloatArray = activation_bytes(self.cut[:j1, None], saved, terms, held)  # a new array
+        out += self.state(j0, j1)
+        if self.precision != "fp32" and recomputed:
+            out += cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed)
+        return out  # not cached: each is read once per pass, through masked_time's cache
 
     def masked_time(self, j0: int, j1: int, recomputed: int, speed: float, limit: int | None,
-                    terms: Terms) -> FloatArray:
+                    terms: Terms, ends: tuple[bool, bool] = (False, False)) -> FloatArray:
         """Stage time where the range is a valid stage that fits ``limit``, else inf."""
-        key = ("time", j0, recomputed, speed, limit, terms if limit is not None else None)
+        key = ("time", j0, recomputed, speed, limit, (terms, ends) if limit is not None else None)
         if key in self._cache:
             return self._cache[key]
         ok = self.valid(j0, j1)  # cached: never changed in place
         if limit is not None:
-            ok = ok & (self.memory(j0, j1, terms, recomputed) <= limit)
+            ok = ok & (self.memory(j0, j1, terms, recomputed, ends) <= limit)
         out: FloatArray = np.where(ok, self.time(j0, j1, recomputed, speed), np.inf)
         return self._store(key, out)
 
 
 def budget_devices(devices: Sequence[DeviceSpec], schedule: str) -> list[DeviceSpec]:
-    """The devices the DP bounds each stage by. [Note: interleaved memory] Under
-    ``interleaved1f1b`` a rank holds V stages at once and its peak is not any one stage's; the
+    """The devices the DP bounds each stage by. [Note: interleaved memory] Under a schedule of
+    several stages per rank (``interleaved1f1b``, ``interleaved_zb``, the V of ``zbv`` and
+    ``dualpipev``) a rank holds V stages at once and its peak is not any one stage's; the
     DP gives each of them 1/V of the rank's memory. The sum of the stages' own peaks bounds
     the rank's peak, so a split that the DP accepts always fits (the simulator reports the
     rank's exact peak, ``device_memory``), at the price of refusing some that would."""
@@ -228,16 +245,22 @@ class _Stage:
         for mode in modes:
             rec = recomputed_microbatches(mode, m)
             terms = stage_terms(self.options.schedule, s, k, m, rec, self.ranks)
-            out.append(self.blocks.masked_time(j0, j1, rec, device.speed, device.memory, terms))
+            out.append(self.blocks.masked_time(j0, j1, rec, device.speed, device.memory, terms,
+                                               self.ends(s, k)))
         return out
+
+    def ends(self, s: int, k: int) -> tuple[bool, bool]:
+        """Whether stage s of k is the first and the last, where its memory depends on it (what
+        a split backward holds from I to W: [Note: split backward time] in cost.py)."""
+        return (s == 0, s == k - 1) if self.options.schedule in ZERO_BUBBLE_SCHEDULES else (False, False)
 
     def cost(self, s: int, k: int, device: DeviceSpec, modes: Sequence[str], j0: int, j1: int) -> FloatArray:
         if len(modes) == 1:
             return self.mode_costs(s, k, device, modes, j0, j1)[0]
         m = self.options.chunks
-        key = ("fastest", j0, device.speed, device.memory, tuple(modes), tuple(
+        key = ("fastest", j0, device.speed, device.memory, tuple(modes), (tuple(
             stage_terms(self.options.schedule, s, k, m, recomputed_microbatches(mode, m), self.ranks)
-            for mode in modes) if device.memory is not None else None)
+            for mode in modes), self.ends(s, k)) if device.memory is not None else None)
         if key not in self.blocks._cache:
             best: FloatArray = np.minimum.reduce(self.mode_costs(s, k, device, modes, j0, j1))
             self.blocks._store(key, best)

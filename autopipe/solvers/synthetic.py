@@ -2,7 +2,11 @@
 
 These are deterministic (seeded) stand-ins for measured profiles, shaped like real models: a
 GPT-like chain (cheap embedding, equal blocks, heavy head) and a transformer DAG whose blocks
-have residual skips around attention and MLP, so values pass through cuts.
+have residual skips around attention and MLP, so values pass through cuts. With ``split=True``
+(or ``bwd_input_ms``) they carry the split backward the zero-bubble schedules need ([Note:
+split backward time] in autopipe/core/cost.py): a layer with weights spends about half its
+backward on its input gradients and keeps its output gradient (``output_bytes``) for its weight
+pass; one without weights has no weight pass.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ def chain_profile(
     output_bytes: Sequence[int] | int = 0,
     saved_bytes: Sequence[int] | int = 0,
     tie_group: Sequence[str] | None = None,
+    bwd_input_ms: Sequence[float] | None = None,
+    weight_grad_bytes: Sequence[int] | int = 0,
 ) -> Profile:
-    """A chain of layers ``l0, l1, ...``; backward defaults to 2 x forward."""
+    """A chain of layers ``l0, l1, ...``; backward defaults to 2 x forward; ``bwd_input_ms``
+    (with ``weight_grad_bytes``) splits it (the rest is the weight part)."""
     n = len(fwd_ms)
 
     def col(v: Sequence[int] | int) -> list[int]:
@@ -42,24 +49,35 @@ def chain_profile(
     })
     if tie_group is not None:
         df["tie_group"] = list(tie_group)
+    if bwd_input_ms is not None:
+        df["bwd_input_ms"] = [float(x) for x in bwd_input_ms]
+        df["bwd_weight_ms"] = df["bwd_ms"] - df["bwd_input_ms"]
+        df["weight_grad_bytes"] = col(weight_grad_bytes)
     return Profile.from_frame(df, meta={"model": "synthetic-chain"})
 
 
-def random_chain(n: int, seed: int = 0, *, spread: float = 10.0) -> Profile:
-    """n layers with log-uniform costs spanning ``spread`` x, random activations and params."""
+def random_chain(n: int, seed: int = 0, *, spread: float = 10.0, split: bool = False) -> Profile:
+    """n layers with log-uniform costs spanning ``spread`` x, random activations and params;
+    ``split``: a random 30-70% of each backward on the input gradients."""
     rng = np.random.default_rng(seed)
     fwd = np.exp(rng.uniform(0, np.log(spread), n))
+    bwd = (fwd * rng.uniform(1.5, 2.5, n)).round(3)
+    out = rng.integers(1 << 10, 1 << 20, n)
     return chain_profile(
         fwd.round(3).tolist(),
-        bwd_ms=(fwd * rng.uniform(1.5, 2.5, n)).round(3).tolist(),
+        bwd_ms=bwd.tolist(),
         param_bytes=rng.integers(0, 4 << 20, n).tolist(),
-        output_bytes=rng.integers(1 << 10, 1 << 20, n).tolist(),
+        output_bytes=out.tolist(),
         saved_bytes=rng.integers(1 << 10, 2 << 20, n).tolist(),
+        bwd_input_ms=(bwd * rng.uniform(0.3, 0.7, n)).round(3).tolist() if split else None,
+        weight_grad_bytes=out.tolist(),
     )
 
 
-def transformer_dag(blocks: int, seed: int = 0, *, hidden_bytes: int = 1 << 20) -> Profile:
-    """A GPT-like training DAG: embed, ``blocks`` x 8 layers with two residual skips, head.
+def transformer_dag(blocks: int, seed: int = 0, *, hidden_bytes: int = 1 << 20, split: bool = False) -> Profile:
+    """A GPT-like training DAG: embed, ``blocks`` x 8 layers with two residual skips, head;
+    ``split``: each backward split (a layer with weights: half of it on the input gradients,
+    its output gradient kept for the weight part; the embedding's input needs none).
 
     Each block is ``ln1 -> attn -> proj -> add1(x, .) -> ln2 -> fc1 -> fc2 -> add2(add1, .)``;
     the residual inputs reach the adds over 3 layers, so a cut inside a block also carries the
@@ -72,8 +90,14 @@ def transformer_dag(blocks: int, seed: int = 0, *, hidden_bytes: int = 1 << 20) 
 
     def add(name: str, fwd: float, params: int, out: int, saved: int, tie: str = "") -> str:
         jitter = float(rng.uniform(0.8, 1.2))
-        rows.append({"layer": name, "fwd_ms": round(fwd * jitter, 4), "bwd_ms": round(2 * fwd * jitter, 4),
+        bwd = round(2 * fwd * jitter, 4)
+        rows.append({"layer": name, "fwd_ms": round(fwd * jitter, 4), "bwd_ms": bwd,
                      "param_bytes": params, "output_bytes": out, "saved_bytes": saved, "tie_group": tie})
+        if split:
+            first = not rows[:-1]
+            part = 0.0 if first else bwd / 2 if params else bwd
+            rows[-1].update(bwd_input_ms=part, bwd_weight_ms=round(bwd - part, 4),
+                            weight_grad_bytes=out if params and not first else 0)
         return name
 
     x = add("embed", 0.2, 16 << 20, h, h, "wte")

@@ -23,22 +23,20 @@ stream stays clean. ``progress=True`` forces it, ``progress=False`` silences it.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
-import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import fx, nn
-from tqdm import tqdm
 
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.errors import ProfileError
 from autopipe.frontend.profiling._whole_or_layers import choose_mode
+from autopipe.frontend.profiling.backward_split import split_columns, split_ratio
 from autopipe.frontend.profiling.in_sequence import (
     SequenceScales,
     measure_sequence,
@@ -52,27 +50,16 @@ from autopipe.frontend.profiling.inputs import (
     to_device,
     with_rows,
 )
-from autopipe.frontend.profiling.layer_timing import (
-    fresh,
-    harness_overhead,
-    probe,
-    shared_saved,
-    storage_key,
-    time_layer,
-    time_runs,
-)
+from autopipe.frontend.profiling.layer_rows import Edges, measure_rows
+from autopipe.frontend.profiling.layer_timing import fresh, storage_key, time_runs
 from autopipe.frontend.profiling.layerwise import LayerRun, layer_by_layer
-from autopipe.frontend.profiling.overheads import RecomputeSampler, stage_call_ms
+from autopipe.frontend.profiling.overheads import stage_call_ms
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.process_memory import PeakRss
 from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
-from autopipe.frontend.profiling.timing import Timer, memory_meter_for, timer_for
-from autopipe.frontend.profiling.under_autocast import (
-    autocast_call,
-    layer_output_bytes,
-    measured_edges,
-)
+from autopipe.frontend.profiling.timing import Timer, timer_for
+from autopipe.frontend.profiling.under_autocast import autocast_call
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
@@ -84,9 +71,9 @@ __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the edges
-Edges = list[tuple[str, str, int]]
-Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales, Edges]
+# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the
+# edges, the split backward's (I + W) / backward ([Note: split backward measured])
+Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales, Edges, float | None]
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -141,55 +128,6 @@ def _whole_model_runs(model: nn.Module, g: LayerGraph, args: tuple[Any, ...], pr
         yield LayerRun(call, values, state, signature="")
 
 
-def _measure(
-    g: LayerGraph,
-    runs: Iterable[LayerRun],
-    timer: Timer,
-    dev: torch.device,
-    repeats: int,
-    warmup: int,
-    progress: bool | None,
-    precision: str,
-) -> tuple[list[dict[str, Any]], tuple[float, float, float], Edges]:
-    """Every layer's row, the harness overhead subtracted, the recompute ratio (overheads.py),
-    the edges (their bytes re-measured under a precision: [Note: profiling under a precision])."""
-    meter = memory_meter_for(dev)
-    fwd_extra, bwd_extra = harness_overhead(timer, dev, precision)
-    sampler = RecomputeSampler(timer, repeats, warmup)
-    rows: list[dict[str, Any]] = []
-    measured: dict[str, tuple[float, float, int, int | None]] = {}
-    ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
-    outs: dict[str, list[int]] = {}  # under a precision: each layer's output bytes, measured
-    node_bytes: dict[str, int] = {}
-    graph_inputs = {n.name for n in g.gm.graph.nodes if n.op == "placeholder"}
-    # [Note: progress on a terminal]: tqdm's disable=None is "off unless the file is a TTY"
-    bar = tqdm(runs, total=len(g.layers), desc="profiling", unit="layer", file=sys.stderr,
-               disable=None if progress is None else not progress, leave=False)
-    for run in bar:
-        run = dataclasses.replace(run, call=dataclasses.replace(run.call, precision=precision, device=dev))
-        if run.reuse_of is None:
-            if precision != "fp32":
-                outs[run.call.name] = layer_output_bytes(run.call, run.values)
-            saved, saved_in, saved_out, peak = probe(run.call, run.values, meter, run.state)
-            ends[run.call.name] = (sum(saved_in), sum(b for b, name in zip(
-                saved_in, run.call.inputs, strict=True) if name in graph_inputs), saved_out)
-            fwd_ms, bwd_ms = time_layer(run.call, run.values, timer, repeats, warmup)
-            fwd_ms = max(0.0, fwd_ms - fwd_extra)
-            bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
-            measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak)
-            sampler.offer(run.call, run.values, fwd_ms, bwd_ms)
-        source = run.reuse_of or run.call.name
-        rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
-        ends[run.call.name] = ends[source]
-        if precision != "fp32":  # a reused layer's outputs are its source's, in order
-            node_bytes.update(zip(run.call.outputs, outs[source], strict=True))
-    shared = shared_saved(g.edges(), ends)
-    edges, out_bytes = measured_edges(g, node_bytes) if precision != "fp32" else (g.edges(), {})
-    return [{**r, "saved_shared_bytes": shared[r["layer"]],
-             "output_bytes": out_bytes.get(r["layer"], r["output_bytes"])} for r in rows], \
-        (fwd_extra, bwd_extra, sampler.ratio()), edges
-
-
 def _measure_at(
     model: nn.Module,
     inputs: tuple[Any, ...],
@@ -213,22 +151,23 @@ def _measure_at(
             home = _home(g.gm)  # a caller's graph goes back where it was
             try:
                 g.gm.to(dev)
-                rows, extra, edges = _measure(g, _whole_model_runs(model, g, args, precision, dev), timer,
-                                              dev, repeats, warmup, progress, precision)
+                rows, extra, edges, splits = measure_rows(g, _whole_model_runs(model, g, args, precision, dev),
+                                                      timer, dev, repeats, warmup, progress, precision)
                 seq = measure_sequence(g.gm, graph_args(g, args), rows, dev, timer, repeats,  # [Note:
                                        warmup, extra[:2], recompute_call_ms, g.node_layer,  # layers in sequence]
                                        budget_s=sequence_budget_s(repeats), precision=precision)
+                ratio = split_ratio(rows, *splits)
                 rows, extra = scale_rows(rows, seq), (*extra[:2], seq.recompute_ratio or extra[2])
             finally:
                 if home is not None and graph is not None:
                     g.gm.to(home)
-        return g, rows, extra, seq, edges
+        return g, split_columns(rows, *splits), extra, seq, edges, ratio
     # the model is never moved or run: see [Note: layer by layer]
     with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
         g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
-        rows, extra, edges = _measure(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
-                                      repeats, warmup, progress, precision)
-    return g, rows, extra, SequenceScales(), edges
+        rows, extra, edges, splits = measure_rows(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
+                                              repeats, warmup, progress, precision)
+    return g, split_columns(rows, *splits), extra, SequenceScales(), edges, split_ratio(rows, *splits)
 
 
 def profile(
@@ -333,11 +272,11 @@ def profile(
     with PeakRss() as rss:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        g, rows, (fwd_extra, bwd_extra, ratio), scales, edges = measure_at(inputs, graph)
+        g, rows, (fwd_extra, bwd_extra, ratio), scales, edges, split = measure_at(inputs, graph)
         frame = pd.DataFrame(rows)
         fingerprints = {str(micro): g.fingerprint}
         for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
-            g_r, rows_r, _, _, _ = measure_at(with_rows(example_inputs, r), None)
+            g_r, rows_r, *_ = measure_at(with_rows(example_inputs, r), None)
             if g_r.layers != g.layers:
                 raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
                                    f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
@@ -367,6 +306,7 @@ def profile(
         "dedupe": bool(dedupe) if chosen == "layers" else False,
         "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
         **({"grouped": grouped_meta(g.layers, g.grouped)} if g.grouped else {}),  # [Note: automatic granularity]
+        **({"bwd_split_ratio": split} if split is not None else {}),  # [Note: split backward measured]
         "peak_memory_bytes": peak[0],
         "peak_memory_of": peak[1],
         **({"micro_batch_sizes": sorted([micro, *others]), "fingerprints": fingerprints}
@@ -376,26 +316,6 @@ def profile(
     corrections = measured_corrections((fwd_extra, bwd_extra), calls, ratio, scales, chosen == "whole")
     return later_steps(Profile(frame, edges, meta, corrections), model, example_inputs, device=dev,
                        loss_fn=loss_fn, target=target, comm=comm)
-
-
-def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,
-         measured_as: str) -> dict[str, Any]:
-    a = g.nx.nodes[layer]
-    return {
-        "layer": layer,
-        "fwd_ms": round(fwd_ms, 6),
-        "bwd_ms": round(bwd_ms, 6),
-        "param_bytes": int(a["param_bytes"]),
-        "output_bytes": int(a["output_bytes"]),
-        "saved_bytes": saved,
-        "peak_bytes": float("nan") if peak is None else float(peak),
-        "buffer_bytes": int(a["buffer_bytes"]),
-        "shared_bytes": int(a["shared_bytes"]),
-        "tie_group": str(a["tie_group"]),
-        "kind": str(a["kind"]),
-        "module_type": str(a["module_type"]),
-        "measured_as": measured_as,
-    }
 
 
 def time_model(

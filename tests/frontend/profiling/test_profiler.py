@@ -244,6 +244,9 @@ def test_repeats_warmup_and_harness_subtraction_with_a_fake_timer() -> None:
     rounds = prof.corrections.sequence.rounds
     assert 4 <= rounds <= MAX_ROUNDS_PER_REPEAT * 4
     calibration += 3 * 2 * (rounds + 3)
+    # [Note: split backward measured]: each half on the 1-element layer, then one split backward
+    # per layer: the first Linear's input needs no gradient (one whole W), the others two halves
+    calibration += 2 * 50 + 1 + 2 + 2
     assert timer.calls == calibration + len(prof) * 2 * (4 + 3)
     # every call "takes" 1 ms, exactly what the empty layer takes: nothing is left
     assert prof.corrections.harness == Phases(1.0, 1.0)

@@ -1,0 +1,58 @@
+"""A loaded Plan's fields checked, each bad one a TypeError that Plan.from_dict turns into one
+PlanError line naming the file ([Note: plan fields over time] in plan.py: every optional field
+an older plan lacks has its default here too)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopipe.core.corrections import RUNTIMES
+from executor.spec import DATA_PARALLEL_MODES, PRECISIONS
+
+if TYPE_CHECKING:
+    from autopipe.core.plan import Plan
+
+__all__ = ["check_types"]
+
+
+def check_types(plan: Plan) -> None:
+    """TypeError naming the first field of ``plan`` that is malformed."""
+    k = len(plan.stages)
+    if not (isinstance(plan.stages, list) and all(
+            isinstance(s, list) and s and all(isinstance(n, str) for n in s) for s in plan.stages)):
+        raise TypeError("'stages' must be a list of non-empty lists of layer names")
+    for name in ("devices", "stage_times", "stage_memory", "peak_memory", "breakdown"):
+        value = getattr(plan, name)
+        if not isinstance(value, list) or len(value) != k:
+            raise TypeError(f"{name!r} must be a list with one entry per stage ({k})")
+    numbers = [*plan.stage_times, *plan.stage_memory, *plan.peak_memory, plan.bottleneck,
+               plan.iteration_time, plan.lower_bound, plan.bubble_fraction]
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):
+        raise TypeError("times and memory must be numbers")
+    if not isinstance(plan.chunks, int) or plan.chunks < 1:
+        raise TypeError(f"'chunks' must be an integer >= 1, got {plan.chunks!r}")
+    for name in ("batch_size", "micro_batch_size"):
+        value = getattr(plan, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise TypeError(f"{name!r} must be an integer >= 1 or null, got {value!r}")
+    if not isinstance(plan.checkpoint, str | list):
+        raise TypeError(f"'checkpoint' must be a mode or a list of modes, got {plan.checkpoint!r}")
+    plan.cost_options.modes(k)
+    if not all(isinstance(v, int) for v in plan.device_memory.values()):
+        raise TypeError("'device_memory' must map device names to bytes")
+    if not isinstance(plan.data_parallel, int) or isinstance(plan.data_parallel, bool) or plan.data_parallel < 1:
+        raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
+    if plan.dp_mode not in DATA_PARALLEL_MODES:
+        raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
+    if plan.precision not in PRECISIONS:
+        raise TypeError(f"'precision' must be one of {list(PRECISIONS)}, got {plan.precision!r}")
+    if not isinstance(plan.skipped_schedules, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in plan.skipped_schedules.items()):
+        raise TypeError("'skipped_schedules' must map schedule names to reasons")
+    if plan.runtime not in (None, *RUNTIMES):
+        raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
+    where = {n: s for s, names in enumerate(plan.stages) for n in names}
+    modes = plan.stage_checkpoints
+    if not isinstance(plan.recompute_layers, list) or not all(
+            isinstance(n, str) and modes[where.get(n, 0)] == "never" and n in where for n in plan.recompute_layers):
+        raise TypeError("'recompute_layers' must list layers of stages whose checkpoint is 'never'")

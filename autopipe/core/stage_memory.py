@@ -1,0 +1,149 @@
+"""A stage's activation memory: the walk over its schedule's order, as terms the solvers bound.
+
+[Note: stage memory] (the rest of a stage's memory, its parameter state, is in cost.py) A
+stage's activations of one micro-batch are its ``saved_bytes``. Checkpointing follows
+torchgpipe, per stage ([Note: per-stage recomputation] in executor/spec.py): ``always``
+checkpoints all M micro-batches, ``except_last`` all but the one back-propagated first,
+``never`` none; the checkpointed ones are the R whose backward comes last ([Note: which
+micro-batches recompute] in executor/spec.py). A checkpointed micro-batch keeps only its stage
+input from its forward until its backward, which first recomputes the forward (``saved_bytes``
+again) and then frees both; any other micro-batch keeps ``saved_bytes`` from its forward to the
+end of its backward. Under the zero-bubble schedules ([Note: split backward] in
+autopipe/core/zero_bubble.py) the backward is two operations: the input-gradient part I (with the
+recomputation, where the micro-batch is checkpointed) frees nothing, since torch retains the
+graph for W, and adds what W starts from (``weight_held_bytes``: the gradients at the weights'
+nodes, and the output gradient the stage received); the weight-gradient part W frees all of it.
+
+Walking the stage's operations in its schedule's order ([Note: schedule orders] in
+autopipe/core/schedules.py) with these rules (``_held``) gives the level after every allocation
+as ``a x input_bytes + b x saved_bytes + c x weight_held_bytes`` (c is 0 where no backward is
+split); the peak is the largest, over the few Pareto-maximal (a, b, c) terms
+(``activation_terms``). That is exact for the order the schedule runs, whatever the stage's
+bytes: GPipe with R of M checkpointed peaks at ``R x input + max(M - R, 1) x saved`` (``M x
+saved`` for R = 0), 1F1B at stage s holds at most ``min(M, K - s)`` micro-batches.
+executor.GPipe (one process) back-propagates in the reverse order and checkpoints the
+mirror-image micro-batches, so the same formula is exact for it
+(benchmarks/memory_vs_prediction.py counts it). The simulator walks the order it ran, so its
+peaks equal these (tests/core/test_simulator.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from autopipe.core.schedules import Op, rank_order, stage_order
+from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
+
+__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "stage_terms",
+           "weight_held_bytes"]
+
+Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
+Terms = tuple[tuple[int, int, int], ...]  # (a, b, c): a x input + b x saved + c x weight_held bytes
+
+
+def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, last: bool) -> Amount:
+    """What one micro-batch of a stage holds from its I to its W besides its activations
+    ([Note: stage memory]): the gradients its layers' weight passes start from (the profile's
+    ``weight_grad_bytes``; none on the first stage, whose I computes nothing), and, but on the
+    last stage, the output gradient it received, which torch's PipelineStage keeps for W."""
+    return (0 if first else weight_grad) + (0 if last else output_bytes)
+
+
+def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[tuple[int, int, int, int, bool]]:
+    """(stage, inputs held, saved activations held, weight gradients held, after an allocation?)
+    after each change of what a stage holds, walking ``ops`` in order ([Note: stage memory]);
+    stage s checkpoints its last ``recomputed[s]`` micro-batches ([Note: which micro-batches
+    recompute] in executor/spec.py)."""
+    ops = list(ops)
+    chunks: dict[int, int] = {}
+    for s, _, i in ops:
+        chunks[s] = max(chunks.get(s, 0), i + 1)
+    held: dict[int, list[int]] = {}
+    for s, kind, i in ops:
+        h = held.setdefault(s, [0, 0, 0])
+        checkpointed = is_recomputed(i, chunks[s], recomputed[s])
+        if kind == "F":
+            h[0 if checkpointed else 1] += 1
+            yield s, h[0], h[1], h[2], True
+        elif kind == "I":  # the recomputed forward next to its input, then what W starts from
+            h[1] += 1 if checkpointed else 0
+            h[2] += 1
+            yield s, h[0], h[1], h[2], True
+        elif kind == "W":
+            h[0] -= 1 if checkpointed else 0
+            h[1] -= 1
+            h[2] -= 1
+            yield s, h[0], h[1], h[2], False
+        elif checkpointed:  # a whole backward
+            h[1] += 1  # the recomputed forward, next to the input it was recomputed from
+            yield s, h[0], h[1], h[2], True
+            h[0] -= 1
+            h[1] -= 1
+            yield s, h[0], h[1], h[2], False
+        else:
+            h[1] -= 1
+            yield s, h[0], h[1], h[2], False
+
+
+@lru_cache(maxsize=4096)
+def _terms(ops: tuple[Op, ...], recomputed: int) -> Terms:
+    stage = ops[0][0] if ops else 0
+    seen = {(a, b, c) for _, a, b, c, alloc in _held(ops, {stage: recomputed}) if alloc}
+    top = [t for t in seen if not any(u != t and all(x >= y for x, y in zip(u, t, strict=True)) for u in seen)]
+    return tuple(sorted(top)) or ((0, 0, 0),)
+
+
+def activation_terms(ops: Sequence[Op], recomputed: int) -> Terms:
+    """The Pareto-maximal (a, b, c) held after an allocation by one stage running ``ops``: its
+    peak activations are ``max(a x input + b x saved + c x weight_held)`` ([Note: stage memory])."""
+    return _terms(tuple(ops), recomputed)
+
+
+def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount = 0) -> Amount:
+    """Peak activation bytes of a stage: the largest ``a x input + b x saved + c x weight_held``
+    over its ``terms``. Floats and numpy arrays take the maximum; a PuLP expression needs one
+    term at a time (a constraint per term)."""
+    out: Amount = None
+    for a, b, c in terms:
+        value = b * saved_bytes + a * input_bytes  # a new value, whatever the operands
+        if c:
+            value = value + c * weight_held
+        if out is None:
+            out = value
+        elif isinstance(out, np.ndarray) and isinstance(value, np.ndarray) and out.shape == value.shape:
+            np.maximum(out, value, out=out)
+        else:
+            out = np.maximum(out, value)
+    return out
+
+
+def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
+                    saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None = None) -> float:
+    """Peak activation bytes of a device running ``ops`` of one or more stages in that order
+    (a rank of a multi-stage schedule holds several stages at once)."""
+    level: dict[int, float] = {}
+    peak = 0.0
+    for s, a, b, c, alloc in _held(ops, recomputed):
+        level[s] = a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
+        if alloc:
+            peak = max(peak, sum(level.values()))
+    return peak
+
+
+@lru_cache(maxsize=65536)
+def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed: int,
+                ranks: int | None = None) -> Terms:
+    """``activation_terms`` of stage ``stage`` of ``stages`` under ``schedule`` with ``chunks``
+    micro-batches; a schedule of several stages per rank needs the number of ``ranks`` (default:
+    one stage per rank, or two under the V schedules)."""
+    if schedule in MULTI_STAGE_SCHEDULES:
+        w = ranks if ranks is not None else stages // 2 if schedule in V_SCHEDULES else stages
+        rank = stage_rank(schedule, stage, w)
+        ops = [op for op in rank_order(schedule, rank, w, chunks, stages // w) if op[0] == stage]
+    else:
+        ops = stage_order(schedule, stage, stages, chunks)
+    return activation_terms(ops, recomputed)
