@@ -6,12 +6,17 @@ processes: the pages of a memory-mapped weights file do not count, every real co
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,36 +82,47 @@ def test_two_ranks_load_only_their_stage_and_match_one_process(tmp_path: Path) -
 
 
 # --- a 3.2 GB model: peak memory of building it from a file -----------------------------------
+def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], block: npt.NDArray[np.float32]) -> None:
+    """A .safetensors file of float32 ``tensors``, each the first values of ``block``: the
+    format's header (its length, then JSON padded to 8 bytes) and the bytes straight from
+    ``block``, so that writing 3.2 GB copies nothing in memory."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, shape in tensors:
+        nbytes = math.prod(shape) * 4
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, shape in tensors:
+            f.write(memoryview(block[: math.prod(shape)]))
+
+
 def _write_giant_weights(folder: Path) -> Path:
-    # One shard per ~400 MB, written as it is made, so no process ever holds the whole model.
-    code = textwrap.dedent("""
-        import json, sys, torch
-        from safetensors.torch import save_file
-        from autopipe.examples import TinyGPT
-        with torch.device("meta"):
-            model = TinyGPT(**eval(sys.argv[2]))
-        folder, shards, part, size, weight_map = sys.argv[1], [], {}, 0, {}
-        def flush():
-            name = f"model-{len(shards) + 1:05d}.safetensors"
-            save_file(part, f"{folder}/{name}")
-            weight_map.update(dict.fromkeys(part, name))
-            shards.append(name)
-        # every tensor a copy of one random block: random values without drawing 3.2 GB of them
-        block = torch.randn(max(t.numel() for t in model.state_dict().values())) * 0.02
-        for key, t in model.state_dict().items():
-            if key == "head.weight":
-                continue
-            part[key] = block[: t.numel()].view(t.shape).clone()
-            size += part[key].numel() * 4
-            if size > 400 * 2**20:
-                flush()
-                part, size = {}, 0
-        flush()
-        with open(f"{folder}/model.safetensors.index.json", "w") as f:
-            json.dump({"weight_map": weight_map}, f)
-    """)
-    subprocess.run([sys.executable, "-c", code, str(folder), repr(GIANT)], check=True, timeout=300)
-    return folder / "model.safetensors.index.json"
+    # One shard per ~400 MB, written from one random block of the largest tensor's size
+    # (random values without drawing 3.2 GB of them), so nothing ever holds the whole model.
+    with torch.device("meta"):
+        model = TinyGPT(**GIANT)
+    shapes = [(k, tuple(t.shape)) for k, t in model.state_dict().items() if k != "head.weight"]
+    block = (torch.randn(max(math.prod(s) for _, s in shapes)) * 0.02).numpy()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for key, shape in shapes:
+        shards[-1].append((key, shape))
+        size += math.prod(shape) * 4
+        if size > 400 * 2**20:
+            shards.append([])
+            size = 0
+    weight_map = {}
+    for i, part in enumerate(p for p in shards if p):
+        name = f"model-{i + 1:05d}.safetensors"
+        _write_shard(folder / name, part, block)
+        weight_map.update(dict.fromkeys((k for k, _ in part), name))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    return index
 
 
 _BUILD_ONE_PROCESS = textwrap.dedent("""
