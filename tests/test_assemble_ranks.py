@@ -62,7 +62,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# [Note: ranks forked from a server] A 'spawn' process starts a new interpreter that imports
+# torch, torch.distributed.pipelining (torch._dynamo) and autopipe again: 3-4 s of CPU per rank,
+# paid by every fresh rank and pool rank on the suite's 2 cores. The ranks are 'forkserver'
+# processes instead: one server process, started on first use, imports this module (and so
+# torch and autopipe) once, and every rank is a fork of it, a process of its own from its first
+# instruction as a spawned one is (own memory, own process group, killed alone). The server runs
+# nothing, so a rank starts from the state imports leave: torch's default seed (re-set below, as
+# a fresh process has it), no thread pools, no process group. Unlike 'spawn', a rank sees the
+# environment of the server's start, not the test's: no test changes it for its ranks.
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts: once per session
+    return ctx
+
+
 def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    torch.manual_seed(torch.initial_seed())  # a fresh process's generator ([Note: ranks forked...])
     torch.set_num_threads(1)
     path = Path(out) / f"{rank}.pt"
     try:
@@ -83,7 +99,7 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
     kills or hangs a rank, or measures a rank's memory, asks for processes of its own."""
     if world == 2 and not fresh:
         return _pool_run(fn, args, timeout)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args), daemon=True)
@@ -106,20 +122,20 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
         return results
 
 
-# [Note: one pool of ranks] Starting a rank is a fresh 'spawn' process that imports torch,
-# transformers and autopipe: seconds each on a loaded 2-core machine, paid by every test that
-# spawned its own. The tests that only need two healthy ranks share two processes instead,
-# started once per pytest session. Each call still gets a process group of its own (a new
+# [Note: one pool of ranks] Even forked ([Note: ranks forked from a server]), a rank pays its
+# first uses again (transformers, torch.export's lazy modules): seconds on a loaded 2-core
+# machine, paid by every test that started its own. The tests that only need two healthy ranks
+# share two processes instead, started once per pytest session. Each call still gets a process group of its own (a new
 # port, destroyed after the call), the default torch seed of a fresh process and the warning
 # filters it had, so nothing on the wire or in the RNG carries from one test to the next.
 # A rank that raises ends its process, as a spawned rank does; a failed, timed-out or
 # interrupted call kills the pool, and the next call starts a new one.
-_POOL_START_S = 180.0  # importing torch and autopipe in two processes, on a loaded machine
+_POOL_START_S = 180.0  # the server importing torch and autopipe, on a loaded machine
 
 
 class _RankPool:
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         self.calls = 0
         self.tasks, self.replies, self.procs = [], [], []
