@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from torch import Tensor
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.process_memory import PeakRss, rss_anon
+from tests import forked
 from tests.test_assemble_ranks import _ok, spawn
 
 # 28 blocks of 12 x 1536^2 parameters plus a 8000-token tied embedding: 3.2 GB in fp32
@@ -125,22 +123,21 @@ def _write_giant_weights(folder: Path) -> Path:
     return index
 
 
-_BUILD_ONE_PROCESS = textwrap.dedent("""
-    import sys, torch, autopipe
-    from autopipe.examples import TinyGPT
-    from autopipe.frontend.profiling.process_memory import PeakRss
+def _build_one_process(weights: str) -> tuple[int, int | None]:
+    """The model's bytes and the peak RssAnon of building and running it in one process."""
+    import autopipe
+
     torch.set_num_threads(1)
     with torch.device("meta"):
-        model = TinyGPT(**eval(sys.argv[2]))
+        model = TinyGPT(**GIANT)
     ids = torch.randint(0, 8000, (2, 32))
     with PeakRss() as rss:
         pipe = autopipe.pipeline(model, (ids,), devices=["cpu", "cpu"], chunks=2,
-                                 weights=sys.argv[1], method="uniform")
+                                 weights=weights, method="uniform")
         with torch.no_grad():
             out = pipe(ids)
     assert out.shape == (2, 32, 8000) and torch.isfinite(out).all()
-    print(sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes)
-""")
+    return sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes
 
 
 def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
@@ -161,16 +158,15 @@ def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
 @pytest.mark.timeout(400)
 def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:
     index = _write_giant_weights(tmp_path)
-    # the one-process build and the two ranks measure their own processes: run them side by side
-    one = subprocess.Popen([sys.executable, "-c", _BUILD_ONE_PROCESS, str(index), repr(GIANT)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the one-process build and the two ranks measure their own processes ([Note: processes
+    # forked from a server]): run them side by side
+    one = forked.start(_build_one_process, str(index))
     try:
         ranks = _ok(spawn(_rank_peak, str(index), timeout=300, fresh=True))
-        stdout, stderr = one.communicate(timeout=300)
+        size, peak = one.result(timeout=300)
     finally:
         one.kill()
-    assert one.returncode == 0, stderr[-3000:]
-    size, peak = map(int, stdout.split())
+    assert peak is not None
     assert size >= 3e9
     assert peak <= 1.5 * size, f"one process: peak {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB model"
     for rank, (size, peak) in enumerate(ranks):

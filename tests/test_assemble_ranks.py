@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
@@ -42,6 +41,7 @@ from executor.distributed import (
     WireStage,
     infer_wires,
 )
+from tests import forked
 from tests.models import MultiIO, Skip
 
 CHUNKS = 4
@@ -62,23 +62,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# [Note: ranks forked from a server] A 'spawn' process starts a new interpreter that imports
-# torch, torch.distributed.pipelining (torch._dynamo) and autopipe again: 3-4 s of CPU per rank,
-# paid by every fresh rank and pool rank on the suite's 2 cores. The ranks are 'forkserver'
-# processes instead: one server process, started on first use, imports this module (and so
-# torch and autopipe) once, and every rank is a fork of it, a process of its own from its first
-# instruction as a spawned one is (own memory, own process group, killed alone). The server runs
-# nothing, so a rank starts from the state imports leave: torch's default seed (re-set below, as
-# a fresh process has it), no thread pools, no process group. Unlike 'spawn', a rank sees the
-# environment of the server's start, not the test's: no test changes it for its ranks.
-def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # read when the server starts: once per session
-    return ctx
-
-
 def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    torch.manual_seed(torch.initial_seed())  # a fresh process's generator ([Note: ranks forked...])
+    forked.fresh_state()
     torch.set_num_threads(1)
     path = Path(out) / f"{rank}.pt"
     try:
@@ -99,7 +84,7 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
     kills or hangs a rank, or measures a rank's memory, asks for processes of its own."""
     if world == 2 and not fresh:
         return _pool_run(fn, args, timeout)
-    ctx = _context()
+    ctx = forked.context()  # [Note: processes forked from a server] in tests/forked.py
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args), daemon=True)
@@ -122,7 +107,7 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
         return results
 
 
-# [Note: one pool of ranks] Even forked ([Note: ranks forked from a server]), a rank pays its
+# [Note: one pool of ranks] Even forked ([Note: processes forked from a server]), a rank pays its
 # first uses again (transformers, torch.export's lazy modules): seconds on a loaded 2-core
 # machine, paid by every test that started its own. The tests that only need two healthy ranks
 # share two processes instead, started once per pytest session. Each call still gets a process group of its own (a new
@@ -135,7 +120,7 @@ _POOL_START_S = 180.0  # the server importing torch and autopipe, on a loaded ma
 
 class _RankPool:
     def __init__(self, world: int) -> None:
-        ctx = _context()
+        ctx = forked.context()
         self.world = world
         self.calls = 0
         self.tasks, self.replies, self.procs = [], [], []
