@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 __all__ = ["PRELOAD", "Child", "context", "start"]
 
-PRELOAD = ["autopipe.assemble_ranks"]  # torch, torch.distributed.pipelining, autopipe's frontend
+PRELOAD = ["autopipe.assemble_ranks", "autopipe.frontend.profiling.profiler"]  # torch, pipelining, autopipe
 
 
 def context() -> Any:
