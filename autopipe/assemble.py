@@ -41,7 +41,6 @@ from autopipe.frontend.building.materialize import materialize_stages
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.profiling.inputs import micro_batch
-from autopipe.frontend.profiling.profiler import profile as measure
 from autopipe.frontend.tracing.counted_loss import uncounted_loss
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords
@@ -315,6 +314,7 @@ def pipeline(
     Raises:
         BuildError, PlanError, ProfileError, PartitionError, TraceError: one-line messages.
     """
+    from autopipe.frontend.profiling.profiler import profile as measure  # not on a rank's path
     from autopipe.solvers.partitioner import partition
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

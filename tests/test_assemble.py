@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pandas as pd
@@ -16,7 +16,7 @@ import autopipe
 from autopipe import BuildError, PlanError, ProfileError
 from autopipe.assemble import microbatch_inputs, pipeline
 from autopipe.core.profile_table import Profile
-from autopipe.examples import TinyGPT, get_example
+from autopipe.examples import Example, TinyGPT, get_example
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from executor import GPipe
@@ -91,14 +91,35 @@ def fresh_grads(model: nn.Module) -> nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def bundled() -> Iterator[Callable[[str], tuple[Example, LayerGraph]]]:
+    """``bundled(name)``: the example (``get_example`` is seeded: every call builds the same
+    model and batch) and its trace, made once per module as :func:`traced` does; each call
+    clears the model's gradients (:func:`fresh_grads`)."""
+    made: dict[str, tuple[Example, LayerGraph]] = {}
+
+    def get(name: str) -> tuple[Example, LayerGraph]:
+        if name not in made:
+            ex = get_example(name, batch_size=4)
+            made[name] = ex, trace(ex.model, microbatch_inputs(ex.inputs, 2))
+        ex, graph = made[name]
+        fresh_grads(ex.model)
+        return ex, graph
+
+    yield get
+    made.clear()
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "unet"])
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.compat
-def test_bundled_examples_match_unpipelined(name: str, checkpoint: str) -> None:
+def test_bundled_examples_match_unpipelined(
+    name: str, checkpoint: str, bundled: Callable[[str], tuple[Example, LayerGraph]]
+) -> None:
     for k in (1, 2, 3, 4):
-        ex = get_example(name, batch_size=4)
+        ex, graph = bundled(name)
         check_transparent(ex.model, ex.inputs, lambda out, ex=ex: ex.loss_fn(out, ex.target),
-                          k, checkpoint)
+                          k, checkpoint, graph=graph)
 
 
 @pytest.fixture(scope="module")

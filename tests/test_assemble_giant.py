@@ -6,12 +6,14 @@ processes: the pages of a memory-mapped weights file do not count, every real co
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
+import json
+import math
+import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from torch import Tensor
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.process_memory import PeakRss, rss_anon
+from tests import forked
 from tests.test_assemble_ranks import _ok, spawn
 
 # 28 blocks of 12 x 1536^2 parameters plus a 8000-token tied embedding: 3.2 GB in fp32
@@ -77,54 +80,64 @@ def test_two_ranks_load_only_their_stage_and_match_one_process(tmp_path: Path) -
 
 
 # --- a 3.2 GB model: peak memory of building it from a file -----------------------------------
+def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], block: npt.NDArray[np.float32]) -> None:
+    """A .safetensors file of float32 ``tensors``, each the first values of ``block``: the
+    format's header (its length, then JSON padded to 8 bytes) and the bytes straight from
+    ``block``, so that writing 3.2 GB copies nothing in memory."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, shape in tensors:
+        nbytes = math.prod(shape) * 4
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, shape in tensors:
+            f.write(memoryview(block[: math.prod(shape)]))
+
+
 def _write_giant_weights(folder: Path) -> Path:
-    # One shard per ~400 MB, written as it is made, so no process ever holds the whole model.
-    code = textwrap.dedent("""
-        import json, sys, torch
-        from safetensors.torch import save_file
-        from autopipe.examples import TinyGPT
-        with torch.device("meta"):
-            model = TinyGPT(**eval(sys.argv[2]))
-        folder, shards, part, size, weight_map = sys.argv[1], [], {}, 0, {}
-        def flush():
-            name = f"model-{len(shards) + 1:05d}.safetensors"
-            save_file(part, f"{folder}/{name}")
-            weight_map.update(dict.fromkeys(part, name))
-            shards.append(name)
-        # every tensor a copy of one random block: random values without drawing 3.2 GB of them
-        block = torch.randn(max(t.numel() for t in model.state_dict().values())) * 0.02
-        for key, t in model.state_dict().items():
-            if key == "head.weight":
-                continue
-            part[key] = block[: t.numel()].view(t.shape).clone()
-            size += part[key].numel() * 4
-            if size > 400 * 2**20:
-                flush()
-                part, size = {}, 0
-        flush()
-        with open(f"{folder}/model.safetensors.index.json", "w") as f:
-            json.dump({"weight_map": weight_map}, f)
-    """)
-    subprocess.run([sys.executable, "-c", code, str(folder), repr(GIANT)], check=True, timeout=300)
-    return folder / "model.safetensors.index.json"
+    # One shard per ~400 MB, written from one random block of the largest tensor's size
+    # (random values without drawing 3.2 GB of them), so nothing ever holds the whole model.
+    with torch.device("meta"):
+        model = TinyGPT(**GIANT)
+    shapes = [(k, tuple(t.shape)) for k, t in model.state_dict().items() if k != "head.weight"]
+    block = (torch.randn(max(math.prod(s) for _, s in shapes)) * 0.02).numpy()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for key, shape in shapes:
+        shards[-1].append((key, shape))
+        size += math.prod(shape) * 4
+        if size > 400 * 2**20:
+            shards.append([])
+            size = 0
+    weight_map = {}
+    for i, part in enumerate(p for p in shards if p):
+        name = f"model-{i + 1:05d}.safetensors"
+        _write_shard(folder / name, part, block)
+        weight_map.update(dict.fromkeys((k for k, _ in part), name))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    return index
 
 
-_BUILD_ONE_PROCESS = textwrap.dedent("""
-    import sys, torch, autopipe
-    from autopipe.examples import TinyGPT
-    from autopipe.frontend.profiling.process_memory import PeakRss
+def _build_one_process(weights: str) -> tuple[int, int | None]:
+    """The model's bytes and the peak RssAnon of building and running it in one process."""
+    import autopipe
+
     torch.set_num_threads(1)
     with torch.device("meta"):
-        model = TinyGPT(**eval(sys.argv[2]))
+        model = TinyGPT(**GIANT)
     ids = torch.randint(0, 8000, (2, 32))
     with PeakRss() as rss:
         pipe = autopipe.pipeline(model, (ids,), devices=["cpu", "cpu"], chunks=2,
-                                 weights=sys.argv[1], method="uniform")
+                                 weights=weights, method="uniform")
         with torch.no_grad():
             out = pipe(ids)
     assert out.shape == (2, 32, 8000) and torch.isfinite(out).all()
-    print(sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes)
-""")
+    return sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes
 
 
 def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
@@ -145,16 +158,15 @@ def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
 @pytest.mark.timeout(400)
 def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:
     index = _write_giant_weights(tmp_path)
-    # the one-process build and the two ranks measure their own processes: run them side by side
-    one = subprocess.Popen([sys.executable, "-c", _BUILD_ONE_PROCESS, str(index), repr(GIANT)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the one-process build and the two ranks measure their own processes ([Note: processes
+    # forked from a server]): run them side by side
+    one = forked.start(_build_one_process, str(index))
     try:
         ranks = _ok(spawn(_rank_peak, str(index), timeout=300, fresh=True))
-        stdout, stderr = one.communicate(timeout=300)
+        size, peak = one.result(timeout=300)
     finally:
         one.kill()
-    assert one.returncode == 0, stderr[-3000:]
-    size, peak = map(int, stdout.split())
+    assert peak is not None
     assert size >= 3e9
     assert peak <= 1.5 * size, f"one process: peak {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB model"
     for rank, (size, peak) in enumerate(ranks):

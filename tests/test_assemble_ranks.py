@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
@@ -42,6 +41,7 @@ from executor.distributed import (
     WireStage,
     infer_wires,
 )
+from tests import forked
 from tests.models import MultiIO, Skip
 
 CHUNKS = 4
@@ -63,6 +63,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    forked.fresh_state()
     torch.set_num_threads(1)
     path = Path(out) / f"{rank}.pt"
     try:
@@ -83,7 +84,7 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
     kills or hangs a rank, or measures a rank's memory, asks for processes of its own."""
     if world == 2 and not fresh:
         return _pool_run(fn, args, timeout)
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()  # [Note: processes forked from a server] in tests/forked.py
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args), daemon=True)
@@ -106,20 +107,20 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
         return results
 
 
-# [Note: one pool of ranks] Starting a rank is a fresh 'spawn' process that imports torch,
-# transformers and autopipe: seconds each on a loaded 2-core machine, paid by every test that
-# spawned its own. The tests that only need two healthy ranks share two processes instead,
-# started once per pytest session. Each call still gets a process group of its own (a new
+# [Note: one pool of ranks] Even forked ([Note: processes forked from a server]), a rank pays its
+# first uses again (transformers, torch.export's lazy modules): seconds on a loaded 2-core
+# machine, paid by every test that started its own. The tests that only need two healthy ranks
+# share two processes instead, started once per pytest session. Each call still gets a process group of its own (a new
 # port, destroyed after the call), the default torch seed of a fresh process and the warning
 # filters it had, so nothing on the wire or in the RNG carries from one test to the next.
 # A rank that raises ends its process, as a spawned rank does; a failed, timed-out or
 # interrupted call kills the pool, and the next call starts a new one.
-_POOL_START_S = 180.0  # importing torch and autopipe in two processes, on a loaded machine
+_POOL_START_S = 180.0  # the server importing torch and autopipe, on a loaded machine
 
 
 class _RankPool:
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forked.context()
         self.world = world
         self.calls = 0
         self.tasks, self.replies, self.procs = [], [], []

@@ -113,3 +113,54 @@ def test_private_torch_names_come_only_from_the_compat_module() -> None:
             if parts[0] == "torch" and any(p.startswith("_") for p in parts[1:]):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert bad == []
+
+
+def _loaded_imports(path: Path) -> set[str]:
+    """What importing ``path`` imports at once: its module-level imports (in ``if`` / ``try``
+    blocks too), not those in functions nor under ``if TYPE_CHECKING:``."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text(encoding="utf-8")).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            body.extend(node.orelse)
+        elif isinstance(node, ast.If | ast.Try):
+            body.extend([*node.body, *node.orelse, *getattr(node, "finalbody", [])])
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _source(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def test_a_rank_loads_no_table_solver_or_plot_library() -> None:
+    """[Note: lazy package] ``autopipe run``'s ranks (rank_main) build and run a pipeline from a
+    plan: importing them loads no pandas (the profile table and the profiler), PuLP (the ILP) or
+    matplotlib, each ~0.3-1 s of every rank's start; those are imported where they are used."""
+    seen: set[str] = set()
+    todo = ["autopipe.app.rank_main"]
+    external: set[str] = set()
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):  # a module imports its packages first
+            name = ".".join(parts[:i])
+            path = _source(name)
+            if name in seen or (path is None and parts[0] in ("autopipe", "executor", "tests")):
+                continue
+            seen.add(name)
+            if path is None:
+                external.add(parts[0])
+                continue
+            todo.extend(_loaded_imports(path))
+    assert "autopipe.assemble_ranks" in seen and "torch" in external
+    assert not external & {"pandas", "pulp", "matplotlib"}, sorted(external)

@@ -70,13 +70,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autopipe.core.atomic_files import atomic_write_text
 from autopipe.core.corrections import Corrections, is_legacy_key
 from autopipe.errors import ProfileError
+
+if TYPE_CHECKING:  # imported where a table is built or read: a plan alone never loads pandas
+    import pandas as pd
 
 __all__ = ["Profile", "SPLIT_COLUMNS", "fingerprint_mismatch", "micro_batch_text"]
 
@@ -168,6 +169,8 @@ class Profile:
         columns ""). Without ``edges`` the layers form a chain in row order, each edge carrying
         the producer's ``output_bytes``.
         """
+        import pandas as pd
+
         if not isinstance(df, pd.DataFrame):
             raise ProfileError(f"from_frame needs a pandas DataFrame, got {type(df).__name__}")
         frame = df.reset_index(drop=True).copy()
@@ -226,6 +229,8 @@ class Profile:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:
         """Read a profile from ``NAME.csv``, ``NAME.json`` or ``NAME`` (both files needed)."""
+        import pandas as pd
+
         csv_path, json_path = _paths(path)
         for p in (csv_path, json_path):
             if not p.exists():
@@ -295,6 +300,8 @@ def _jsonable(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validate_frame(df: pd.DataFrame, where: str) -> pd.DataFrame:
+    import pandas as pd
+
     if not isinstance(df, pd.DataFrame):
         raise ProfileError(f"{where}: df must be a pandas DataFrame, got {type(df).__name__}")
     missing = [c for c in Profile.REQUIRED_COLUMNS if c not in df.columns]

@@ -42,7 +42,7 @@ from autopipe.frontend.tracing.shapes import (
     export_rules,
     fx_rules,
 )
-from executor._torch_compat import tree_leaves, tree_map_only
+from executor._torch_compat import FakeTensorMode, tree_leaves, tree_map_only
 
 __all__ = ["Capture", "capture", "LeafSpec"]
 
@@ -235,10 +235,9 @@ class _GraphRunError(Exception):
         self.err, self.line = err, line
 
 
-def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> None:
-    """Store every node's output as a fake tensor in node.meta['val'] (no real activations)."""
-    from executor._torch_compat import FakeTensorMode
-
+def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> FakeTensorMode | None:
+    """Store every node's output as a fake tensor in node.meta['val'] (no real activations); the
+    mode it ran under, or None where the graph needed one real forward instead."""
     class _MetaRecorder(fx.Interpreter):
         current: fx.Node | None = None
 
@@ -253,7 +252,7 @@ def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> None:
         fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
         with mode:
             _MetaRecorder(gm).run(*fake_args)
-        return
+        return mode
     except Exception:  # an op without a fake kernel: fall back to one real forward
         pass
     recorder = _MetaRecorder(gm)
@@ -267,6 +266,7 @@ def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> None:
         n.meta["val"] = tree_map_only(
             torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), n.meta["val"]
         )
+    return None
 
 
 def _graph_failure(err: Exception) -> _Failure:
@@ -396,10 +396,10 @@ def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
         other, other_failure = _trace_fx(model, rule, kwargs, positional, keywords)
     binding = bind_modes(gm, other, traced, _untraceable(traced, other_failure))
     try:
-        _fake_propagate(gm, args)
+        ran = _fake_propagate(gm, args)
     except Exception as err:  # traced, but the graph does not run on these inputs
         return _graph_failure(err)
-    add_input_check(gm, fx_rules(gm, args), len(args))
+    add_input_check(gm, fx_rules(gm, args, ran), len(args))
     keys = {n.name: str(n.target) if n.op == "call_module" else None for n in gm.graph.nodes}
     return _finish(model, gm, "fx", keys, kwargs, binding)
 

@@ -98,11 +98,13 @@ def _runs_at(gm: fx.GraphModule, args: Sequence[Any], mode: FakeTensorMode,
     return True
 
 
-def fx_rules(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Rule, ...]:
+def fx_rules(gm: fx.GraphModule, args: Sequence[Any], ran: FakeTensorMode | None = None) -> tuple[Rule, ...]:
     """The sizes a torch.fx graph fixes (see [Note: dynamic sizes]); () where the graph does not
-    run on fake tensors at all."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)  # one mode: parameters converted once
-    if not _runs_at(gm, args, mode):
+    run on fake tensors at all. ``ran``: a mode (``allow_non_fake_inputs``) that a fake run of
+    ``gm`` on ``args`` already succeeded under, as the tracer's own did: that run is not repeated,
+    and the probes reuse its fake parameters."""
+    mode = ran or FakeTensorMode(allow_non_fake_inputs=True)  # one mode: parameters converted once
+    if ran is None and not _runs_at(gm, args, mode):
         return ()
     rules: list[Rule] = []
     for i, x in enumerate(args):

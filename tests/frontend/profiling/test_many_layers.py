@@ -1,6 +1,6 @@
 """Profiling graphs of many tiny layers stays bounded; HF Mamba pipelines exactly (issue 22).
 
-The bounds are measured in fresh interpreters (RssAnon: [Note: RssAnon]) on the graphs as traced,
+The bounds are measured in processes of their own (RssAnon: [Note: RssAnon]) on the graphs as traced,
 layer by layer (``leaf_modules=[]``: no [Note: automatic granularity]), so every tiny layer is
 profiled; [Note: a layer that returns a parameter] is what made them grow.
 """
@@ -8,10 +8,7 @@ profiled; [Note: a layer that returns a parameter] is what made them grow.
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
-import textwrap
+import time
 from typing import Any
 
 import pytest
@@ -19,30 +16,30 @@ import torch
 
 import autopipe
 from autopipe.frontend.profiling.process_memory import rss_anon
+from tests import forked
 
 GiB = 2**30
 
-_MEASURE = textwrap.dedent("""
-    import json, sys, time, torch
-    import autopipe
+def _bounds(name: str) -> dict[str, Any]:
+    """Layers, profiling seconds and peak RssAnon of tracing / profiling ``name`` (in a process
+    of its own: it measures only itself)."""
     from autopipe.frontend.profiling.process_memory import PeakRss
     from tests.frontend.many_layers import Scan, tiny_mamba
 
-    def bounds(model, x, chunks):
-        with PeakRss() as traced:
-            g = autopipe.trace(model, (x[: x.shape[0] // chunks],), leaf_modules=[])
-        start = time.perf_counter()
-        with PeakRss() as profiled:
-            autopipe.profile(model, (x,), chunks=chunks, graph=g, repeats=2, warmup=1)
-        return {"layers": len(g.layers), "seconds": time.perf_counter() - start,
-                "traced": traced.above_start, "profiled": profiled.bytes - traced.start}
-
     torch.manual_seed(0)
-    if sys.argv[1] == "scan":
-        print(json.dumps(bounds(Scan(steps=260), torch.randn(4, 260, 8), 2)))
+    if name == "scan":
+        model, x = Scan(steps=260), torch.randn(4, 260, 8)
     else:
-        print(json.dumps(bounds(tiny_mamba(1), torch.randint(0, 256, (4, 8)), 2)))
-""")
+        model, x = tiny_mamba(1), torch.randint(0, 256, (4, 8))
+    chunks = 2
+    with PeakRss() as traced:
+        g = autopipe.trace(model, (x[: x.shape[0] // chunks],), leaf_modules=[])
+    start = time.perf_counter()
+    with PeakRss() as profiled:
+        autopipe.profile(model, (x,), chunks=chunks, graph=g, repeats=2, warmup=1)
+    assert profiled.bytes is not None and traced.start is not None
+    return {"layers": len(g.layers), "seconds": time.perf_counter() - start,
+            "traced": traced.above_start, "profiled": profiled.bytes - traced.start}
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +47,17 @@ def measured() -> dict[str, Any]:
     if rss_anon() is None:
         pytest.skip("needs Linux /proc/self/status")
     pytest.importorskip("transformers")
-    # one fresh interpreter per model, side by side: each measures only itself
-    procs = {name: subprocess.Popen([sys.executable, "-c", _MEASURE, name], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name in ("scan", "mamba")}
-    result: dict[str, Any] = {}
+    # one process per model ([Note: processes forked from a server]), side by side: each
+    # measures only itself
+    children = {name: forked.start(_bounds, name) for name in ("scan", "mamba")}
     try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=240)
-            assert proc.returncode == 0, stderr[-2000:]
-            result[name] = json.loads(stdout.splitlines()[-1])
+        return {name: child.result(timeout=240) for name, child in children.items()}
     finally:
-        for proc in procs.values():
-            proc.kill()
-    return result
+        for child in children.values():
+            child.kill()
 
 
-@pytest.mark.slow  # a fresh interpreter each: tracing 1,044 layers takes most of its ~15 s
+@pytest.mark.slow  # a process each: tracing 1,044 layers takes most of its ~15 s
 def test_a_scan_of_over_a_thousand_layers_profiles_in_bounded_time_and_memory(measured: dict[str, Any]) -> None:
     scan = measured["scan"]
     assert scan["layers"] > 1000
@@ -73,7 +65,7 @@ def test_a_scan_of_over_a_thousand_layers_profiles_in_bounded_time_and_memory(me
     assert scan["profiled"] - scan["traced"] < 1 * GiB  # over what tracing took
 
 
-@pytest.mark.slow  # a fresh interpreter each: tracing 1,044 layers takes most of its ~15 s
+@pytest.mark.slow  # a process each: tracing 1,044 layers takes most of its ~15 s
 def test_mamba_profiles_within_a_bounded_memory(measured: dict[str, Any]) -> None:
     mamba = measured["mamba"]
     assert mamba["layers"] > 60  # the selective scan unrolled over 8 tokens

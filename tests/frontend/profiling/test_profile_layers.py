@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from torch import nn
@@ -14,6 +10,7 @@ import autopipe
 from autopipe.errors import ProfileError
 from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.process_memory import rss_anon
+from tests import forked
 from tests.models import Chain
 
 FAST = {"repeats": 1, "warmup": 0, "progress": False}
@@ -69,42 +66,39 @@ def test_bad_modes_are_one_line_errors() -> None:
         autopipe.profile(nn.Linear(4, 4), (x,), memory_budget="lots", **FAST)
 
 
+def _phase_peak(phase: str) -> tuple[int, int | None]:
+    """The 5 GB meta TinyGPT's parameter bytes, and the peak RssAnon of tracing or profiling it."""
+    from autopipe.frontend.profiling.process_memory import PeakRss
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = TinyGPT(vocab=16000, dim=2048, heads=16, layers=25, max_len=64)
+    ids = torch.randint(0, 16000, (2, 64))
+    with PeakRss() as rss:
+        if phase == "trace":
+            autopipe.trace(model, (ids[:1],))
+        else:
+            prof = autopipe.profile(model, (ids,), chunks=2, repeats=1, warmup=0, progress=False)
+            assert prof.meta["mode"] == "layers"
+            assert (prof.df["fwd_ms"] > 0).all() and (prof.df["bwd_ms"] > 0).all(), prof.df
+    return sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes
+
+
 @pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
 @pytest.mark.timeout(240)
 def test_a_5gb_meta_model_profiles_within_1gib_of_tracing_it() -> None:
-    # Each phase in a fresh interpreter: RssAnon of what it alone allocated ([Note: RssAnon]).
-    code = textwrap.dedent("""
-        import sys, torch, autopipe
-        from autopipe.examples import TinyGPT
-        from autopipe.frontend.profiling.process_memory import PeakRss
-        torch.set_num_threads(1)
-        with torch.device("meta"):
-            model = TinyGPT(vocab=16000, dim=2048, heads=16, layers=25, max_len=64)
-        ids = torch.randint(0, 16000, (2, 64))
-        with PeakRss() as rss:
-            if sys.argv[1] == "trace":
-                autopipe.trace(model, (ids[:1],))
-            else:
-                prof = autopipe.profile(model, (ids,), chunks=2, repeats=1, warmup=0, progress=False)
-                assert prof.meta["mode"] == "layers"
-                assert (prof.df["fwd_ms"] > 0).all() and (prof.df["bwd_ms"] > 0).all(), prof.df
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(size, rss.bytes)
-    """)
-    peaks = {}
-    # the two phases side by side: each fresh interpreter measures only itself
-    procs = {phase: subprocess.Popen([sys.executable, "-c", code, phase], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-             for phase in ("trace", "profile")}
+    # Each phase in a process of its own ([Note: processes forked from a server]), side by side:
+    # RssAnon of what it alone allocated ([Note: RssAnon]), over the same baseline.
+    children = {phase: forked.start(_phase_peak, phase) for phase in ("trace", "profile")}
     try:
-        for phase, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=220)
-            assert proc.returncode == 0, stderr[-3000:]
-            size, peak = map(int, stdout.split())
+        peaks = {}
+        for phase, child in children.items():
+            size, peak = child.result(timeout=220)
+            assert peak is not None
             peaks[phase] = peak
     finally:
-        for proc in procs.values():
-            proc.kill()
+        for child in children.values():
+            child.kill()
     assert size >= 5e9  # bytes of fp32 parameters the profiler never allocated
     assert peaks["profile"] - peaks["trace"] <= 2**30, peaks
 
