@@ -8,6 +8,8 @@
                                                   the collectives' timeline phases
     SCHEDULES, check_schedule()                   the pipeline schedules the runtime runs, and
                                                   the stage / micro-batch counts each accepts
+    ZERO_BUBBLE_SCHEDULES, stage_rank()           the schedules that split each backward in
+                                                  two, and which rank runs which stage
     PRECISIONS, check_precision()                 what a pipeline computes in: fp32, or autocast
                                                   to bf16 / fp16 over fp32 master parameters
 
@@ -27,8 +29,11 @@ __all__ = [
     "DATA_PARALLEL_PHASES",
     "PHASES",
     "PRECISIONS",
+    "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
     "TimelineEvent",
+    "V_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "check_checkpoint_mode",
     "check_chunks",
     "check_precision",
@@ -36,6 +41,7 @@ __all__ = [
     "check_stage_checkpoints",
     "microbatch_sizes",
     "recomputed_microbatches",
+    "stage_rank",
 ]
 
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
@@ -48,11 +54,36 @@ DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
 # The data-parallel collectives of a stage, as timeline phases.
 DATA_PARALLEL_PHASES: tuple[str, ...] = ("allgather", "allreduce", "reducescatter")
 
-# Phases of a timeline, in drawing order (bottom to top of a stacked bar).
-PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "transfer", *DATA_PARALLEL_PHASES)
+# Phases of a timeline, in drawing order (bottom to top of a stacked bar). Under the zero-bubble
+# schedules "backward" is a backward's input-gradient part and "weight" its weight-gradient part
+# ([Note: split backward] in autopipe/core/zero_bubble.py).
+PHASES: tuple[str, ...] = ("forward", "backward", "weight", "recompute", "transfer", *DATA_PARALLEL_PHASES)
+
+# [Note: zero-bubble schedules] torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+# ("interleaved_zb", ZB1P), ScheduleZBVZeroBubble ("zbv") and ScheduleDualPipeV ("dualpipev")
+# split a stage's backward into its input gradients (torch's BACKWARD_INPUT, run first: the
+# previous stage waits for it) and its weight gradients (BACKWARD_WEIGHT, run later, where the
+# pipeline would idle), after Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024).
+ZERO_BUBBLE_SCHEDULES: tuple[str, ...] = ("interleaved_zb", "zbv", "dualpipev")
 
 # Schedules of the distributed runtime; executor.GPipe (one process) always runs "gpipe".
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved1f1b", *ZERO_BUBBLE_SCHEDULES)
+
+# Schedules whose ranks may hold several stages, and of them those whose two stages per rank
+# lie in a V ([Note: stage to rank]).
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleaved_zb", "zbv", "dualpipev")
+V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
+
+
+def stage_rank(schedule: str, stage: int, ranks: int) -> int:
+    """[Note: stage to rank] The rank of W that runs ``stage``: the V schedules place exactly two
+    stages on each rank, rank r running stages r and 2W - 1 - r (torch's
+    ``generate_stage_to_rank_mapping(style="v")``: stages W - 1 and W, the V's bottom, share the
+    last rank and pass values without a message); every other schedule runs stage s on rank
+    s % W (one stage per rank under gpipe and 1f1b)."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
 
 
 # What a pipeline computes in ([Note: mixed precision] in executor/precision.py): "fp32", or
@@ -134,25 +165,37 @@ def check_stage_checkpoints(checkpoint: object, stages: int) -> list[str]:
 
 
 def check_schedule(schedule: str, stages: int, ranks: int, chunks: int) -> None:
-    """What torch.distributed.pipelining accepts: ``gpipe`` and ``1f1b`` run one stage per
-    rank, ``1f1b`` needs at least as many micro-batches as stages (Schedule1F1B refuses fewer),
-    ``interleaved1f1b`` gives every rank the same number of stages and needs ``chunks`` to be a
-    multiple of its rounds, ``max(1, chunks // ranks)`` (ScheduleInterleaved1F1B)."""
+    """What torch.distributed.pipelining (2.13) accepts: ``gpipe`` and ``1f1b`` run one stage per
+    rank, ``1f1b`` needs at least as many micro-batches as stages (Schedule1F1B refuses fewer);
+    ``interleaved1f1b`` and ``interleaved_zb`` give every rank the same number of stages (one
+    or more) and need ``chunks`` to be a multiple of their rounds, ``max(1, chunks // ranks)``
+    (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); ``zbv`` and ``dualpipev`` run
+    exactly two stages per rank in a V ([Note: stage to rank]), ``dualpipev`` on at least as
+    many micro-batches as stages (ScheduleDualPipeV; ScheduleZBVZeroBubble takes any)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-    if schedule != "interleaved1f1b" and stages != ranks:
+    if schedule in V_SCHEDULES:
+        if stages != 2 * ranks:
+            raise ValueError(f"schedule={schedule!r} runs exactly 2 stages per rank (rank r: stages r and "
+                             f"2W-1-r): {ranks} ranks need {2 * ranks} stages, not {stages}; use "
+                             f"{max(stages // 2, 1)} ranks for {2 * max(stages // 2, 1)} stages")
+        if schedule == "dualpipev" and chunks < stages:
+            raise ValueError(f"schedule='dualpipev' needs chunks >= stages ({stages}), got chunks={chunks}; "
+                             f"use chunks={stages} or more, or schedule='zbv'")
+        return
+    if schedule not in MULTI_STAGE_SCHEDULES and stages != ranks:
         raise ValueError(f"schedule={schedule!r} runs one stage per rank: {stages} stages need "
                          f"{stages} ranks, not {ranks}; use schedule='interleaved1f1b' for more")
     if schedule == "1f1b" and chunks < stages:
         raise ValueError(f"schedule='1f1b' needs chunks >= stages ({stages}), got chunks={chunks}; "
                          f"use more micro-batches or schedule='gpipe'")
-    if schedule == "interleaved1f1b":
+    if schedule in MULTI_STAGE_SCHEDULES:
         if stages % ranks:
-            raise ValueError(f"schedule='interleaved1f1b' gives every rank the same number of "
+            raise ValueError(f"schedule={schedule!r} gives every rank the same number of "
                              f"stages: {stages} stages cannot be shared by {ranks} ranks")
         rounds = max(1, chunks // ranks)
         if chunks % rounds:
-            raise ValueError(f"schedule='interleaved1f1b' needs chunks to be a multiple of its "
+            raise ValueError(f"schedule={schedule!r} needs chunks to be a multiple of its "
                              f"rounds (chunks // ranks = {rounds}), got chunks={chunks}; use "
                              f"chunks={ranks * rounds}")
 

@@ -54,7 +54,7 @@ from autopipe.solvers.search import (
     search,
 )
 from autopipe.solvers.stage_dp import budget_devices
-from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
+from executor.spec import CHECKPOINT_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule
 
 __all__ = ["METHODS", "partition", "is_chain"]
 
@@ -269,6 +269,9 @@ def _check_choices(stages: Any, chunks: Any, checkpoint: Any, schedule: Any, bat
                              f"a list with one per stage, or 'auto'")
     if schedule != "auto" and schedule not in SCHEDULES:
         raise PartitionError(f"schedule={schedule!r}: choose one of {list(SCHEDULES)} or 'auto'")
+    if schedule in ZERO_BUBBLE_SCHEDULES:  # until the planner models them (issue 25, part "Plan")
+        raise PartitionError(f"schedule={schedule!r} runs (distributed_pipeline(schedule=...)) but is not planned "
+                             "yet; plan schedule='1f1b' or 'interleaved1f1b' and run it under this one")
     if batch_size is not None and _int(batch_size) is None:
         raise PartitionError(f"batch_size={batch_size!r}: need an integer number of rows >= 1")
     if _int(max_chunks) is None:
@@ -299,7 +302,8 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
         assert batch_size is not None
         counts = chunk_candidates(batch_size, max_chunks)
     modes: list[str | tuple[str, ...]] = [checkpoint if isinstance(checkpoint, str) else tuple(checkpoint)]
-    setting = Setting(ranks, counts, list(SCHEDULES) if schedule == "auto" else [schedule], modes,
+    planned = [s for s in SCHEDULES if s not in ZERO_BUBBLE_SCHEDULES]  # until the planner models them
+    setting = Setting(ranks, counts, planned if schedule == "auto" else [schedule], modes,
                       batch_size, optimizer, bandwidth, ties,
                       stages=stages if isinstance(stages, int) else None,
                       data_parallel=data_parallel, dp_mode=dp_mode)
