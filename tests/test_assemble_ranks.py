@@ -345,15 +345,15 @@ def test_two_ranks_match_one_process(case: str, schedule: str, checkpoint: str, 
 
 
 def _train_without_prefetch(rank: int) -> dict[str, Any]:
-    import executor.distributed
+    import executor.torch_schedules
 
     # as on a torch whose private schedule API drifted: executor._torch_compat's fallback
-    support = executor.distributed.prefetch_support
-    executor.distributed.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
+    support = executor.torch_schedules.prefetch_support
+    executor.torch_schedules.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
     try:
         return _train_once(rank, "skip", "gpipe", "always", "uniform")
     finally:  # the pool's next call gets the receive-ahead schedule back
-        executor.distributed.prefetch_support = support
+        executor.torch_schedules.prefetch_support = support
 
 
 @pytest.mark.timeout(60)

@@ -42,11 +42,12 @@ from autopipe.app.torchrun import RankFailure, diagnose, launch_ranks, ranks_com
 from autopipe.assemble_mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
+from executor.spec import MULTI_STAGE_SCHEDULES, check_schedule, stage_rank
 
 __all__ = ["RankFailure", "prepare", "torchrun_command", "run", "diagnose"]
 
 def _stages_per_rank(config: RunConfig) -> int:
-    return 2 if config.schedule == "interleaved1f1b" else 1
+    return 2 if config.schedule in MULTI_STAGE_SCHEDULES else 1
 
 
 def _check_ranks(config: RunConfig, plan: Plan | None, chunks: int, batch: int, replicas: int = 1) -> int:
@@ -58,11 +59,11 @@ def _check_ranks(config: RunConfig, plan: Plan | None, chunks: int, batch: int, 
     batch //= replicas  # each replica's rows
     if plan is not None:
         k = plan.num_stages
-        if config.schedule == "interleaved1f1b" and k % w:
+        if config.schedule in MULTI_STAGE_SCHEDULES and k % w:
             raise BuildError(f"the plan has {k} stages, which {w} ranks cannot share equally (--schedule "
-                             f"interleaved1f1b gives each rank the same number); pass --nproc a divisor "
+                             f"{config.schedule} gives each rank the same number); pass --nproc a divisor "
                              f"of {k}, or re-run `autopipe partition --stages {2 * w}`")
-        if config.schedule != "interleaved1f1b" and k != w:
+        if config.schedule not in MULTI_STAGE_SCHEDULES and k != w:
             per = f" / {replicas} replicas" if replicas > 1 else ""
             raise BuildError(f"the plan has {k} stages but --nproc {config.nproc}{per} starts {w} ranks of "
                              f"one stage each; pass --nproc {k * replicas}, or re-run `autopipe "
@@ -78,9 +79,13 @@ def _check_ranks(config: RunConfig, plan: Plan | None, chunks: int, batch: int, 
         raise BuildError(f"{what} is not a multiple of --chunks {chunks}: the ranks pass "
                          f"equal micro-batches; use --batch-size {fits}")
     rounds = max(1, chunks // w)
-    if config.schedule == "interleaved1f1b" and chunks % rounds:
-        raise BuildError(f"--schedule interleaved1f1b needs --chunks a multiple of its rounds "
+    if config.schedule in ("interleaved1f1b", "interleaved_zb") and chunks % rounds:
+        raise BuildError(f"--schedule {config.schedule} needs --chunks a multiple of its rounds "
                          f"(chunks // nproc = {rounds}); use --chunks {w * rounds} or another multiple of {w}")
+    try:  # the rest of what the schedule accepts (the V schedules' two stages per rank, ...)
+        check_schedule(config.schedule or "gpipe", k, w, chunks)
+    except ValueError as err:
+        raise BuildError(str(err)) from None
     return k
 
 
@@ -134,8 +139,8 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         finally:
             torch.set_num_threads(before)
         if replicas == 1 and not auto:
-            plan = partition(prof, devices=[f"rank{s % config.nproc}" for s in range(k)], chunks=chunks,
-                             checkpoint=checkpoint, runtime="distributed")
+            plan = partition(prof, devices=[f"rank{stage_rank(config.schedule or 'gpipe', s, config.nproc)}" for s in range(k)],
+                             chunks=chunks, checkpoint=checkpoint, runtime="distributed")
         else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
             plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
                              checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,
