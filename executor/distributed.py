@@ -1,4 +1,5 @@
-"""This rank's pipeline stages on torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B).
+"""This rank's pipeline stages on torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B, and
+the zero-bubble schedules: executor/torch_schedules.py).
 
     pipe = DistributedPipeline([stage], [rank], world, loss_fn=F.cross_entropy, chunks=8,
                                wires=wires, device=torch.device("cpu"))
@@ -26,7 +27,8 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 [Note: what crosses a cut] is in executor/wire.py.
 
 [Note: distributed recomputation] is in executor/recompute.py, [Note: distributed mixed
-precision] in executor/precision.py.
+precision] in executor/precision.py, [Note: split backward on ranks] (the zero-bubble
+schedules) in executor/split_backward.py.
 
 [Note: a dead rank is an error, not a hang] is in executor/peer_failures.py: a peer's failure
 becomes :class:`PipelineFailure` within the timeout, a hung step ends the process.

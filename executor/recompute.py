@@ -31,7 +31,9 @@ what it costs in executor.GPipe and what the profile's ``recompute_ratio`` measu
 non-reentrant forward still builds one (1.2-1.6x the recompute cost on the bundled examples). A
 PipelineStage receives a gradient before it starts a micro-batch's backward, so there is
 nothing to overlap the recomputation with: it runs when the gradient arrives, without
-executor.recompute's early-recompute lane.
+executor.recompute's early-recompute lane. Under the zero-bubble schedules the recomputed graph
+is back-propagated in two halves, the inputs' gradients then and the weights' at the W
+(``split=``, [Note: split backward on ranks] in executor/split_backward.py).
 """
 
 from __future__ import annotations

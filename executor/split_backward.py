@@ -118,20 +118,27 @@ def _closure(roots: Iterable[Node], stop: set[Node], reverse: dict[Node, list[No
     return closure, met
 
 
-def _intermediates(inputs: list[Node], weights: list[Node], roots: list[Node],
-                   reverse: dict[Node, list[Node]]) -> set[Node] | None:
-    """The nodes where the weights' paths meet the input paths (torch's ``get_param_groups``,
-    every group at once); None when a weight's path reaches an output without meeting them
-    (an output of the weights alone: neither half would give that part of their gradient)."""
+def _groups(inputs: list[Node], weights: list[Node], roots: list[Node],
+            reverse: dict[Node, list[Node]]) -> list[tuple[set[Node], set[Node]]] | None:
+    """The weights grouped by the nodes where their paths meet the input paths (torch's
+    ``get_param_groups``): ``(weights, intermediates)``, groups sharing no intermediate; None
+    when a weight's path reaches an output without meeting them (an output of the weights
+    alone: neither half would give that part of their gradient)."""
     input_side, _ = _closure(inputs, set(), reverse)
-    met: set[Node] = set()
+    of_node: dict[Node, tuple[set[Node], set[Node]]] = {}
     for weight in weights:
-        if weight in reverse:  # used by this graph
-            reached, found = _closure([weight], input_side, reverse)
-            if any(root in reached for root in roots):
-                return None
-            met |= found
-    return met
+        if weight not in reverse:
+            continue  # not used by this graph
+        reached, met = _closure([weight], input_side, reverse)
+        if any(root in reached for root in roots):
+            return None
+        group: tuple[set[Node], set[Node]] = ({weight}, set(met))
+        for old in {id(of_node[n]): of_node[n] for n in met if n in of_node}.values():
+            group[0].update(old[0])
+            group[1].update(old[1])
+        for node in group[1]:
+            of_node[node] = group
+    return list({id(g): g for g in of_node.values()}.values())
 
 
 def split_backward(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
@@ -151,8 +158,8 @@ def split_backward(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], le
         return none
     accumulators = {node: w for w in weights.weights() if (node := _node(w)) is not None and node in reverse}
     inputs = [n for n in (_node(leaves[k]) for k in wanted) if n is not None]
-    met = None if reentrant else _intermediates(inputs, list(accumulators), roots, reverse)
-    if met is None:  # a reentrant checkpoint (it refuses autograd.grad), or a weight the split
+    groups = None if reentrant else _groups(inputs, list(accumulators), roots, reverse)
+    if groups is None:  # a reentrant checkpoint (it refuses autograd.grad), or a weight the split
         torch.autograd.backward(ys, gs)  # cannot reach: the whole backward, now
         return [x.grad if x.requires_grad else None for x in leaves]
     kept: dict[Node, tuple[Tensor | None, ...]] = {}
@@ -162,44 +169,50 @@ def split_backward(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], le
             kept[node] = grad_outputs
         return keep
 
-    handles = [node.register_prehook(keeper(node)) for node in met]
+    handles = [node.register_prehook(keeper(node)) for _, met in groups for node in met]
     try:
         found = torch.autograd.grad(ys, [leaves[k] for k in wanted], gs, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
     # the W holds the intermediates, not the outputs: the graph above them goes with this call
-    weights.queue(lambda: _weight_part(kept, accumulators))
+    weights.queue(lambda: _weight_part(groups, kept, accumulators))
     out = list(none)
     for k, g in zip(wanted, found, strict=True):
         out[k] = g
     return out
 
 
-def _weight_part(kept: dict[Node, tuple[Tensor | None, ...]], accumulators: dict[Node, Tensor]) -> None:
-    """The W: the weights' gradients from what their intermediates kept, added to ``.grad``
-    (torch 2.13's ``stage_backward_weight``, in one pass over the graph). Each intermediate's
-    incoming gradients are replaced by what it kept, so one below another counts once."""
-    edges = [GradientEdge(node, i) for node, grads in kept.items() for i, g in enumerate(grads) if g is not None]
-    outputs = [g for grads in kept.values() for g in grads if g is not None]
-    if not edges:
-        return
-    handles = [node.register_prehook(lambda _, grads=grads: grads) for node, grads in kept.items()]
-    try:
-        nodes = list(accumulators)
-        found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in nodes], outputs, allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    kept.clear()  # the intermediates and their gradients: freed as the W ends
-    for node, g in zip(nodes, found, strict=True):
-        if g is None:
+def _weight_part(groups: list[tuple[set[Node], set[Node]]], kept: dict[Node, tuple[Tensor | None, ...]],
+                 accumulators: dict[Node, Tensor]) -> None:
+    """The W: each group's weight gradients from what its intermediates kept, added to the
+    weights' ``.grad`` (torch 2.13's ``stage_backward_weight``). A group apart from the others,
+    so that autograd computes its weights' gradients only, not again the inputs' below; within
+    a group whose intermediates lie one below another, what reaches each is replaced by what it
+    kept, so it counts once; the graph is kept until the last group, which a group may cross."""
+    for k, (params, met) in enumerate(groups):
+        edges = [GradientEdge(n, i) for n in met for i, g in enumerate(kept.get(n, ())) if g is not None]
+        outputs = [g for n in met for g in kept.get(n, ()) if g is not None]
+        if not edges:
             continue
-        weight = accumulators[node]
-        if weight.grad is None:
-            weight.grad = g
-        else:
-            weight.grad += g
+        handles = [n.register_prehook(lambda _, grads=kept[n]: grads) for n in met if n in kept] \
+            if len(met) > 1 else []
+        try:
+            nodes = list(params)
+            found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in nodes], outputs,
+                                        retain_graph=k < len(groups) - 1, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for node, g in zip(nodes, found, strict=True):
+            if g is None:
+                continue
+            weight = accumulators[node]
+            if weight.grad is None:
+                weight.grad = g
+            else:
+                weight.grad += g
+    kept.clear()  # the intermediates and their gradients: freed as the W ends
 
 
 class _SplitRun:
