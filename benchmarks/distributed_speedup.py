@@ -18,8 +18,8 @@ split evenly, so that the runtime's own overhead is what separates it from the i
 
 Then ZB-V against 1F1B on the same 2 ranks, for each model at each of ``--zb-chunks`` (M = 4 and
 8): 1F1B runs the auto plan's 2 stages, ZB-V (``schedule="zbv"``, each backward split into its
-input and weight gradients: executor/split_backward.py) a 4-stage auto plan, rank r holding
-stages r and 3 - r; each against one process and 2M/(M+1). The predicted column is the
+input and weight gradients: executor/split_backward.py) the 4 stages whose V (rank r holding
+stages r and 3 - r) shares the profile's work most equally; each against one process and 2M/(M+1). The predicted column is the
 planner's simulator's ZB-V / 1F1B ratio, once the planner models the zero-bubble schedules (until
 then "-").
 
@@ -220,9 +220,28 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
 
 
+def _v_stages(prof: Any) -> list[list[str]]:
+    """The 4-stage split whose two ranks under the V (stages 0 + 3 on rank 0, 1 + 2 on rank 1:
+    [Note: stage to rank]) carry the least forward + backward work, no stage more than half a
+    rank's (a stage the next one waits for): a stand-in for the planner's own ZB-V plan until it
+    plans the zero-bubble schedules."""
+    layers = prof.layers
+    work = (prof.df["fwd_ms"] + prof.df["bwd_ms"]).tolist()
+    total = [0.0]
+    for w in work:
+        total.append(total[-1] + w)
+    n = len(layers)
+    best = min((max(total[a] + total[n] - total[c], total[c] - total[a],  # each rank's, and each
+                    2 * max(total[a], total[b] - total[a], total[c] - total[b], total[n] - total[c])),  # stage's
+                (a, b, c)) for a in range(1, n - 2) for b in range(a + 1, n - 1) for c in range(b + 1, n))[1]
+    cuts = [0, *best, n]
+    return [layers[i:j] for i, j in zip(cuts, cuts[1:], strict=False)]
+
+
 def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, list[tuple[int, float, str]]]:
     """``model``'s 1F1B (2 stages) and ZB-V (4 stages, 2 per rank) runs at each M of
     ``--zb-chunks``; each M's one-process step ms and predicted ratio."""
+    from autopipe.core.plan import Plan
     from autopipe.solvers.partitioner import partition
 
     runs: Schedules = []
@@ -231,7 +250,7 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, 
         run = (model, args.batch, args.width, m, args.steps, args.warmup)
         prof = _profile(model, args.batch, args.width, m)
         two = partition(prof, stages=2, chunks=m, checkpoint="never")
-        four = partition(prof, stages=4, chunks=m, checkpoint="never")  # [Note: stage to rank]: r, 3 - r
+        four = Plan.from_stages(prof, _v_stages(prof), chunks=m, checkpoint="never")
         runs += [(two.to_dict(), "1f1b", run), (four.to_dict(), "zbv", run)]
         rows.append((m, _single_process(*run), _predicted(prof, m)))
     return runs, rows
@@ -240,9 +259,9 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, 
 def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
     return [
         f"ZB-V against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: 1F1B on the "
-        "auto plan's 2 stages, ZB-V on a 4-stage auto plan (rank r: stages r and 3 - r), each "
-        "backward split into input and weight gradients; predicted: the planner's simulator "
-        "(\"-\" until it models the zero-bubble schedules)",
+        "auto plan's 2 stages, ZB-V on the 4 stages whose V (rank 0: stages 0 and 3, rank 1: 1 and 2) "
+        "shares the profile's work most equally, each backward split into input and weight "
+        "gradients; predicted: the planner's simulator (\"-\" until it models the zero-bubble schedules)",
         "",
         "| model | M | one process step ms | 1F1B step ms | ZB-V step ms | ZB-V vs 1F1B | predicted "
         "| 1F1B speedup | ZB-V speedup | 2M/(M+1) |",
