@@ -241,14 +241,14 @@ def distributed_pipeline(
     inputs = (*inputs, *batched.values())  # keyword inputs after positional ones, all split
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
-    try:  # what the schedule accepts, before any rank profiles
-        check_schedule(schedule, k, world, chunks)
-    except ValueError as err:
-        raise BuildError(str(err)) from None
     micro = microbatch_inputs(inputs, chunks)
     micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
     given = checkpoint if plan is not None else None  # else the plan is made with it
     mode = partition_checkpoint(checkpoint, k) if plan is None else ""
+    try:  # what the schedule accepts, before any rank profiles
+        check_schedule(schedule, k, world, chunks)
+    except ValueError as err:
+        raise BuildError(str(err)) from None
     here = _device(device)
     check_host_allocator(host_allocator)
     if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]

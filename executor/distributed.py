@@ -154,7 +154,6 @@ class DistributedPipeline(Checkpointable):
         if len(stages) > 1 and schedule not in MULTI_STAGE_SCHEDULES:
             raise DistributedError(f"schedule={schedule!r} runs one stage per rank but this rank has "
                                    f"{len(stages)}; use schedule='interleaved1f1b'")
-        check_layout(schedule, num_stages, dist.get_world_size(group), chunks, dist.get_rank(group), indices)
         if len(wires) != num_stages + 1:
             raise DistributedError(f"got wires for {len(wires)} cuts but {num_stages} stages have "
                                    f"{num_stages + 1}; pass infer_wires(all_stages, micro_batch)")
@@ -163,6 +162,7 @@ class DistributedPipeline(Checkpointable):
             self.precision = check_precision(precision)
         except ValueError as err:
             raise DistributedError(str(err)) from None
+        check_layout(schedule, num_stages, dist.get_world_size(group), chunks, dist.get_rank(group), indices)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)  # in the pipeline
         self.pp_rank, self.pp_size = self.rank, self.world
         self.indices = list(indices)
