@@ -58,9 +58,10 @@ from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from autopipe.rank_parts import (
     merge_state_dicts,  # re-exported: the parts this module's pipelines save
 )
-from executor.distributed import DistributedPipeline, infer_wires
+from executor.distributed import DistributedError, DistributedPipeline, infer_wires
 from executor.host_allocator import check_host_allocator, use_host_allocator
-from executor.spec import SCHEDULES
+from executor.replicated import check_fsdp_ties
+from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, check_schedule, stage_rank
 from executor.watchdog import FIRST_STEP_TIMEOUT_S
 
 __all__ = ["distributed_pipeline", "merge_state_dicts"]
@@ -160,10 +161,13 @@ def distributed_pipeline(
         chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
         checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
             (see :func:`autopipe.assemble.runtime_checkpoint`), ``"except_last"`` to partition.
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved1f1b`` (several stages per rank); default:
-            the plan's (the schedule its prediction is for), else ``gpipe``.
-        stages_per_rank: default 1, or 2 for ``interleaved1f1b`` (or the plan's stages / ranks
-            per replica).
+        schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b`` (several stages per rank), or a
+            zero-bubble schedule, each backward split into input and weight gradients:
+            ``interleaved_zb`` (interleaved's layout), ``zbv`` or ``dualpipev`` (two stages per
+            rank in a V: rank r runs stages r and 2W-1-r); default: the plan's (the schedule its
+            prediction is for), else ``gpipe``. See executor/torch_schedules.py.
+        stages_per_rank: default 1, or 2 for the schedules of several stages per rank (or the
+            plan's stages / ranks per replica); ``zbv`` and ``dualpipev`` need 2.
         data_parallel: D replicas of a pipeline of world / D ranks, on a (dp, pp) DeviceMesh
             ([Note: replicas on a mesh] in executor/replicated.py); default: the plan's (1
             without a plan). Each replica's ``example_inputs`` and ``step`` inputs are its own
@@ -222,7 +226,7 @@ def distributed_pipeline(
     replicas, dp = replicas_of(plan, data_parallel, dp_mode, everyone)
     world = everyone // replicas  # ranks of one pipeline
     per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
-                                   else 2 if schedule == "interleaved1f1b" else 1)
+                                   else 2 if schedule in MULTI_STAGE_SCHEDULES else 1)
     k = max(per_rank, 1) * world
     if plan is not None and len(plan.stages) != k:
         n = len(plan.stages)
@@ -241,6 +245,10 @@ def distributed_pipeline(
     micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
     given = checkpoint if plan is not None else None  # else the plan is made with it
     mode = partition_checkpoint(checkpoint, k) if plan is None else ""
+    try:  # what the schedule accepts, before any rank profiles
+        check_schedule(schedule, k, world, chunks)
+    except ValueError as err:
+        raise BuildError(str(err)) from None
     here = _device(device)
     check_host_allocator(host_allocator)
     if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
@@ -269,17 +277,26 @@ def distributed_pipeline(
         warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_checkpoint(plan, given)
     stages = build(model, plan, graph)
+    if replicas > 1 and dp == "fsdp":  # on every rank, before any builds its replica
+        for r in range(world):
+            held = [i for i in range(k) if stage_rank(schedule, i, world) == r]
+            try:
+                check_fsdp_ties([stages[i] for i in held], held, schedule)
+            except DistributedError as err:
+                raise BuildError(str(err)) from None
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
     # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
     wires = infer_wires(stages, probe, precision)
-    mine = list(range(rank % world, k, world))  # [Note: replicas on a mesh]: rank = dp x K + pp
+    # [Note: replicas on a mesh]: rank = dp x K + pp; [Note: stage to rank]
+    mine = [i for i in range(k) if stage_rank(schedule, i, world) == rank % world]
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     owners: dict[int, list[int]] = {}
     for i, s in enumerate(stages):
+        held_by = stage_rank(schedule, i, world)
         for p in s.parameters():
-            owners.setdefault(id(p), [])
-            if i % world not in owners[id(p)]:
-                owners[id(p)].append(i % world)
+            held = owners.setdefault(id(p), [])
+            if held_by not in held:  # a tie within one rank (the V's first and last) is no tie
+                held.append(held_by)
     local = {id(p): p for i in mine for p in stages[i].parameters()}
     ties = [(ranks, local.get(pid)) for pid, ranks in owners.items() if len(ranks) > 1]
     aliases = _aliases(model)

@@ -16,6 +16,13 @@ split evenly, so that the runtime's own overhead is what separates it from the i
   the auto plan's cut (so this row isolates the runtime's overhead from the plan), wrapped in
   ``PipelineStage`` + ``ScheduleGPipe``: what a user writes without autopipe.
 
+Then ZB-V against 1F1B on the same 2 ranks, for each model at each of ``--zb-chunks`` (M = 4 and
+8): 1F1B runs the auto plan's 2 stages, ZB-V (``schedule="zbv"``, each backward split into its
+input and weight gradients: executor/split_backward.py) the 4 stages whose V (rank r holding
+stages r and 3 - r) shares the profile's work most equally; each against one process and 2M/(M+1). The predicted column is the
+planner's simulator's ZB-V / 1F1B ratio, once the planner models the zero-bubble schedules (until
+then "-").
+
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
 Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.comm (what
 ``autopipe profile --comm`` stores for the cost model): a stage call of the runtime (empty
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import tempfile
@@ -92,13 +100,13 @@ def _single_process(model: str, batch: int, width: int, chunks: int, steps: int,
 
 
 def _autopipe_rank(rank: int, plan: dict[str, Any], model: str, batch: int, width: int, chunks: int,
-                   steps: int, warmup: int) -> float:
+                   steps: int, warmup: int, schedule: str | None = None) -> float:
     from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
     ex = _example(model, batch, width)
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=Plan.from_dict(plan),
-                                chunks=chunks, checkpoint="never", host_allocator="retain")
+                                chunks=chunks, checkpoint="never", host_allocator="retain", schedule=schedule)
     return _median_ms(lambda: pipe.step(*ex.inputs, target=ex.target), steps, warmup)
 
 
@@ -122,54 +130,68 @@ def _torch_rank(rank: int, cut: int, model: str, batch: int, width: int, chunks:
     return _median_ms(step, steps, warmup)
 
 
-def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[Any, ...]) -> list[float]:
-    """Every 2-rank configuration in turn on one process group (one start-up for them all)."""
+Schedules = list[tuple[dict[str, Any], str, tuple[Any, ...]]]  # (plan, schedule, run) of the ZB-V table
+
+
+def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[Any, ...], more: Schedules) -> list[float]:
+    """Every 2-rank configuration in turn on one process group (one start-up for them all): the
+    plans, the hand-written peer, then each of ``more`` under its schedule."""
     times = [_autopipe_rank(rank, plan, *run) for plan in plans]
     dist.barrier()
-    return [*times, _torch_rank(rank, cut, *run)]
+    times.append(_torch_rank(rank, cut, *run))
+    return times + [_autopipe_rank(rank, plan, *r, schedule=schedule) for plan, schedule, r in more]
 
 
-def _entry(rank: int, port: int, out: str, args: tuple[Any, ...]) -> None:
+def _entry(rank: int, port: int, out: str, fn: Callable[..., list[float]], args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
     pin_local_rank(rank, 2)  # as `autopipe run` places its ranks
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=120))
-    times = _rank(rank, *args)
+    times = fn(rank, *args)
     dist.barrier()
     torch.save(times, Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
 
 
-def _two_ranks(*args: Any) -> list[float]:
-    """Step times of each 2-rank run: the slower rank's median (both wait for each other)."""
+def _two_ranks(fn: Callable[..., list[float]], *args: Any) -> list[float]:
+    """Step times of each 2-rank run of ``fn``: the slower rank's median (both wait for each other)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory() as out:
-        start_processes(_entry, args=(port, out, args), nprocs=2, start_method="spawn")
+        start_processes(_entry, args=(port, out, fn, args), nprocs=2, start_method="spawn")
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
     return [max(a, b) for a, b in zip(*per_rank, strict=True)]
 
 
-def _plans(model: str, batch: int, width: int, chunks: int) -> tuple[Any, Any]:
+@functools.cache
+def _profile(model: str, batch: int, width: int, chunks: int) -> Any:
     from autopipe.frontend.profiling.profiler import profile
-    from autopipe.solvers.partitioner import partition
 
     ex = _example(model, batch, width)
-    prof = profile(ex.model, ex.inputs, chunks=chunks, repeats=5)
+    return profile(ex.model, ex.inputs, chunks=chunks, repeats=5)
+
+
+def _plans(model: str, batch: int, width: int, chunks: int) -> tuple[Any, Any]:
+    from autopipe.solvers.partitioner import partition
+
+    prof = _profile(model, batch, width, chunks)
     return (partition(prof, stages=2, chunks=chunks, checkpoint="never"),
             partition(prof, stages=2, chunks=chunks, checkpoint="never", method="uniform"))
 
 
-def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple[float, float, int]]:
-    """One model's markdown table; its one-process and best autopipe step ms, the cut's bytes."""
+def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple[float, float, int], list[str]]:
+    """One model's markdown table; its one-process and best autopipe step ms, the cut's bytes;
+    its rows of the ZB-V table (run by the same two ranks)."""
     m, run = args.chunks, (model, args.batch, args.width, args.chunks, args.steps, args.warmup)
     auto, uniform = _plans(model, args.batch, args.width, args.chunks)
     cut = int(auto.stages[1][0].split(".")[-1])  # layers are net.0, net.1, ...
     one = _single_process(*run)
-    auto_ms, uniform_ms, peer_ms = _two_ranks([auto.to_dict(), uniform.to_dict()], cut, run)
+    more, zb_rows = _zero_bubble_runs(model, args)
+    auto_ms, uniform_ms, peer_ms, *zb_times = _two_ranks(_rank, [auto.to_dict(), uniform.to_dict()], cut, run,
+                                                         more)
     rows = [
         ("one process (1 thread)", "-", one),
         ("autopipe, auto plan", _split(auto.stages), auto_ms),
@@ -192,7 +214,76 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     lines.append(f"auto plan vs equal layer counts: {uniform_ms / auto_ms:.2f}x faster; "
                  f"vs the hand-written torch.distributed.pipelining peer: {peer_ms / auto_ms:.2f}x")
     best = min((auto_ms, auto), (uniform_ms, uniform), key=lambda x: x[0])
-    return lines, (one, best[0], best[1].breakdown[0].output_bytes)
+    zb = [f"| {'UnevenMLP' if model == 'uneven' else 'EvenBlocks'} | {m} | {one:.1f} | {f1b:.1f} | {zbv:.1f} | "
+          f"{f1b / zbv:.2f}x | {predicted} | {one / f1b:.2f}x | {one / zbv:.2f}x | {2 * m / (m + 1):.2f} |"
+          for (m, one, predicted), f1b, zbv in zip(zb_rows, zb_times[::2], zb_times[1::2], strict=True)]
+    return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
+
+
+def _v_stages(prof: Any) -> list[list[str]]:
+    """The 4-stage split whose two ranks under the V (stages 0 + 3 on rank 0, 1 + 2 on rank 1:
+    [Note: stage to rank]) carry the least forward + backward work, no stage more than half a
+    rank's (a stage the next one waits for): a stand-in for the planner's own ZB-V plan until it
+    plans the zero-bubble schedules."""
+    layers = prof.layers
+    work = (prof.df["fwd_ms"] + prof.df["bwd_ms"]).tolist()
+    total = [0.0]
+    for w in work:
+        total.append(total[-1] + w)
+    n = len(layers)
+    best = min((max(total[a] + total[n] - total[c], total[c] - total[a],  # each rank's, and each
+                    2 * max(total[a], total[b] - total[a], total[c] - total[b], total[n] - total[c])),  # stage's
+                (a, b, c)) for a in range(1, n - 2) for b in range(a + 1, n - 1) for c in range(b + 1, n))[1]
+    cuts = [0, *best, n]
+    return [layers[i:j] for i, j in zip(cuts, cuts[1:], strict=False)]
+
+
+def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, list[tuple[int, float, str]]]:
+    """``model``'s 1F1B (2 stages) and ZB-V (4 stages, 2 per rank) runs at each M of
+    ``--zb-chunks``; each M's one-process step ms and predicted ratio."""
+    from autopipe.core.plan import Plan
+    from autopipe.solvers.partitioner import partition
+
+    runs: Schedules = []
+    rows = []
+    for m in args.zb_chunks:
+        run = (model, args.batch, args.width, m, args.steps, args.warmup)
+        prof = _profile(model, args.batch, args.width, m)
+        two = partition(prof, stages=2, chunks=m, checkpoint="never")
+        four = Plan.from_stages(prof, _v_stages(prof), chunks=m, checkpoint="never")
+        runs += [(two.to_dict(), "1f1b", run), (four.to_dict(), "zbv", run)]
+        rows.append((m, _single_process(*run), _predicted(prof, m)))
+    return runs, rows
+
+
+def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
+    return [
+        f"ZB-V against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: 1F1B on the "
+        "auto plan's 2 stages, ZB-V on the 4 stages whose V (rank 0: stages 0 and 3, rank 1: 1 and 2) "
+        "shares the profile's work most equally, each backward split into input and weight "
+        "gradients; predicted: the planner's simulator (\"-\" until it models the zero-bubble schedules)",
+        "",
+        "| model | M | one process step ms | 1F1B step ms | ZB-V step ms | ZB-V vs 1F1B | predicted "
+        "| 1F1B speedup | ZB-V speedup | 2M/(M+1) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+def _predicted(prof: Any, m: int) -> str:
+    """The simulator's 1F1B / ZB-V iteration ratio for these plans, or "-" where it does not
+    simulate ZB-V (the planner's change, issue 25 "Plan")."""
+    from autopipe.core.simulator import SIMULATED_SCHEDULES
+    from autopipe.solvers.partitioner import partition
+
+    if "zbv" not in SIMULATED_SCHEDULES:
+        return "-"
+    try:
+        one_f = partition(prof, stages=2, chunks=m, checkpoint="never", schedule="1f1b")
+        zbv = partition(prof, stages=4, chunks=m, checkpoint="never", schedule="zbv")
+    except ValueError:  # not planned yet
+        return "-"
+    return f"{one_f.iteration_time / zbv.iteration_time:.2f}x"
 
 
 def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, int]]) -> list[str]:
@@ -232,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-overheads", action="store_true", help="skip the overhead breakdown")
+    p.add_argument("--zb-chunks", type=int, nargs="*", default=[4, 8],
+                   help="the M of the ZB-V against 1F1B table (none: no table)")
     p.add_argument("--comm-launches", type=int, default=COMM_LAUNCHES,
                    help="measure_comm's launches of two ranks (a smoke run: 1)")
     p.add_argument("--comm-repeats", type=int, default=COMM_REPEATS, help="measure_comm's repeats per size")
@@ -241,9 +334,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     lines: list[str] = []
     steps: dict[str, tuple[float, float, int]] = {}
+    zb: list[str] = []
     for model in args.models:
-        table, steps[model] = _model_table(model, args)
+        table, steps[model], rows = _model_table(model, args)
         lines += [*table, ""]
+        zb += rows
+    if zb:
+        lines += [*_zero_bubble_table(args, zb), ""]
     if not args.no_overheads:
         lines += _overheads(args, steps)
     text = "\n".join(lines)

@@ -17,6 +17,12 @@ name directly: it imports it from here, where
   (``release_fwd_send_outputs``, 2.15) the override does so too (:func:`release_fwd_send`).
   On any other difference the executor runs torch's public ``ScheduleGPipe`` instead and
   warns once, in one line, saying why;
+- :func:`without_self_sends` filters what ``PipelineStage._get_init_p2p_neighbors_ops`` gives,
+  which executor/sized.py's stage overrides: torch 2.11 and 2.12 warm up the links to both
+  neighbour stages at a schedule's first step, and under the V schedules (zbv, dualpipev) the
+  two middle stages share a rank, so half of that is a send to the rank itself, which gloo
+  refuses; torch 2.13 warms up another way and never calls the method for a PipelineStage
+  (nor does any torch without it);
 - :func:`symbol_source` names a symbolic size for fake tensors (``torch._dynamo.source``,
   which torch.export itself uses): only where a fake run at symbolic sizes is tried, which
   falls back to fixed sizes on any error;
@@ -78,6 +84,7 @@ __all__ = [
     "warn_no_prefetch",
     "sorted_batch_p2p",
     "wait_batch_p2p",
+    "without_self_sends",
     "is_communication_error",
     "symbol_source",
     "mesh_group_options",
@@ -268,6 +275,11 @@ def sorted_batch_p2p(ops: list[Any], desc: str) -> dict[int, list[Any]]:
 
 def wait_batch_p2p(work: list[Any]) -> None:
     _helpers()[0]["_wait_batch_p2p"](work)
+
+
+def without_self_sends(ops: list[Any], group_rank: int) -> list[Any]:
+    """The P2POps of a stage's warm-up but those to ``group_rank`` itself (see the module doc)."""
+    return [op for op in ops if getattr(op, "group_peer", None) != group_rank]
 
 
 # Messages gloo and NCCL put on a plain RuntimeError when a peer dies, hangs or drops.

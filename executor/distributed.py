@@ -1,4 +1,5 @@
-"""This rank's pipeline stages on torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B).
+"""This rank's pipeline stages on torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B, and
+the zero-bubble schedules: executor/torch_schedules.py).
 
     pipe = DistributedPipeline([stage], [rank], world, loss_fn=F.cross_entropy, chunks=8,
                                wires=wires, device=torch.device("cpu"))
@@ -26,7 +27,8 @@ so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_modu
 [Note: what crosses a cut] is in executor/wire.py.
 
 [Note: distributed recomputation] is in executor/recompute.py, [Note: distributed mixed
-precision] in executor/precision.py.
+precision] in executor/precision.py, [Note: split backward on ranks] (the zero-bubble
+schedules) in executor/split_backward.py.
 
 [Note: a dead rank is an error, not a hang] is in executor/peer_failures.py: a peer's failure
 becomes :class:`PipelineFailure` within the timeout, a hung step ends the process.
@@ -48,17 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor
 
-from executor._torch_compat import prefetch_support, warn_no_prefetch
 from executor.checkpoint import Checkpointable, CheckpointView
 from executor.errors import DistributedError
 from executor.grad_norm import clip_grads_, counted_once
@@ -67,11 +60,16 @@ from executor.microbatch import gather
 from executor.model_loss import ModelLoss, weighted
 from executor.peer_failures import PipelineFailure, peer_failures
 from executor.precision import precision_autocast
-from executor.prefetch import PrefetchGPipe
 from executor.rank_state import PART_METADATA, rank_checkpoint_view, rank_state_dict
 from executor.recompute import checkpoint_stop
 from executor.sized import SizedSchedules, microbatch_sizes_of
-from executor.spec import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_precision, check_stage_checkpoints
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    check_precision,
+    check_stage_checkpoints,
+)
+from executor.torch_schedules import build_schedule, check_layout, schedule_class
 from executor.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.wire import Wire, WireStage, infer_wires
 
@@ -85,33 +83,6 @@ __all__ = [
     "DistributedPipeline",
     "WATCHDOG_EXIT_CODE",
 ]
-
-_SCHEDULE_CLASSES: dict[str, type] = {
-    "gpipe": PrefetchGPipe,  # [Note: receive ahead]
-    "1f1b": Schedule1F1B,
-    "interleaved1f1b": ScheduleInterleaved1F1B,
-    # [Note: zero-bubble schedules] in executor/spec.py: planned and simulated, not run yet
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
-assert tuple(_SCHEDULE_CLASSES) == SCHEDULES, "executor.spec.SCHEDULES lists the runtime's schedules"
-
-
-def schedule_class(schedule: str) -> type:
-    """The torch schedule class that runs ``schedule`` (one of executor.spec.SCHEDULES)."""
-    if schedule not in _SCHEDULE_CLASSES:
-        raise DistributedError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
-    if schedule in ZERO_BUBBLE_SCHEDULES:
-        raise DistributedError(f"schedule={schedule!r} runs on the distributed runtime in a later change; "
-                               "run schedule='1f1b' or 'interleaved1f1b' for now (autopipe plans and simulates it)")
-    if schedule == "gpipe":
-        problem = prefetch_support()
-        if problem is not None:
-            warn_no_prefetch(problem)
-            return ScheduleGPipe
-    return _SCHEDULE_CLASSES[schedule]
-
 
 # --- the pipeline -----------------------------------------------------------------------------
 class DistributedPipeline(Checkpointable):
@@ -180,7 +151,7 @@ class DistributedPipeline(Checkpointable):
             raise DistributedError(f"chunks={chunks} < 1: a pipeline needs at least one micro-batch")
         if len(stages) != len(indices) or not stages:
             raise DistributedError(f"got {len(stages)} stages for {len(indices)} indices; pass one index per stage")
-        if len(stages) > 1 and schedule != "interleaved1f1b":
+        if len(stages) > 1 and schedule not in MULTI_STAGE_SCHEDULES:
             raise DistributedError(f"schedule={schedule!r} runs one stage per rank but this rank has "
                                    f"{len(stages)}; use schedule='interleaved1f1b'")
         if len(wires) != num_stages + 1:
@@ -191,6 +162,7 @@ class DistributedPipeline(Checkpointable):
             self.precision = check_precision(precision)
         except ValueError as err:
             raise DistributedError(str(err)) from None
+        check_layout(schedule, num_stages, dist.get_world_size(group), chunks, dist.get_rank(group), indices)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)  # in the pipeline
         self.pp_rank, self.pp_size = self.rank, self.world
         self.indices = list(indices)
@@ -205,8 +177,8 @@ class DistributedPipeline(Checkpointable):
         self.group = group if group is not None else dist.new_group(backend=dist.get_backend(), timeout=timedelta)
         self.stages = [s.to(self.device) for s in stages]
         self.wire_stages = [
-            WireStage(s, wires[i], wires[i + 1], first=i == 0, last=i == num_stages - 1,
-                      device=self.device, precision=self.precision)
+            WireStage(s, wires[i], wires[i + 1], first=i == 0, last=i == num_stages - 1, device=self.device,
+                      precision=self.precision, split=schedule in ZERO_BUBBLE_SCHEDULES)
             for s, i in zip(self.stages, self.indices, strict=True)
         ]
         where = {id(p): (k, n) for k, s in enumerate(self.stages) for n, p in s.named_parameters()}
@@ -221,9 +193,7 @@ class DistributedPipeline(Checkpointable):
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
-            if schedule == "interleaved1f1b":
-                return kind(stages, chunks, loss_fn=self._loss, scale_grads=False)
-            return kind(stages[0], chunks, loss_fn=self._loss, scale_grads=False)
+            return build_schedule(kind, schedule, stages, chunks, self._loss)
 
         self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
                                      recomputed=[checkpoint_stop(self.checkpoints[i], chunks)
@@ -333,6 +303,9 @@ class DistributedPipeline(Checkpointable):
         self.steps += 1
         self._scaler = scaler  # read by _loss
         losses: list[Tensor] = []
+        for wire in self.wire_stages:
+            if wire.weight_grads is not None:  # [Note: split backward on ranks]
+                wire.weight_grads.clear()
         with self._watchdog(), self._peer_failures():
             schedule = self._prepare(inputs, target, need_target=True)
             schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,

@@ -40,14 +40,14 @@ def rank_state_dict(pipe: Any) -> dict[str, Any]:
 
 def rank_checkpoint_view(pipe: Any) -> CheckpointView:
     """This rank's tensors (FSDP's: the sharded DTensors its optimizer holds) under all their
-    original names, as a rank of the default group."""
-    names: list[tuple[Tensor, list[str]]] = []
+    original names, as a rank of the default group; a tensor two of its stages share (the V
+    schedules' tied first and last stage) once."""
+    by_id: dict[int, tuple[Tensor, list[str]]] = {}  # a tensor two of its stages share: once
     for stage in pipe.stages:
-        by_id: dict[int, tuple[Tensor, list[str]]] = {}
         for key, tensor in stage.state_dict(keep_vars=True).items():
             held = by_id.setdefault(id(tensor), (tensor, []))[1]
             held += [a for a in pipe.key_aliases.get(key, [key]) if a not in held]
-        names += by_id.values()
+    names = list(by_id.values())
     about = {"runtime": "distributed", "num_stages": pipe.num_stages, "schedule": pipe.schedule_name,
              "chunks": pipe.chunks, "pipeline_ranks": pipe.pp_size, "data_parallel": pipe.dp_size,
              "dp_mode": getattr(pipe, "dp_mode", None)}

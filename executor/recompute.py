@@ -31,7 +31,9 @@ what it costs in executor.GPipe and what the profile's ``recompute_ratio`` measu
 non-reentrant forward still builds one (1.2-1.6x the recompute cost on the bundled examples). A
 PipelineStage receives a gradient before it starts a micro-batch's backward, so there is
 nothing to overlap the recomputation with: it runs when the gradient arrives, without
-executor.recompute's early-recompute lane.
+executor.recompute's early-recompute lane. Under the zero-bubble schedules the recomputed graph
+is back-propagated in two halves, the inputs' gradients then and the weights' at the W
+(``split=``, [Note: split backward on ranks] in executor/split_backward.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ __all__ = [
 
 StageFn = Callable[[Batch], Batch]
 SpanFactory = Callable[[], AbstractContextManager[Any]]
+# a split backward ([Note: split backward on ranks] in executor/split_backward.py): the inputs'
+# gradients from the recomputed outputs, their gradients and the inputs, the weights' later
+SplitFn = Callable[[list[Tensor], tuple[Tensor | None, ...], list[Tensor]], list[Tensor | None]]
 
 
 def checkpoint_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
@@ -193,12 +198,14 @@ class _Shared:
     """State one checkpointed (stage, micro-batch) shares between its two autograd nodes."""
 
     def __init__(
-        self, function: StageFn, batch: Batch, device: torch.device, span: SpanFactory
+        self, function: StageFn, batch: Batch, device: torch.device, span: SpanFactory,
+        split: SplitFn | None = None,
     ) -> None:
         self.function = function
         self.batch = batch  # input structure; its tensors are replaced on each call
         self.device = device
         self.span = span
+        self.split = split
         self.rng: RNGState | None = None
         self.autocast = AutocastState.capture()  # the forward's: Checkpointing is made where it runs
         self.output: Batch | None = None  # the first run's output, until checkpoint() takes it
@@ -235,6 +242,8 @@ class _Checkpoint(torch.autograd.Function):
         assert shared.recomputed is not None
         outputs, leaves = shared.recomputed
         shared.recomputed = None
+        if shared.split is not None:  # under a zero-bubble schedule: the weights' part later
+            return (None, None, *shared.split(outputs, grads, leaves))
         pairs = [
             (y, g) for y, g in zip(outputs, grads, strict=True) if y.requires_grad and g is not None
         ]
@@ -273,6 +282,8 @@ class Checkpointing:
 
     ``function`` maps the input :class:`Batch` to the output :class:`Batch` and must behave
     the same on both calls (RNG is replayed). ``span`` times the recomputation (tracing).
+    ``split``, given, back-propagates the recomputed graph instead of a whole backward (the
+    distributed runtime's zero-bubble schedules: executor/split_backward.py).
     """
 
     def __init__(
@@ -281,8 +292,9 @@ class Checkpointing:
         batch: Batch,
         device: torch.device,
         span: SpanFactory = nullcontext,
+        split: SplitFn | None = None,
     ) -> None:
-        self._shared = _Shared(function, batch, device, span)
+        self._shared = _Shared(function, batch, device, span, split)
 
     def checkpoint(self) -> Batch:
         """The forward pass: outputs that require grad, with no activations saved."""

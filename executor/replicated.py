@@ -31,6 +31,16 @@ inputs as they arrive: ``cast_forward_inputs=False``, so an fp32 residual stream
 under autocast), over fp32 shards, gradients and optimizer state; DDP keeps fp32 parameters
 and gradients and all-reduces them in fp32 (autocast only).
 
+[Note: DDP under zero bubble] The zero-bubble schedules compute weight gradients apart from the
+backward torch's DDP hooks into (their W: executor/split_backward.py), so DDP's reducer would
+not see them (pytorch#144530: PP+DDP does not work for zero bubble). Under those schedules
+``dp_mode="ddp"`` therefore wraps no stage: the stage's parameters and buffers are broadcast
+from the column's first rank when the pipeline is built, as DDP does, and after each step the
+pipeline all-reduces the mean of its gradients over the column itself, in buckets of
+``_BUCKET_BYTES`` (DDP's default 25 MiB): the same averaged gradients, the same one all-reduce
+per step that DDP's ``no_sync`` until the last micro-batch leaves, not overlapped with the last
+backward. FSDP2 needs no such help: torch's schedule reduce-scatters once per step itself.
+
 After the step DistributedPipeline divides by the micro-batches and sums tied copies within
 each row ([Note: tied parameters across ranks]); both are linear, so their order with the
 replicas' mean does not matter: every copy ends with the gradient of the mean loss over all
@@ -71,11 +81,13 @@ from executor.checkpoint import CheckpointView
 from executor.distributed import DistributedPipeline
 from executor.errors import DistributedError
 from executor.precision import compute_dtype
-from executor.spec import DATA_PARALLEL_MODES
+from executor.spec import DATA_PARALLEL_MODES, ZERO_BUBBLE_SCHEDULES
 from executor.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
 from executor.wire import WireStage
 
-__all__ = ["pipeline_mesh", "ReplicatedPipeline"]
+__all__ = ["pipeline_mesh", "ReplicatedPipeline", "check_fsdp_ties"]
+
+_BUCKET_BYTES = 25 * 2**20  # [Note: DDP under zero bubble]: gradients all-reduced at once
 
 # Buffers synchronised once at construction, never in a forward: torch 2.13 on says so with
 # forward_sync_buffers=False; before it (2.11, 2.12) broadcast_buffers=False was that switch.
@@ -115,6 +127,23 @@ def _tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int],
     return mine  # type: ignore[no-any-return]
 
 
+def check_fsdp_ties(stages: Sequence[nn.Module], indices: Sequence[int], schedule: str) -> None:
+    """FSDP2 shards each stage on its own, so two stages of one rank cannot share a parameter
+    (the V schedules' first and last stage, a tied embedding and head): one line saying so.
+    Raised on the rank that holds them; autopipe.distributed_pipeline checks every rank's."""
+    seen: dict[int, tuple[int, str]] = {}
+    for stage, index in zip(stages, indices, strict=True):
+        for name, p in stage.named_parameters():
+            if id(p) in seen and seen[id(p)][0] != index:
+                first, other = seen[id(p)]
+                raise DistributedError(
+                    f"dp_mode='fsdp' shards each stage on its own, but stages {first} and {index} on "
+                    f"this rank share the parameter {other!r} (a tie; schedule={schedule!r} runs both "
+                    "here): use dp_mode='ddp', or a schedule that puts them on different ranks "
+                    "('interleaved_zb', 'interleaved1f1b')")
+            seen.setdefault(id(p), (index, name))
+
+
 class ReplicatedPipeline(DistributedPipeline):
     """This rank's stage(s) of one replica of a pipeline, kept in step with the other replicas.
 
@@ -143,6 +172,9 @@ class ReplicatedPipeline(DistributedPipeline):
             raise DistributedError(f"dp_mode={dp_mode!r} is unknown; use one of {list(DATA_PARALLEL_MODES)}")
         self.mesh, self.dp_mode = mesh, dp_mode
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh.size(0)
+        self._all_reduce: list[nn.Parameter] = []  # [Note: DDP under zero bubble]
+        if dp_mode == "fsdp":
+            check_fsdp_ties(stages, indices, kwargs.get("schedule", "gpipe"))
         group_timeout = StepLimits(timeout, first_step_timeout).group_timeout
         groups = [_tie_group(mesh, ranks, group_timeout) for ranks, _ in ties]
         super().__init__(stages, indices, num_stages, group=mesh.get_group("pp"), timeout=timeout,
@@ -169,9 +201,34 @@ class ReplicatedPipeline(DistributedPipeline):
             return wire
         if not any(p.requires_grad for p in wire.parameters()):
             return wire  # DDP refuses a module with nothing to synchronise (a stage of only ReLUs)
+        if self.schedule_name in ZERO_BUBBLE_SCHEDULES:  # [Note: DDP under zero bubble]
+            group = self.mesh.get_group("dp")
+            with torch.no_grad():
+                for t in [*wire.parameters(), *wire.buffers()]:
+                    dist.broadcast(t, group=group, group_src=0)
+            self._all_reduce += [p for p in wire.parameters()
+                                 if p.requires_grad and all(p is not q for q in self._all_reduce)]
+            return wire
         ids = [self.device] if self.device.type == "cuda" else None
         return DistributedDataParallel(wire, device_ids=ids, device_mesh=dp_mesh,
                                        gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
+
+    def _finish_grads(self) -> None:
+        super()._finish_grads()
+        grads = [p.grad for p in self._all_reduce if p.grad is not None]
+        group = self.mesh.get_group("dp")
+        while grads:  # [Note: DDP under zero bubble]: the mean over the column, a bucket at a time
+            bucket: list[Tensor] = []
+            size = 0
+            while grads and (not bucket or size + grads[0].nbytes <= _BUCKET_BYTES) and (
+                    not bucket or grads[0].dtype == bucket[0].dtype):
+                bucket.append(grads.pop(0))
+                size += bucket[-1].nbytes
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(self.dp_size)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                g.copy_(part.view_as(g))
 
     def _reshard(self) -> None:
         for wire in self.wire_stages:

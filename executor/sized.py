@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
+from executor._torch_compat import without_self_sends
 from executor.errors import DistributedError
 from executor.spec import is_recomputed
 from executor.wire import Sizes, Wire, WireStage, check_sizes, cut_metas, wire_metas
@@ -34,7 +35,9 @@ _KEEP = 4  # sizes whose stages and schedule are kept
 
 class _Stage(PipelineStage):
     """PipelineStage that tells its WireStage which micro-batches to recompute. ``submodule`` is
-    the WireStage itself, or the DistributedDataParallel wrapping it (executor/replicated.py)."""
+    the WireStage itself, or the DistributedDataParallel wrapping it (executor/replicated.py);
+    under the zero-bubble schedules ``dw_builder`` runs the weight gradients its WireStage
+    queued ([Note: split backward on ranks] in executor/split_backward.py)."""
 
     def __init__(self, submodule: torch.nn.Module, wire: WireStage, recomputed: tuple[int, int],
                  *args: Any, **kwargs: Any) -> None:
@@ -49,6 +52,19 @@ class _Stage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
             wire.recompute = False
+
+    # Forward only (eval_step), torch 2.11 to 2.15's V schedules still run their backward
+    # actions, each a no-op but for the hand-over of the gradients to the previous stage on the
+    # same rank, which refuses a stage without backward: nothing to hand over then.
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:  # torch 2.11, 2.12: see without_self_sends
+        return without_self_sends(super()._get_init_p2p_neighbors_ops(), self.group_rank)
 
 
 def microbatch_sizes_of(inputs: Sequence[Any], chunks: int) -> Sizes:
@@ -114,7 +130,8 @@ class SizedSchedules:
         stages = [  # static metadata: no inference run on the first step
             _Stage(m, w, (r, self.chunks), i, self.num_stages, self.device,
                    input_args=wire_metas(at[i]) if i == 0 else cut_metas(at[i]),
-                   output_args=wire_metas(at[i + 1]) if i == last else cut_metas(at[i + 1]), group=self.group)
+                   output_args=wire_metas(at[i + 1]) if i == last else cut_metas(at[i + 1]), group=self.group,
+                   dw_builder=None if w.weight_grads is None else w.weight_grads.builder)
             for m, w, r, i in zip(self.modules, self.wire_stages, self.recomputed, self.indices, strict=True)
         ]
         schedule = self.make_schedule(stages)

@@ -48,6 +48,7 @@ from executor.messages import Slot, layout, message_metas, pack, unpack
 from executor.microbatch import Batch
 from executor.precision import precision_autocast
 from executor.recompute import Checkpointing
+from executor.split_backward import WeightGrads, split_backward, split_call
 from executor.symbolic import SymbolicRun, evaluate, symbolic_run
 
 __all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "cut_metas", "slots", "Sizes", "input_sizes",
@@ -278,12 +279,15 @@ class WireStage(nn.Module):
     messages per cut]) at the input sizes :meth:`use` sets. ``recompute`` is set per
     micro-batch by the pipeline (see [Note: distributed recomputation]). Every call runs under
     ``precision``'s autocast on ``device`` ([Note: mixed precision] in executor/precision.py),
-    inside the caller's; a recomputation replays the autocast its forward ran under.
+    inside the caller's; a recomputation replays the autocast its forward ran under. ``split``
+    (the zero-bubble schedules) runs each training call as one node whose backward gives the
+    input gradients first and queues the weight gradients on :attr:`weight_grads`
+    ([Note: split backward on ranks] in executor/split_backward.py).
     """
 
     def __init__(
         self, stage: nn.Module, inputs: Sequence[Wire], outputs: Sequence[Wire], *, first: bool,
-        last: bool, device: torch.device, precision: str = "fp32",
+        last: bool, device: torch.device, precision: str = "fp32", split: bool = False,
     ) -> None:
         super().__init__()
         self.stage = stage
@@ -293,6 +297,7 @@ class WireStage(nn.Module):
         self.first, self.last = first, last
         self.device = device
         self.recompute = False
+        self.weight_grads = WeightGrads(lambda: self.stage.parameters()) if split else None
         self._spec: TreeSpec | None = None
         self._consts: list[tuple[int, Any]] = []
         self._sizes: Sizes | None = None
@@ -306,7 +311,8 @@ class WireStage(nn.Module):
 
     def _size_cuts(self, inputs: Sequence[Wire], outputs: Sequence[Wire]) -> None:
         self._in, self._out = slots(inputs), slots(outputs)
-        # under recomputation, which output messages get a gradient back (as unchecked)
+        # under recomputation or a split backward, which output messages get a gradient back
+        # (as run plainly)
         self._needs = [m.kind == "cat" or (m.kind == "alone" and self._out[m.members[0]].requires_grad)
                        for m in layout(self._out)]
 
@@ -315,17 +321,23 @@ class WireStage(nn.Module):
             return self._forward(*received)
 
     def _forward(self, *received: Tensor) -> tuple[Tensor, ...]:
-        if self.recompute and self.stage.training and torch.is_grad_enabled():
+        training = self.stage.training and torch.is_grad_enabled()
+        weights = self.weight_grads
+        if self.recompute and training:
             # [Note: distributed recomputation]: executor.GPipe's checkpoint, recomputing when
             # the gradient arrives (no side lane: nothing to overlap it with here)
-            chk = Checkpointing(lambda batch: batch.call(self._run), Batch(received), self.device)
+            split = None if weights is None else lambda ys, gs, xs: split_backward(ys, gs, xs, weights)
+            chk = Checkpointing(lambda batch: batch.call(self._run), Batch(received), self.device, split=split)
             out = tuple(chk.checkpoint().tensors())
-            if self.last:
-                return out
-            # every float output of the checkpoint needs a gradient; the next stage sends one
-            # only for those that needed it unchecked (torch's backward wants one for each)
-            return tuple(t if g else t.detach() for t, g in zip(out, self._needs, strict=True))
-        return self._run(*received)
+        elif weights is not None and training:
+            out = split_call(self._run, received, self.device, weights)
+        else:
+            return self._run(*received)
+        if self.last:
+            return out
+        # every float output of either node needs a gradient; the next stage sends one only
+        # for those that needed it run plainly (torch's backward wants one for each)
+        return tuple(t if g else t.detach() for t, g in zip(out, self._needs, strict=True))
 
     def _run(self, *received: Tensor) -> tuple[Tensor, ...]:
         wire = received if self.first else unpack(received, self._in)

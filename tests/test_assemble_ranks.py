@@ -346,15 +346,15 @@ def test_two_ranks_match_one_process(case: str, schedule: str, checkpoint: str, 
 
 
 def _train_without_prefetch(rank: int) -> dict[str, Any]:
-    import executor.distributed
+    import executor.torch_schedules
 
     # as on a torch whose private schedule API drifted: executor._torch_compat's fallback
-    support = executor.distributed.prefetch_support
-    executor.distributed.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
+    support = executor.torch_schedules.prefetch_support
+    executor.torch_schedules.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
     try:
         return _train_once(rank, "skip", "gpipe", "always", "uniform")
     finally:  # the pool's next call gets the receive-ahead schedule back
-        executor.distributed.prefetch_support = support
+        executor.torch_schedules.prefetch_support = support
 
 
 @pytest.mark.timeout(60)
@@ -566,10 +566,11 @@ def test_distributed_speedup_benchmark_runs_tiny() -> None:
     from benchmarks.distributed_speedup import main
 
     table = main(["--batch", "16", "--steps", "1", "--warmup", "0", "--models", "even", "--width", "8",
-                  "--comm-launches", "1", "--comm-repeats", "2", "--comm-steps", "2"])
+                  "--comm-launches", "1", "--comm-repeats", "2", "--comm-steps", "2", "--zb-chunks", "8"])
     assert "EvenBlocks (16 x Linear(8, 8) + ReLU)" in table and "2M/(M+1) = 1.78" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and "step ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == [
         "| one process (1 thread)", "| autopipe, auto plan", "| autopipe, equal layer counts",
-        "| torch.distributed.pipelining, hand split", "| even"]
+        "| torch.distributed.pipelining, hand split", "| EvenBlocks", "| even"]
+    assert rows[4].split(" | ")[1] == "8" and rows[4].endswith(" | 1.78 |")  # ZB-V vs 1F1B at M = 8
     assert "a crossing" in table  # the runtime's overhead per micro-batch, measured

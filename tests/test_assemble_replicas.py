@@ -32,6 +32,7 @@ from autopipe.solvers.partitioner import partition
 from executor.distributed import PipelineFailure
 from executor.grad_norm import local_grads
 from executor.grad_scaler import PipelineGradScaler
+from executor.spec import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from tests.models import Skip
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import RankResult, _close, spawn
@@ -57,14 +58,27 @@ def _local(values: tuple[Tensor, ...], replica: int) -> tuple[Tensor, ...]:
     return tuple(v.tensor_split(D)[replica] for v in values)
 
 
+_OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 # (model, dp mode, schedule, checkpoint per stage, data_parallel given explicitly or the plan's)
 CASES = [
     ("skip", "ddp", "gpipe", ["always", "except_last"], True),
     ("skip", "fsdp", "1f1b", ["never", "always"], False),
     ("tied", "ddp", "1f1b", ["except_last", "always"], False),
     ("tied", "fsdp", "gpipe", ["always", "never"], True),
-    ("skip", "ddp", "interleaved1f1b", ["never", "always", "never", "except_last"], False),  # a stage
-]                                                                # of no parameters: not under DDP
+    # a stage of no parameters (not under DDP)
+    ("skip", "ddp", "interleaved1f1b", ["never", "always", "never", "except_last"], False),
+    # the zero-bubble schedules (executor/split_backward.py): DDP's mean all-reduced by the
+    # pipeline ([Note: DDP under zero bubble]); under zbv the tied embedding and head are one
+    # tensor on pp rank 0, under interleaved_zb a tie across the ranks
+    ("skip", "ddp", "zbv", ["never", "always", "never", "except_last"], True),
+    ("skip", "fsdp", "zbv", ["never", "except_last", "always", "never"], False),
+    # the GPT's 4-stage cuts carry its sequence length, a Python int, whose receive buffer torch
+    # 2.11's PipelineStage refuses under every schedule: from torch 2.13 on
+    *([] if _OLD_TORCH else [
+        ("tied", "ddp", "zbv", ["except_last", "never", "always", "never"], False),
+        ("tied", "fsdp", "interleaved_zb", ["always", "never", "never", "except_last"], False),
+    ]),
+]
 
 
 def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
@@ -74,7 +88,7 @@ def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
     return dataclasses.replace(plan, checkpoint=modes, data_parallel=D, dp_mode=dp_mode)
 
 
-def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> tuple[str, float] | None:
+def _train(rank: int, out: str, plans: list[dict[str, Any]], refused: dict[str, Any]) -> tuple[str, float] | None:
     """Every case, its results saved; then rank 3 dies and the others' next step fails."""
     results = []
     for n, (case, dp_mode, schedule, _, explicit) in enumerate(CASES):
@@ -95,10 +109,16 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> tuple[str, float
         if pipe.dp_rank == 0:  # one part per stage
             path = os.path.join(out, f"{n}-stage{pipe.pp_rank}.pt")
             torch.save(state, path)
-        results.append({"where": (pipe.dp_rank, pipe.dp_size, pipe.pp_rank, pipe.pp_size),
+        results.append({"where": (pipe.dp_rank, pipe.dp_size, pipe.pp_rank, pipe.pp_size), "last": pipe.is_last,
                         "engine": type(pipe._sized.modules[0]).__name__,  # stage 0 or 1's
                         "losses": losses, "state": {k: v.clone() for k, v in state.items()},
                         "path": path, **_overflow_then_clip(rank, pipe, opt, x, y)})
+    model, inputs, target, loss_fn = _case("tied")  # FSDP cannot shard the V's one tied tensor twice
+    try:
+        distributed_pipeline(model, _local(inputs, rank // K), loss_fn=loss_fn, chunks=CHUNKS, schedule="zbv",
+                             plan=Plan.from_dict(refused), timeout=20)
+    except BuildError as err:
+        results.append({"refused": str(err)})
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))  # whatever ends this process
     return _die(rank, pipe, x, y)
 
@@ -148,7 +168,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[RankResult, An
     """One 4-rank run for the whole module: each rank's end, and its cases' results."""
     out = tmp_path_factory.mktemp("replicas")
     plans = [_plan(case, dp_mode, modes).to_dict() for case, dp_mode, _, modes, _ in CASES]  # once, not per rank
-    ends = spawn(_train, str(out), plans, world=D * K, timeout=140)
+    refused = _plan("tied", "fsdp", ["never"] * 4).to_dict()
+    ends = spawn(_train, str(out), plans, refused, world=D * K, timeout=140)
     saved = [out / f"rank{r}.pt" for r in range(D * K)]
     return [(end, torch.load(f, weights_only=False) if f.exists() else None) for end, f in zip(ends, saved, strict=True)]
 
@@ -175,14 +196,17 @@ def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResu
         assert cases is not None, f"rank {r} exit {end.exitcode}:\n{end.error}"
     parts = [cases for _, cases in ranks]
     assert [r[0]["where"] for r in parts] == [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
-    for n, (case, dp_mode, *_) in enumerate(CASES):
+    for n, (case, dp_mode, schedule, *_) in enumerate(CASES):
         model, ref_losses = _reference(case)
-        what = f"{case}/{dp_mode}"
-        engine = "DistributedDataParallel" if dp_mode == "ddp" else "FSDPWireStage"  # FSDP2's class
+        what = f"{case}/{dp_mode}/{schedule}"
+        engine = ("DistributedDataParallel" if schedule not in ZERO_BUBBLE_SCHEDULES else "WireStage") \
+            if dp_mode == "ddp" else "FSDPWireStage"  # FSDP2's class; [Note: DDP under zero bubble]
         assert engine in {r[n]["engine"] for r in parts}
-        for step in range(STEPS):  # the last stage of each replica (ranks 1 and 3) has a loss
-            assert parts[0][n]["losses"][step] is None and parts[2][n]["losses"][step] is None
-            mean = (parts[1][n]["losses"][step] + parts[3][n]["losses"][step]) / 2
+        last = [r for r, values in enumerate(parts) if values[n]["last"]]
+        assert last == ([0, 2] if schedule in V_SCHEDULES else [1, 3]), what  # each replica's last stage
+        for step in range(STEPS):  # has the loss
+            assert all(parts[r][n]["losses"][step] is None for r in range(D * K) if r not in last)
+            mean = (parts[last[0]][n]["losses"][step] + parts[last[1]][n]["losses"][step]) / 2
             _close(mean, ref_losses[step], f"{what} step {step}")
         expected = model.state_dict()
         for rank, values in enumerate(parts):  # every replica's copy, tied copies included
@@ -193,6 +217,10 @@ def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResu
         fresh.load_state_dict(merged, strict=True)  # a plain model: any number of replicas
         for key, value in expected.items():
             _close(fresh.state_dict()[key], value, f"{what} merged {key}")
+    for r, values in enumerate(parts):  # every rank, before any collective: one line
+        assert values[-1]["refused"].startswith(
+            "dp_mode='fsdp' shards each stage on its own, but stages 0 and 3 on this rank share the "
+            "parameter 'tok.weight' (a tie; schedule='zbv' runs both here): use dp_mode='ddp'"), r
 
 
 @pytest.mark.timeout(150)

@@ -47,7 +47,7 @@ from autopipe.assemble_mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from executor.checkpoint import checkpoint_info
-from executor.spec import MULTI_STAGE_SCHEDULES, check_schedule
+from executor.spec import MULTI_STAGE_SCHEDULES, check_schedule, stage_rank
 
 __all__ = ["RankFailure", "prepare", "torchrun_command", "run", "diagnose"]
 
@@ -145,8 +145,8 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
         finally:
             torch.set_num_threads(before)
         if replicas == 1 and not auto:
-            plan = partition(prof, devices=[f"rank{s % config.nproc}" for s in range(k)], chunks=chunks,
-                             checkpoint=checkpoint, runtime="distributed")
+            plan = partition(prof, devices=[f"rank{stage_rank(config.schedule or 'gpipe', s, config.nproc)}" for s in range(k)],
+                             chunks=chunks, checkpoint=checkpoint, runtime="distributed")
         else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
             plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
                              checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import executor._torch_compat as compat
 import executor.distributed as distributed
+import executor.torch_schedules as torch_schedules
 from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
 
@@ -115,7 +116,7 @@ def test_a_drifted_private_signature_is_named() -> None:
 
 
 def test_gpipe_falls_back_to_torch_schedule_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(distributed, "prefetch_support", lambda: "ScheduleGPipe.x is missing")
+    monkeypatch.setattr(torch_schedules, "prefetch_support", lambda: "ScheduleGPipe.x is missing")
     monkeypatch.setattr(compat, "_warned", set())
     with pytest.warns(RuntimeWarning, match=r"ScheduleGPipe.x is missing; autopipe runs "
                                             r"schedule='gpipe' on torch's ScheduleGPipe") as record:
