@@ -215,18 +215,25 @@ def _batch() -> tuple[Tensor, Tensor]:
 
 
 def _save_llama_parts(rank: int, out: str, plans: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """A 2-stage Llama pipeline saved before and after one SGD step; a 4-stage one (2 per rank)."""
+    """A 2-stage Llama pipeline saved before and after one SGD step; a 4-stage one (2 per rank).
+    One trace per rank: the second pipeline's model and graph are a copy of the first's, taken
+    before that pipeline frees the model's other stages (the copy's graph holds the copy's tensors)."""
     ids, target = _batch()
-    pipe = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, plan=Plan.from_dict(plans["two"]),
-                                chunks=CHUNKS, timeout=20)
+    model = _hf("llama", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(model, microbatch_inputs((ids,), CHUNKS))
+        second = copy.deepcopy((model, graph))  # torch's pytree specs warn as they are copied
+    pipe = distributed_pipeline(model, (ids,), loss_fn=_lm_loss, plan=Plan.from_dict(plans["two"]),
+                                chunks=CHUNKS, timeout=20, graph=graph)
     paths = {kind: os.path.join(out, f"{kind}{rank}.pt") for kind in ("start", "two", "four")}
     torch.save(pipe.state_dict(), paths["start"])
     opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=0.5)
     pipe.step(ids, target=target)
     opt.step()
     torch.save(pipe.state_dict(), paths["two"])
-    other = distributed_pipeline(_hf("llama", 0), (ids,), loss_fn=_lm_loss, plan=Plan.from_dict(plans["four"]),
-                                 chunks=CHUNKS, schedule="interleaved1f1b", timeout=20)
+    other = distributed_pipeline(second[0], (ids,), loss_fn=_lm_loss, plan=Plan.from_dict(plans["four"]),
+                                 chunks=CHUNKS, schedule="interleaved1f1b", timeout=20, graph=second[1])
     torch.save(other.state_dict(), paths["four"])
     # Nothing collective follows the second pipeline's group creation: without this barrier
     # rank 0 (which hosts the rendezvous store) could exit while rank 1 still uses the store.
