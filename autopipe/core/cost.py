@@ -37,10 +37,15 @@ optimizer factor (``none`` 1 = weights only, ``sgd`` 2 = +grads, ``momentum`` 3,
 
 [Note: split backward time] Under the zero-bubble schedules ([Note: split backward] in
 autopipe/core/zero_bubble.py) a stage's backward of one micro-batch is its input-gradient part I,
-the sum of its layers' ``bwd_input_ms`` (their share of ``bwd_ms``, so that I + W is the whole
-backward, however the profile's rows were scaled), with any recomputation, and its
-weight-gradient part W, the rest; the first stage's I is nothing, its W the whole backward, as
-torch runs it. The stage call's backward cost is paid half by each (``split_backward_ms``:
+the sum of its layers' ``bwd_input_ms`` (their share of ``bwd_ms``, however the profile's rows
+were scaled), and its weight-gradient part W, the rest, each times the profile's
+``bwd_split_ratio``: the two halves cost more than the whole backward (two passes of autograd's
+engine, and a weight pass of its own per group of weights; 1.2-1.35x on a stage of
+Linear(512, 512) blocks, 1.30x over the TinyLlama profile's layers), and the runtime pays it.
+Two stages do not split, as executor/split_backward.py runs them: the first stage's I is nothing
+and its W the whole backward, and a stage holding a segment of recomputed layers (torch's
+reentrant checkpoint) runs its whole backward, with the recomputation, at the I and holds
+nothing for a W (``split_parts``). The stage call's backward cost is paid half by each (``split_backward_ms``:
 two calls where there was one; [Note: zero-bubble calls] in corrections.py). A profile
 without the split (measured before it, or written by hand) plans every other schedule and
 refuses these in one line (``check_split``).
@@ -129,6 +134,7 @@ __all__ = [
     "stage_terms",
     "weight_held_bytes",
     "split_backward_ms",
+    "split_parts",
     "check_split",
     "state_bytes",
     "cast_cache_bytes",
@@ -203,10 +209,26 @@ def cast_cache_bytes(param_bytes: Amount, precision: str, recomputed: int) -> Am
     return param_bytes * PRECISION_BYTES[precision] / PRECISION_BYTES["fp32"]
 
 
-def split_backward_ms(bwd_ms: float, bwd_input_ms: float, call_bwd_ms: float) -> tuple[float, float]:
+def split_parts(input_ms: float, bwd_ms: float, ratio: float, *, first: bool, whole: bool) -> tuple[float, float]:
+    """A stage's I and W of one micro-batch ([Note: split backward time]) from its layers'
+    input-gradient part ``input_ms`` of its backward ``bwd_ms``: each scaled by ``ratio`` (what
+    the two halves take over the whole); on a stage holding a segment of recomputed layers
+    (``whole``) all of the backward, whole, at the I; else on the first stage all of it, whole,
+    at the W."""
+    if whole:
+        return bwd_ms, 0.0
+    if first:
+        return 0.0, bwd_ms
+    return input_ms * ratio, (bwd_ms - input_ms) * ratio
+
+
+def split_backward_ms(bwd_ms: float, bwd_input_ms: float, call_bwd_ms: float,
+                      bwd_weight_ms: float | None = None) -> tuple[float, float]:
     """The I and W operations of a split backward ([Note: split backward time]): the stage's
-    input-gradient part and the rest of its backward, each with half its backward call cost."""
-    return bwd_input_ms + call_bwd_ms / 2, bwd_ms - bwd_input_ms + call_bwd_ms / 2
+    input-gradient part and its weight-gradient part (default: the rest of its backward), each
+    with half its backward call cost."""
+    weight = bwd_ms - bwd_input_ms if bwd_weight_ms is None else bwd_weight_ms
+    return bwd_input_ms + call_bwd_ms / 2, weight + call_bwd_ms / 2
 
 
 def check_split(costs: LayerCosts, schedule: str) -> None:
@@ -356,11 +378,12 @@ def stage_costs(
             int(resaved[s - 1]) if s > 0 else 0)
         cut_in = int(cut[s - 1]) if s > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
-        # [Note: split backward time]: the first stage's I is nothing; recomputation is in I
-        bwd_input = None if costs.bwd_input is None or not split else 0.0 if s == 0 else (
-            float(costs.bwd_input[mask].sum()) / dev.speed + alone)
-        held = 0 if costs.weight_grad is None or not split else int(weight_held_bytes(
-            int(costs.weight_grad[mask].sum()), cut_out, s == 0, s == k - 1))
+        bwd_input, bwd_weight, held = None, None, 0
+        if costs.bwd_input is not None and costs.weight_grad is not None and split:
+            bwd_input, bwd_weight = split_parts(float(costs.bwd_input[mask].sum()) / dev.speed, bwd, costs.split_ratio,
+                                                first=s == 0, whole=bool(mine))
+            held = 0 if mine else int(weight_held_bytes(int(costs.weight_grad[mask].sum()), cut_out, s == 0,
+                                                        s == k - 1))
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -385,5 +408,6 @@ def stage_costs(
             param_gather_ms=param_gather_ms(params, *replicas),
             bwd_input_ms=bwd_input,
             weight_held_bytes=held,
+            bwd_weight_ms=bwd_weight,
         ))
     return result

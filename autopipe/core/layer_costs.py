@@ -68,6 +68,9 @@ class LayerCosts:
     # a layer's weight pass starts from; None where the profile has no split
     bwd_input: FloatArray | None = None
     weight_grad: IntArray | None = None
+    # what the two halves of a split backward take over the whole (the profile's
+    # ``meta["bwd_split_ratio"]``; 1 where it did not measure it)
+    split_ratio: float = 1.0
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -156,6 +159,7 @@ class LayerCosts:
             precision=precision_of(profile.meta),
             bwd_input=None if bwd_input is None else bwd_input * beside,
             weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
+            split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
         )
 
     def __len__(self) -> int:

@@ -122,7 +122,7 @@ def _split(stage: StageCost, schedule: str) -> tuple[float, float]:
         raise PlanError(f"profile again: schedule={schedule!r} splits each backward into input and weight "
                         "gradients and these stage costs have no split (bwd_input_ms); simulate(plan, profile, "
                         "schedule=...) with a profile that has it, or another schedule")
-    return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms)
+    return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms, stage.bwd_weight_ms)
 
 
 def _queues(schedule: str, names: list[str], m: int) -> tuple[list[list[Op]], list[int], list[int]]:

@@ -35,15 +35,27 @@ class StageCost:
     # per ITERATION, not in time_ms: the data-parallel collectives ([Note: pipeline x data parallel])
     grad_sync_ms: float = 0.0  # after the stage's last backward
     param_gather_ms: float = 0.0  # before its first forward (fsdp)
-    # a split backward ([Note: split backward time] in cost.py): the input-gradient part of
-    # bwd_ms (None: the profile has no split), and what a micro-batch holds from I to W
+    # a split backward ([Note: split backward time] in cost.py): its input-gradient part I
+    # (None: the profile has no split, or the schedule does not split), what a micro-batch
+    # holds from I to W, and its weight-gradient part W (None, as plans saved before it: the
+    # rest of bwd_ms; I + W exceeds bwd_ms by what splitting costs)
     bwd_input_ms: float | None = None
     weight_held_bytes: int = 0
+    bwd_weight_ms: float | None = None
+
+    @property
+    def backward_ms(self) -> float:
+        """The backward of one micro-batch as the plan's schedule runs it: I + W where it splits
+        the backward, else ``bwd_ms``."""
+        if self.bwd_input_ms is None:
+            return self.bwd_ms
+        return self.bwd_input_ms + (self.bwd_ms - self.bwd_input_ms if self.bwd_weight_ms is None
+                                    else self.bwd_weight_ms)
 
     @property
     def time_ms(self) -> float:
         # = stage_time(layer_work(...), ...) with the parts kept apart
-        return (self.fwd_ms + self.bwd_ms + self.recompute_ms + self.call_fwd_ms
+        return (self.fwd_ms + self.backward_ms + self.recompute_ms + self.call_fwd_ms
                 + self.call_bwd_ms + self.transfer_ms)
 
     @property

@@ -94,6 +94,28 @@ def test_split_stage_costs_from_a_profile() -> None:
     assert all(s.bwd_input_ms is None and s.weight_held_bytes == 0 for s in gpipe)  # only where split
 
 
+def test_the_split_costs_what_the_profile_measured_and_two_stages_do_not_split() -> None:
+    base = chain_profile([1.0] * 4, bwd_input_ms=[0.5, 1.5, 0.5, 1.5], param_bytes=8,
+                         output_bytes=64, saved_bytes=32, weight_grad_bytes=[4, 5, 6, 7])
+    prof = Profile.from_frame(base.df, meta={**base.meta, "bwd_split_ratio": 1.25})
+    costs = LayerCosts.from_profile(prof)
+    assert costs.split_ratio == 1.25 and LayerCosts.from_profile(base).split_ratio == 1.0
+    devices = [DeviceSpec(n) for n in V]
+    options = CostOptions(4, "never", schedule="zbv", bandwidth=None, recompute_layers=("l2",))
+    stages = stage_costs(costs, [0, 1, 2, 3], devices, options)
+    # the two halves cost 1.25x the whole on a stage that splits ([Note: split backward time]);
+    # the first stage runs its backward whole at the W, the stage of a recomputed layer segment
+    # whole at the I (torch's reentrant checkpoint: executor/split_backward.py), holding nothing
+    parts = [(s.bwd_input_ms, s.bwd_weight_ms) for s in stages]
+    assert parts[0] == (0.0, 2.0) and parts[1] == (1.5 * 1.25, 0.5 * 1.25) and parts[3] == (1.5 * 1.25, 0.5 * 1.25)
+    assert parts[2][1] == 0.0 and parts[2][0] == pytest.approx(stages[2].bwd_ms) and stages[2].bwd_ms > 2.0
+    assert stages[2].weight_held_bytes == 0 and stages[1].weight_held_bytes == 5 + 64
+    assert [s.time_ms - s.fwd_ms for s in stages] == pytest.approx([2.0, 2.5, stages[2].bwd_ms, 2.5])
+    sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    ops = {(e.stage, e.phase): round(e.duration_ms, 6) for e in sim.timeline if e.microbatch == 0}
+    assert ops[(1, "backward")] == 1.875 and ops[(1, "weight")] == 0.625 and ops[(2, "weight")] == 0.0
+
+
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
 def test_peak_memory_matches_cost_model(schedule: str) -> None:
     prof = random_chain(12, 3, split=True)

@@ -94,7 +94,7 @@ def test_solvers_plan_and_simulator_agree_on_the_new_times(method: str, checkpoi
 
 def test_old_plan_breakdowns_load() -> None:
     fields = {f.name for f in dataclasses.fields(StageCost)} - {
-        "call_fwd_ms", "call_bwd_ms", "recompute_ratio"}
+        "call_fwd_ms", "call_bwd_ms", "recompute_ratio", "bwd_weight_ms"}
     old = {name: 1 for name in fields}
     cost = StageCost(**old)  # type: ignore[arg-type]
     assert cost.time_ms == 4 and cost.recompute_ratio == 1.0
