@@ -52,18 +52,21 @@ __all__ = ["RUNTIMES", "Corrections", "InSequence", "LossCost", "Phases", "Trans
 
 RUNTIMES: tuple[str, ...] = ("gpipe", "distributed")  # executor.GPipe; torch.distributed.pipelining
 _RERUN = "re-run `autopipe profile ...`"
-_LEGACY_SCHEDULES = ("1f1b", "interleaved1f1b")  # the schedules flat-meta profiles timed
+# the schedules whose calls measure_comm's flat keys carry beside GPipe's (profiles saved before
+# the corrections object timed the first two)
+_LEGACY_SCHEDULES = tuple(s for s in SCHEDULES if s != "gpipe")
 
 
 def call_fallbacks(schedule: str) -> tuple[str, ...]:
     """The schedules whose measured call cost ``schedule``'s plans pay, first measured first:
     its own, then interleaved 1F1B's for the zero-bubble schedules and 1F1B's for interleaved
-    1F1B, then GPipe's. [Note: zero-bubble calls] The zero-bubble schedules are not timed yet
-    (the distributed runtime does not run them: ``profile --comm`` times gpipe, 1f1b and
-    interleaved1f1b), so they pay the closest runtime's: torch's _PipelineScheduleRuntime runs
-    interleaved 1F1B and all three through the same action loop, with messages per action
-    alike; a split backward's two calls share the backward's call cost half and half
-    (``cost.split_backward_ms``)."""
+    1F1B, then GPipe's. [Note: zero-bubble calls] ``profile --comm`` times every schedule on
+    empty stages (autopipe/frontend/profiling/comm.py), where torch runs the profile's chunks
+    on them; a profile measured before the zero-bubble schedules ran on ranks (or at chunks
+    torch refuses for one) lacks theirs, and their plans pay the closest runtime's: torch's
+    _PipelineScheduleRuntime runs interleaved 1F1B and all three through the same action loop,
+    with messages per action alike. A split backward's two calls share the backward's call
+    cost half and half (``cost.split_backward_ms``)."""
     if schedule in ZERO_BUBBLE_SCHEDULES:
         return (schedule, "interleaved1f1b", "1f1b", "gpipe")
     if schedule == "interleaved1f1b":

@@ -27,8 +27,10 @@ ranks run:
   and which posts no receive ahead, costs more per micro-batch (about twice GPipe's on 2 gloo
   ranks sharing 2 cores): its fit is ``stage_call_1f1b_fwd_ms`` / ``_bwd_ms`` (split as
   GPipe's), which 1F1B plans pay ([Note: measured overheads] in autopipe/core/cost.py); and
-  4 such stages, 2 per rank, under interleaved 1F1B give ``stage_call_interleaved1f1b_*``
-  where torch's schedule takes the chunks (else interleaved plans pay 1F1B's). They describe this runtime (its schedule, PipelineStage's
+  4 such stages, 2 per rank, under interleaved 1F1B give ``stage_call_interleaved1f1b_*``,
+  and under each zero-bubble schedule (a V on the V schedules; each backward split, so 3 calls
+  per stage and micro-batch) its own, where torch's schedule takes the chunks (else its plans
+  pay the closest schedule's: [Note: zero-bubble calls] in autopipe/core/corrections.py). They describe this runtime (its schedule, PipelineStage's
   bookkeeping, posting and waiting for each message in Python), not executor.GPipe's: they go
   into ``corrections.stage_calls["distributed"]`` beside executor.GPipe's own, so one ``--comm``
   profile predicts either runtime ([Note: one profile, two runtimes] in autopipe/core/corrections.py).
@@ -75,16 +77,22 @@ from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
 from autopipe.errors import ProfileError, first_line
 from executor.rank_cores import pin_local_rank
-from executor.spec import SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    check_schedule,
+    stage_rank,
+)
 
-# timed beside GPipe; the zero-bubble schedules do not run on the distributed runtime yet, so
-# their plans pay interleaved 1F1B's call cost (Corrections.call_for, [Note: zero-bubble calls])
-SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe" and s not in ZERO_BUBBLE_SCHEDULES)
+# timed beside GPipe, each on empty stages laid out as its plans are (empty_stages)
+SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")
 
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "fit_call_ms", "fit_transfer", "interleaves", "load_comm",
+__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "empty_stages", "fit_call_ms", "fit_transfer", "interleaves",
+           "load_comm", "timed_schedules",
            "measure_comm", "measure_comm_on_ranks", "receive_share", "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
@@ -161,22 +169,43 @@ def interleaves(chunks: int) -> bool:
     return chunks % max(1, chunks // 2) == 0
 
 
+def empty_stages(schedule: str) -> int:
+    """How many empty stages time ``schedule`` on 2 ranks: 4 (two per rank, in a V for the V
+    schedules: [Note: stage to rank]) where ranks hold several, else 2."""
+    return 4 if schedule in MULTI_STAGE_SCHEDULES else 2
+
+
+def timed_schedules(chunks: int) -> tuple[str, ...]:
+    """The schedules of ``SCHEDULE_CALLS`` that torch runs on ``chunks`` micro-batches of
+    :func:`empty_stages` stages (the others' plans pay the closest one's: [Note: zero-bubble
+    calls] in autopipe/core/corrections.py)."""
+    def runs(schedule: str) -> bool:
+        try:
+            check_schedule(schedule, empty_stages(schedule), 2, chunks)
+        except ValueError:
+            return False
+        return True
+
+    return tuple(s for s in SCHEDULE_CALLS if runs(s))
+
+
 def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> dict[str, float]:
     """Median ms of a 2-rank pipeline of near-empty stages: a training step under each schedule
-    (interleaved: 4 stages, 2 per rank, where the chunks allow), a GPipe forward-only step."""
+    (:func:`empty_stages`, where torch takes the chunks), a GPipe forward-only step."""
     from executor.distributed import DistributedPipeline, infer_wires
 
     stages = [_Scale().to(device) for _ in range(4)]
     x = torch.ones(chunks, 1, device=device)
+    wires = {k: infer_wires(stages[:k], (x[:1],)) for k in (2, 4)}
 
     def pipeline(schedule: str) -> DistributedPipeline:
-        k = 4 if schedule == "interleaved1f1b" else 2
-        mine = list(range(rank, k, 2))
+        k = empty_stages(schedule)
+        mine = [s for s in range(k) if stage_rank(schedule, s, 2) == rank]
         return DistributedPipeline([stages[i] for i in mine], mine, k, loss_fn=lambda out, _: out.sum(),
-                                   chunks=chunks, checkpoint="never", wires=infer_wires(stages[:k], (x[:1],)),
-                                   device=device, schedule=schedule)
+                                   chunks=chunks, checkpoint="never", wires=wires[k], device=device,
+                                   schedule=schedule)
 
-    pipes = {s: pipeline(s) for s in ("gpipe", *SCHEDULE_CALLS) if s != "interleaved1f1b" or interleaves(chunks)}
+    pipes = {s: pipeline(s) for s in ("gpipe", *timed_schedules(chunks))}
     target = torch.zeros(chunks, device=device)
 
     def median_ms(step: Any) -> float:
@@ -338,9 +367,10 @@ def receive_share(late_ms: float, nbytes: int, latency_ms: float, ms_per_byte: f
 def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, ms_per_byte: float,
                 fwd_share: float = 0.5) -> float:
     """The call cost per stage and micro-batch (forward + backward, split ``fwd_share``) whose
-    SIMULATED training step of empty stages on 2 ranks under ``schedule`` (2 stages; 4 for
-    interleaved 1F1B; one float crossing each way per micro-batch and cut) takes ``step_ms``:
-    the simulator's own formula, inverted by bisection."""
+    SIMULATED training step of empty stages on 2 ranks under ``schedule`` (:func:`empty_stages`;
+    one float crossing each way per micro-batch and cut; under the zero-bubble schedules each
+    backward call split in two, as the simulator splits it) takes ``step_ms``: the simulator's
+    own formula, inverted by bisection."""
     from autopipe.core.simulator import simulate_stages  # not in the spawned ranks
     from autopipe.core.stage_cost import StageCost
 
@@ -348,10 +378,11 @@ def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, m
         stage = StageCost(fwd_ms=0.0, bwd_ms=0.0, recompute_ms=0.0, transfer_ms=0.0, param_bytes=0,
                           activation_bytes=0, input_bytes=4, output_bytes=4, saved_bytes=0,
                           call_fwd_ms=call * fwd_share, call_bwd_ms=call * (1 - fwd_share),
-                          latency_ms=latency_ms)
-        k = 4 if schedule == "interleaved1f1b" else 2
+                          latency_ms=latency_ms, bwd_input_ms=0.0 if schedule in ZERO_BUBBLE_SCHEDULES else None)
+        k = empty_stages(schedule)
         return simulate_stages([stage] * k, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
-                               schedule=schedule, devices=[f"rank{s % 2}" for s in range(k)]).iteration_time
+                               schedule=schedule,
+                               devices=[f"rank{stage_rank(schedule, s, 2)}" for s in range(k)]).iteration_time
 
     low, high = 0.0, max(step_ms, 0.0)
     if simulated(low) >= step_ms:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.app.cli import main
-from autopipe.core.corrections import Phases
+from autopipe.core.corrections import Corrections, Phases
 from autopipe.core.cost import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
@@ -89,15 +89,21 @@ def test_crossings_from_the_median_launch_steps_from_the_slower(monkeypatch: pyt
 
 @pytest.mark.timeout(90)
 def test_two_real_ranks() -> None:
-    meta = comm.measure_comm("cpu", chunks=2, sizes=(64, 256 << 10), repeats=3, steps=3, launches=1)
+    meta = comm.measure_comm("cpu", chunks=4, sizes=(64, 256 << 10), repeats=3, steps=3, launches=1)
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
     assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
     assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
     assert comm.RECEIVE_SHARE_RANGE[0] <= meta["comm_receive_share"] <= comm.RECEIVE_SHARE_RANGE[1]
     assert meta["comm_late_receive_ms"] > 0
-    for schedule in ("1f1b", "interleaved1f1b"):  # 2 chunks: interleaved runs too
+    for schedule in comm.SCHEDULE_CALLS:  # 4 chunks: torch runs every schedule on them
         assert meta[f"stage_call_{schedule}_fwd_ms"] >= 0 and meta[f"stage_call_{schedule}_bwd_ms"] >= 0
+    calls = Corrections.from_legacy_meta(meta).stage_calls["distributed"]
+    assert set(calls) == {"gpipe", *comm.SCHEDULE_CALLS}
     assert comm.interleaves(2) and comm.interleaves(4) and comm.interleaves(3) and not comm.interleaves(5)
+    # dualpipev needs as many micro-batches as its 4 stages; interleaved ones a multiple of their rounds
+    assert comm.timed_schedules(4) == comm.SCHEDULE_CALLS
+    assert "dualpipev" not in comm.timed_schedules(2) and "zbv" in comm.timed_schedules(2)
+    assert {"interleaved1f1b", "interleaved_zb"}.isdisjoint(comm.timed_schedules(5))
 
 
 @pytest.mark.parametrize("chunks", [1, 4, 8])
@@ -121,6 +127,13 @@ def test_the_call_cost_fit_inverts_the_simulator(chunks: int) -> None:
     again = simulate_stages([stage] * 4, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
                             schedule="interleaved1f1b", devices=["a", "b", "a", "b"]).iteration_time
     assert looped > 0 and again == pytest.approx(3 * gpipe, rel=1e-6)
+    # ZB-V: 4 stages in a V (rank 0 stages 0 and 3), each backward split in two calls
+    v = comm.fit_call_ms(4 * gpipe, "zbv", chunks, latency, ms_per_byte)
+    stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
+                      call_fwd_ms=0.5 * v, call_bwd_ms=0.5 * v, latency_ms=latency, bwd_input_ms=0.0)
+    again = simulate_stages([stage] * 4, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+                            schedule="zbv", devices=["a", "b", "b", "a"]).iteration_time
+    assert v > 0 and again == pytest.approx(4 * gpipe, rel=1e-6)
     assert comm.fit_call_ms(0.0, "1f1b", chunks, latency, ms_per_byte) == 0.0  # faster than free
 
 
