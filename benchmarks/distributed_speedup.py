@@ -17,11 +17,11 @@ split evenly, so that the runtime's own overhead is what separates it from the i
   ``PipelineStage`` + ``ScheduleGPipe``: what a user writes without autopipe.
 
 Then ZB-V against 1F1B on the same 2 ranks, for each model at each of ``--zb-chunks`` (M = 4 and
-8): 1F1B runs the auto plan's 2 stages, ZB-V (``schedule="zbv"``, each backward split into its
-input and weight gradients: executor/split_backward.py) the 4 stages whose V (rank r holding
-stages r and 3 - r) shares the profile's work most equally; each against one process and 2M/(M+1). The predicted column is the
-planner's simulator's ZB-V / 1F1B ratio, once the planner models the zero-bubble schedules (until
-then "-").
+8): the plans ``partition`` makes from a profile taken as ``autopipe profile --comm`` takes it
+(split backward, loss, link, call costs, ranks' slowdown), 1F1B on 2 stages and ZB-V
+(``schedule="zbv"``, each backward split into its input and weight gradients:
+executor/split_backward.py) on 4 in a V (rank r holding stages r and 3 - r); each against one
+process and 2M/(M+1), and the simulator's prediction of ZB-V against 1F1B.
 
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
 Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.comm (what
@@ -214,84 +214,71 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     lines.append(f"auto plan vs equal layer counts: {uniform_ms / auto_ms:.2f}x faster; "
                  f"vs the hand-written torch.distributed.pipelining peer: {peer_ms / auto_ms:.2f}x")
     best = min((auto_ms, auto), (uniform_ms, uniform), key=lambda x: x[0])
-    zb = [f"| {'UnevenMLP' if model == 'uneven' else 'EvenBlocks'} | {m} | {one:.1f} | {f1b:.1f} | {zbv:.1f} | "
-          f"{f1b / zbv:.2f}x | {predicted} | {one / f1b:.2f}x | {one / zbv:.2f}x | {2 * m / (m + 1):.2f} |"
-          for (m, one, predicted), f1b, zbv in zip(zb_rows, zb_times[::2], zb_times[1::2], strict=True)]
+    zb = [f"| {'UnevenMLP' if model == 'uneven' else 'EvenBlocks'} | {m} | {v} | {one:.1f} | {f1b:.1f} | "
+          f"{zbv:.1f} | {f1b / zbv:.2f}x | {predicted} | {one / f1b:.2f}x | {one / zbv:.2f}x | {2 * m / (m + 1):.2f} |"
+          for (m, one, predicted, v), f1b, zbv in zip(zb_rows, zb_times[::2], zb_times[1::2], strict=True)]
     return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
 
 
-def _v_stages(prof: Any) -> list[list[str]]:
-    """The 4-stage split whose two ranks under the V (stages 0 + 3 on rank 0, 1 + 2 on rank 1:
-    [Note: stage to rank]) carry the least forward + backward work, no stage more than half a
-    rank's (a stage the next one waits for): a stand-in for the planner's own ZB-V plan until it
-    plans the zero-bubble schedules."""
-    layers = prof.layers
-    work = (prof.df["fwd_ms"] + prof.df["bwd_ms"]).tolist()
-    total = [0.0]
-    for w in work:
-        total.append(total[-1] + w)
-    n = len(layers)
-    best = min((max(total[a] + total[n] - total[c], total[c] - total[a],  # each rank's, and each
-                    2 * max(total[a], total[b] - total[a], total[c] - total[b], total[n] - total[c])),  # stage's
-                (a, b, c)) for a in range(1, n - 2) for b in range(a + 1, n - 1) for c in range(b + 1, n))[1]
-    cuts = [0, *best, n]
-    return [layers[i:j] for i, j in zip(cuts, cuts[1:], strict=False)]
+def _planned_profile(model: str, args: argparse.Namespace, chunks: int) -> Any:
+    """As ``autopipe profile --comm`` measures ``model`` for ``chunks`` micro-batches: its
+    layers (with the split backward), its loss, the link and the runtime's call costs under
+    every schedule, and how much slower a rank computes beside the other."""
+    import autopipe
+    from autopipe.frontend.profiling.comm import with_comm
+
+    ex = _example(model, args.batch, args.width)
+    prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=5, loss_fn=ex.loss_fn, target=ex.target)
+    comm = _comm(chunks, args.comm_launches, args.comm_repeats, args.comm_steps)
+    return with_comm(prof, measured=comm, model=ex.model, example_inputs=ex.inputs)
 
 
-def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, list[tuple[int, float, str]]]:
-    """``model``'s 1F1B (2 stages) and ZB-V (4 stages, 2 per rank) runs at each M of
-    ``--zb-chunks``; each M's one-process step ms and predicted ratio."""
-    from autopipe.core.plan import Plan
+@functools.cache
+def _comm(chunks: int, launches: int, repeats: int, steps: int) -> dict[str, Any]:
+    """One measurement of the link and the runtime's calls at ``chunks`` micro-batches, shared
+    by the models' plans and the overhead table."""
+    from autopipe.frontend.profiling.comm import measure_comm
+
+    return measure_comm("cpu", chunks=chunks, launches=launches, repeats=repeats, steps=steps)
+
+
+def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, list[tuple[int, float, str, str]]]:
+    """``model``'s 1F1B and ZB-V plans at each M of ``--zb-chunks``, as ``partition`` makes them
+    for 2 ranks from a ``--comm`` profile: 2 stages, and 4 in a V (rank 0: stages 0 and 3);
+    each M's one-process step ms, the simulator's 1F1B / ZB-V ratio and the V's split."""
     from autopipe.solvers.partitioner import partition
 
     runs: Schedules = []
     rows = []
     for m in args.zb_chunks:
         run = (model, args.batch, args.width, m, args.steps, args.warmup)
-        prof = _profile(model, args.batch, args.width, m)
-        two = partition(prof, stages=2, chunks=m, checkpoint="never")
-        four = Plan.from_stages(prof, _v_stages(prof), chunks=m, checkpoint="never")
+        prof = _planned_profile(model, args, m)
+        two = partition(prof, devices=["cpu:0", "cpu:1"], chunks=m, checkpoint="never", schedule="1f1b")
+        four = partition(prof, stages=4, chunks=m, checkpoint="never", schedule="zbv")
         runs += [(two.to_dict(), "1f1b", run), (four.to_dict(), "zbv", run)]
-        rows.append((m, _single_process(*run), _predicted(prof, m)))
+        rows.append((m, _single_process(*run), f"{two.iteration_time / four.iteration_time:.2f}x",
+                     "/".join(str(len(s)) for s in four.stages)))
     return runs, rows
 
 
 def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
     return [
-        f"ZB-V against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: 1F1B on the "
-        "auto plan's 2 stages, ZB-V on the 4 stages whose V (rank 0: stages 0 and 3, rank 1: 1 and 2) "
-        "shares the profile's work most equally, each backward split into input and weight "
-        "gradients; predicted: the planner's simulator (\"-\" until it models the zero-bubble schedules)",
+        f"ZB-V against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: each the "
+        "plan `partition` makes from a `--comm` profile (with the split backward and the loss), 1F1B "
+        "on 2 stages, ZB-V on 4 in a V (rank 0: stages 0 and 3, rank 1: 1 and 2; layers per stage in "
+        "the V column), each backward split into input and weight gradients; predicted: the "
+        "simulator's 1F1B / ZB-V iteration ratio of the two plans",
         "",
-        "| model | M | one process step ms | 1F1B step ms | ZB-V step ms | ZB-V vs 1F1B | predicted "
+        "| model | M | V split | one process step ms | 1F1B step ms | ZB-V step ms | ZB-V vs 1F1B | predicted "
         "| 1F1B speedup | ZB-V speedup | 2M/(M+1) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
 
 
-def _predicted(prof: Any, m: int) -> str:
-    """The simulator's 1F1B / ZB-V iteration ratio for these plans, or "-" where it does not
-    simulate ZB-V (the planner's change, issue 25 "Plan")."""
-    from autopipe.core.simulator import SIMULATED_SCHEDULES
-    from autopipe.solvers.partitioner import partition
-
-    if "zbv" not in SIMULATED_SCHEDULES:
-        return "-"
-    try:
-        one_f = partition(prof, stages=2, chunks=m, checkpoint="never", schedule="1f1b")
-        zbv = partition(prof, stages=4, chunks=m, checkpoint="never", schedule="zbv")
-    except ValueError:  # not planned yet
-        return "-"
-    return f"{one_f.iteration_time / zbv.iteration_time:.2f}x"
-
-
 def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, int]]) -> list[str]:
     """The runtime's overhead per micro-batch next to each model's gap to its ideal."""
-    from autopipe.frontend.profiling.comm import measure_comm
-
-    comm = measure_comm("cpu", chunks=args.chunks, launches=args.comm_launches, repeats=args.comm_repeats,
-                        steps=args.comm_steps)
+    comm = _comm(args.chunks, args.comm_launches, args.comm_repeats, args.comm_steps)
     m, latency, bandwidth = args.chunks, comm["comm_latency_ms"], comm["comm_bandwidth"] or float("inf")
     call = comm["stage_call_fwd_ms"] + comm["stage_call_bwd_ms"]
     lines = [

@@ -572,5 +572,8 @@ def test_distributed_speedup_benchmark_runs_tiny() -> None:
     assert [r.split(" | ")[0] for r in rows] == [
         "| one process (1 thread)", "| autopipe, auto plan", "| autopipe, equal layer counts",
         "| torch.distributed.pipelining, hand split", "| EvenBlocks", "| even"]
-    assert rows[4].split(" | ")[1] == "8" and rows[4].endswith(" | 1.78 |")  # ZB-V vs 1F1B at M = 8
+    zb = rows[4].split(" | ")  # ZB-V vs 1F1B at M = 8: the planner's V, predicted by its simulator
+    assert zb[1] == "8" and rows[4].endswith(" | 1.78 |")
+    assert sum(int(n) for n in zb[2].split("/")) == 32 and len(zb[2].split("/")) == 4
+    assert zb[7].endswith("x") and float(zb[7][:-1]) > 0
     assert "a crossing" in table  # the runtime's overhead per micro-batch, measured
