@@ -44,7 +44,12 @@ name directly: it imports it from here, where
   ``stage_backward_input`` and ``stage_backward_weight``, the two halves of a backward that the
   zero-bubble schedules run, checked by signature; the profiler times each layer's backward
   with them ([Note: split backward measured] in autopipe/frontend/profiling/backward_split.py),
-  and where they differ it measures no split (the planner then refuses those schedules).
+  and where they differ it measures no split (the planner then refuses those schedules);
+- :func:`merge_adjacent_backward` rewrites a zero-bubble schedule's compute order
+  (``pipeline_order``, its ``_Action`` tuples) with executor.spec.merged_backward's rule and
+  lowers it again with ``_prepare_schedule_with_comms``, as torch's own ``_load_csv`` does;
+  where either is missing (or the order holds what the rule does not know) it leaves torch's
+  order and says so once ([Note: adjacent I and W] in executor/spec.py).
 """
 
 from __future__ import annotations
@@ -370,3 +375,48 @@ def split_backward_api() -> tuple[Callable[..., Any], Callable[..., Any]] | str:
             return f"torch {torch.__version__}'s {name} is not the one autopipe was written for"
         found.append(fn)
     return found[0], found[1]
+
+
+_MERGE_WARNED: list[str] = []
+
+
+def merge_adjacent_backward(schedule: Any) -> str | None:
+    """``schedule`` (a torch _PipelineScheduleRuntime of a zero-bubble schedule) with each I
+    that its W follows at once run as one whole backward ([Note: adjacent I and W] in
+    executor/spec.py); None when done, else why not (warned once; torch's order is kept)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from executor.spec import merged_backward
+
+    types = getattr(torch_schedules, "_ComputationType", None)
+    order = getattr(schedule, "pipeline_order", None)
+    problem = None
+    if types is None or not isinstance(order, dict) or not hasattr(schedule, "_prepare_schedule_with_comms"):
+        problem = f"torch {torch.__version__}'s schedules lack pipeline_order or _prepare_schedule_with_comms"
+    else:
+        kinds = {types.FORWARD: "F", types.BACKWARD_INPUT: "I", types.BACKWARD_WEIGHT: "W",
+                 types.FULL_BACKWARD: "B"}
+        merged: dict[int, list[Any]] = {}
+        for rank, actions in order.items():
+            present = [a for a in actions if a is not None]
+            ops = [(a.stage_index, kinds.get(a.computation_type, "other"), a.microbatch_index) for a in present]
+            out, j = [], 0
+            for op in merged_backward(ops):
+                if op[1] == "B" and ops[j][1] == "I":
+                    out.append(present[j]._replace(computation_type=types.FULL_BACKWARD))
+                    j += 2
+                else:
+                    out.append(present[j])
+                    j += 1
+            merged[rank] = out
+        try:
+            schedule._prepare_schedule_with_comms(merged)
+            schedule.pipeline_order = merged
+        except Exception as err:  # noqa: BLE001 - any refusal: torch's own order, said once
+            schedule._prepare_schedule_with_comms(order)
+            problem = f"torch {torch.__version__} refused the merged order ({str(err).splitlines()[0]})"
+    if problem is not None and problem not in _MERGE_WARNED:
+        _MERGE_WARNED.append(problem)
+        warnings.warn(f"autopipe: the zero-bubble schedules run every backward split: {problem}; the "
+                      "plan's prediction assumed the adjacent halves whole", stacklevel=3)
+    return problem

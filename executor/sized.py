@@ -53,6 +53,20 @@ class _Stage(PipelineStage):
         finally:
             wire.recompute = False
 
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        """A whole backward (``full_backward``: torch's B, [Note: adjacent I and W] in
+        executor/spec.py) is run whole by the split stage, not as its halves one after the other."""
+        grads = self._wire.weight_grads
+        if grads is not None:
+            grads.whole = full_backward
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
+        finally:
+            if grads is not None:
+                grads.whole = False
+
     # Forward only (eval_step), torch 2.11 to 2.15's V schedules still run their backward
     # actions, each a no-op but for the hand-over of the gradients to the previous stage on the
     # same rank, which refuses a stage without backward: nothing to hand over then.

@@ -10,6 +10,7 @@
                                                   the stage / micro-batch counts each accepts
     ZERO_BUBBLE_SCHEDULES, stage_rank()           the schedules that split each backward in
                                                   two, and which rank runs which stage
+    merged_backward()                             where they run a backward whole after all
     PRECISIONS, check_precision()                 what a pipeline computes in: fp32, or autocast
                                                   to bf16 / fp16 over fp32 master parameters
 
@@ -39,6 +40,7 @@ __all__ = [
     "check_precision",
     "check_schedule",
     "check_stage_checkpoints",
+    "merged_backward",
     "microbatch_sizes",
     "recomputed_microbatches",
     "stage_rank",
@@ -73,6 +75,29 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved1f1b", *ZERO_BUBBLE_S
 # lie in a V ([Note: stage to rank]).
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleaved_zb", "zbv", "dualpipev")
 V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
+
+
+def merged_backward(ops: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
+    """[Note: adjacent I and W] A rank's ``(stage, kind, micro-batch)`` operations with every
+    input-gradient part ``"I"`` that its own weight-gradient part ``"W"`` follows at once merged
+    into one whole backward ``"B"``, as the runtime runs the zero-bubble schedules (torch 2.13
+    writes ``_merge_bw`` for this and does not call it). A split exists to run the W later, where
+    the rank would idle; where nothing comes between the two, splitting only costs: the halves
+    take 1.2-2x the whole backward ([Note: split backward time] in autopipe/core/cost.py). On 2
+    ranks ZB-V's order puts all but 3 of each rank's I and W side by side. The previous stage
+    then gets its gradient after the W instead of before it, which the simulator charges as it
+    charges any B."""
+    out: list[tuple[int, str, int]] = []
+    i = 0
+    while i < len(ops):
+        stage, kind, microbatch = ops[i]
+        if kind == "I" and i + 1 < len(ops) and ops[i + 1] == (stage, "W", microbatch):
+            out.append((stage, "B", microbatch))
+            i += 2
+        else:
+            out.append(ops[i])
+            i += 1
+    return out
 
 
 def stage_rank(schedule: str, stage: int, ranks: int) -> int:

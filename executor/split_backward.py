@@ -23,7 +23,11 @@ the weights leave the paths to the inputs (the "intermediates"), keep the gradie
 them while the input gradients are computed (``autograd.grad`` to the inputs, graph retained),
 and at the W run ``autograd.grad`` from those nodes to the weights' accumulators. The graph
 between the outputs and the intermediates is freed after the I; what the W needs lives until it
-runs ([Note: split backward] in autopipe/core/zero_bubble.py). Two cases do not split:
+runs ([Note: split backward] in autopipe/core/zero_bubble.py). Three cases do not split:
+
+- torch runs a whole backward (FULL_BACKWARD: the B of DualPipeV, and every I that its W
+  follows at once, [Note: adjacent I and W] in executor/spec.py): the stage's
+  ``backward_one_chunk`` says so (``WeightGrads.whole``) and the backward runs whole;
 
 - no input needs a gradient (the first stage; a cut of integers): the whole backward waits for
   the W, as torch runs its own first stage;
@@ -54,6 +58,7 @@ class WeightGrads:
     def __init__(self, weights: Weights) -> None:
         self.weights = weights
         self._queued: list[Callable[[], None]] = []
+        self.whole = False  # set while torch runs a whole backward (B): no split then
 
     def queue(self, work: Callable[[], None]) -> None:
         self._queued.append(work)
@@ -150,6 +155,9 @@ def split_backward(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], le
     if not pairs:
         return none
     ys, gs = [y for y, _ in pairs], [g for _, g in pairs]
+    if weights.whole:  # torch's B: both halves now, as one backward ([Note: adjacent I and W])
+        torch.autograd.backward(ys, gs)
+        return [x.grad if x.requires_grad else None for x in leaves]
     roots = [n for n in map(_node, ys) if n is not None]
     reverse, reentrant = _reverse_edges(roots)
     wanted = [k for k, x in enumerate(leaves) if x.requires_grad]

@@ -9,7 +9,8 @@ accepts, and how it is built over one rank's stages.
     dualpipev        ScheduleDualPipeV                        the V, M >= 2W
 
 The last three split each backward ([Note: zero-bubble schedules] in executor/spec.py), which
-the stages run themselves ([Note: split backward on ranks] in executor/split_backward.py).
+the stages run themselves ([Note: split backward on ranks] in executor/split_backward.py), but
+where a W follows its I at once ([Note: adjacent I and W] in executor/spec.py).
 :func:`check_layout` refuses in one line what torch would refuse with a traceback, or not at all
 (stages on the wrong rank), before any process group is made.
 """
@@ -28,10 +29,16 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from executor._torch_compat import prefetch_support, warn_no_prefetch
+from executor._torch_compat import merge_adjacent_backward, prefetch_support, warn_no_prefetch
 from executor.errors import DistributedError
 from executor.prefetch import PrefetchGPipe
-from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, check_schedule, stage_rank
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    check_schedule,
+    stage_rank,
+)
 
 __all__ = ["schedule_class", "check_layout", "build_schedule"]
 
@@ -76,7 +83,12 @@ def check_layout(schedule: str, num_stages: int, ranks: int, chunks: int, rank: 
 def build_schedule(kind: type, schedule: str, stages: list[Any], chunks: int,
                    loss: Callable[[Any, Any], Any]) -> Any:
     """``schedule``'s torch schedule (of class ``kind``, :func:`schedule_class`'s) over this
-    rank's PipelineStages; gradients left unscaled (the pipeline takes the mean itself)."""
+    rank's PipelineStages; gradients left unscaled (the pipeline takes the mean itself); under
+    the zero-bubble schedules each I that its W follows at once run whole ([Note: adjacent I
+    and W] in executor/spec.py)."""
     if schedule in MULTI_STAGE_SCHEDULES:
-        return kind(stages, chunks, loss_fn=loss, scale_grads=False)
+        built = kind(stages, chunks, loss_fn=loss, scale_grads=False)
+        if schedule in ZERO_BUBBLE_SCHEDULES:
+            merge_adjacent_backward(built)
+        return built
     return kind(stages[0], chunks, loss_fn=loss, scale_grads=False)

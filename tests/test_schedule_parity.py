@@ -22,9 +22,10 @@ import pytest
 torch_pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 from autopipe.core.cost import StageCost  # noqa: E402
-from autopipe.core.schedules import rank_order  # noqa: E402
+from autopipe.core.schedules import rank_order, torch_rank_order  # noqa: E402
 from autopipe.core.simulator import simulate_stages  # noqa: E402
-from executor.spec import check_schedule, stage_rank  # noqa: E402
+from executor._torch_compat import merge_adjacent_backward  # noqa: E402
+from executor.spec import check_schedule, merged_backward, stage_rank  # noqa: E402
 
 
 class _RecordingStage:
@@ -116,14 +117,18 @@ _ZERO_BUBBLE = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "Sched
                 "dualpipev": "ScheduleDualPipeV"}
 
 
-def _torch_zero_bubble(schedule: str, ranks: int, local: int, chunks: int) -> dict[int, list[tuple[int, str, int]]]:
+def _torch_zero_bubble(schedule: str, ranks: int, local: int, chunks: int,
+                       merged: bool = False) -> dict[int, list[tuple[int, str, int]]]:
     """Every rank's compute order of torch's zero-bubble schedule, as it runs it: the class
-    constructed on rank 0's fake stages, its lowered ``pipeline_order_with_comms``."""
+    constructed on rank 0's fake stages, its lowered ``pipeline_order_with_comms``; ``merged``:
+    after the runtime merged its adjacent I and W (executor/torch_schedules.py)."""
     k = ranks * local
     fake = [SimpleNamespace(group_size=ranks, group_rank=0, num_stages=k, stage_index=s, submod=None,
                             is_first=s == 0, is_last=s == k - 1)
             for s in range(k) if stage_rank(schedule, s, ranks) == 0]
     torch_schedule = getattr(torch_pipelining, _ZERO_BUBBLE[schedule])(fake, chunks)
+    if merged:
+        assert merge_adjacent_backward(torch_schedule) is None
     kinds = {torch_pipelining._ComputationType.FORWARD: "F", torch_pipelining._ComputationType.FULL_BACKWARD: "B",
              torch_pipelining._ComputationType.BACKWARD_INPUT: "I",
              torch_pipelining._ComputationType.BACKWARD_WEIGHT: "W"}
@@ -153,6 +158,18 @@ def test_zero_bubble_schedules(schedule: str, ranks: int, local: int, chunks: in
     devices = [f"rank{stage_rank(schedule, s, ranks)}" for s in range(k)]
     simulated = _simulated(schedule, devices, chunks)
     expected = _torch_zero_bubble(schedule, ranks, local, chunks)
+    run = _torch_zero_bubble(schedule, ranks, local, chunks, merged=True)  # what the runtime runs
     for r in range(ranks):
-        assert rank_order(schedule, r, ranks, chunks, local) == expected[r], (schedule, ranks, chunks, r)
-        assert simulated[f"rank{r}"] == expected[r], (schedule, ranks, chunks, r)
+        assert torch_rank_order(schedule, r, ranks, chunks, local) == expected[r], (schedule, ranks, chunks, r)
+        assert run[r] == merged_backward(expected[r]) == rank_order(schedule, r, ranks, chunks, local)
+        assert simulated[f"rank{r}"] == run[r], (schedule, ranks, chunks, r)
+
+
+def test_adjacent_halves_of_a_backward_merge_and_no_others() -> None:
+    ops = [(3, "F", 0), (3, "I", 0), (3, "W", 0), (0, "I", 0), (3, "W", 1), (0, "W", 0), (1, "I", 2), (1, "W", 2)]
+    assert merged_backward(ops) == [(3, "F", 0), (3, "B", 0), (0, "I", 0), (3, "W", 1), (0, "W", 0), (1, "B", 2)]
+    assert merged_backward([]) == [] and merged_backward([(0, "I", 0)]) == [(0, "I", 0)]
+    # ZB-V on 2 ranks, M = 8: all but 3 of each rank's halves lie side by side
+    for r, left in ((0, 0), (1, 3)):
+        run = rank_order("zbv", r, 2, 8, 2)
+        assert sum(kind == "I" for _, kind, _ in run) == left and sum(kind == "B" for _, kind, _ in run) == 16 - left

@@ -17,7 +17,9 @@ them with torch's own, rank by rank):
     dualpipev        ScheduleDualPipeV: the same V; overlapped forward + full backward pairs in
                      the steady state, split backwards at the ends
 
-The last three are in autopipe/core/zero_bubble.py ([Note: split backward]). An operation is
+The last three are in autopipe/core/zero_bubble.py ([Note: split backward]); the runtime runs
+each of their I that its W follows at once as one B (:func:`rank_order`, [Note: adjacent I and
+W] in executor/spec.py), torch's own order is :func:`torch_rank_order`. An operation is
 ``(stage, kind, microbatch)`` with kind ``"F"`` (forward), ``"B"`` (the whole backward), or,
 under the zero-bubble schedules, ``"I"`` and ``"W"`` (its input- and weight-gradient parts). ``executor.GPipe``
 (one process, torchgpipe's order) runs the same forwards but drains its backwards in reverse,
@@ -30,9 +32,16 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from autopipe.core import zero_bubble
-from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES, stage_rank
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    merged_backward,
+    stage_rank,
+)
 
-__all__ = ["Op", "rank_order", "stage_order", "rank_layout"]
+__all__ = ["Op", "rank_order", "stage_order", "rank_layout", "torch_rank_order"]
 
 Op = tuple[int, str, int]  # (stage, "F", "B", "I" or "W", micro-batch)
 
@@ -58,9 +67,18 @@ def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[Op]
 
 
 def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
-    """Rank ``rank``'s operations; ``interleaved1f1b`` and ``interleaved_zb`` run ``per_rank``
-    stages on each of ``ranks`` ranks (stage s on rank s % ranks), ``zbv`` and ``dualpipev`` two
-    in a V ([Note: stage to rank] in executor/spec.py), the others one stage per rank."""
+    """Rank ``rank``'s operations as the runtime runs them: :func:`torch_rank_order`, with each
+    I that its W follows at once merged into one B under the zero-bubble schedules ([Note:
+    adjacent I and W] in executor/spec.py)."""
+    ops = torch_rank_order(schedule, rank, ranks, chunks, per_rank)
+    return merged_backward(ops) if schedule in ZERO_BUBBLE_SCHEDULES else ops
+
+
+def torch_rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
+    """Rank ``rank``'s operations in torch's order; ``interleaved1f1b`` and ``interleaved_zb`` run
+    ``per_rank`` stages on each of ``ranks`` ranks (stage s on rank s % ranks), ``zbv`` and
+    ``dualpipev`` two in a V ([Note: stage to rank] in executor/spec.py), the others one stage
+    per rank."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
     if schedule == "interleaved1f1b":

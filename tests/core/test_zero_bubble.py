@@ -20,7 +20,7 @@ from autopipe.core.cost import (
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at
-from autopipe.core.schedules import rank_order
+from autopipe.core.schedules import rank_order, torch_rank_order
 from autopipe.core.simulator import simulate, simulate_stages
 from autopipe.errors import PlanError, ProfileError
 from autopipe.solvers.synthetic import chain_profile, random_chain
@@ -63,10 +63,14 @@ def test_activations_stay_until_w_with_what_w_starts_from() -> None:
     assert rank_order("interleaved_zb", 1, 2, 2) == [(1, "F", 0), (1, "I", 0), (1, "F", 1), (1, "I", 1),
                                                      (1, "W", 0), (1, "W", 1)]
     assert stage_terms("interleaved_zb", 1, 2, 2, 0) == ((0, 2, 2),)
-    assert stage_terms("interleaved_zb", 0, 2, 2, 0) == ((0, 2, 1),)  # F0 F1 I0 W0 I1 W1
+    # stage 0: torch's F0 F1 I0 W0 I1 W1, run as F0 F1 B0 B1 ([Note: adjacent I and W]): nothing
+    # waits for a W
+    assert torch_rank_order("interleaved_zb", 0, 2, 2) == [(0, "F", 0), (0, "F", 1), (0, "I", 0), (0, "W", 0),
+                                                           (0, "I", 1), (0, "W", 1)]
+    assert stage_terms("interleaved_zb", 0, 2, 2, 0) == ((0, 2, 0),)
     sim = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, checkpoint="never", ms_per_byte=0.0,
                           schedule="interleaved_zb")
-    assert sim.peak_memory == [2 * 100 + 7, 2 * 100 + 2 * 10]
+    assert sim.peak_memory == [2 * 100, 2 * 100 + 2 * 10]
     # 1F1B frees each micro-batch at its backward: stage 1 holds one
     one = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, checkpoint="never", ms_per_byte=0.0,
                           schedule="1f1b")
@@ -88,8 +92,12 @@ def test_split_stage_costs_from_a_profile() -> None:
     # received output gradient (none on the last)
     assert [s.weight_held_bytes for s in stages] == [64, 5 + 64, 6 + 64, 7]
     sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    # rank 0 runs every I with its W at once: the first stage's backward, whole
     first = [(e.phase, round(e.duration_ms, 6)) for e in sim.timeline if e.stage == 0 and e.microbatch == 0]
-    assert first == [("forward", 1.0), ("backward", 0.0), ("weight", 2.0)]
+    assert first == [("forward", 1.0), ("backward", 2.0)]
+    # rank 1 runs I1.3 and W1.3 apart
+    apart = [(e.phase, round(e.duration_ms, 6)) for e in sim.timeline if e.stage == 1 and e.microbatch == 3]
+    assert apart == [("forward", 1.0), ("backward", 1.5), ("weight", 0.5)]
     gpipe = stage_costs(costs, [0, 1, 2, 3], devices[:1] * 4, CostOptions(4, "never", bandwidth=None))
     assert all(s.bwd_input_ms is None and s.weight_held_bytes == 0 for s in gpipe)  # only where split
 
@@ -112,8 +120,11 @@ def test_the_split_costs_what_the_profile_measured_and_two_stages_do_not_split()
     assert stages[2].weight_held_bytes == 0 and stages[1].weight_held_bytes == 5 + 64
     assert [s.time_ms - s.fwd_ms for s in stages] == pytest.approx([2.0, 2.5, stages[2].bwd_ms, 2.5])
     sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
-    ops = {(e.stage, e.phase): round(e.duration_ms, 6) for e in sim.timeline if e.microbatch == 0}
-    assert ops[(1, "backward")] == 1.875 and ops[(1, "weight")] == 0.625 and ops[(2, "weight")] == 0.0
+    ops = {(e.stage, e.phase): round(e.duration_ms, 6) for e in sim.timeline if e.microbatch == 3}
+    assert ops[(1, "backward")] == 1.875 and ops[(1, "weight")] == 0.625  # rank 1's I1.3 .. W1.3
+    assert ops[(2, "weight")] == 0.0  # I2.3 .. W2.3 apart too, all of it at the I
+    merged = {e.phase: round(e.duration_ms, 6) for e in sim.timeline if (e.stage, e.microbatch) == (1, 0)}
+    assert merged == {"forward": 1.0, "backward": 2.0}  # I1.0 W1.0 side by side: whole, no ratio
 
 
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
@@ -147,13 +158,15 @@ def test_the_v_bottom_sends_nothing() -> None:
 def test_the_all_reduce_starts_after_the_last_weight_gradient() -> None:
     stages = [StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 10, bwd_input_ms=1.0, grad_sync_ms=3.0) for _ in V]
     sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    def last_gradient(s: int) -> float:  # its last W, or its last whole backward
+        return max(e.end_ms for e in sim.timeline if e.stage == s and e.phase in ("backward", "weight"))
+
     for s in range(4):
-        last_w = max(e.end_ms for e in sim.timeline if e.stage == s and e.phase == "weight")
         (sync,) = [e for e in sim.timeline if e.stage == s and e.phase == "allreduce"]
-        assert sync.start_ms >= last_w
-    # a V rank's later stage ends its Ws first: its all-reduce runs under the other's last Ws
-    rank0 = {s: max(e.end_ms for e in sim.timeline if e.stage == s and e.phase == "weight") for s in (0, 3)}
-    assert rank0[3] < rank0[0]
+        assert sync.start_ms >= last_gradient(s)
+    assert any(e.phase == "weight" for e in sim.timeline if e.stage == 2)  # rank 1 defers some Ws
+    # a V rank's later stage ends its gradients first: its all-reduce runs under the other's last
+    assert last_gradient(3) < last_gradient(0)
 
 
 def test_a_profile_without_the_split_plans_everything_else(tmp_path: Path) -> None:
@@ -190,12 +203,16 @@ def test_zero_bubble_calls_pay_interleaved_1f1bs() -> None:
     assert c.call_for("distributed", "dualpipev") == Phases(0.5, 0.6)
     assert c.call_for("distributed", "interleaved_zb") == Phases(0.5, 0.6)
     assert Corrections(stage_calls={"gpipe": {"gpipe": Phases(0.1, 0.2)}}).call_for("gpipe", "zbv") == Phases(0.1, 0.2)
-    # a split backward's two calls share the backward's call cost
+    # a split backward's two calls share the backward's call cost; a whole one pays it once
     stage = StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 1, call_bwd_ms=0.4, bwd_input_ms=0.5)
-    sim = simulate_stages([stage, stage], chunks=1, checkpoint="never", ms_per_byte=0.0,
-                          schedule="interleaved_zb")
-    durations = sorted(round(e.duration_ms, 6) for e in sim.timeline if e.stage == 1 and e.phase != "forward")
-    assert durations == [0.7, 1.7]
+    sim = simulate_stages([stage] * 4, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+
+    def durations(i: int) -> list[float]:
+        return sorted(round(e.duration_ms, 6) for e in sim.timeline
+                      if (e.stage, e.microbatch) == (1, i) and e.phase != "forward")
+
+    assert durations(3) == [0.7, 1.7]  # rank 1 runs I1.3 and W1.3 apart
+    assert durations(0) == [2.4]  # I1.0 W1.0 side by side: one backward ([Note: adjacent I and W])
 
 
 def test_a_plan_of_another_schedule_simulates_under_a_zero_bubble_one() -> None:

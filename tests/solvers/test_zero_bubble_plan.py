@@ -110,6 +110,6 @@ def test_replicas_sync_after_the_last_weight_gradient() -> None:
                      data_parallel=2, bandwidth=1e9, progress=False)
     assert [d.name for d in plan.devices] == ["cuda:0", "cuda:1", "cuda:1", "cuda:0"]
     sim = simulate(plan)
-    for s in range(4):
-        last_w = max(e.end_ms for e in sim.timeline if e.stage == s and e.phase == "weight")
-        assert all(e.start_ms >= last_w for e in sim.timeline if e.stage == s and e.phase == "allreduce")
+    for s in range(4):  # after its last gradient: its last W, or its last whole backward
+        last = max(e.end_ms for e in sim.timeline if e.stage == s and e.phase in ("backward", "weight"))
+        assert all(e.start_ms >= last for e in sim.timeline if e.stage == s and e.phase == "allreduce")
