@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
+from autopipe.frontend.profiling._one_weight import OneWeight
 from autopipe.frontend.profiling.layer_timing import (
     CALIBRATION_REPEATS,
     backward_roots,
@@ -95,19 +96,11 @@ def measure_split(call: LayerCall, values: Values, timer: Timer) -> BackwardSpli
     return BackwardSplit(i_ms, w_ms, held, bool(weights))
 
 
-class _Scale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.w
-
 
 def split_overhead(timer: Timer, device: torch.device, precision: str = "fp32") -> Overhead:
     """The median ms of each half of a split backward of ``x * w`` with one-element tensors:
     what every layer's halves pay besides their work ([Note: split backward measured])."""
-    module = fx.symbolic_trace(_Scale().to(device))
+    module = fx.symbolic_trace(OneWeight().to(device))
     call = LayerCall("<scale>", module, ["x"], ["w"], precision, device)
     values = Values({"x": torch.ones(1, device=device, requires_grad=True)})
     runs = [measure_split(call, values, timer) for _ in range(CALIBRATION_REPEATS)]

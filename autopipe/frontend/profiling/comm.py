@@ -76,6 +76,7 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
 from autopipe.errors import ProfileError, first_line
+from autopipe.frontend.profiling._one_weight import OneWeight
 from executor.rank_cores import pin_local_rank
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
@@ -155,14 +156,6 @@ def _late_receive_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
     return statistics.median(times) if times else 0.0
 
 
-class _Scale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.w
-
 
 def interleaves(chunks: int) -> bool:
     """Whether torch's interleaved 1F1B runs ``chunks`` micro-batches on 2 ranks."""
@@ -194,7 +187,7 @@ def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int)
     (:func:`empty_stages`, where torch takes the chunks), a GPipe forward-only step."""
     from executor.distributed import DistributedPipeline, infer_wires
 
-    stages = [_Scale().to(device) for _ in range(4)]
+    stages = [OneWeight().to(device) for _ in range(4)]
     x = torch.ones(chunks, 1, device=device)
     wires = {k: infer_wires(stages[:k], (x[:1],)) for k in (2, 4)}
 
