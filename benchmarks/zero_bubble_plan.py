@@ -13,7 +13,8 @@ schedule's own layout (one stage per rank under 1F1B; two under interleaved 1F1B
 zero-bubble schedules, in a V for ZBV and DualPipeV: [Note: stage to rank] in executor/spec.py),
 timed by autopipe.core.simulator in torch 2.13's order. The table gives the best of 1F1B and
 interleaved 1F1B, the best of interleaved_zb, zbv and dualpipev, and the speedup of the latter.
-Neither runs here: the distributed runtime does not run the zero-bubble schedules yet.
+The distributed runtime runs them (benchmarks/distributed_speedup.py measures ZB-V on 2 ranks); this
+table is the planner's alone, at scales this machine cannot run.
 
 The DAG is autopipe.solvers.synthetic's, with a split backward (half of a weighted layer's
 backward on its input gradients; [Note: split backward time] in autopipe/core/cost.py); the

@@ -380,10 +380,11 @@ def split_backward_api() -> tuple[Callable[..., Any], Callable[..., Any]] | str:
 _MERGE_WARNED: list[str] = []
 
 
-def merge_adjacent_backward(schedule: Any) -> str | None:
-    """``schedule`` (a torch _PipelineScheduleRuntime of a zero-bubble schedule) with each I
-    that its W follows at once run as one whole backward ([Note: adjacent I and W] in
-    executor/spec.py); None when done, else why not (warned once; torch's order is kept)."""
+def merge_adjacent_backward(schedule: Any, name: str, ranks: int) -> str | None:
+    """``schedule`` (a torch _PipelineScheduleRuntime of the zero-bubble schedule ``name`` on
+    ``ranks`` ranks) with the I and W that executor.spec.merged_backward merges run as one
+    whole backward ([Note: adjacent I and W] in executor/spec.py); None when done, else why not
+    (warned once; torch's order is kept)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from executor.spec import merged_backward
@@ -401,7 +402,7 @@ def merge_adjacent_backward(schedule: Any) -> str | None:
             present = [a for a in actions if a is not None]
             ops = [(a.stage_index, kinds.get(a.computation_type, "other"), a.microbatch_index) for a in present]
             out, j = [], 0
-            for op in merged_backward(ops):
+            for op in merged_backward(ops, name, ranks):
                 if op[1] == "B" and ops[j][1] == "I":
                     out.append(present[j]._replace(computation_type=types.FULL_BACKWARD))
                     j += 2
@@ -418,5 +419,5 @@ def merge_adjacent_backward(schedule: Any) -> str | None:
     if problem is not None and problem not in _MERGE_WARNED:
         _MERGE_WARNED.append(problem)
         warnings.warn(f"autopipe: the zero-bubble schedules run every backward split: {problem}; the "
-                      "plan's prediction assumed the adjacent halves whole", stacklevel=3)
+                      "plan's prediction assumed some adjacent halves whole", stacklevel=3)
     return problem

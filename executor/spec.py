@@ -77,21 +77,27 @@ MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleaved_zb", "
 V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
 
 
-def merged_backward(ops: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
-    """[Note: adjacent I and W] A rank's ``(stage, kind, micro-batch)`` operations with every
-    input-gradient part ``"I"`` that its own weight-gradient part ``"W"`` follows at once merged
-    into one whole backward ``"B"``, as the runtime runs the zero-bubble schedules (torch 2.13
-    writes ``_merge_bw`` for this and does not call it). A split exists to run the W later, where
-    the rank would idle; where nothing comes between the two, splitting only costs: the halves
-    take 1.2-2x the whole backward ([Note: split backward time] in autopipe/core/cost.py). On 2
-    ranks ZB-V's order puts all but 3 of each rank's I and W side by side. The previous stage
-    then gets its gradient after the W instead of before it, which the simulator charges as it
-    charges any B."""
+def merged_backward(ops: list[tuple[int, str, int]], schedule: str, ranks: int) -> list[tuple[int, str, int]]:
+    """[Note: adjacent I and W] A rank's ``(stage, kind, micro-batch)`` operations under a
+    zero-bubble ``schedule`` on ``ranks`` ranks as the runtime runs them: every input-gradient
+    part ``"I"`` that its own weight-gradient part ``"W"`` follows at once, on a stage whose
+    input gradient no other rank waits for (the first stage, which sends none, or a stage whose
+    previous stage shares its rank: the V's bottom), merged into one whole backward ``"B"``.
+    A split exists to run the W later, where the rank would idle; where nothing comes between
+    the two, splitting only costs (the halves take 1.2-2x the whole backward: [Note: split
+    backward time] in autopipe/core/cost.py). Where another rank waits for the I's gradient,
+    merging would send it only after the W: simulated, that lost more than the split cost on
+    the 202-layer DAG (benchmarks/zero_bubble_plan.py) and won on a 2-rank chain at M = 8, so
+    those stay split. On 2 ranks ZB-V merges half of every rank's backwards. (torch 2.13 writes
+    ``_merge_bw``, which merges every adjacent pair, and does not call it.)"""
+    def local(stage: int) -> bool:
+        return stage == 0 or stage_rank(schedule, stage - 1, ranks) == stage_rank(schedule, stage, ranks)
+
     out: list[tuple[int, str, int]] = []
     i = 0
     while i < len(ops):
         stage, kind, microbatch = ops[i]
-        if kind == "I" and i + 1 < len(ops) and ops[i + 1] == (stage, "W", microbatch):
+        if kind == "I" and i + 1 < len(ops) and ops[i + 1] == (stage, "W", microbatch) and local(stage):
             out.append((stage, "B", microbatch))
             i += 2
         else:

@@ -89,6 +89,6 @@ def build_schedule(kind: type, schedule: str, stages: list[Any], chunks: int,
     if schedule in MULTI_STAGE_SCHEDULES:
         built = kind(stages, chunks, loss_fn=loss, scale_grads=False)
         if schedule in ZERO_BUBBLE_SCHEDULES:
-            merge_adjacent_backward(built)
+            merge_adjacent_backward(built, schedule, stages[0].group_size)
         return built
     return kind(stages[0], chunks, loss_fn=loss, scale_grads=False)

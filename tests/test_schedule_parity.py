@@ -128,7 +128,7 @@ def _torch_zero_bubble(schedule: str, ranks: int, local: int, chunks: int,
             for s in range(k) if stage_rank(schedule, s, ranks) == 0]
     torch_schedule = getattr(torch_pipelining, _ZERO_BUBBLE[schedule])(fake, chunks)
     if merged:
-        assert merge_adjacent_backward(torch_schedule) is None
+        assert merge_adjacent_backward(torch_schedule, schedule, ranks) is None
     kinds = {torch_pipelining._ComputationType.FORWARD: "F", torch_pipelining._ComputationType.FULL_BACKWARD: "B",
              torch_pipelining._ComputationType.BACKWARD_INPUT: "I",
              torch_pipelining._ComputationType.BACKWARD_WEIGHT: "W"}
@@ -161,15 +161,23 @@ def test_zero_bubble_schedules(schedule: str, ranks: int, local: int, chunks: in
     run = _torch_zero_bubble(schedule, ranks, local, chunks, merged=True)  # what the runtime runs
     for r in range(ranks):
         assert torch_rank_order(schedule, r, ranks, chunks, local) == expected[r], (schedule, ranks, chunks, r)
-        assert run[r] == merged_backward(expected[r]) == rank_order(schedule, r, ranks, chunks, local)
+        assert run[r] == merged_backward(expected[r], schedule, ranks) == rank_order(schedule, r, ranks, chunks, local)
         assert simulated[f"rank{r}"] == run[r], (schedule, ranks, chunks, r)
 
 
-def test_adjacent_halves_of_a_backward_merge_and_no_others() -> None:
-    ops = [(3, "F", 0), (3, "I", 0), (3, "W", 0), (0, "I", 0), (3, "W", 1), (0, "W", 0), (1, "I", 2), (1, "W", 2)]
-    assert merged_backward(ops) == [(3, "F", 0), (3, "B", 0), (0, "I", 0), (3, "W", 1), (0, "W", 0), (1, "B", 2)]
-    assert merged_backward([]) == [] and merged_backward([(0, "I", 0)]) == [(0, "I", 0)]
-    # ZB-V on 2 ranks, M = 8: all but 3 of each rank's halves lie side by side
-    for r, left in ((0, 0), (1, 3)):
+def test_adjacent_halves_merge_where_no_other_rank_waits_for_the_gradient() -> None:
+    # ZB-V on 2 ranks: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2
+    ops = [(3, "F", 0), (3, "I", 0), (3, "W", 0), (0, "I", 0), (0, "W", 0), (2, "I", 1), (2, "W", 1),
+           (1, "I", 2), (1, "W", 2), (0, "I", 1), (2, "W", 0), (0, "W", 1)]
+    # stage 3's and stage 1's gradients go to another rank: split; the first stage sends none and
+    # stage 2's previous stage shares its rank: merged where their W follows at once
+    assert merged_backward(ops, "zbv", 2) == [(3, "F", 0), (3, "I", 0), (3, "W", 0), (0, "B", 0), (2, "B", 1),
+                                              (1, "I", 2), (1, "W", 2), (0, "I", 1), (2, "W", 0), (0, "W", 1)]
+    assert merged_backward([], "zbv", 2) == [] and merged_backward([(0, "I", 0)], "zbv", 2) == [(0, "I", 0)]
+    # interleaved_zb on 2 ranks: stage s on rank s % 2, only the first stage's merge
+    assert merged_backward([(2, "I", 0), (2, "W", 0), (0, "I", 0), (0, "W", 0)], "interleaved_zb", 2) == [
+        (2, "I", 0), (2, "W", 0), (0, "B", 0)]
+    # ZB-V on 2 ranks, M = 8: rank 0's first stage merges all 8, rank 1's stage 2 seven of 8
+    for r, whole in ((0, 8), (1, 7)):
         run = rank_order("zbv", r, 2, 8, 2)
-        assert sum(kind == "I" for _, kind, _ in run) == left and sum(kind == "B" for _, kind, _ in run) == 16 - left
+        assert sum(kind == "B" for _, kind, _ in run) == whole and sum(kind == "I" for _, kind, _ in run) == 16 - whole

@@ -18,8 +18,8 @@ them with torch's own, rank by rank):
                      the steady state, split backwards at the ends
 
 The last three are in autopipe/core/zero_bubble.py ([Note: split backward]); the runtime runs
-each of their I that its W follows at once as one B (:func:`rank_order`, [Note: adjacent I and
-W] in executor/spec.py), torch's own order is :func:`torch_rank_order`. An operation is
+some of their I that its W follows at once as one B (:func:`rank_order`, [Note: adjacent I
+and W] in executor/spec.py), torch's own order is :func:`torch_rank_order`. An operation is
 ``(stage, kind, microbatch)`` with kind ``"F"`` (forward), ``"B"`` (the whole backward), or,
 under the zero-bubble schedules, ``"I"`` and ``"W"`` (its input- and weight-gradient parts). ``executor.GPipe``
 (one process, torchgpipe's order) runs the same forwards but drains its backwards in reverse,
@@ -67,11 +67,11 @@ def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[Op]
 
 
 def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
-    """Rank ``rank``'s operations as the runtime runs them: :func:`torch_rank_order`, with each
-    I that its W follows at once merged into one B under the zero-bubble schedules ([Note:
-    adjacent I and W] in executor/spec.py)."""
+    """Rank ``rank``'s operations as the runtime runs them: :func:`torch_rank_order`, with the I
+    and W that executor.spec.merged_backward merges run as one B under the zero-bubble
+    schedules ([Note: adjacent I and W] in executor/spec.py)."""
     ops = torch_rank_order(schedule, rank, ranks, chunks, per_rank)
-    return merged_backward(ops) if schedule in ZERO_BUBBLE_SCHEDULES else ops
+    return merged_backward(ops, schedule, ranks) if schedule in ZERO_BUBBLE_SCHEDULES else ops
 
 
 def torch_rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:

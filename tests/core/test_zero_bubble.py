@@ -109,22 +109,25 @@ def test_the_split_costs_what_the_profile_measured_and_two_stages_do_not_split()
     costs = LayerCosts.from_profile(prof)
     assert costs.split_ratio == 1.25 and LayerCosts.from_profile(base).split_ratio == 1.0
     devices = [DeviceSpec(n) for n in V]
-    options = CostOptions(4, "never", schedule="zbv", bandwidth=None, recompute_layers=("l2",))
+    options = CostOptions(4, "never", schedule="zbv", bandwidth=None, recompute_layers=("l1",))
     stages = stage_costs(costs, [0, 1, 2, 3], devices, options)
     # the two halves cost 1.25x the whole on a stage that splits ([Note: split backward time]);
     # the first stage runs its backward whole at the W, the stage of a recomputed layer segment
     # whole at the I (torch's reentrant checkpoint: executor/split_backward.py), holding nothing
     parts = [(s.bwd_input_ms, s.bwd_weight_ms) for s in stages]
-    assert parts[0] == (0.0, 2.0) and parts[1] == (1.5 * 1.25, 0.5 * 1.25) and parts[3] == (1.5 * 1.25, 0.5 * 1.25)
-    assert parts[2][1] == 0.0 and parts[2][0] == pytest.approx(stages[2].bwd_ms) and stages[2].bwd_ms > 2.0
-    assert stages[2].weight_held_bytes == 0 and stages[1].weight_held_bytes == 5 + 64
-    assert [s.time_ms - s.fwd_ms for s in stages] == pytest.approx([2.0, 2.5, stages[2].bwd_ms, 2.5])
+    assert parts[0] == (0.0, 2.0) and parts[2] == (0.5 * 1.25, 1.5 * 1.25) and parts[3] == (1.5 * 1.25, 0.5 * 1.25)
+    assert parts[1][1] == 0.0 and parts[1][0] == pytest.approx(stages[1].bwd_ms) and stages[1].bwd_ms > 2.0
+    assert stages[1].weight_held_bytes == 0 and stages[2].weight_held_bytes == 6 + 64
+    assert [s.time_ms - s.fwd_ms for s in stages] == pytest.approx([2.0, stages[1].bwd_ms, 2.5, 2.5])
     sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
-    ops = {(e.stage, e.phase): round(e.duration_ms, 6) for e in sim.timeline if e.microbatch == 3}
-    assert ops[(1, "backward")] == 1.875 and ops[(1, "weight")] == 0.625  # rank 1's I1.3 .. W1.3
-    assert ops[(2, "weight")] == 0.0  # I2.3 .. W2.3 apart too, all of it at the I
-    merged = {e.phase: round(e.duration_ms, 6) for e in sim.timeline if (e.stage, e.microbatch) == (1, 0)}
-    assert merged == {"forward": 1.0, "backward": 2.0}  # I1.0 W1.0 side by side: whole, no ratio
+
+    def ops(s: int, i: int) -> dict[str, float]:
+        return {e.phase: round(e.duration_ms, 6) for e in sim.timeline if (e.stage, e.microbatch) == (s, i)}
+
+    assert ops(3, 0) == {"forward": 1.0, "backward": 1.875, "weight": 0.625}  # its gradient goes to rank 1
+    assert ops(1, 3)["weight"] == 0.0  # all of it at the I
+    # I2.0 W2.0 side by side, stage 1 on the same rank ([Note: adjacent I and W]): whole, no ratio
+    assert ops(2, 0) == {"forward": 1.0, "backward": 2.0}
 
 
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
@@ -207,12 +210,13 @@ def test_zero_bubble_calls_pay_interleaved_1f1bs() -> None:
     stage = StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 1, call_bwd_ms=0.4, bwd_input_ms=0.5)
     sim = simulate_stages([stage] * 4, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
 
-    def durations(i: int) -> list[float]:
+    def durations(s: int, i: int) -> list[float]:
         return sorted(round(e.duration_ms, 6) for e in sim.timeline
-                      if (e.stage, e.microbatch) == (1, i) and e.phase != "forward")
+                      if (e.stage, e.microbatch) == (s, i) and e.phase != "forward")
 
-    assert durations(3) == [0.7, 1.7]  # rank 1 runs I1.3 and W1.3 apart
-    assert durations(0) == [2.4]  # I1.0 W1.0 side by side: one backward ([Note: adjacent I and W])
+    assert durations(1, 0) == [0.7, 1.7]  # stage 1's gradient goes to rank 0: split
+    assert durations(2, 0) == [2.4]  # I2.0 W2.0 side by side, stage 1 on the same rank: one
+    # backward ([Note: adjacent I and W])
 
 
 def test_a_plan_of_another_schedule_simulates_under_a_zero_bubble_one() -> None:
