@@ -16,12 +16,13 @@ split evenly, so that the runtime's own overhead is what separates it from the i
   the auto plan's cut (so this row isolates the runtime's overhead from the plan), wrapped in
   ``PipelineStage`` + ``ScheduleGPipe``: what a user writes without autopipe.
 
-Then ZB-V against 1F1B on the same 2 ranks, for each model at each of ``--zb-chunks`` (M = 4 and
-8): the plans ``partition`` makes from a profile taken as ``autopipe profile --comm`` takes it
-(split backward, loss, link, call costs, ranks' slowdown), 1F1B on 2 stages and ZB-V
-(``schedule="zbv"``, each backward split into its input and weight gradients:
-executor/split_backward.py) on 4 in a V (rank r holding stages r and 3 - r); each against one
-process and 2M/(M+1), and the simulator's prediction of ZB-V against 1F1B.
+Then ZB-V and DualPipeV against 1F1B on the same 2 ranks, for each model at each of
+``--zb-chunks`` (M = 4 and 8): the plans ``partition`` makes from a profile taken as ``autopipe
+profile --comm`` takes it (split backward, loss, link, call costs, ranks' slowdown), 1F1B on 2
+stages, ``schedule="zbv"`` and ``"dualpipev"`` on 4 in a V (rank r holding stages r and 3 - r;
+backwards split into input and weight gradients, executor/split_backward.py, but where no other
+rank waits: [Note: adjacent I and W] in executor/spec.py); each against one process and
+2M/(M+1), and the simulator's prediction of each against 1F1B.
 
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
 Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.comm (what
@@ -214,9 +215,13 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     lines.append(f"auto plan vs equal layer counts: {uniform_ms / auto_ms:.2f}x faster; "
                  f"vs the hand-written torch.distributed.pipelining peer: {peer_ms / auto_ms:.2f}x")
     best = min((auto_ms, auto), (uniform_ms, uniform), key=lambda x: x[0])
-    zb = [f"| {'UnevenMLP' if model == 'uneven' else 'EvenBlocks'} | {m} | {v} | {one:.1f} | {f1b:.1f} | "
-          f"{zbv:.1f} | {f1b / zbv:.2f}x | {predicted} | {one / f1b:.2f}x | {one / zbv:.2f}x | {2 * m / (m + 1):.2f} |"
-          for (m, one, predicted, v), f1b, zbv in zip(zb_rows, zb_times[::2], zb_times[1::2], strict=True)]
+    short = "UnevenMLP" if model == "uneven" else "EvenBlocks"
+    zb = []
+    for n, (m, one, predicted, splits) in enumerate(zb_rows):  # 1F1B, then each of ZB_SCHEDULES
+        f1b, *theirs = zb_times[n * (1 + len(ZB_SCHEDULES)):(n + 1) * (1 + len(ZB_SCHEDULES))]
+        for schedule, ms, guess, split in zip(ZB_SCHEDULES, theirs, predicted, splits, strict=True):
+            zb.append(f"| {short} | {m} | {ZB_NAMES[schedule]} | {split} | {one:.1f} | {f1b:.1f} | {ms:.1f} | "
+                      f"{f1b / ms:.2f}x | {guess} | {one / f1b:.2f}x | {one / ms:.2f}x | {2 * m / (m + 1):.2f} |")
     return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
 
 
@@ -242,10 +247,16 @@ def _comm(chunks: int, launches: int, repeats: int, steps: int) -> dict[str, Any
     return measure_comm("cpu", chunks=chunks, launches=launches, repeats=repeats, steps=steps)
 
 
-def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, list[tuple[int, float, str, str]]]:
-    """``model``'s 1F1B and ZB-V plans at each M of ``--zb-chunks``, as ``partition`` makes them
-    for 2 ranks from a ``--comm`` profile: 2 stages, and 4 in a V (rank 0: stages 0 and 3);
-    each M's one-process step ms, the simulator's 1F1B / ZB-V ratio and the V's split."""
+ZB_SCHEDULES = ("zbv", "dualpipev")  # measured against 1F1B on the same 2 ranks
+ZB_NAMES = {"zbv": "ZB-V", "dualpipev": "DualPipeV"}
+
+
+def _zero_bubble_runs(model: str, args: argparse.Namespace
+                      ) -> tuple[Schedules, list[tuple[int, float, list[str], list[str]]]]:
+    """``model``'s 1F1B plan and one plan of each of ``ZB_SCHEDULES`` at each M of
+    ``--zb-chunks``, as ``partition`` makes them for 2 ranks from a ``--comm`` profile: 2
+    stages, and 4 in a V (rank 0: stages 0 and 3); each M's one-process step ms, the
+    simulator's 1F1B / schedule ratio and the V's split, per schedule."""
     from autopipe.solvers.partitioner import partition
 
     runs: Schedules = []
@@ -254,24 +265,24 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Schedules, 
         run = (model, args.batch, args.width, m, args.steps, args.warmup)
         prof = _planned_profile(model, args, m)
         two = partition(prof, devices=["cpu:0", "cpu:1"], chunks=m, checkpoint="never", schedule="1f1b")
-        four = partition(prof, stages=4, chunks=m, checkpoint="never", schedule="zbv")
-        runs += [(two.to_dict(), "1f1b", run), (four.to_dict(), "zbv", run)]
-        rows.append((m, _single_process(*run), f"{two.iteration_time / four.iteration_time:.2f}x",
-                     "/".join(str(len(s)) for s in four.stages)))
+        fours = [partition(prof, stages=4, chunks=m, checkpoint="never", schedule=s) for s in ZB_SCHEDULES]
+        runs += [(two.to_dict(), "1f1b", run), *((p.to_dict(), s, run) for p, s in zip(fours, ZB_SCHEDULES, strict=True))]
+        rows.append((m, _single_process(*run), [f"{two.iteration_time / p.iteration_time:.2f}x" for p in fours],
+                     ["/".join(str(len(s)) for s in p.stages) for p in fours]))
     return runs, rows
 
 
 def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
     return [
-        f"ZB-V against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: each the "
-        "plan `partition` makes from a `--comm` profile (with the split backward and the loss), 1F1B "
-        "on 2 stages, ZB-V on 4 in a V (rank 0: stages 0 and 3, rank 1: 1 and 2; layers per stage in "
-        "the V column), each backward split into input and weight gradients; predicted: the "
-        "simulator's 1F1B / ZB-V iteration ratio of the two plans",
+        f"ZB-V and DualPipeV against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: "
+        "each the plan `partition` makes from a `--comm` profile (with the split backward and the loss), "
+        "1F1B on 2 stages, the others on 4 in a V (rank 0: stages 0 and 3, rank 1: 1 and 2; layers per "
+        "stage in the V column), each backward split into input and weight gradients but where no other "
+        "rank waits for them; predicted: the simulator's 1F1B / schedule iteration ratio of the plans",
         "",
-        "| model | M | V split | one process step ms | 1F1B step ms | ZB-V step ms | ZB-V vs 1F1B | predicted "
-        "| 1F1B speedup | ZB-V speedup | 2M/(M+1) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | M | schedule | V split | one process step ms | 1F1B step ms | step ms | vs 1F1B | predicted "
+        "| 1F1B speedup | speedup | 2M/(M+1) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
 

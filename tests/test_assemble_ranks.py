@@ -571,9 +571,10 @@ def test_distributed_speedup_benchmark_runs_tiny() -> None:
     rows = [line for line in table.splitlines() if line.startswith("| ") and "step ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == [
         "| one process (1 thread)", "| autopipe, auto plan", "| autopipe, equal layer counts",
-        "| torch.distributed.pipelining, hand split", "| EvenBlocks", "| even"]
-    zb = rows[4].split(" | ")  # ZB-V vs 1F1B at M = 8: the planner's V, predicted by its simulator
-    assert zb[1] == "8" and rows[4].endswith(" | 1.78 |")
-    assert sum(int(n) for n in zb[2].split("/")) == 32 and len(zb[2].split("/")) == 4
-    assert zb[7].endswith("x") and float(zb[7][:-1]) > 0
+        "| torch.distributed.pipelining, hand split", "| EvenBlocks", "| EvenBlocks", "| even"]
+    for row, name in zip(rows[4:6], ("ZB-V", "DualPipeV"), strict=True):  # against 1F1B at M = 8
+        zb = row.split(" | ")  # the planner's V, predicted by its simulator
+        assert zb[1] == "8" and zb[2] == name and row.endswith(" | 1.78 |")
+        assert sum(int(n) for n in zb[3].split("/")) == 32 and len(zb[3].split("/")) == 4
+        assert zb[8].endswith("x") and float(zb[8][:-1]) > 0
     assert "a crossing" in table  # the runtime's overhead per micro-batch, measured
