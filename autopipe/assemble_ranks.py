@@ -77,9 +77,10 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
                  method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor] | None,
-                 target: Any = None, precision: str = "fp32") -> Plan:
+                 target: Any = None, precision: str = "fp32", schedule: str = "gpipe", ranks: int = 1) -> Plan:
     """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
-    distributed runtime; every rank receives its plan (see [Note: one plan...])."""
+    distributed runtime and ``schedule``, its stages laid out on the ``ranks`` pipeline ranks as
+    the schedule places them; every rank receives its plan (see [Note: one plan...])."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         from autopipe.frontend.profiling.profiler import profile
@@ -88,8 +89,9 @@ def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: i
         try:
             prof = profile(model, micro, graph=graph, loss_fn=None if target is None else loss_fn,
                            target=target, precision=precision)
-            box[0] = partition(prof, stages=stages, method=method, chunks=chunks, checkpoint=checkpoint,
-                               runtime="distributed").to_dict()
+            devices = [f"rank:{stage_rank(schedule, i, ranks)}" for i in range(stages)]
+            box[0] = partition(prof, devices=devices, method=method, chunks=chunks, checkpoint=checkpoint,
+                               runtime="distributed", schedule=schedule).to_dict()
         except ValueError as err:
             box[0] = err  # every rank raises it, instead of the others waiting forever
     dist.broadcast_object_list(box, src=0)
@@ -272,7 +274,7 @@ def distributed_pipeline(
         elif target is not None:
             target = microbatch_inputs((target,), chunks)[0]
         plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode,
-                            loss_fn=loss_fn, target=target, precision=precision)
+                            loss_fn=loss_fn, target=target, precision=precision, schedule=schedule, ranks=world)
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_checkpoint(plan, given)

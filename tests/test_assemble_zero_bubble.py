@@ -163,9 +163,33 @@ def _zero_bubble(rank: int, out: str, cases: list[tuple[str, str, Any, bool]],
                 _tied_steps(pipe, values, out)
         if "own" in plans:
             _more(values, plans)
+            _planless(values)
         return values
     finally:  # the pool's next call gets torch's own back
         split._weight_part = part  # type: ignore[assignment]
+
+
+def _planless(values: dict[str, Any]) -> None:
+    """Without a plan, rank 0 partitions for the schedule asked for, laid out as it runs."""
+    import autopipe.solvers.partitioner as partitioner
+
+    asked: list[dict[str, Any]] = []
+    real = partitioner.partition
+
+    def recorded(*args: Any, **kwargs: Any) -> Plan:
+        plan = real(*args, **kwargs)
+        asked.append({"schedule": plan.schedule, "devices": [d.name for d in plan.devices]})
+        return plan
+
+    partitioner.partition = recorded  # type: ignore[assignment]
+    try:
+        model, inputs, target, loss_fn = MODELS["skip"]()
+        pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, example_target=target, schedule="zbv",
+                                    chunks=CHUNKS, timeout=30)
+        loss = pipe.step(*inputs, target=target)
+    finally:
+        partitioner.partition = real  # type: ignore[assignment]
+    values["planless"] = {"asked": asked, "loss": loss, "grads": _grads(pipe), "indices": pipe.indices}
 
 
 def _more(values: dict[str, Any], plans: dict[str, Plan]) -> None:
@@ -282,6 +306,13 @@ def test_zero_bubble_schedules_of_a_skip_connection_on_two_ranks_equal_one_proce
 def test_zero_bubble_schedules_of_a_tied_gpt_on_two_ranks_equal_one_process(tmp_path: Path) -> None:
     values = _ok(spawn(_zero_bubble, str(tmp_path), TIED_CASES, _plans(TIED_CASES, True), timeout=110))
     _check_cases(values, TIED_CASES)
+    # no plan: rank 0 planned for ZB-V itself, its 4 stages in the V, and the gradients match
+    runs = [v["planless"] for v in values]
+    assert runs[0]["asked"] == [{"schedule": "zbv", "devices": ["rank:0", "rank:1", "rank:1", "rank:0"]}]
+    assert runs[1]["asked"] == [] and [r["indices"] for r in runs] == [[0, 3], [1, 2]]
+    model, inputs, target, loss_fn = MODELS["skip"]()
+    assert_close(runs[0]["loss"], _reference(model, inputs, target, loss_fn))
+    _match(_merged(runs, "grads"), model, "skip/zbv without a plan")
     _check_tied_steps(values)
 
 
