@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,3 +56,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     return CollectionOrder(config, log)
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_stay_in_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Everything the suite's processes make with ``tempfile`` (``autopipe run``'s and
+    ``autopipe comm``'s default log folders above all) goes under pytest's own temporary folder,
+    which pytest prunes, instead of piling up in /tmp. Child processes inherit TMPDIR."""
+    folder = tmp_path_factory.mktemp("tempfile")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TMPDIR", str(folder))
+    mp.setattr(tempfile, "tempdir", str(folder))
+    yield
+    mp.undo()
