@@ -332,6 +332,7 @@ def llama_and_bert() -> tuple[tuple[nn.Module, LayerGraph], tuple[nn.Module, Lay
     return traced(llama, (ids,)), traced(bert, (ids,)), ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_huggingface_llama_and_bert_match(
     checkpoint: str,

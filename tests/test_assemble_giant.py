@@ -154,6 +154,7 @@ def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
     return size, rss.bytes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
 @pytest.mark.timeout(400)
 def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:

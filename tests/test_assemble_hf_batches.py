@@ -129,6 +129,7 @@ def built(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module, Pipelin
     return model, reference, pipe, batch
 
 
+@pytest.mark.slow
 def test_the_models_loss_and_gradients_equal_the_whole_batch(
         built: tuple[nn.Module, nn.Module, Pipeline, dict[str, Tensor]]) -> None:
     model, reference, pipe, batch = built
@@ -248,6 +249,7 @@ def _families_on_ranks(rank: int, plans: dict[str, dict[str, Any]]) -> dict[str,
     return values
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
     """Llama, GPT-2, BERT (masked LM) and T5 on 2 ranks, in one call on the pool: step(**batch)

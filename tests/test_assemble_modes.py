@@ -99,6 +99,7 @@ def _lengths(rank: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_ranks_run_other_lengths_like_one_process() -> None:
     values = _ok(spawn(_lengths, timeout=170))
@@ -184,6 +185,7 @@ class ScalarOut(nn.Module):
         return h, h.pow(2).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_rank")
 def test_eval_step_on_one_rank() -> None:
     model = gpt2_with_dropout()

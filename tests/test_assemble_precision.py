@@ -159,6 +159,7 @@ def _two_ranks(rank: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_ranks_under_bf16_equal_one_process() -> None:
     values = _ok(spawn(_two_ranks, timeout=75))

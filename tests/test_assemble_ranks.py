@@ -330,7 +330,7 @@ def _assert_matches_reference(case: str, values: list[dict[str, Any]]) -> nn.Mod
         pytest.param("mlp", "1f1b", "never", "uniform", marks=pytest.mark.compat),
         ("skip", "gpipe", "always", "uniform"),
         ("multi", "1f1b", "except_last", "uniform"),
-        ("gpt2", "gpipe", "except_last", "uniform"),
+        pytest.param("gpt2", "gpipe", "except_last", "uniform", marks=pytest.mark.slow),
     ],
 )
 def test_two_ranks_match_one_process(case: str, schedule: str, checkpoint: str, method: str) -> None:
@@ -425,6 +425,7 @@ def _train_and_save(rank: int, case: str, out: str) -> dict[str, Any]:
     return {"path": path, "keys": sorted(pipe.state_dict())}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_checkpoint_merge_round_trip(tmp_path: Path) -> None:
     values = _ok(spawn(_train_and_save, "gpt2", str(tmp_path)))
@@ -470,6 +471,7 @@ def _fail(rank: int, how: str) -> tuple[str, float]:
     return "no error", time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_failed_rank_ends_the_run_with_an_error_not_a_hang(how: str) -> None:
@@ -561,6 +563,7 @@ def test_merge_state_dicts_refuses_diverged_ties_and_missing_keys() -> None:
         merge_state_dicts([{"weight": torch.ones(2, 2)}], model=nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_distributed_speedup_benchmark_runs_tiny() -> None:
     from benchmarks.distributed_speedup import main

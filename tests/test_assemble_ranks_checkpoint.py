@@ -131,6 +131,7 @@ def assert_equal(actual: dict[str, Tensor], expected: dict[str, Tensor], what: s
     assert not differ, f"{what}: not bit for bit: {differ[:4]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:autopipe. the plan was made for devices")  # stages of one CPU
 def test_resume_on_two_ranks(tmp_path: Path) -> None:

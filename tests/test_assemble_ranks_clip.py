@@ -69,6 +69,7 @@ def _clip(rank: int) -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_clipped_norm_and_grads_of_a_tied_gpt_on_two_ranks_equal_one_process() -> None:
     values = _ok(spawn(_clip))

@@ -61,6 +61,7 @@ def _per_stage(rank: int, case: str, schedule: str, modes: list[str]) -> dict[st
             "checkpoints": pipe.checkpoints}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("case", "schedule", "modes"),

@@ -189,6 +189,7 @@ def _reference(case: str) -> tuple[nn.Module, list[Tensor]]:
     return model, losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.compat
 def test_two_replicas_of_two_stages_match_one_process(ranks: list[tuple[RankResult, Any]]) -> None:

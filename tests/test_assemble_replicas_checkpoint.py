@@ -36,6 +36,7 @@ def _ranks(rank: int, root: str, plans: dict[str, dict[str, Any]]) -> dict[str, 
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resume_with_replicas(tmp_path: Path) -> None:
     plans = {"ddp": rc.plan(2, 2, "ddp"), "fsdp": rc.plan(2, 2, "fsdp"), "k4": rc.plan(4)}

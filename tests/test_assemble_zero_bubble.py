@@ -302,6 +302,7 @@ def test_zero_bubble_schedules_of_a_skip_connection_on_two_ranks_equal_one_proce
     _check_cases(values, SKIP_CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_zero_bubble_schedules_of_a_tied_gpt_on_two_ranks_equal_one_process(tmp_path: Path) -> None:
     values = _ok(spawn(_zero_bubble, str(tmp_path), TIED_CASES, _plans(TIED_CASES, True), timeout=110))

@@ -9,6 +9,7 @@ import pytest
 from benchmarks import auto_plan
 
 
+@pytest.mark.slow
 def test_auto_plan_benchmark_runs_tiny(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     argv = ["--dag-blocks", "2", "--devices", "3", "--dag-batch", "8", "--dag-chunks", "4",

@@ -8,6 +8,7 @@ import pytest
 from benchmarks import executor_vs_prediction
 
 
+@pytest.mark.slow
 def test_executor_vs_prediction_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     bench = executor_vs_prediction
     rows = bench.main(["--batch", "8", "--chunks", "2", "--repeats", "1", "--rounds", "1"])
@@ -44,6 +45,7 @@ def test_schedules_other_than_gpipe_need_the_distributed_runtime() -> None:
         executor_vs_prediction.main(["--models", "mlp", "--schedules", "1f1b"])
 
 
+@pytest.mark.slow
 def test_two_ranks_under_both_schedules() -> None:
     rows = executor_vs_prediction.main(["--runtime", "distributed", "--models", "mlp", "--batch", "8",
                                         "--chunks", "2", "--checkpoints", "except_last", "--repeats", "1",

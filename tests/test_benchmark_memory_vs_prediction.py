@@ -3,9 +3,12 @@ depend on the machine's load, so this is a real assertion, not a report)."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import memory_vs_prediction
 
 
+@pytest.mark.slow
 def test_activation_memory_is_predicted_within_10_percent() -> None:
     bench = memory_vs_prediction
     rows = bench.main(["--models", "mlp", "gpt", "unet", "--batch", "32"])

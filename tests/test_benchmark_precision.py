@@ -17,6 +17,7 @@ import pytest
 from benchmarks import precision
 
 
+@pytest.mark.slow
 def test_precision_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     rows, acts = precision.main(["--tiny", "--runtimes", "one", "--in-process"])
     assert [(r.runtime, r.precision) for r in rows] == [("one process", "fp32"), ("one process", "bf16")]

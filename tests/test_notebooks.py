@@ -53,6 +53,7 @@ def executed() -> dict[Path, Any]:
             for (path, nb), result in zip(notebooks.items(), results, strict=True)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, executed: dict[Path, Any]) -> None:

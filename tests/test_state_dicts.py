@@ -103,6 +103,7 @@ def hf_traced() -> Iterator[HfTraced]:
     traced.clear()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "bert"])
 def test_hf_checkpoints_load_strictly_every_way(name: str, k: int, hf_traced: HfTraced) -> None:
@@ -241,6 +242,7 @@ def _save_llama_parts(rank: int, out: str, plans: dict[str, dict[str, Any]]) -> 
     return paths
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_rank_parts_merge_into_the_plain_model_and_bad_merges_say_why(tmp_path: Path,
                                                                       hf_traced: HfTraced) -> None:

@@ -170,6 +170,7 @@ def test_rank_main_refuses_to_run_outside_torchrun(monkeypatch: pytest.MonkeyPat
     assert "start me with torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_cli_run_trains_a_bundled_example_with_a_saved_plan(plans: dict[str, Path], tmp_path: Path,
                                                             capfd: pytest.CaptureFixture[str]) -> None:
@@ -196,6 +197,7 @@ def test_cli_run_trains_a_bundled_example_with_a_saved_plan(plans: dict[str, Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.log", "rank1.log", "torchrun", "torchrun.log"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_rank_killed_mid_run_ends_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capfd: pytest.CaptureFixture[str]) -> None:
@@ -227,6 +229,7 @@ def test_a_rank_killed_mid_run_ends_in_one_line(tmp_path: Path, monkeypatch: pyt
     assert (logs / "plan.json").exists()  # made before the ranks started
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_user_script_under_torchrun_trains_and_merges(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -259,6 +262,7 @@ def _rank_trains(rank: int, config_json: str) -> list[float]:
     return train(RunConfig.from_json(config_json))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_rank_trains_under_a_precision_with_clipping(plans: dict[str, Path], precision: str) -> None:
     """rank_main's loop on 2 ranks: autocast in the stages, fp16 through a PipelineGradScaler

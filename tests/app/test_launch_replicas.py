@@ -70,6 +70,7 @@ def test_diagnose_reads_a_replicas_failure(tmp_path: Path) -> None:
                            "(Connection closed by peer)"), line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_run_trains_two_replicas(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # 2 replicas of a 1-stage pipeline: rank_main's slicing and the flags, on 2 ranks (the 2 x 2
@@ -85,6 +86,7 @@ def test_cli_run_trains_two_replicas(tmp_path: Path, capfd: pytest.CaptureFixtur
     assert autopipe.Plan.load(tmp_path / "plan.json").data_parallel == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_data_parallel_script_under_torchrun_trains_and_merges(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -101,6 +101,7 @@ def mlp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return autopipe.partition(prof, stages=2).save(tmp_path_factory.mktemp("plan") / "mlp2.json")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_survive_a_kill_a_kill_mid_save_and_a_hang(tmp_path: Path, mlp2: Path,
                                                              capfd: pytest.CaptureFixture[str]) -> None:
@@ -134,6 +135,7 @@ def test_two_ranks_survive_a_kill_a_kill_mid_save_and_a_hang(tmp_path: Path, mlp
     _same_as_uninterrupted(ckpt, 6, replicas=1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_by_two_replicas_survive_a_hang_and_a_kill(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "ckpt"

@@ -72,6 +72,7 @@ def _one_process_losses(chunks: int, batch: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_stages_on_two_hosts_train_as_one_process(hosts: TwoHosts, tmp_path: Path) -> None:
     ex = autopipe.get_example("mlp", batch_size=16)
@@ -117,6 +118,7 @@ def _measure(hosts: TwoHosts, out: Path, port: int, *flags: str) -> dict[str, ob
     return load_comm(out / hosts.a.namespace / "comm.json")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_comm_measures_the_link_and_a_slow_link_changes_the_plan(hosts: TwoHosts, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,6 +63,7 @@ def test_profile_and_pipeline_refuse_an_unknown_choice_before_measuring() -> Non
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_library_leaves_the_allocator_alone_unless_asked_and_records_it() -> None:
     """profile() and pipeline() change the process's allocator only with host_allocator="retain";

@@ -140,6 +140,7 @@ def profile_700() -> Profile:
     return transformer_dag(87)  # 698 layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [8, 40])
 def test_profile_stage_names_stay_clear_of_the_legend_at_700_layers(profile_700: Profile,
                                                                      stages: int) -> None:

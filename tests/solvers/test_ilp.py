@@ -135,6 +135,7 @@ def solved_100() -> _Solved:
     return _Solved(dp.bottleneck, result, events)
 
 
+@pytest.mark.slow
 def test_ilp_100_layer_dag_five_stages_is_proven_optimal(solved_100: _Solved) -> None:
     ilp = solved_100.result
     assert ilp.gap <= 0.005 and ilp.status == "optimal"

@@ -87,6 +87,7 @@ def test_crossings_from_the_median_launch_steps_from_the_slower(monkeypatch: pyt
     assert meta["stage_call_fwd_ms"] + meta["stage_call_bwd_ms"] == pytest.approx(call, abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_real_ranks() -> None:
     meta = comm.measure_comm("cpu", chunks=4, sizes=(64, 256 << 10), repeats=3, steps=3, launches=1)
@@ -165,6 +166,7 @@ def test_the_receive_share_is_the_late_receive_beyond_the_latency_over_the_bytes
     assert comm.receive_share(1.0, 4_000_000, 0.05, 0.0) == 0.0  # free transfers: nothing to share
 
 
+@pytest.mark.slow
 def test_a_script_without_a_main_guard_gets_one_line_that_says_so(tmp_path: Path) -> None:
     # the spawned ranks import the script first, which calls measure_comm again while they bootstrap
     script = tmp_path / "unguarded.py"

@@ -84,6 +84,7 @@ def _phase_peak(phase: str) -> tuple[int, int | None]:
     return sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
 @pytest.mark.timeout(240)
 def test_a_5gb_meta_model_profiles_within_1gib_of_tracing_it() -> None:
@@ -103,6 +104,7 @@ def test_a_5gb_meta_model_profiles_within_1gib_of_tracing_it() -> None:
     assert peaks["profile"] - peaks["trace"] <= 2**30, peaks
 
 
+@pytest.mark.slow
 def test_giant_benchmark_runs_tiny() -> None:
     pytest.importorskip("transformers")
     from benchmarks.giant import main

@@ -262,6 +262,7 @@ def test_time_model_measures_forward_and_backward() -> None:
     assert all(p.grad is None for p in ex.model.parameters())
 
 
+@pytest.mark.slow
 def test_huggingface_gpt2_from_config() -> None:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

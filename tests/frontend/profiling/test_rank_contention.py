@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -34,6 +36,24 @@ def _spin_ms(ms: float = 2.0) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+@contextlib.contextmanager
+def _ahead_of_other_work() -> Iterator[None]:
+    """Where allowed (root), a higher CPU priority (nice -10) for this process and the twins it
+    forks, given back after: the suite runs in parallel ([Note: slow files first]), and with N
+    other busy processes on the pinned core a spin beside its twin is only (2 + N) / (1 + N)
+    times slower, 1.33x at N = 2. At nice -10 the scheduler gives the rest of the suite about a
+    tenth of that core, so the ratio measured is the twin's, about 2x, as on an idle host."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError:  # not permitted: measured at the priority the suite has
+        pass
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)  # raising the nice value is always allowed
+
+
 @needs_fork
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_a_twin_on_the_same_core_is_measured_and_gone_after() -> None:
@@ -41,7 +61,8 @@ def test_a_twin_on_the_same_core_is_measured_and_gone_after() -> None:
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
     try:
-        slowdown = twin_slowdown(_spin_ms, rounds=1, runs=5)
+        with _ahead_of_other_work():
+            slowdown = twin_slowdown(_spin_ms, rounds=3, runs=5)  # the median of 3 rounds
     finally:
         os.sched_setaffinity(0, before)
     assert slowdown == SLOWDOWN_RANGE[1]  # 2x, clamped

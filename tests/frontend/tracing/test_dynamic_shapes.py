@@ -75,6 +75,7 @@ def assert_same_step(pipe: nn.Module, model: nn.Module, reference: nn.Module, x:
         assert_close(p.grad, ref[name].grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_pipeline_traced_at_one_length_matches_the_model_at_others(name: str) -> None:
     model = hf_model(name)

@@ -139,6 +139,7 @@ def test_traces_meta_model_without_real_memory() -> None:
     assert g.nx.edges["net.0", "net.1"]["bytes"] == 16 * 4096 * 4
 
 
+@pytest.mark.slow
 def test_torch_transformer_models() -> None:
     t = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1,
                        dim_feedforward=64, batch_first=True)
@@ -154,6 +155,7 @@ def test_torch_transformer_models() -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.compat
 def test_huggingface_gpt2_from_config() -> None:
     model = tiny_gpt2()
