@@ -102,6 +102,26 @@ def test_two_stages_on_two_hosts_train_as_one_process(hosts: TwoHosts, tmp_path:
     assert_close(losses, expected, rtol=0, atol=6e-5)  # printed with 4 decimals
 
 
+def _fast_link(hosts: TwoHosts, tmp_path: Path) -> tuple[dict[str, object], Path]:
+    """The veth measured (the default sizes, up to 4 MiB), again (at most twice) while it looks
+    like a host too busy to measure it: beside the parallel suite's other worker the two hosts'
+    ranks once waited so long for the CPU that a crossing of the veth fitted tens of ms and its
+    empty stage calls as much, which no link between two namespaces costs (an idle veth: 0.05
+    ms, 0.2-0.5 ms a call). Judged on the measurement alone, never on the plan it leads to."""
+    def busy(m: dict[str, object]) -> bool:
+        call = float(m["stage_call_fwd_ms"]) + float(m["stage_call_bwd_ms"])  # type: ignore[arg-type]
+        return float(m["comm_latency_ms"]) > 1.0 or call > 5.0  # type: ignore[arg-type]
+
+    out = tmp_path / "fast"
+    fast = _measure(hosts, out, 29502)
+    for again in range(2):
+        if not busy(fast):
+            break
+        out = tmp_path / f"fast{again + 1}"
+        fast = _measure(hosts, out, 29504 + again)
+    return fast, out / hosts.a.namespace / "comm.json"
+
+
 def _measure(hosts: TwoHosts, out: Path, port: int, *flags: str) -> dict[str, object]:
     """`autopipe comm --nnodes 2` on both hosts; each writes its own copy of the measurement."""
     def on(host: Host) -> list[str]:
@@ -122,7 +142,7 @@ def _measure(hosts: TwoHosts, out: Path, port: int, *flags: str) -> dict[str, ob
 @pytest.mark.timeout(180)
 def test_comm_measures_the_link_and_a_slow_link_changes_the_plan(hosts: TwoHosts, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    fast = _measure(hosts, tmp_path / "fast", 29502)  # the default sizes, up to 4 MiB
+    fast, fast_file = _fast_link(hosts, tmp_path)
     with hosts.slow_link(SLOW):
         slow = _measure(hosts, tmp_path / "slow", 29503, *SLOW_SIZES)
     # None: the crossings did not grow with the bytes (a veth on a busy host: scheduling noise)
@@ -136,7 +156,7 @@ def test_comm_measures_the_link_and_a_slow_link_changes_the_plan(hosts: TwoHosts
     # one profile of the model, with each link: the plan changes with the link alone
     out = tmp_path / "link_bound.csv"
     assert main(["profile", "tests.models:make_link_bound", "--batch-size", "4096", "--chunks", "8",
-                 "--comm-from", str(tmp_path / "fast" / hosts.a.namespace / "comm.json"), "--out", str(out),
+                 "--comm-from", str(fast_file), "--out", str(out),
                  "--repeats", "3", "--warmup", "1", "--no-progress"]) == 0
     assert "between two ranks on 2 nodes (gloo): " in capsys.readouterr().out
     on_fast = autopipe.Profile.load(out)
