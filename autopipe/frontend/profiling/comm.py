@@ -92,9 +92,8 @@ SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "empty_stages", "fit_call_ms", "fit_transfer", "interleaves",
-           "load_comm", "timed_schedules",
-           "measure_comm", "measure_comm_on_ranks", "receive_share", "with_comm"]
+__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "empty_stages", "fit_call_ms", "fit_transfer", "load_comm",
+           "measure_comm", "measure_comm_on_ranks", "receive_share", "timed_schedules", "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
@@ -155,11 +154,6 @@ def _late_receive_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times) if times else 0.0
 
-
-
-def interleaves(chunks: int) -> bool:
-    """Whether torch's interleaved 1F1B runs ``chunks`` micro-batches on 2 ranks."""
-    return chunks % max(1, chunks // 2) == 0
 
 
 def empty_stages(schedule: str) -> int:
