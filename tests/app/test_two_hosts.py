@@ -104,22 +104,23 @@ def test_two_stages_on_two_hosts_train_as_one_process(hosts: TwoHosts, tmp_path:
 
 def _fast_link(hosts: TwoHosts, tmp_path: Path) -> tuple[dict[str, object], Path]:
     """The veth measured (the default sizes, up to 4 MiB), again (at most twice) while it looks
-    like a host too busy to measure it: beside the parallel suite's other worker the two hosts'
-    ranks once waited so long for the CPU that a crossing of the veth fitted tens of ms and its
-    empty stage calls as much, which no link between two namespaces costs (an idle veth: 0.05
-    ms, 0.2-0.5 ms a call). Judged on the measurement alone, never on the plan it leads to."""
-    def busy(m: dict[str, object]) -> bool:
+    like a host too busy to measure it, and the least busy of the measurements: beside the
+    parallel suite's other worker the two hosts' ranks once waited so long for the CPU that a
+    crossing of the veth fitted tens of ms and its empty stage calls as much, which no link
+    between two namespaces costs (an idle veth: 0.05 ms, 0.2-0.5 ms a call). The ranks run at
+    nice -10 (``ahead``) for the same reason. Judged on the measurement alone, never on the plan
+    it leads to."""
+    def busy(m: dict[str, object]) -> float:  # over 1: busier than an idle veth ever measures
         call = float(m["stage_call_fwd_ms"]) + float(m["stage_call_bwd_ms"])  # type: ignore[arg-type]
-        return float(m["comm_latency_ms"]) > 1.0 or call > 5.0  # type: ignore[arg-type]
+        return max(float(m["comm_latency_ms"]) / 1.0, call / 5.0)  # type: ignore[arg-type]
 
-    out = tmp_path / "fast"
-    fast = _measure(hosts, out, 29502)
-    for again in range(2):
-        if not busy(fast):
+    tried: list[tuple[dict[str, object], Path]] = []
+    for attempt in range(3):
+        out = tmp_path / f"fast{attempt}"
+        tried.append((_measure(hosts, out, 29502 + 2 * attempt), out / hosts.a.namespace / "comm.json"))
+        if busy(tried[-1][0]) <= 1.0:
             break
-        out = tmp_path / f"fast{again + 1}"
-        fast = _measure(hosts, out, 29504 + again)
-    return fast, out / hosts.a.namespace / "comm.json"
+    return min(tried, key=lambda t: busy(t[0]))
 
 
 def _measure(hosts: TwoHosts, out: Path, port: int, *flags: str) -> dict[str, object]:
@@ -129,7 +130,7 @@ def _measure(hosts: TwoHosts, out: Path, port: int, *flags: str) -> dict[str, ob
                 "--nnodes", "2", "--node-rank", str(host.node_rank), "--rdzv-endpoint", f"{hosts.a.addr}:{port}",
                 "--local-addr", host.addr, "--repeats", "5", *flags]
 
-    done = hosts.run_on_both(on)
+    done = hosts.run_on_both(on, ahead=True)
     for d in done:
         assert d.returncode == 0, f"{d.host.namespace}: {d.stderr[-3000:]}"
         assert "between two ranks on 2 nodes (gloo): " in d.stdout, d.stdout
