@@ -7,4 +7,5 @@
     train.py        `autopipe train`: the whole job in one process
     launch.py       `autopipe run`: start rank_main under torchrun
     rank_main.py    one rank of `autopipe run`
+    sigterm_grace.py  a rank's report still written when torchrun's SIGTERM comes first
 """

@@ -29,7 +29,8 @@ a crash or a hang would (autopipe/app/faults.py); without it, nothing of that ru
 A failure ends the rank with ONE line on stderr that the launcher reads back ([Note: one line
 from K ranks] in autopipe/app/torchrun.py): ``autopipe run: error on rank R [at step S]: ...``
 for bad input (AutopipeError, ExecutorError), executor's ``PipelineFailure: ...`` when a peer
-died or hung.
+died or hung, also when torchrun's SIGTERM (sent once a peer is dead) comes first ([Note: SIGTERM
+grace] in autopipe/app/sigterm_grace.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from autopipe.app import sigterm_grace
 from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, RunConfig
 from autopipe.app.faults import Faults
 from autopipe.app.model_spec import load_model
@@ -187,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("autopipe.app.rank_main: error: start me with torchrun (or `autopipe run`)",
               file=sys.stderr)
         return 2
+    finished = sigterm_grace.install()  # a SIGTERM still lets this rank write its report
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -212,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
     finally:
         dist.destroy_process_group()
+        finished.set()
     return 0
 
 
