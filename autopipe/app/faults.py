@@ -90,7 +90,15 @@ class Faults:
 
 @contextmanager
 def _at_first_forward(fault: Fault, stages: Sequence[nn.Module]) -> Iterator[None]:
-    handles = [stage.register_forward_pre_hook(lambda *_: fault.fire()) for stage in stages]
+    fired = False
+
+    def once(*_: Any) -> None:  # a stopped rank continued (SIGCONT) runs on: not stopped again
+        nonlocal fired
+        if not fired:
+            fired = True
+            fault.fire()
+
+    handles = [stage.register_forward_pre_hook(once) for stage in stages]
     try:
         yield
     finally:

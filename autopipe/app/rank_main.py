@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("autopipe.app.rank_main: error: start me with torchrun (or `autopipe run`)",
               file=sys.stderr)
         return 2
-    finished = sigterm_grace.install()  # a SIGTERM still lets this rank write its report
+    grace = sigterm_grace.install()  # a SIGTERM still lets this rank write its report
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -201,6 +201,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the default group waits while rank 0 plans and every rank builds: the first step's limit
     dist.init_process_group(backend, timeout=datetime.timedelta(
         seconds=max(config.timeout, config.first_step_timeout)))
+    try:
+        status = _train_reporting(config)
+    finally:
+        dist.destroy_process_group()
+    grace.finish(status)  # an unexpected error: Python's traceback, status 1 (143 after a SIGTERM)
+    return status
+
+
+def _train_reporting(config: RunConfig) -> int:
+    """:func:`train`, its failures as the one line the launcher reads back: the exit status."""
     progress = Progress()
     try:
         if config.nnodes > 1:
@@ -213,11 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineFailure as err:
         print(f"PipelineFailure: {err}", file=sys.stderr, flush=True)
         return 3
-    finally:
-        dist.destroy_process_group()
-        finished.set()
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
