@@ -54,6 +54,7 @@ from executor.spec import (
     CHECKPOINT_MODES,
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
+    V_SCHEDULES,
     check_schedule,
     stage_rank,
 )
@@ -133,7 +134,9 @@ def partition(
     a multi-stage schedule every two stages share one (``cpu:0, cpu:1, cpu:0, cpu:1``; in a V
     ``cpu:0, cpu:1, cpu:1, cpu:0``). ``progress``: the search's
     and the ILP's progress on stderr; None (default) shows it when stderr is a terminal, True
-    always, False never. ``devices=N``: N devices of the profiled kind. ``data_parallel=D``
+    always, False never. ``devices=N``: N devices of the profiled kind; under ``zbv`` or
+    ``dualpipev`` without ``stages``, devices that name each rank once are the ranks, two stages
+    each in the V (``devices=2``: 4 stages, ``cpu:0, cpu:1, cpu:1, cpu:0``). ``data_parallel=D``
     runs D replicas of a pipeline on N / D devices each, every replica on ``batch_size / D``
     rows of the global ``batch_size`` (default: the profile's), their gradients synced as
     ``dp_mode`` says (``ddp``: all-reduce, ``fsdp``: sharded state); ``data_parallel="auto"``
@@ -216,6 +219,18 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
     return search_replicas(counts, solve)
 
 
+def _in_a_v(devices: Sequence[DeviceSpec | str], schedule: str) -> list[DeviceSpec | str]:
+    """A V schedule on ranks named once each (``devices=2``, ``["cuda:0", "cuda:1"]``): their two
+    stages each, placed as the runtime places them, rank r running stages r and 2W-1-r. Devices
+    that already name a rank twice are left as given (checked with the schedule)."""
+    def name(d: DeviceSpec | str) -> str:
+        return d if isinstance(d, str) else d.name
+
+    if len({name(d) for d in devices}) < len(devices):
+        return list(devices)
+    return [devices[stage_rank(schedule, s, len(devices))] for s in range(2 * len(devices))]
+
+
 def _pipeline(profile: Profile, *, stages: int | str | None,
               devices: Sequence[DeviceSpec | str] | None, method: str, chunks: int | str,
               checkpoint: str | Sequence[str], schedule: str, batch_size: int | None,
@@ -244,6 +259,8 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
             devices = [f"{kind or 'rank'}:{stage_rank(schedule, s, ranks)}" for s in range(stages)]
         elif kind:
             devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
+    if stages is None and devices is not None and schedule in V_SCHEDULES:
+        devices = _in_a_v(devices, schedule)
     if searching:
         if method in ("uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "

@@ -44,6 +44,15 @@ def test_stage_counts_lay_out_as_torch_places_them() -> None:
         partition(prof, stages=3, chunks=4, schedule="zbv", progress=False)
     with pytest.raises(PartitionError, match=r"zbv runs stages r and 2W-1-r on rank r"):
         partition(prof, devices=["a", "b", "a", "b"], chunks=4, schedule="zbv", progress=False)
+    # the ranks named once each, no stages: two stages each, in the V
+    for devices in (2, ["cuda:0", "cuda:1"], [DeviceSpec("cuda:0", memory=2**40), DeviceSpec("cuda:1")]):
+        v = partition(prof, devices=devices, chunks=4, schedule="dualpipev", progress=False)
+        assert [d.name for d in v.devices] == ["cuda:0", "cuda:1", "cuda:1", "cuda:0"], devices
+        assert v.num_stages == 4 and v.devices[0].memory == v.devices[3].memory
+    replicas = partition(prof, devices=4, chunks=4, schedule="zbv", data_parallel=2, progress=False)
+    assert (replicas.num_stages, replicas.data_parallel) == (4, 2)
+    with pytest.raises(PartitionError, match=r"zbv runs exactly 2 stages per rank, but 2 stages' devices"):
+        partition(prof, stages=2, devices=2, chunks=4, schedule="zbv", progress=False)  # stages given: as given
 
 
 def test_a_profile_without_the_split_says_profile_again() -> None:
