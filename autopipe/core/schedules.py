@@ -70,8 +70,14 @@ def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int 
     """Rank ``rank``'s operations as the runtime runs them: :func:`torch_rank_order`, with the I
     and W that executor.spec.merged_backward merges run as one B under the zero-bubble
     schedules ([Note: adjacent I and W] in executor/spec.py)."""
+    return list(_rank_order(schedule, rank, ranks, chunks, per_rank))
+
+
+@lru_cache(maxsize=4096)
+def _rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int) -> tuple[Op, ...]:
+    """:func:`rank_order`, kept: the automatic search asks the same few orders thousands of times."""
     ops = torch_rank_order(schedule, rank, ranks, chunks, per_rank)
-    return merged_backward(ops, schedule, ranks) if schedule in ZERO_BUBBLE_SCHEDULES else ops
+    return tuple(merged_backward(ops, schedule, ranks) if schedule in ZERO_BUBBLE_SCHEDULES else ops)
 
 
 def torch_rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
