@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _train_reporting(config)
     finally:
         dist.destroy_process_group()
-    grace.finish(status)  # an unexpected error: Python's traceback, status 1 (143 after a SIGTERM)
+    grace.finish(status)  # not reached on an unexpected error: its traceback, status 1 (a SIGTERM: 143)
     return status
 
 
@@ -224,6 +224,7 @@ def _train_reporting(config: RunConfig) -> int:
         print(f"PipelineFailure: {err}", file=sys.stderr, flush=True)
         return 3
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
