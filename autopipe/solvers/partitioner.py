@@ -259,8 +259,8 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
             devices = [f"{kind or 'rank'}:{stage_rank(schedule, s, ranks)}" for s in range(stages)]
         elif kind:
             devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
-    if stages is None and devices is not None and schedule in V_SCHEDULES:
-        devices = _in_a_v(devices, schedule)
+    if stages is None and devices is not None and schedule in V_SCHEDULES and not searching:
+        devices = _in_a_v(devices, schedule)  # a search lays out the pool's ranks itself
     if searching:
         if method in ("uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "

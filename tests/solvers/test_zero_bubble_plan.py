@@ -51,6 +51,8 @@ def test_stage_counts_lay_out_as_torch_places_them() -> None:
         assert v.num_stages == 4 and v.devices[0].memory == v.devices[3].memory
     replicas = partition(prof, devices=4, chunks=4, schedule="zbv", data_parallel=2, progress=False)
     assert (replicas.num_stages, replicas.data_parallel) == (4, 2)
+    searched = partition(prof, devices=2, chunks=4, checkpoint="auto", schedule="zbv", progress=False)
+    assert [d.name for d in searched.devices] == ["cuda:0", "cuda:1", "cuda:1", "cuda:0"]  # the search's own V
     with pytest.raises(PartitionError, match=r"zbv runs exactly 2 stages per rank, but 2 stages' devices"):
         partition(prof, stages=2, devices=2, chunks=4, schedule="zbv", progress=False)  # stages given: as given
 
