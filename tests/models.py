@@ -137,8 +137,10 @@ def make_raises() -> nn.Module:
 
 
 def make_link_bound(batch_size: int = 4096) -> tuple[nn.Module, tuple[Tensor]]:
-    """Four Linear(128, 128) + ReLU and a head: every cut carries a micro-batch's whole 128-wide
-    activation (256 KiB at 512 rows) for a few ms of compute, so the link decides whether two
-    stages pay (tests/app/test_two_hosts.py)."""
+    """Four Linear(512, 512) + ReLU and a head: every cut carries a micro-batch's whole 512-wide
+    activation (1 MiB at 512 rows) for ~20 ms of compute, so the link decides whether two stages
+    pay (tests/app/test_two_hosts.py): they do on a veth, by 1.3x even where a busy host measured
+    its latency at 1.8 ms (128 wide, two stages lost there), and lose 8x behind a 100 Mbit/s
+    rate limit."""
     torch.manual_seed(0)
-    return Chain((128, 128, 128, 128, 128, 4)), (torch.randn(batch_size, 128),)
+    return Chain((512, 512, 512, 512, 512, 4)), (torch.randn(batch_size, 512),)
