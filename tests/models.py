@@ -139,8 +139,8 @@ def make_raises() -> nn.Module:
 def make_link_bound(batch_size: int = 4096) -> tuple[nn.Module, tuple[Tensor]]:
     """Four Linear(512, 512) + ReLU and a head: every cut carries a micro-batch's whole 512-wide
     activation (1 MiB at 512 rows) for ~20 ms of compute, so the link decides whether two stages
-    pay (tests/app/test_two_hosts.py): they do on a veth, by 1.3x even where a busy host measured
-    its latency at 1.8 ms (128 wide, two stages lost there), and lose 8x behind a 100 Mbit/s
-    rate limit."""
+    pay (tests/app/test_two_hosts.py): they do on a veth, by 1.25x even where a busy host measured
+    its latency at 1.8 ms (128 wide, two stages lost there; 512 wide, from about 4.3 ms), and
+    lose 8x behind a 100 Mbit/s rate limit."""
     torch.manual_seed(0)
     return Chain((512, 512, 512, 512, 512, 4)), (torch.randn(batch_size, 512),)

@@ -107,12 +107,14 @@ def _fast_link(hosts: TwoHosts, tmp_path: Path) -> tuple[dict[str, object], Path
     like a host too busy to measure it, and the least busy of the measurements: beside the
     parallel suite's other worker the two hosts' ranks once waited so long for the CPU that a
     crossing of the veth fitted tens of ms and its empty stage calls as much, which no link
-    between two namespaces costs (an idle veth: 0.05 ms, 0.2-0.5 ms a call). The ranks run at
-    nice -10 (``ahead``) for the same reason. Judged on the measurement alone, never on the plan
+    between two namespaces costs (an idle veth: 0.05-0.08 ms, 0.2-0.5 ms a call). The ranks run
+    at nice -10 (``ahead``) for the same reason. Under the suite the veth still measures 1.4-1.8
+    ms of latency, where two stages of ``make_link_bound`` stay 1.25x ahead (they lose from about
+    4.3 ms): measured again from 2 ms. Judged on the measurement alone, never on the plan
     it leads to."""
-    def busy(m: dict[str, object]) -> float:  # over 1: busier than an idle veth ever measures
+    def busy(m: dict[str, object]) -> float:  # over 1: too busy to be the veth's measurement
         call = float(m["stage_call_fwd_ms"]) + float(m["stage_call_bwd_ms"])  # type: ignore[arg-type]
-        return max(float(m["comm_latency_ms"]) / 1.0, call / 5.0)  # type: ignore[arg-type]
+        return max(float(m["comm_latency_ms"]) / 2.0, call / 5.0)  # type: ignore[arg-type]
 
     tried: list[tuple[dict[str, object], Path]] = []
     for attempt in range(3):
