@@ -72,6 +72,10 @@ def symbolic_run(fn: Callable[..., Any], inputs: Sequence[Any]) -> SymbolicRun:
     """
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    # Its dispatch cache off: each op of one run of symbolic sizes is a miss whose entry costs more
+    # than the op (infer_wires about 2x faster; the fake runs of the tracer, at concrete sizes
+    # and repeated, keep it)
+    mode.cache_enabled = False
     symbols: dict[sympy.Symbol, sympy.Symbol] = {}
     fakes: list[Any] = []
     for i, x in enumerate(inputs):
