@@ -64,11 +64,12 @@ corrections; a side file without ``"corrections"``, from an earlier release, kee
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -153,7 +154,20 @@ class Profile:
         """This profile as ``runtime`` (``"gpipe"``, ``"distributed"``; None: the profile's
         default) sees it: :meth:`Corrections.for_runtime`."""
         chosen = self.corrections.default_runtime() if runtime is None else runtime
-        return replace(self, corrections=self.corrections.for_runtime(chosen))
+        return self._derived(corrections=self.corrections.for_runtime(chosen))
+
+    def _derived(self, df: pd.DataFrame | None = None, edges: list[tuple[str, str, int]] | None = None,
+                meta: dict[str, Any] | None = None, corrections: Corrections | None = None) -> Profile:
+        """A profile computed from this one: what is not given is copied from it, and nothing is
+        validated again. For computations on a profile that was validated when it was built
+        (:meth:`for_runtime`, ``scaling.profile_at``): the planner derives one per solve, and
+        validating a frame costs milliseconds; a table from outside goes through the constructor."""
+        new = copy.copy(self)
+        new.df = (self.df if df is None else df).copy()
+        new.edges = list(self.edges if edges is None else edges)
+        new.meta = dict(self.meta if meta is None else meta)
+        new.corrections = self.corrections if corrections is None else corrections
+        return new
 
     # --- construction -----------------------------------------------------------------------
     @classmethod

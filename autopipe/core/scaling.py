@@ -106,7 +106,7 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
         meta["chunks"] = chunks
     df = profile.df.drop(columns=[c for c in profile.df.columns if "@" in str(c)])
     if rows == base:
-        return Profile(df, list(profile.edges), meta, corrections)
+        return profile._derived(df, meta=meta, corrections=corrections)
     for col in SCALED_COLUMNS:
         table = np.stack([profile.df[col if r == base else f"{col}@{r}"].to_numpy(dtype=np.float64)
                           for r in sizes])
@@ -128,7 +128,7 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
                                           * np.array([ratio[n] for n in profile.layers])).astype(np.int64)
     edges = [(u, v, int(round(b * ratio[u]))) for u, v, b in profile.edges]
     meta["fingerprint"] = _fingerprint(profile, rows)
-    return Profile(df, edges, meta, corrections)
+    return profile._derived(df, edges, meta, corrections)  # scaled from validated columns
 
 
 def _fingerprint(profile: Profile, rows: int) -> str | None:
