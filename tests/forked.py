@@ -4,7 +4,8 @@
 memory measurement that must see only what it allocates: [Note: RssAnon]) used to start a new
 interpreter ('spawn', ``python -c``), which imports torch, torch.distributed.pipelining
 (torch._dynamo) and autopipe again: 3-4 s of CPU each on the suite's 2 cores. These are
-'forkserver' processes instead: one server, started on first use, imports ``PRELOAD`` once, and
+'forkserver' processes instead: one server, started on first use, imports ``PRELOAD`` once (torch,
+autopipe, and what a test's first HuggingFace model and first torch.export would import), and
 each process is a fork of it. It is a process of its own from its first instruction, as a
 spawned one is: its own memory (the server's pages are its baseline, as a fresh interpreter's
 imports are), its own process group, killed alone. The server runs nothing, so a child starts
@@ -27,7 +28,14 @@ import torch.multiprocessing as mp
 
 __all__ = ["PRELOAD", "Child", "context", "start"]
 
-PRELOAD = ["autopipe.assemble_ranks", "autopipe.frontend.profiling.profiler"]  # torch, pipelining, autopipe
+PRELOAD = [
+    "autopipe.assemble_ranks", "autopipe.frontend.profiling.profiler",  # torch, pipelining, autopipe
+    # what a child's first HuggingFace model and first torch.export import (~4.5 s of CPU, ~60 MB):
+    # the families the tests build from configs ([Note: processes forked from a server]); a name
+    # that does not import is skipped by the server
+    "torch.export._trace", "torch._functorch.aot_autograd",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "mamba")),
+]
 
 
 def context() -> Any:
