@@ -413,17 +413,20 @@ def two_ranks(example: str, batch: int, plans: Sequence[Plan], steps: int, warmu
     """Each plan run on 2 gloo ranks x 1 thread (one process group for them all): per step, the
     slower rank's time."""
     import socket
+    import sys
     import tempfile
 
     import torch
-    from torch.multiprocessing.spawn import start_processes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
+    from forked_ranks import start_ranks
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     args = (example, batch, [p.to_dict() for p in plans], steps, warmup)
     with tempfile.TemporaryDirectory() as out:
-        start_processes(_rank_entry, args=(port, out, args), nprocs=2, start_method="spawn")
+        start_ranks(_rank_entry, (port, out, args), 2)
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
     return [[max(a, b) for a, b in zip(x, y, strict=True)] for x, y in zip(*per_rank, strict=True)]
 

@@ -38,6 +38,7 @@ import datetime
 import functools
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -48,11 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.multiprocessing.spawn import start_processes
 
 from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS
 from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
+from forked_ranks import start_ranks  # noqa: E402 - after the path it is found on
 
 __all__ = ["EvenBlocks", "main"]
 MODELS = ("uneven", "even")
@@ -162,7 +165,7 @@ def _two_ranks(fn: Callable[..., list[float]], *args: Any) -> list[float]:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory() as out:
-        start_processes(_entry, args=(port, out, fn, args), nprocs=2, start_method="spawn")
+        start_ranks(_entry, (port, out, fn, args), 2)
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
     return [max(a, b) for a, b in zip(*per_rank, strict=True)]
 

@@ -36,6 +36,7 @@ import datetime
 import functools
 import socket
 import statistics
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import start_processes
 
 import autopipe
 from autopipe.app.train import median_ms
@@ -54,6 +54,9 @@ from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_
 from autopipe.frontend.profiling.rank_contention import with_rank_contention
 from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
+from forked_ranks import start_ranks  # noqa: E402 - after the path it is found on
 
 __all__ = ["Row", "main"]
 
@@ -169,8 +172,7 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
         with tempfile.TemporaryDirectory() as out:
-            start_processes(_rank, args=(port, out, name, batch, chunks, [p.to_dict() for p in plans], repeats),
-                            nprocs=2, start_method="spawn")
+            start_ranks(_rank, (port, out, name, batch, chunks, [p.to_dict() for p in plans], repeats), 2)
             per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
         loop_ms = median_ms(loop, repeats, warmup=2)
         bare = _without(prof, {**OVERHEADS, **COMM})

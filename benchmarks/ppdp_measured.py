@@ -22,6 +22,7 @@ import datetime
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,10 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import start_processes
 
 from executor.host_allocator import use_host_allocator
 from executor.rank_cores import pin_local_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
+from forked_ranks import start_ranks  # noqa: E402 - after the path it is found on
 
 __all__ = ["CONFIGS", "measured_table", "main"]
 
@@ -116,8 +119,7 @@ def measured_table(batch: int = 512, chunks: int = 4, steps: int = 10, warmup: i
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory() as out:
-        start_processes(_entry, args=(port, out, (batch, chunks, steps, warmup)), nprocs=WORLD,
-                        start_method="spawn")
+        start_ranks(_entry, (port, out, (batch, chunks, steps, warmup)), WORLD)
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(WORLD)]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [f"UnevenMLP, global batch {batch}, {chunks} micro-batches per replica, {WORLD} gloo ranks "
