@@ -26,6 +26,10 @@ name directly: it imports it from here, where
 - :func:`symbol_source` names a symbolic size for fake tensors (``torch._dynamo.source``,
   which torch.export itself uses): only where a fake run at symbolic sizes is tried, which
   falls back to fixed sizes on any error;
+- :func:`fake_dispatch_cache_off` turns the fake-tensor dispatch cache off while a FakeTensorMode
+  is made inside a call that makes its own (torch.export's dynamic export): the mode reads
+  ``torch._dynamo.config.fake_tensor_cache_enabled`` when it is made (2.11 to 2.15); without
+  that switch it changes nothing;
 - :func:`is_communication_error` tells a dead or silent peer from this rank's own error:
   by exception type where torch has the ``DistError`` classes, else by the messages gloo and
   NCCL put on a plain RuntimeError;
@@ -54,6 +58,7 @@ name directly: it imports it from here, where
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import inspect
@@ -92,6 +97,7 @@ __all__ = [
     "without_self_sends",
     "is_communication_error",
     "symbol_source",
+    "fake_dispatch_cache_off",
     "mesh_group_options",
     "set_group_timeout",
     "found_inf_per_device",
@@ -107,6 +113,15 @@ def symbol_source(name: str) -> Any:
     from torch._dynamo.source import ConstantSource
 
     return ConstantSource(name)
+
+
+def fake_dispatch_cache_off() -> contextlib.AbstractContextManager[Any]:
+    """A context in which new FakeTensorModes have no dispatch cache (restored on exit)."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "fake_tensor_cache_enabled"):
+        return contextlib.nullcontext()
+    return dynamo_config.patch(fake_tensor_cache_enabled=False)  # type: ignore[no-any-return]
 
 
 # The parameters (after self) of each private method the receive-ahead schedule overrides or
