@@ -19,7 +19,11 @@ launched by ``torchrun --nproc_per_node K``)::
 measured profile does not (timings differ per process), so without a ``plan`` rank 0 profiles
 and partitions alone and broadcasts the plan; every rank then checks its fingerprint in
 :func:`autopipe.build.build`. Rank 0's weights are broadcast too, like DistributedDataParallel
-does, so ranks that built the model with different seeds still train one model.
+does, so ranks that built the model with different seeds still train one model. The wires
+(executor/wire.py: what crosses each cut, with its sizes as formulas of the inputs') depend on
+the stages and the micro-batch alone, the same on every rank, so rank 0 infers them, its probe
+and its symbolic run (as costly as tracing the model), and broadcasts them; a wire that does not
+pickle (a constant of the model's at a cut) leaves every rank inferring its own.
 
 [Note: loss of a pipeline] The schedules compute ``loss_fn`` per micro-batch; ``step``
 returns the mean of those losses and leaves the gradients of that mean. A single-process
@@ -30,6 +34,7 @@ reference is ``mean(loss_fn(model(x_i), y_i) over the micro-batches x_i of x)``,
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -49,7 +54,7 @@ from autopipe.assemble import (
 )
 from autopipe.assemble_mesh import replicas_of, replicated_pipeline
 from autopipe.core.plan import Plan
-from autopipe.errors import BuildError
+from autopipe.errors import BuildError, first_line
 from autopipe.frontend.building.materialize import has_meta_tensors, materialize_stages
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
@@ -58,7 +63,7 @@ from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from autopipe.rank_parts import (
     merge_state_dicts,  # re-exported: the parts this module's pipelines save
 )
-from executor.distributed import DistributedError, DistributedPipeline, infer_wires
+from executor.distributed import DistributedError, DistributedPipeline, Wire, infer_wires
 from executor.host_allocator import check_host_allocator, use_host_allocator
 from executor.replicated import check_fsdp_ties
 from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, check_schedule, stage_rank
@@ -98,6 +103,33 @@ def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: i
     if isinstance(box[0], ValueError):
         raise box[0]
     return Plan.from_dict(box[0])
+
+
+def _wires_of_rank0(stages: Sequence[nn.Module], probe: tuple[Any, ...], precision: str) -> list[tuple[Wire, ...]]:
+    """The wires of every cut as rank 0 infers them (see [Note: one plan on every rank])."""
+    box: list[Any] = [None]
+    wires = None
+    if dist.get_rank() == 0:
+        try:
+            wires = infer_wires(stages, probe, precision)
+            box[0] = wires if _picklable(wires) else None  # None: every other rank infers its own
+        except Exception as err:  # noqa: BLE001 - every rank raises it, instead of waiting for its wires
+            box[0] = err if isinstance(err, DistributedError) else DistributedError(
+                f"rank 0 could not run the stages on the example micro-batch: {first_line(err)}")
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], DistributedError):
+        raise box[0]
+    if wires is None:
+        wires = box[0] if box[0] is not None else infer_wires(stages, probe, precision)
+    return wires
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return False
+    return True
 
 
 def _sync_weights(model: nn.Module) -> None:
@@ -288,7 +320,7 @@ def distributed_pipeline(
                 raise BuildError(str(err)) from None
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
     # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
-    wires = infer_wires(stages, probe, precision)
+    wires = _wires_of_rank0(stages, probe, precision)
     # [Note: replicas on a mesh]: rank = dp x K + pp; [Note: stage to rank]
     mine = [i for i in range(k) if stage_rank(schedule, i, world) == rank % world]
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)

@@ -365,6 +365,64 @@ def test_gpipe_on_torchs_own_schedule_matches_one_process() -> None:
     assert [v["schedule"] for v in values] == ["ScheduleGPipe"] * 2
 
 
+def _wires_from_rank0(rank: int, plan: dict[str, Any]) -> dict[bool, dict[str, Any]]:
+    """Build ``plan`` twice, the second time with rank 0's wires refused as unpicklable: how
+    often this rank ran infer_wires, and the wires it built with."""
+    import autopipe.assemble_ranks as built
+
+    calls: list[int] = []
+    got: list[Any] = []
+    infer, of_rank0, picklable = built.infer_wires, built._wires_of_rank0, built._picklable
+
+    def counted(*args: Any) -> Any:
+        calls.append(rank)
+        return infer(*args)
+
+    def recorded(*args: Any) -> Any:
+        got.append(of_rank0(*args))
+        return got[-1]
+
+    built.infer_wires, built._wires_of_rank0 = counted, recorded  # type: ignore[assignment]
+    out = {}
+    try:
+        for refused in (False, True):
+            calls.clear()
+            built._picklable = (lambda _: False) if refused else picklable  # type: ignore[assignment]
+            model, inputs, target, loss_fn = _case("multi")
+            pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS,
+                                        plan=autopipe.Plan.from_dict(plan), timeout=20)
+            out[refused] = {"calls": len(calls), "wires": got[-1], "loss": pipe.step(*inputs, target=target)}
+    finally:
+        built.infer_wires, built._wires_of_rank0, built._picklable = infer, of_rank0, picklable  # type: ignore[assignment]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_rank0_infers_the_wires_for_every_rank() -> None:
+    """Rank 0 alone probes the stages (a symbolic run as costly as a trace); the others build
+    with its wires, equal to what they would infer; wires that do not pickle: each its own."""
+    from autopipe.assemble import microbatch_inputs
+    from autopipe.frontend.building.stages import build
+    from autopipe.frontend.tracing.graph import trace
+    from autopipe.solvers.partitioner import partition
+    from tests.test_assemble import cost_profile
+
+    model, inputs, target, loss_fn = _case("multi")
+    micro = microbatch_inputs(inputs, CHUNKS)
+    graph = trace(model, micro)
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=CHUNKS)
+    want = infer_wires(build(model, plan, graph), micro)
+    assert any(w.kind == "scalar" for w in want[1])  # an int crosses the cut
+    values = _ok(spawn(_wires_from_rank0, plan.to_dict()))
+    assert [v[False]["calls"] for v in values] == [1, 0]
+    assert [v[True]["calls"] for v in values] == [1, 1]
+    for v in values:
+        assert v[False]["wires"] == want and v[True]["wires"] == want
+    reference = _reference(model, inputs, target, loss_fn)
+    for refused in (False, True):
+        assert_close(values[1][refused]["loss"], reference)
+
+
 def _interleaved(rank: int) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case("mlp")
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform",
