@@ -123,7 +123,22 @@ def _write_giant_weights(folder: Path) -> Path:
     return index
 
 
-def _build_one_process(weights: str) -> tuple[int, int | None]:
+def _giant_plan() -> dict[str, Any]:
+    """Two stages of equal layer counts, from made-up costs: what is measured below is building
+    the stages from the file; profiling a meta model layer by layer has its own memory bound
+    (tests/frontend/profiling/test_profile_layers.py)."""
+    from autopipe.assemble import microbatch_inputs
+    from autopipe.frontend.tracing.graph import trace
+    from autopipe.solvers.partitioner import partition
+    from tests.test_assemble import cost_profile
+
+    with torch.device("meta"):
+        model = TinyGPT(**GIANT)
+    graph = trace(model, microbatch_inputs((torch.randint(0, 8000, (2, 4)),), CHUNKS))
+    return partition(cost_profile(graph), stages=2, chunks=CHUNKS, method="uniform").to_dict()
+
+
+def _build_one_process(weights: str, plan: dict[str, Any]) -> tuple[int, int | None]:
     """The model's bytes and the peak RssAnon of building and running it in one process."""
     import autopipe
 
@@ -133,21 +148,23 @@ def _build_one_process(weights: str) -> tuple[int, int | None]:
     ids = torch.randint(0, 8000, (2, 4))
     with PeakRss() as rss:
         pipe = autopipe.pipeline(model, (ids,), devices=["cpu", "cpu"], chunks=2,
-                                 weights=weights, method="uniform")
+                                 weights=weights, plan=autopipe.Plan.from_dict(plan))
         with torch.no_grad():
             out = pipe(ids)
     assert out.shape == (2, 4, 8000) and torch.isfinite(out).all()
     return sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes
 
 
-def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
+def _rank_peak(rank: int, weights: str, plan: dict[str, Any]) -> tuple[int, int]:
+    from autopipe.core.plan import Plan
+
     torch.set_num_threads(1)
     with torch.device("meta"):
         model = TinyGPT(**GIANT)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, 8000, (2, 4), generator=torch.Generator().manual_seed(0))
     with PeakRss() as rss:
-        pipe = distributed_pipeline(model, (ids,), loss_fn=_loss, chunks=CHUNKS, method="uniform",
+        pipe = distributed_pipeline(model, (ids,), loss_fn=_loss, chunks=CHUNKS, plan=Plan.from_dict(plan),
                                     weights=weights, timeout=120)
         pipe.step(ids, target=ids)
     assert rss.bytes is not None
@@ -159,11 +176,12 @@ def _rank_peak(rank: int, weights: str) -> tuple[int, int]:
 @pytest.mark.timeout(400)
 def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:
     index = _write_giant_weights(tmp_path)
+    plan = _giant_plan()
     # the one-process build and the two ranks measure their own processes ([Note: processes
     # forked from a server]): run them side by side
-    one = forked.start(_build_one_process, str(index))
+    one = forked.start(_build_one_process, str(index), plan)
     try:
-        ranks = _ok(spawn(_rank_peak, str(index), timeout=300, fresh=True))
+        ranks = _ok(spawn(_rank_peak, str(index), plan, timeout=300, fresh=True))
         size, peak = one.result(timeout=300)
     finally:
         one.kill()
