@@ -23,6 +23,7 @@ stream stays clean. ``progress=True`` forces it, ``progress=False`` silences it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +71,7 @@ __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
+RSS_INTERVAL_S = 0.005  # how often profile() samples the process's RssAnon (CPU)
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
 # the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the
 # edges, the split backward's (I + W) / backward ([Note: split backward measured])
@@ -269,7 +271,11 @@ def profile(
         return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
                            dedupe, trace_kwargs, calls[2], precision)
 
-    with PeakRss() as rss:
+    # RssAnon sampled every 5 ms: at 1 ms the sampler's wake-ups (a read of /proc and the GIL
+    # each) cost ~7% of a busy loop's CPU and interrupt what is being timed; on CUDA the peak is
+    # the allocator's and nothing is sampled
+    rss = PeakRss(RSS_INTERVAL_S) if dev.type == "cpu" else None
+    with rss or contextlib.nullcontext():
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         g, rows, (fwd_extra, bwd_extra, ratio), scales, edges, split = measure_at(inputs, graph)
@@ -285,7 +291,7 @@ def profile(
                 frame[f"{column}@{r}"] = [row[column] for row in rows_r]
             fingerprints[str(r)] = g_r.fingerprint
     peak = (int(torch.cuda.max_memory_allocated(dev)), "cuda max_memory_allocated") \
-        if dev.type == "cuda" else (rss.bytes, "RssAnon of the process")
+        if dev.type == "cuda" else (rss.bytes if rss is not None else None, "RssAnon of the process")
     meta = {
         "model": name or type(model).__name__,
         "device": _device_name(dev),
