@@ -42,7 +42,8 @@ def measure_link(config: CommConfig, *, log_dir: str | os.PathLike[str] | None =
                  extra_env: dict[str, str] | None = None, timeout: float | None = None) -> int:
     """Check ``config``, run its two ranks under torchrun and print what they measured: 0 when
     ``config.out`` was written, 124 after ``timeout`` seconds; RankFailure (one line) when a rank
-    failed. The ranks' and torchrun's logs are in ``log_dir`` (default: a new temporary one)."""
+    failed. The ranks' and torchrun's logs are in ``log_dir`` (default: a new temporary one,
+    removed after a measurement that left nothing to read there)."""
     config.check()
     out = Path(config.out).absolute()
     if out.exists() and not config.force:  # fail before launching
@@ -55,7 +56,8 @@ def measure_link(config: CommConfig, *, log_dir: str | os.PathLike[str] | None =
     ranks = dataclasses.replace(config, out=str(out))
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     code = launch_ranks(ranks_command(ranks, 2, "autopipe.app.comm_job", work / "torchrun"), work,
-                        2 // config.nnodes, nodes=config.nnodes, world=2, env=env, timeout=timeout)
+                        2 // config.nnodes, nodes=config.nnodes, world=2, env=env, timeout=timeout,
+                        temporary=log_dir is None)
     if code == 0:
         print(summary(json.loads(out.read_text(encoding="utf-8"))) + f"; wrote {config.out}")
     return code

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,10 +58,12 @@ def ranks_command(launch: Launch, nproc: int, module: str, log_dir: str | os.Pat
 
 
 def launch_ranks(command: list[str], work: Path, local: int, *, nodes: int, world: int, env: dict[str, str],
-                 timeout: float | None, restarts: int = 0) -> int:
+                 timeout: float | None, restarts: int = 0, temporary: bool = False) -> int:
     """Run torchrun's ``command`` (its logs under ``work/torchrun``) for ``local`` ranks here of
     ``world`` on ``nodes`` nodes, restarted up to ``restarts`` times: 0 when they finished, 124
-    after ``timeout`` seconds, else RankFailure with the one line of [Note: one line from K ranks]."""
+    after ``timeout`` seconds, else RankFailure with the one line of [Note: one line from K ranks].
+    A ``temporary`` ``work`` is removed after a launch that finished with nothing left to read
+    there (no restart, every line of the ranks' stderr echoed); else it stays, and is named."""
     ranks_dir = work / "torchrun"
     if restarts:  # a rendezvous store kept across restarts hands the new ranks the dead ones' addresses
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}  # (pytorch/pytorch#135712)
@@ -80,10 +83,12 @@ def launch_ranks(command: list[str], work: Path, local: int, *, nodes: int, worl
         watch.join()
     logs = _collect(ranks_dir, work, local, nodes)
     if code == 0:
-        _echo_warnings(logs, work)
+        echoed = _echo_warnings(logs, work)
         if watch.failures:
             print(f"autopipe run: finished after {watch.failures} restart(s); each attempt's logs are in "
                   f"{ranks_dir}", file=sys.stderr)
+        elif echoed and temporary:
+            shutil.rmtree(work, ignore_errors=True)
         return 0
     raise RankFailure(diagnose(logs, (work / "torchrun.log").read_text(encoding="utf-8", errors="replace"),
                                world, work, nodes=nodes))
@@ -135,8 +140,9 @@ def _attempt_logs(ranks_dir: Path, attempt: int) -> tuple[dict[int, str], Path]:
     return logs, folder
 
 
-def _echo_warnings(logs: dict[int, str], work: Path, most: int = 8) -> None:
-    """A successful run's stderr lines (warnings), each once, at most ``most`` of them."""
+def _echo_warnings(logs: dict[int, str], work: Path, most: int = 8) -> bool:
+    """A successful run's stderr lines (warnings), each once, at most ``most`` of them; whether
+    that was all of them."""
     seen: list[str] = []
     for rank in sorted(logs):
         for line in logs[rank].splitlines():
@@ -146,6 +152,8 @@ def _echo_warnings(logs: dict[int, str], work: Path, most: int = 8) -> None:
         print(line, file=sys.stderr)
     if len(seen) > most:
         print(f"autopipe run: {len(seen) - most} more line(s) of the ranks' stderr in {work}", file=sys.stderr)
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,31 @@ def test_comm_refuses_to_overwrite_before_launching(tmp_path: Path, no_launch: N
     assert main(["comm", "--out", str(out)]) == 2
     assert capsys.readouterr().err == (f"autopipe: error: {out} already exists: refusing to overwrite a link "
                                        "measurement; pass --force or choose another --out\n")
+
+
+def test_a_temporary_log_folder_goes_after_a_clean_launch_and_stays_otherwise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`autopipe comm`'s default log folder (torchrun's logs, the ranks' stderr) is removed when
+    nothing is left to read there; a folder the caller named, a launch whose ranks wrote more
+    than is echoed, and a failed launch keep theirs (and name it)."""
+    import os
+
+    from autopipe.app.torchrun import RankFailure, launch_ranks
+
+    def launch(work: Path, code: int = 0, *, temporary: bool = True) -> int:
+        work.mkdir(exist_ok=True)
+        return launch_ranks([sys.executable, "-c", f"raise SystemExit({code})"], work, 1, nodes=1, world=1,
+                            env=dict(os.environ), timeout=60, temporary=temporary)
+
+    assert launch(tmp_path / "clean") == 0 and not (tmp_path / "clean").exists()
+    assert launch(tmp_path / "named", temporary=False) == 0 and (tmp_path / "named").exists()
+    noisy = tmp_path / "noisy"
+    (noisy / "torchrun" / "run" / "attempt_0" / "0").mkdir(parents=True)
+    (noisy / "torchrun" / "run" / "attempt_0" / "0" / "stderr.log").write_text(
+        "\n".join(f"warning {i}" for i in range(12)))
+    capsys.readouterr()
+    assert launch(noisy) == 0 and (noisy / "rank0.log").exists()
+    assert f"4 more line(s) of the ranks' stderr in {noisy}" in capsys.readouterr().err
+    with pytest.raises(RankFailure):
+        launch(tmp_path / "failed", 1)
+    assert (tmp_path / "failed" / "torchrun.log").exists()
