@@ -132,13 +132,35 @@ def _picklable(value: Any) -> bool:
     return True
 
 
-def _sync_weights(model: nn.Module) -> None:
+SYNC_BUCKET_BYTES = 32 << 20  # rank 0's weights go out in flat buckets of about this size
+
+
+def _sync_weights(model: nn.Module, device: torch.device) -> None:
+    """Every rank's weights and buffers := rank 0's, one broadcast per bucket of tensors of one
+    dtype (not one per tensor), each bucket crossing on ``device`` (the rank's own: NCCL
+    carries no CPU tensors) and copied back into the tensors where they live."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
     seen: set[int] = set()
     for t in model.state_dict(keep_vars=True).values():
-        if isinstance(t, Tensor) and id(t) not in seen:
+        if isinstance(t, Tensor) and id(t) not in seen and t.numel():
             seen.add(id(t))
-            with torch.no_grad():
-                dist.broadcast(t.data, src=0)
+            by_dtype.setdefault(t.dtype, []).append(t)
+    buckets: list[list[Tensor]] = []
+    for tensors in by_dtype.values():
+        size = SYNC_BUCKET_BYTES
+        for t in tensors:
+            if size + t.numel() * t.element_size() > SYNC_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += t.numel() * t.element_size()
+    with torch.no_grad():
+        for bucket in buckets:
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
+            dist.broadcast(flat, src=0)
+            if dist.get_rank() != 0:
+                for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                    t.copy_(part.view_as(t))
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -298,7 +320,7 @@ def distributed_pipeline(
                          "example_kwargs")
     on_meta = has_meta_tensors(model)
     if weights is None and not on_meta:
-        _sync_weights(model)  # every rank reads the same weights file otherwise
+        _sync_weights(model, here)  # every rank reads the same weights file otherwise
     if plan is None:
         target = example_target  # its first micro-batch, as ``micro`` is of the inputs
         if isinstance(target, tuple):

@@ -423,6 +423,36 @@ def test_rank0_infers_the_wires_for_every_rank() -> None:
         assert_close(values[1][refused]["loss"], reference)
 
 
+def _other_seed_each(rank: int) -> dict[str, Any]:
+    """The mlp built with this rank's own seed: the pipeline trains rank 0's weights. Buckets of
+    one tensor's size at most, so the broadcast is cut into several."""
+    import autopipe.assemble_ranks as built
+
+    model, inputs, target, loss_fn = _case("mlp")
+    if rank:
+        torch.manual_seed(100 + rank)
+        for p in model.parameters():
+            nn.init.normal_(p)
+    bucket, built.SYNC_BUCKET_BYTES = built.SYNC_BUCKET_BYTES, 64 * 64 * 4
+    try:
+        pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform", timeout=20)
+    finally:
+        built.SYNC_BUCKET_BYTES = bucket
+    return {"loss": pipe.step(*inputs, target=target), "state": pipe.state_dict(),
+            "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()}}
+
+
+@pytest.mark.timeout(60)
+def test_ranks_of_other_initial_weights_train_rank0s() -> None:
+    values = _ok(spawn(_other_seed_each))
+    _assert_matches_reference("mlp", values)  # rank 0's weights: _case seeds 0, as there
+    reference = _case("mlp")[0].state_dict()
+    assert set(values[0]["state"]) | set(values[1]["state"]) == set(reference)
+    for v in values:
+        for key, value in v["state"].items():
+            assert_close(value, reference[key], msg=key)
+
+
 def _interleaved(rank: int) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case("mlp")
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform",
