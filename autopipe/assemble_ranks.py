@@ -80,12 +80,20 @@ def _device(device: str | torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _comm_device(here: torch.device) -> torch.device:
+    """Where this rank's own collectives of build time run: its GPU under NCCL (which carries no
+    CPU tensors, and whose current device need not be this rank's), else the CPU."""
+    return here if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
                  method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor] | None,
-                 target: Any = None, precision: str = "fp32", schedule: str = "gpipe", ranks: int = 1) -> Plan:
+                 target: Any = None, precision: str = "fp32", schedule: str = "gpipe", ranks: int = 1,
+                 device: torch.device | None = None) -> Plan:
     """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
     distributed runtime and ``schedule``, its stages laid out on the ``ranks`` pipeline ranks as
-    the schedule places them; every rank receives its plan (see [Note: one plan...])."""
+    the schedule places them; every rank receives its plan (see [Note: one plan...]) through
+    ``device`` (:func:`_comm_device`)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         from autopipe.frontend.profiling.profiler import profile
@@ -99,13 +107,14 @@ def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: i
                                runtime="distributed", schedule=schedule).to_dict()
         except ValueError as err:
             box[0] = err  # every rank raises it, instead of the others waiting forever
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=device)
     if isinstance(box[0], ValueError):
         raise box[0]
     return Plan.from_dict(box[0])
 
 
-def _wires_of_rank0(stages: Sequence[nn.Module], probe: tuple[Any, ...], precision: str) -> list[tuple[Wire, ...]]:
+def _wires_of_rank0(stages: Sequence[nn.Module], probe: tuple[Any, ...], precision: str,
+                    device: torch.device) -> list[tuple[Wire, ...]]:
     """The wires of every cut as rank 0 infers them (see [Note: one plan on every rank])."""
     box: list[Any] = [None]
     wires = None
@@ -116,7 +125,7 @@ def _wires_of_rank0(stages: Sequence[nn.Module], probe: tuple[Any, ...], precisi
         except Exception as err:  # noqa: BLE001 - every rank raises it, instead of waiting for its wires
             box[0] = err if isinstance(err, DistributedError) else DistributedError(
                 f"rank 0 could not run the stages on the example micro-batch: {first_line(err)}")
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=device)
     if isinstance(box[0], DistributedError):
         raise box[0]
     if wires is None:
@@ -137,8 +146,8 @@ SYNC_BUCKET_BYTES = 32 << 20  # rank 0's weights go out in flat buckets of about
 
 def _sync_weights(model: nn.Module, device: torch.device) -> None:
     """Every rank's weights and buffers := rank 0's, one broadcast per bucket of tensors of one
-    dtype (not one per tensor), each bucket crossing on ``device`` (the rank's own: NCCL
-    carries no CPU tensors) and copied back into the tensors where they live."""
+    dtype (not one per tensor), each bucket crossing on ``device`` (:func:`_comm_device`) and
+    copied back into the tensors where they live."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     seen: set[int] = set()
     for t in model.state_dict(keep_vars=True).values():
@@ -320,7 +329,7 @@ def distributed_pipeline(
                          "example_kwargs")
     on_meta = has_meta_tensors(model)
     if weights is None and not on_meta:
-        _sync_weights(model, here)  # every rank reads the same weights file otherwise
+        _sync_weights(model, _comm_device(here))  # every rank reads the same weights file otherwise
     if plan is None:
         target = example_target  # its first micro-batch, as ``micro`` is of the inputs
         if isinstance(target, tuple):
@@ -328,7 +337,8 @@ def distributed_pipeline(
         elif target is not None:
             target = microbatch_inputs((target,), chunks)[0]
         plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode,
-                            loss_fn=loss_fn, target=target, precision=precision, schedule=schedule, ranks=world)
+                            loss_fn=loss_fn, target=target, precision=precision, schedule=schedule, ranks=world,
+                            device=_comm_device(here))
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_checkpoint(plan, given)
@@ -342,7 +352,7 @@ def distributed_pipeline(
                 raise BuildError(str(err)) from None
     probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
     # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
-    wires = _wires_of_rank0(stages, probe, precision)
+    wires = _wires_of_rank0(stages, probe, precision, _comm_device(here))
     # [Note: replicas on a mesh]: rank = dp x K + pp; [Note: stage to rank]
     mine = [i for i in range(k) if stage_rank(schedule, i, world) == rank % world]
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
