@@ -156,13 +156,14 @@ def _sync_weights(model: nn.Module, device: torch.device) -> None:
             by_dtype.setdefault(t.dtype, []).append(t)
     buckets: list[list[Tensor]] = []
     for tensors in by_dtype.values():
-        size = SYNC_BUCKET_BYTES
+        first, size = len(buckets), 0
         for t in tensors:
-            if size + t.numel() * t.element_size() > SYNC_BUCKET_BYTES:
+            nbytes = t.numel() * t.element_size()
+            if len(buckets) == first or size + nbytes > SYNC_BUCKET_BYTES:  # a larger tensor: alone
                 buckets.append([])
                 size = 0
             buckets[-1].append(t)
-            size += t.numel() * t.element_size()
+            size += nbytes
     with torch.no_grad():
         for bucket in buckets:
             flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
