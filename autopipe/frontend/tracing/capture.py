@@ -29,13 +29,14 @@ import torch
 from torch import fx, nn
 
 from autopipe.errors import TraceError, first_line
-from autopipe.frontend.tracing.diagnose import quiet, user_line, user_line_in
+from autopipe.frontend.tracing.diagnose import quiet, user_line
 from autopipe.frontend.tracing.keyword_inputs import (
     export_dynamic_by_name,
     order_placeholders,
     split_keywords,
 )
 from autopipe.frontend.tracing.modes import MODE_NAMES, ModeBinding, bind_modes
+from autopipe.frontend.tracing.node_values import GraphRunError, record_values
 from autopipe.frontend.tracing.shapes import (
     add_input_check,
     export_dynamic_shapes,
@@ -43,7 +44,6 @@ from autopipe.frontend.tracing.shapes import (
     fx_rules,
 )
 from executor._torch_compat import (
-    FakeTensorMode,
     fake_dispatch_cache_off,
     tree_leaves,
     tree_map_only,
@@ -237,51 +237,9 @@ def _leaf_key_export(
     return None
 
 
-class _GraphRunError(Exception):
-    """The traced graph failed on the example inputs: the error and the user's line of the node."""
-
-    def __init__(self, err: Exception, line: str) -> None:
-        super().__init__(str(err))
-        self.err, self.line = err, line
-
-
-def _fake_propagate(gm: fx.GraphModule, args: tuple[Any, ...]) -> FakeTensorMode | None:
-    """Store every node's output as a fake tensor in node.meta['val'] (no real activations); the
-    mode it ran under, or None where the graph needed one real forward instead."""
-    class _MetaRecorder(fx.Interpreter):
-        current: fx.Node | None = None
-
-        def run_node(self, n: fx.Node) -> Any:
-            self.current = n
-            result = super().run_node(n)
-            n.meta["val"] = result
-            return result
-
-    try:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
-        with mode:
-            _MetaRecorder(gm).run(*fake_args)
-        return mode
-    except Exception:  # an op without a fake kernel: fall back to one real forward
-        pass
-    recorder = _MetaRecorder(gm)
-    try:
-        with torch.no_grad():
-            recorder.run(*args)
-    except Exception as err:
-        node = recorder.current
-        raise _GraphRunError(err, user_line_in(node.meta.get("stack_trace") if node else None)) from err
-    for n in gm.graph.nodes:
-        n.meta["val"] = tree_map_only(
-            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), n.meta["val"]
-        )
-    return None
-
-
 def _graph_failure(err: Exception) -> _Failure:
-    line = err.line if isinstance(err, _GraphRunError) else ""
-    cause = err.err if isinstance(err, _GraphRunError) else err
+    line = err.line if isinstance(err, GraphRunError) else ""
+    cause = err.err if isinstance(err, GraphRunError) else err
     return _Failure("torch.fx", f"its graph did not run on the example inputs: {first_line(cause)}",
                     line)
 
@@ -406,7 +364,7 @@ def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
         other, other_failure = _trace_fx(model, rule, kwargs, positional, keywords)
     binding = bind_modes(gm, other, traced, _untraceable(traced, other_failure))
     try:
-        ran = _fake_propagate(gm, args)
+        ran = record_values(gm, args)
     except Exception as err:  # traced, but the graph does not run on these inputs
         return _graph_failure(err)
     add_input_check(gm, fx_rules(gm, args, ran), len(args))
@@ -431,7 +389,7 @@ def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
     gm = ep.module()
     binding = bind_modes(gm, other.module() if other is not None else None, traced,
                          _untraceable(traced, other_failure))
-    _fake_propagate(gm, tuple(tree_leaves((args, kwargs))))  # concrete sizes of the example
+    record_values(gm, tuple(tree_leaves((args, kwargs))))  # concrete sizes of the example
     add_input_check(gm, export_rules(ep, inputs), len(inputs))
     modules = dict(model.named_modules())
     keys = {n.name: _leaf_key_export(n, modules, rule) for n in gm.graph.nodes}
