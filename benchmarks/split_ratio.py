@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,15 +53,6 @@ class StageSplit:
     @property
     def measured(self) -> float:
         return self.split_ms / self.whole_ms
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def stage_split(stage: nn.Module, inputs: tuple[Tensor, ...], repeats: int) -> tuple[float, float]:
