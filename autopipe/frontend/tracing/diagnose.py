@@ -5,9 +5,10 @@
 it per failed attempt), print partial graphs, and warn about their own internals; none of it is
 the user's business, since every failure ends in one TraceError line. :func:`quiet` raises the
 level of every ``torch`` logger (loggers created inside inherit it), captures stdout and stderr
-and ignores warnings, for the tracer's calls only: on exit every level is set back with
-``setLevel`` (which also clears logging's per-logger caches), so the user's logging afterwards
-is exactly what it was.
+and ignores warnings, for the tracer's calls only: on exit every level is set back, so the
+user's logging afterwards is exactly what it was. Levels are assigned, and logging's per-logger
+caches cleared once after each change (what ``setLevel`` does on every call: with the ~2,000
+loggers of torch and a HuggingFace model imported, a ``setLevel`` each cost seconds a trace).
 
 [Note: the user's line] A one-line error cannot carry a traceback, so it names the line of the
 model's code where tracing broke: the innermost frame of the exception that belongs neither to
@@ -56,15 +57,20 @@ def quiet() -> Iterator[io.StringIO]:
     levels = [(lg, lg.level) for lg in loggers]
     sink = io.StringIO()
     try:
-        for lg in loggers:
-            lg.setLevel(_QUIET)
+        _set_levels([(lg, _QUIET) for lg in loggers])
         with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
                 contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             yield sink
     finally:
-        for lg, level in levels:
-            lg.setLevel(level)
+        _set_levels(levels)
+
+
+def _set_levels(levels: list[tuple[logging.Logger, int]]) -> None:
+    """``lg.setLevel(level)`` for each pair, clearing logging's caches once, not per logger."""
+    for lg, level in levels:
+        lg.level = level
+    logging.getLogger("torch").setLevel(logging.getLogger("torch").level)  # clears every cache
 
 
 def _is_user(filename: str) -> bool:
