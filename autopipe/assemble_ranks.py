@@ -373,7 +373,8 @@ def distributed_pipeline(
         loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
         chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
         key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
-        precision=precision,
+        precision=precision,  # the plan's merge rule is for its own schedule ([Note: adjacent I and W])
+        merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited",
     )
 
 

@@ -34,6 +34,7 @@ the gap each model's measured step leaves to its ideal, per micro-batch slot.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -221,8 +222,9 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     short = "UnevenMLP" if model == "uneven" else "EvenBlocks"
     zb = []
     for n, (m, one, predicted, splits) in enumerate(zb_rows):  # 1F1B, then each of ZB_SCHEDULES
-        f1b, *theirs = zb_times[n * (1 + len(ZB_SCHEDULES)):(n + 1) * (1 + len(ZB_SCHEDULES))]
-        for schedule, ms, guess, split in zip(ZB_SCHEDULES, theirs, predicted, splits, strict=True):
+        each = 1 + 2 * len(ZB_SCHEDULES)  # 1F1B, each schedule under its rule, then under the other
+        f1b, *theirs = zb_times[n * each:(n + 1) * each]
+        for schedule, ms, guess, split in zip(ZB_SCHEDULES * 2, theirs, predicted, splits, strict=True):
             zb.append(f"| {short} | {m} | {ZB_NAMES[schedule]} | {split} | {one:.1f} | {f1b:.1f} | {ms:.1f} | "
                       f"{f1b / ms:.2f}x | {guess} | {one / f1b:.2f}x | {one / ms:.2f}x | {2 * m / (m + 1):.2f} |")
     return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
@@ -260,6 +262,7 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace
     ``--zb-chunks``, as ``partition`` makes them for 2 ranks from a ``--comm`` profile: 2
     stages, and 4 in a V (rank 0: stages 0 and 3); each M's one-process step ms, the
     simulator's 1F1B / schedule ratio and the V's split, per schedule."""
+    from autopipe.core.simulator import simulate
     from autopipe.solvers.partitioner import partition
 
     runs: Schedules = []
@@ -269,9 +272,15 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace
         prof = _planned_profile(model, args, m)
         two = partition(prof, devices=["cpu:0", "cpu:1"], chunks=m, checkpoint="never", schedule="1f1b")
         fours = [partition(prof, stages=4, chunks=m, checkpoint="never", schedule=s) for s in ZB_SCHEDULES]
-        runs += [(two.to_dict(), "1f1b", run), *((p.to_dict(), s, run) for p, s in zip(fours, ZB_SCHEDULES, strict=True))]
-        rows.append((m, _single_process(*run), [f"{two.iteration_time / p.iteration_time:.2f}x" for p in fours],
-                     ["/".join(str(len(s)) for s in p.stages) for p in fours]))
+        # each plan also under the merge rule it did not choose: the choice measured, not only simulated
+        fours += [dataclasses.replace(p, merge_backward="adjacent" if p.merge_backward == "unwaited" else "unwaited")
+                  for p in fours]
+        runs += [(two.to_dict(), "1f1b", run), *((p.to_dict(), p.schedule, run) for p in fours)]
+        rows.append((m, _single_process(*run),
+                     [f"{two.iteration_time / simulate(p, prof).iteration_time:.2f}x" for p in fours],
+                     ["/".join(str(len(s)) for s in p.stages)
+                      + f" ({p.merge_backward}{'' if n < len(ZB_SCHEDULES) else ', not chosen'})"
+                      for n, p in enumerate(fours)]))
     return runs, rows
 
 
@@ -280,10 +289,12 @@ def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
         f"ZB-V and DualPipeV against 1F1B, batch {args.batch}, 2 gloo ranks x 1 thread, no recomputation: "
         "each the plan `partition` makes from a `--comm` profile (with the split backward and the loss), "
         "1F1B on 2 stages, the others on 4 in a V (rank 0: stages 0 and 3, rank 1: 1 and 2; layers per "
-        "stage in the V column), each backward split into input and weight gradients but where no other "
-        "rank waits for them; predicted: the simulator's 1F1B / schedule iteration ratio of the plans",
+        "stage in the V column), each backward split into input and weight gradients but where the plan's "
+        "merge rule runs adjacent halves whole (in brackets: unwaited, where no other rank waits for them; "
+        "adjacent, all; each plan also run under the rule it did not choose); predicted: the simulator's "
+        "1F1B / schedule iteration ratio of the plans",
         "",
-        "| model | M | schedule | V split | one process step ms | 1F1B step ms | step ms | vs 1F1B | predicted "
+        "| model | M | schedule | V split (merge) | one process step ms | 1F1B step ms | step ms | vs 1F1B | predicted "
         "| 1F1B speedup | speedup | 2M/(M+1) |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,

@@ -395,11 +395,11 @@ def split_backward_api() -> tuple[Callable[..., Any], Callable[..., Any]] | str:
 _MERGE_WARNED: list[str] = []
 
 
-def merge_adjacent_backward(schedule: Any, name: str, ranks: int) -> str | None:
+def merge_adjacent_backward(schedule: Any, name: str, ranks: int, rule: str = "unwaited") -> str | None:
     """``schedule`` (a torch _PipelineScheduleRuntime of the zero-bubble schedule ``name`` on
-    ``ranks`` ranks) with the I and W that executor.spec.merged_backward merges run as one
-    whole backward ([Note: adjacent I and W] in executor/spec.py); None when done, else why not
-    (warned once; torch's order is kept)."""
+    ``ranks`` ranks) with the I and W that executor.spec.merged_backward merges under ``rule``
+    run as one whole backward ([Note: adjacent I and W] in executor/spec.py); None when done,
+    else why not (warned once; torch's order is kept)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from executor.spec import merged_backward
@@ -417,7 +417,7 @@ def merge_adjacent_backward(schedule: Any, name: str, ranks: int) -> str | None:
             present = [a for a in actions if a is not None]
             ops = [(a.stage_index, kinds.get(a.computation_type, "other"), a.microbatch_index) for a in present]
             out, j = [], 0
-            for op in merged_backward(ops, name, ranks):
+            for op in merged_backward(ops, name, ranks, rule):
                 if op[1] == "B" and ops[j][1] == "I":
                     out.append(present[j]._replace(computation_type=types.FULL_BACKWARD))
                     j += 2

@@ -66,6 +66,7 @@ from executor.sized import SizedSchedules, microbatch_sizes_of
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
+    check_merge_rule,
     check_precision,
     check_stage_checkpoints,
 )
@@ -119,6 +120,9 @@ class DistributedPipeline(Checkpointable):
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: autocast in every stage call
             and the loss, fp32 parameters and gradients ([Note: distributed mixed precision]);
             pass wires inferred with the same ``precision`` (``infer_wires(..., precision=)``).
+        merge_backward: under a zero-bubble schedule, which adjacent halves of a split backward
+            run whole: ``"unwaited"`` (default) or ``"adjacent"`` (executor.spec.MERGE_RULES,
+            [Note: adjacent I and W]); a plan's ``merge_backward``. The gradients are the same.
     """
 
     dp_rank, dp_size = 0, 1  # one replica; executor.replicated.ReplicatedPipeline has more
@@ -142,6 +146,7 @@ class DistributedPipeline(Checkpointable):
         first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
         group: dist.ProcessGroup | None = None,
         precision: str = "fp32",
+        merge_backward: str = "unwaited",
     ) -> None:
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized; call "
@@ -160,6 +165,7 @@ class DistributedPipeline(Checkpointable):
         try:
             self.checkpoints = check_stage_checkpoints(checkpoint, num_stages)  # every stage's
             self.precision = check_precision(precision)
+            self.merge_backward = check_merge_rule(merge_backward)
         except ValueError as err:
             raise DistributedError(str(err)) from None
         check_layout(schedule, num_stages, dist.get_world_size(group), chunks, dist.get_rank(group), indices)
@@ -193,7 +199,7 @@ class DistributedPipeline(Checkpointable):
         self.wires = [tuple(cut) for cut in wires]
 
         def make_schedule(stages: list[Any]) -> Any:
-            return build_schedule(kind, schedule, stages, chunks, self._loss)
+            return build_schedule(kind, schedule, stages, chunks, self._loss, self.merge_backward)
 
         self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
                                      recomputed=[checkpoint_stop(self.checkpoints[i], chunks)

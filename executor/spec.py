@@ -10,7 +10,7 @@
                                                   the stage / micro-batch counts each accepts
     ZERO_BUBBLE_SCHEDULES, stage_rank()           the schedules that split each backward in
                                                   two, and which rank runs which stage
-    merged_backward()                             where they run a backward whole after all
+    MERGE_RULES, merged_backward()                where they run a backward whole after all
     PRECISIONS, check_precision()                 what a pipeline computes in: fp32, or autocast
                                                   to bf16 / fp16 over fp32 master parameters
 
@@ -28,6 +28,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "DATA_PARALLEL_MODES",
     "DATA_PARALLEL_PHASES",
+    "MERGE_RULES",
     "PHASES",
     "PRECISIONS",
     "MULTI_STAGE_SCHEDULES",
@@ -37,6 +38,7 @@ __all__ = [
     "ZERO_BUBBLE_SCHEDULES",
     "check_checkpoint_mode",
     "check_chunks",
+    "check_merge_rule",
     "check_precision",
     "check_schedule",
     "check_stage_checkpoints",
@@ -77,21 +79,41 @@ MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleaved_zb", "
 V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
 
 
-def merged_backward(ops: list[tuple[int, str, int]], schedule: str, ranks: int) -> list[tuple[int, str, int]]:
+# Which adjacent input- and weight-gradient parts of a zero-bubble schedule run as one whole
+# backward ([Note: adjacent I and W]): "unwaited" those whose input gradient no other rank waits
+# for, "adjacent" every I that its own W follows at once. A plan records its rule
+# (``Plan.merge_backward``), chosen by simulated time.
+MERGE_RULES: tuple[str, ...] = ("unwaited", "adjacent")
+
+
+def check_merge_rule(rule: str) -> str:
+    """``rule`` if it is one of MERGE_RULES, else ValueError naming them."""
+    if rule not in MERGE_RULES:
+        raise ValueError(f"merge_backward={rule!r}: choose one of {list(MERGE_RULES)}")
+    return rule
+
+
+def merged_backward(ops: list[tuple[int, str, int]], schedule: str, ranks: int,
+                    rule: str = "unwaited") -> list[tuple[int, str, int]]:
     """[Note: adjacent I and W] A rank's ``(stage, kind, micro-batch)`` operations under a
     zero-bubble ``schedule`` on ``ranks`` ranks as the runtime runs them: every input-gradient
-    part ``"I"`` that its own weight-gradient part ``"W"`` follows at once, on a stage whose
-    input gradient no other rank waits for (the first stage, which sends none, or a stage whose
-    previous stage shares its rank: the V's bottom), merged into one whole backward ``"B"``.
-    A split exists to run the W later, where the rank would idle; where nothing comes between
-    the two, splitting only costs (the halves take 1.2-2x the whole backward: [Note: split
-    backward time] in autopipe/core/cost.py). Where another rank waits for the I's gradient,
-    merging would send it only after the W: simulated, that lost more than the split cost on
-    the 202-layer DAG (benchmarks/zero_bubble_plan.py) and won on a 2-rank chain at M = 8, so
-    those stay split. On 2 ranks ZB-V merges half of every rank's backwards. (torch 2.13 writes
+    part ``"I"`` that its own weight-gradient part ``"W"`` follows at once merged into one whole
+    backward ``"B"``, under ``rule`` "unwaited" only on a stage whose input gradient no other
+    rank waits for (the first stage, which sends none, or a stage whose previous stage shares its
+    rank: the V's bottom), under "adjacent" on every stage. A split exists to run the W later,
+    where the rank would idle; where nothing comes between the two, splitting only costs (the
+    halves take 1.2-2x the whole backward: [Note: split backward time] in autopipe/core/cost.py).
+    Where another rank waits for the I's gradient, merging sends it only after the W: whether
+    that loses more than the split costs depends on the stages (simulated, it lost on the
+    202-layer DAG of benchmarks/zero_bubble_plan.py and won on 2-rank chains at M = 8), so the
+    planner simulates both rules and the plan records the faster (``Plan.merge_backward``). On
+    2 ranks ZB-V merges half of every rank's backwards under "unwaited". (torch 2.13 writes
     ``_merge_bw``, which merges every adjacent pair, and does not call it.)"""
+    check_merge_rule(rule)
+
     def local(stage: int) -> bool:
-        return stage == 0 or stage_rank(schedule, stage - 1, ranks) == stage_rank(schedule, stage, ranks)
+        return (rule == "adjacent" or stage == 0
+                or stage_rank(schedule, stage - 1, ranks) == stage_rank(schedule, stage, ranks))
 
     out: list[tuple[int, str, int]] = []
     i = 0

@@ -81,14 +81,14 @@ def check_layout(schedule: str, num_stages: int, ranks: int, chunks: int, rank: 
 
 
 def build_schedule(kind: type, schedule: str, stages: list[Any], chunks: int,
-                   loss: Callable[[Any, Any], Any]) -> Any:
+                   loss: Callable[[Any, Any], Any], merge: str = "unwaited") -> Any:
     """``schedule``'s torch schedule (of class ``kind``, :func:`schedule_class`'s) over this
     rank's PipelineStages; gradients left unscaled (the pipeline takes the mean itself); under
-    the zero-bubble schedules each I that its W follows at once run whole ([Note: adjacent I
-    and W] in executor/spec.py)."""
+    the zero-bubble schedules each I that its W follows at once run whole as rule ``merge``
+    says ([Note: adjacent I and W] in executor/spec.py)."""
     if schedule in MULTI_STAGE_SCHEDULES:
         built = kind(stages, chunks, loss_fn=loss, scale_grads=False)
         if schedule in ZERO_BUBBLE_SCHEDULES:
-            merge_adjacent_backward(built, schedule, stages[0].group_size)
+            merge_adjacent_backward(built, schedule, stages[0].group_size, merge)
         return built
     return kind(stages[0], chunks, loss_fn=loss, scale_grads=False)

@@ -662,10 +662,15 @@ def test_distributed_speedup_benchmark_runs_tiny() -> None:
     rows = [line for line in table.splitlines() if line.startswith("| ") and "step ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == [
         "| one process (1 thread)", "| autopipe, auto plan", "| autopipe, equal layer counts",
-        "| torch.distributed.pipelining, hand split", "| EvenBlocks", "| EvenBlocks", "| even"]
-    for row, name in zip(rows[4:6], ("ZB-V", "DualPipeV"), strict=True):  # against 1F1B at M = 8
-        zb = row.split(" | ")  # the planner's V, predicted by its simulator
+        "| torch.distributed.pipelining, hand split", *["| EvenBlocks"] * 4, "| even"]
+    rules = []
+    for row, name in zip(rows[4:8], ("ZB-V", "DualPipeV") * 2, strict=True):  # against 1F1B at M = 8
+        zb = row.split(" | ")  # the planner's V, predicted by its simulator, under each merge rule
         assert zb[1] == "8" and zb[2] == name and row.endswith(" | 1.78 |")
-        assert sum(int(n) for n in zb[3].split("/")) == 32 and len(zb[3].split("/")) == 4
+        split, _, rule = zb[3].partition(" (")
+        assert sum(int(n) for n in split.split("/")) == 32 and len(split.split("/")) == 4
+        rules.append(rule)
         assert zb[8].endswith("x") and float(zb[8][:-1]) > 0
+    assert [r.endswith(", not chosen)") for r in rules] == [False, False, True, True]
+    assert {rules[0][:-1], rules[2].split(",")[0]} == {"unwaited", "adjacent"}  # ZB-V: both rules ran
     assert "a crossing" in table  # the runtime's overhead per micro-batch, measured

@@ -109,32 +109,38 @@ def _grads(pipe: Any) -> dict[str, Tensor]:
     return {n: p.grad.clone() for s in pipe.stages for n, p in s.named_parameters() if p.grad is not None}
 
 
-# (model, schedule, checkpoint per stage or for all, each layer recomputed alone). The skip
+# (model, schedule, checkpoint per stage or for all, each layer recomputed alone, the plan's
+# merge rule: [Note: adjacent I and W] in executor/spec.py). The skip
 # connection's run on torch 2.11 and 2.15 too (`-m compat`); the GPT's cut carries a Python int
 # (its sequence length), whose receive buffer torch 2.11's PipelineStage refuses under any schedule.
-SKIP_CASES = [
-    ("skip", "zbv", "never", False),
-    ("skip", "dualpipev", "always", False),
-    ("skip", "interleaved_zb", ["except_last", "never", "always", "never"], False),
+Case = tuple[str, str, Any, bool, str]
+SKIP_CASES: list[Case] = [
+    ("skip", "zbv", "never", False, "unwaited"),
+    ("skip", "zbv", "except_last", False, "adjacent"),  # every adjacent I and W as one backward
+    ("skip", "dualpipev", "always", False, "unwaited"),
+    ("skip", "interleaved_zb", ["except_last", "never", "always", "never"], False, "unwaited"),
 ]
-TIED_CASES = [
-    ("tied", "zbv", ["always", "never", "except_last", "never"], False),
-    ("tied", "interleaved_zb", "except_last", False),  # the tie across ranks: stages 0 | 3
-    ("tied", "zbv", "never", True),  # torch's reentrant checkpoint in the stages
+TIED_CASES: list[Case] = [
+    ("tied", "zbv", ["always", "never", "except_last", "never"], False, "unwaited"),
+    ("tied", "interleaved_zb", "except_last", False, "unwaited"),  # the tie across ranks: stages 0 | 3
+    ("tied", "zbv", "never", True, "unwaited"),  # torch's reentrant checkpoint in the stages
 ]
 
 
-def _plans(cases: list[tuple[str, str, Any, bool]], extra: bool) -> dict[str, dict[str, Any]]:
-    """Every plan the ranks run, made once here (as JSON: the same on both ranks)."""
-    plans = {f"case{n}": dataclasses.replace(_plan(name, layers=layers), checkpoint=checkpoint)
-             for n, (name, _, checkpoint, layers) in enumerate(cases)}
+def _plans(cases: list[Case], extra: bool) -> dict[str, dict[str, Any]]:
+    """Every plan the ranks run, made once here (as JSON: the same on both ranks); a case of
+    another merge rule than the default has its plan made for its schedule (the rule is the
+    plan's for its own schedule)."""
+    plans = {f"case{n}": dataclasses.replace(_plan(name, layers=layers), checkpoint=checkpoint,
+                                             **({"schedule": schedule, "merge_backward": merge}
+                                                if merge != "unwaited" else {}))
+             for n, (name, schedule, checkpoint, layers, merge) in enumerate(cases)}
     if extra:
         plans |= {"tied2": _plan("tied", stages=2), "own": _own_plan()}
     return {k: v.to_dict() for k, v in plans.items()}
 
 
-def _zero_bubble(rank: int, out: str, cases: list[tuple[str, str, Any, bool]],
-                 dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _zero_bubble(rank: int, out: str, cases: list[Case], dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     import executor.split_backward as split
 
     weight_passes = [0]
@@ -148,7 +154,7 @@ def _zero_bubble(rank: int, out: str, cases: list[tuple[str, str, Any, bool]],
     try:
         plans = {k: Plan.from_dict(v) for k, v in dicts.items()}
         values: dict[str, Any] = {}
-        for n, (name, schedule, _, _) in enumerate(cases):
+        for n, (name, schedule, _, _, _) in enumerate(cases):
             model, inputs, target, loss_fn = MODELS[name]()
             weight_passes[0] = 0
             pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, plan=plans[f"case{n}"], schedule=schedule,
@@ -267,9 +273,9 @@ def _match(grads: dict[str, Tensor], model: nn.Module, what: str, **tol: float) 
     assert covered == {id(p) for p in model.parameters()}, what
 
 
-def _check_cases(values: list[dict[str, Any]], cases: list[tuple[str, str, Any, bool]]) -> None:
-    for n, (name, schedule, _, layers) in enumerate(cases):
-        what = f"{name}/{schedule}{'/layers' if layers else ''}"
+def _check_cases(values: list[dict[str, Any]], cases: list[Case]) -> None:
+    for n, (name, schedule, _, layers, merge) in enumerate(cases):
+        what = f"{name}/{schedule}{'/layers' if layers else ''}/{merge}"
         runs = [v[f"case{n}"] for v in values]
         model, inputs, target, loss_fn = MODELS[name]()
         ref = _reference(model, inputs, target, loss_fn)
@@ -289,9 +295,12 @@ def _check_cases(values: list[dict[str, Any]], cases: list[tuple[str, str, Any, 
             assert all(r["recomputed"] > 0 and r["weight_passes"] == 0 for r in runs), what
         else:  # the weights' half ran apart, at each W that does not follow its I at once; the
             # adjacent halves ran as one backward ([Note: adjacent I and W] in executor/spec.py)
-            split = [sum(kind == "I" and s != 0 for s, kind, _ in rank_order(schedule, r, 2, CHUNKS, 2))
+            split = [sum(kind == "I" and s != 0 for s, kind, _ in rank_order(schedule, r, 2, CHUNKS, 2, merge))
                      for r in range(2)]
             assert [r["weight_passes"] for r in runs] == split and sum(split) > 0, what
+            if merge != "unwaited":  # fewer halves apart than under the default rule
+                assert sum(split) < sum(kind == "I" and s != 0 for r in range(2)
+                                        for s, kind, _ in rank_order(schedule, r, 2, CHUNKS, 2)), what
 
 
 @pytest.mark.timeout(90)

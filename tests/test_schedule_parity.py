@@ -25,7 +25,7 @@ from autopipe.core.cost import StageCost  # noqa: E402
 from autopipe.core.schedules import rank_order, torch_rank_order  # noqa: E402
 from autopipe.core.simulator import simulate_stages  # noqa: E402
 from executor._torch_compat import merge_adjacent_backward  # noqa: E402
-from executor.spec import check_schedule, merged_backward, stage_rank  # noqa: E402
+from executor.spec import MERGE_RULES, check_schedule, merged_backward, stage_rank  # noqa: E402
 
 
 class _RecordingStage:
@@ -73,14 +73,16 @@ def _torch_interleaved(rank: int, ranks: int, local: int, chunks: int) -> list[t
             for a in actions if a is not None]
 
 
-def _simulated(schedule: str, devices: list[str], chunks: int) -> dict[str, list[tuple[int, str, int]]]:
-    """Each device's forwards and backwards, in the order the simulator ran them: a backward
-    whose micro-batch has a weight-gradient event is an I, else a whole B."""
+def _simulated(schedule: str, devices: list[str], chunks: int,
+               merge: str = "unwaited") -> dict[str, list[tuple[int, str, int]]]:
+    """Each device's forwards and backwards, in the order the simulator ran them (zero-bubble
+    halves merged by rule ``merge``): a backward whose micro-batch has a weight-gradient event is
+    an I, else a whole B."""
     k = len(devices)
     stages = [StageCost(1.0 + 0.3 * s, 2.0 + 0.7 * (s % 2), 0.0, 0.0, 0, 0, 8, 8, 64,
                         bwd_input_ms=0.8 + 0.5 * (s % 3)) for s in range(k)]
     sim = simulate_stages(stages, chunks=chunks, checkpoint="except_last", ms_per_byte=0.01,
-                          schedule=schedule, devices=devices)
+                          schedule=schedule, devices=devices, merge=merge)
     split = {(e.stage, e.microbatch) for e in sim.timeline if e.phase == "weight"}
     kinds = {"forward": "F", "weight": "W", "backward": "B"}
     out: dict[str, list[tuple[int, str, int]]] = {d: [] for d in devices}
@@ -118,17 +120,17 @@ _ZERO_BUBBLE = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "Sched
 
 
 def _torch_zero_bubble(schedule: str, ranks: int, local: int, chunks: int,
-                       merged: bool = False) -> dict[int, list[tuple[int, str, int]]]:
+                       merged: str | None = None) -> dict[int, list[tuple[int, str, int]]]:
     """Every rank's compute order of torch's zero-bubble schedule, as it runs it: the class
     constructed on rank 0's fake stages, its lowered ``pipeline_order_with_comms``; ``merged``:
-    after the runtime merged its adjacent I and W (executor/torch_schedules.py)."""
+    after the runtime merged its adjacent I and W by that rule (executor/torch_schedules.py)."""
     k = ranks * local
     fake = [SimpleNamespace(group_size=ranks, group_rank=0, num_stages=k, stage_index=s, submod=None,
                             is_first=s == 0, is_last=s == k - 1)
             for s in range(k) if stage_rank(schedule, s, ranks) == 0]
     torch_schedule = getattr(torch_pipelining, _ZERO_BUBBLE[schedule])(fake, chunks)
-    if merged:
-        assert merge_adjacent_backward(torch_schedule, schedule, ranks) is None
+    if merged is not None:
+        assert merge_adjacent_backward(torch_schedule, schedule, ranks, merged) is None
     kinds = {torch_pipelining._ComputationType.FORWARD: "F", torch_pipelining._ComputationType.FULL_BACKWARD: "B",
              torch_pipelining._ComputationType.BACKWARD_INPUT: "I",
              torch_pipelining._ComputationType.BACKWARD_WEIGHT: "W"}
@@ -156,13 +158,16 @@ def test_zero_bubble_schedules(schedule: str, ranks: int, local: int, chunks: in
     k = ranks * local
     check_schedule(schedule, k, ranks, chunks)  # what torch accepts, it accepts too
     devices = [f"rank{stage_rank(schedule, s, ranks)}" for s in range(k)]
-    simulated = _simulated(schedule, devices, chunks)
     expected = _torch_zero_bubble(schedule, ranks, local, chunks)
-    run = _torch_zero_bubble(schedule, ranks, local, chunks, merged=True)  # what the runtime runs
     for r in range(ranks):
         assert torch_rank_order(schedule, r, ranks, chunks, local) == expected[r], (schedule, ranks, chunks, r)
-        assert run[r] == merged_backward(expected[r], schedule, ranks) == rank_order(schedule, r, ranks, chunks, local)
-        assert simulated[f"rank{r}"] == run[r], (schedule, ranks, chunks, r)
+    for rule in MERGE_RULES:  # [Note: adjacent I and W]
+        simulated = _simulated(schedule, devices, chunks, rule)
+        run = _torch_zero_bubble(schedule, ranks, local, chunks, merged=rule)  # what the runtime runs
+        for r in range(ranks):
+            assert run[r] == merged_backward(expected[r], schedule, ranks, rule) == rank_order(
+                schedule, r, ranks, chunks, local, rule), (rule, schedule, ranks, chunks, r)
+            assert simulated[f"rank{r}"] == run[r], (rule, schedule, ranks, chunks, r)
 
 
 def test_adjacent_halves_merge_where_no_other_rank_waits_for_the_gradient() -> None:
@@ -181,3 +186,20 @@ def test_adjacent_halves_merge_where_no_other_rank_waits_for_the_gradient() -> N
     for r, whole in ((0, 8), (1, 7)):
         run = rank_order("zbv", r, 2, 8, 2)
         assert sum(kind == "B" for _, kind, _ in run) == whole and sum(kind == "I" for _, kind, _ in run) == 16 - whole
+
+
+def test_the_adjacent_rule_merges_every_I_its_W_follows_at_once() -> None:
+    ops = [(3, "F", 0), (3, "I", 0), (3, "W", 0), (0, "I", 0), (0, "W", 0), (2, "I", 1), (2, "W", 1),
+           (1, "I", 2), (1, "W", 2), (0, "I", 1), (2, "W", 0), (0, "W", 1)]
+    # stages 3 and 1 send their gradient to the other rank, which now waits for their W too
+    assert merged_backward(ops, "zbv", 2, "adjacent") == [(3, "F", 0), (3, "B", 0), (0, "B", 0), (2, "B", 1),
+                                                          (1, "B", 2), (0, "I", 1), (2, "W", 0), (0, "W", 1)]
+    # a W that does not follow its own I at once (another micro-batch's, or later) stays apart
+    assert merged_backward([(1, "I", 0), (1, "W", 1), (1, "I", 1), (2, "W", 1)], "zbv", 2, "adjacent") == [
+        (1, "I", 0), (1, "W", 1), (1, "I", 1), (2, "W", 1)]
+    for r in range(2):  # ZB-V on 2 ranks, M = 8: more whole than under "unwaited", never fewer
+        unwaited, adjacent = rank_order("zbv", r, 2, 8, 2), rank_order("zbv", r, 2, 8, 2, "adjacent")
+        assert sum(k == "B" for _, k, _ in adjacent) > sum(k == "B" for _, k, _ in unwaited)
+        assert [(s, i) for s, k, i in adjacent if k in "BI"] == [(s, i) for s, k, i in unwaited if k in "BI"]
+    with pytest.raises(ValueError, match=r"merge_backward='all': choose one of \['unwaited', 'adjacent'\]"):
+        merged_backward(ops, "zbv", 2, "all")

@@ -114,6 +114,7 @@ from executor.spec import (
     PRECISION_BYTES,
     SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
+    check_merge_rule,
     check_stage_checkpoints,
     recomputed_microbatches,
 )
@@ -262,6 +263,7 @@ class CostOptions:
     data_parallel: int = 1  # [Note: pipeline x data parallel]
     dp_mode: str = "ddp"
     recompute_layers: tuple[str, ...] = ()  # [Note: recomputed layers], in stages that never recompute
+    merge: str = "unwaited"  # the zero-bubble schedules' merge rule ([Note: adjacent I and W])
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_layers, tuple):
@@ -283,6 +285,10 @@ class CostOptions:
         if self.schedule not in SCHEDULES:
             raise PartitionError(f"schedule={self.schedule!r}: choose one of {list(SCHEDULES)}")
         check_data_parallel(self.data_parallel, self.dp_mode)
+        try:
+            check_merge_rule(self.merge)
+        except ValueError as err:
+            raise PartitionError(str(err)) from None
 
     @property
     def ms_per_byte(self) -> float:
@@ -301,7 +307,7 @@ class CostOptions:
 
     def terms(self, stages: int, ranks: int | None = None) -> list[Terms]:
         """Each stage's activation terms ([Note: stage memory]) under this schedule."""
-        return [stage_terms(self.schedule, s, stages, self.chunks, r, ranks)
+        return [stage_terms(self.schedule, s, stages, self.chunks, r, ranks, self.merge)
                 for s, r in enumerate(self.recomputed(stages))]
 
 

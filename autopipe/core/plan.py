@@ -17,7 +17,9 @@ pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data 
 [Note: one profile, two runtimes] in autopipe/core/corrections.py; ``precision`` (default
 ``fp32``, the precision of the profile it was planned from: [Note: mixed precision memory] in
 cost.py) with mixed precision; ``skipped_schedules`` (default none: the schedules a search could
-not weigh, each with why) with the zero-bubble schedules. A plan made for another micro-batch
+not weigh, each with why) with the zero-bubble schedules; ``merge_backward`` (default
+``unwaited``: which adjacent halves of a split backward run whole, [Note: adjacent I and W] in
+executor/spec.py) with the planner's choice of it. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -50,7 +52,7 @@ from autopipe.core.plan_checks import check_types
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, PlanError
-from executor.spec import recomputed_microbatches
+from executor.spec import MERGE_RULES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
 
@@ -126,6 +128,7 @@ class Plan:
     runtime: str | None = None  # whose measured costs it was planned with (None: unrecorded)
     precision: str = "fp32"  # its profile's, what its costs predict ([Note: mixed precision memory])
     skipped_schedules: dict[str, str] = field(default_factory=dict)  # a search's, each with why
+    merge_backward: str = "unwaited"  # zero-bubble schedules: [Note: adjacent I and W]
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -150,6 +153,7 @@ class Plan:
         recompute_layers: Sequence[str] = (),
         runtime: str | None = None,
         skipped_schedules: dict[str, str] | None = None,
+        merge_backward: str | None = None,
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
@@ -162,20 +166,30 @@ class Plan:
         autopipe/core/recomputed_layers.py). ``runtime``: whose measured costs to plan with
         (default: the profile's, [Note: one profile, two runtimes] in autopipe/core/corrections.py).
         ``skipped_schedules``: what a search could not weigh, schedule -> why (plan.explain() says it).
+        ``merge_backward``: which adjacent halves of a zero-bubble schedule's split backward run
+        whole (executor.spec.MERGE_RULES, [Note: adjacent I and W]); default: under a zero-bubble
+        schedule the rule whose simulated iteration is shorter ("unwaited" on a tie), else
+        "unwaited".
         Raises PlanError when ``stages`` does not cover every layer exactly once, a
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
         specs = resolve_devices(len(stages), devices, memory_limit)
         modes = CostOptions(chunks, _one(checkpoint), optimizer, bandwidth, ties, schedule).modes(len(stages))
-        options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule,
-                              data_parallel, dp_mode, tuple(recompute_layers))
+        rules = ((merge_backward,) if merge_backward is not None
+                 else MERGE_RULES if schedule in ZERO_BUBBLE_SCHEDULES else ("unwaited",))
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
         chosen = profile.corrections.default_runtime() if runtime is None else runtime
         costs = LayerCosts.from_profile(profile, chosen)
-        breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
-        sim = simulate_stages(breakdown, chunks=chunks, checkpoint=modes, schedule=schedule,
-                              ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs])
+        tried = []
+        for rule in rules:  # the first of the fastest: "unwaited" on a tie
+            options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule,
+                                  data_parallel, dp_mode, tuple(recompute_layers), rule)
+            breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
+            tried.append((simulate_stages(breakdown, chunks=chunks, checkpoint=modes, schedule=schedule,
+                                          ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs],
+                                          merge=rule), rule, breakdown))
+        sim, rule, breakdown = min(tried, key=lambda t: t[0].iteration_time)
         least = min(recomputed_microbatches(mode, chunks) for mode in modes)
         work = layer_work(costs.fwd, costs.bwd, least, chunks, costs.recompute_ratio)
         big = int(np.argmax(work))
@@ -197,6 +211,7 @@ class Plan:
             data_parallel=data_parallel, dp_mode=dp_mode,
             recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
             precision=costs.precision, skipped_schedules=dict(skipped_schedules or {}),
+            merge_backward=rule,
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -214,7 +229,7 @@ class Plan:
         """The options every cost of this plan was computed with."""
         return CostOptions(self.chunks, _one(self.checkpoint), self.optimizer, self.bandwidth,
                            self.ties, self.schedule, self.data_parallel, self.dp_mode,
-                           tuple(self.recompute_layers))
+                           tuple(self.recompute_layers), self.merge_backward)
 
     def profile_for(self, profile: Profile) -> Profile:
         """``profile`` checked against this plan and, when the plan was made for another
@@ -308,7 +323,8 @@ class Plan:
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
-                    "recompute_layers", "runtime", "precision", "skipped_schedules")  # older plans lack them
+                    "recompute_layers", "runtime", "precision", "skipped_schedules",
+                    "merge_backward")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopipe.core.corrections import RUNTIMES
-from executor.spec import DATA_PARALLEL_MODES, PRECISIONS
+from executor.spec import DATA_PARALLEL_MODES, MERGE_RULES, PRECISIONS
 
 if TYPE_CHECKING:
     from autopipe.core.plan import Plan
@@ -37,6 +37,8 @@ def check_types(plan: Plan) -> None:
             raise TypeError(f"{name!r} must be an integer >= 1 or null, got {value!r}")
     if not isinstance(plan.checkpoint, str | list):
         raise TypeError(f"'checkpoint' must be a mode or a list of modes, got {plan.checkpoint!r}")
+    if plan.merge_backward not in MERGE_RULES:
+        raise TypeError(f"'merge_backward' must be one of {list(MERGE_RULES)}, got {plan.merge_backward!r}")
     plan.cost_options.modes(k)
     if not all(isinstance(v, int) for v in plan.device_memory.values()):
         raise TypeError("'device_memory' must map device names to bytes")

@@ -13,6 +13,7 @@ import numpy as np
 
 from autopipe.core.cost import activation_bytes, schedule_ranks, stage_terms
 from autopipe.core.units import format_bytes
+from executor.spec import ZERO_BUBBLE_SCHEDULES
 
 if TYPE_CHECKING:
     from autopipe.core.plan import Alternative, Plan
@@ -43,7 +44,7 @@ def memory_forced(plan: Plan) -> list[tuple[int, int]]:
         dev, b = plan.devices[s], plan.breakdown[s]
         if mode == "never" or dev.memory is None:
             continue
-        never = stage_terms(plan.schedule, s, k, plan.chunks, 0, ranks)
+        never = stage_terms(plan.schedule, s, k, plan.chunks, 0, ranks, plan.merge_backward)
         need = b.param_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never, b.weight_held_bytes))
         share = dev.memory // (k // ranks) if ranks else dev.memory  # [Note: interleaved memory]
         if need > share:
@@ -125,6 +126,11 @@ def explain(plan: Plan) -> str:
     ]
     if d > 1:
         parts.append(_collectives(plan))
+    if plan.schedule in ZERO_BUBBLE_SCHEDULES:  # [Note: adjacent I and W] in executor/spec.py
+        where = ("on every stage" if plan.merge_backward == "adjacent"
+                 else "where no other rank waits for the input gradient")
+        parts.append(f"A split backward runs whole where its weight half would follow at once, {where} "
+                     f"(merge_backward {plan.merge_backward!r}).")
     if plan.lower_bound > 0:
         big_name, big_ms = plan.largest_layer
         parts.append(

@@ -66,18 +66,20 @@ def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[Op]
     return ops + [(stage, "B", i) for i in range(bwd, m)]
 
 
-def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:
+def rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1,
+               merge: str = "unwaited") -> list[Op]:
     """Rank ``rank``'s operations as the runtime runs them: :func:`torch_rank_order`, with the I
-    and W that executor.spec.merged_backward merges run as one B under the zero-bubble
-    schedules ([Note: adjacent I and W] in executor/spec.py)."""
-    return list(_rank_order(schedule, rank, ranks, chunks, per_rank))
+    and W that executor.spec.merged_backward merges under rule ``merge`` run as one B under the
+    zero-bubble schedules ([Note: adjacent I and W] in executor/spec.py)."""
+    return list(_rank_order(schedule, rank, ranks, chunks, per_rank, merge))
 
 
 @lru_cache(maxsize=4096)
-def _rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int) -> tuple[Op, ...]:
+def _rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int,
+                merge: str) -> tuple[Op, ...]:
     """:func:`rank_order`, kept: the automatic search asks the same few orders thousands of times."""
     ops = torch_rank_order(schedule, rank, ranks, chunks, per_rank)
-    return tuple(merged_backward(ops, schedule, ranks) if schedule in ZERO_BUBBLE_SCHEDULES else ops)
+    return tuple(merged_backward(ops, schedule, ranks, merge) if schedule in ZERO_BUBBLE_SCHEDULES else ops)
 
 
 def torch_rank_order(schedule: str, rank: int, ranks: int, chunks: int, per_rank: int = 1) -> list[Op]:

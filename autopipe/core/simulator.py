@@ -63,6 +63,7 @@ from executor.spec import (
     SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     TimelineEvent,
+    check_merge_rule,
     check_stage_checkpoints,
     is_recomputed,
     recomputed_microbatches,
@@ -125,7 +126,7 @@ def _split(stage: StageCost, schedule: str) -> tuple[float, float]:
     return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms, stage.bwd_weight_ms)
 
 
-def _queues(schedule: str, names: list[str], m: int) -> tuple[list[list[Op]], list[int], list[int]]:
+def _queues(schedule: str, names: list[str], m: int, merge: str) -> tuple[list[list[Op]], list[int], list[int]]:
     """The operation queues, the device (resource) each runs on, and each stage's device."""
     k = len(names)
     if schedule in MULTI_STAGE_SCHEDULES:
@@ -133,7 +134,7 @@ def _queues(schedule: str, names: list[str], m: int) -> tuple[list[list[Op]], li
             w, rank_of = rank_layout(names, schedule)
         except ValueError as err:
             raise PlanError(str(err)) from None
-        return [rank_order(schedule, r, w, m, k // w) for r in range(w)], list(range(w)), rank_of
+        return [rank_order(schedule, r, w, m, k // w, merge) for r in range(w)], list(range(w)), rank_of
     device = [names.index(n) for n in names]
     return [stage_order(schedule, s, k, m) for s in range(k)], device, device
 
@@ -146,6 +147,7 @@ def simulate_stages(
     ms_per_byte: float,
     schedule: str = "gpipe",
     devices: Sequence[str] | None = None,
+    merge: str = "unwaited",
 ) -> SimulationResult:
     """Simulate one training iteration of stages with the given per-micro-batch costs.
 
@@ -153,6 +155,8 @@ def simulate_stages(
     with the same name share it and never run at the same time (see [Note: shared devices]);
     under a schedule of several stages per rank the names are the ranks, as
     ``executor.spec.stage_rank`` places the stages. Default: every stage on its own device.
+    ``merge``: which adjacent I and W of a zero-bubble schedule run as one backward
+    ([Note: adjacent I and W] in executor/spec.py).
     """
     if schedule not in SIMULATED_SCHEDULES:
         raise PlanError(f"schedule={schedule!r} is not simulated; choose one of {list(SIMULATED_SCHEDULES)}")
@@ -164,7 +168,11 @@ def simulate_stages(
         rec = [recomputed_microbatches(mode, m) for mode in check_stage_checkpoints(checkpoint, k)]
     except ValueError as err:
         raise PlanError(str(err)) from None
-    queues, resource, device_of = _queues(schedule, names, m)
+    try:
+        check_merge_rule(merge)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    queues, resource, device_of = _queues(schedule, names, m, merge)
     n_res = max(resource) + 1
     # a cut between two stages of one rank carries no message ([Note: stage to rank])
     local = [schedule in MULTI_STAGE_SCHEDULES and device_of[s] == device_of[s + 1] for s in range(k - 1)]
@@ -304,4 +312,4 @@ def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = 
             raise PlanError(str(err)) from None
     return simulate_stages(stages, chunks=plan.chunks, checkpoint=plan.checkpoint,
                            ms_per_byte=options.ms_per_byte, schedule=schedule,
-                           devices=[d.name for d in plan.devices])
+                           devices=[d.name for d in plan.devices], merge=options.merge)

@@ -136,14 +136,15 @@ def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_byte
 
 @lru_cache(maxsize=65536)
 def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed: int,
-                ranks: int | None = None) -> Terms:
+                ranks: int | None = None, merge: str = "unwaited") -> Terms:
     """``activation_terms`` of stage ``stage`` of ``stages`` under ``schedule`` with ``chunks``
     micro-batches; a schedule of several stages per rank needs the number of ``ranks`` (default:
-    one stage per rank, or two under the V schedules)."""
+    one stage per rank, or two under the V schedules); ``merge``: the zero-bubble schedules'
+    merge rule ([Note: adjacent I and W] in executor/spec.py)."""
     if schedule in MULTI_STAGE_SCHEDULES:
         w = ranks if ranks is not None else stages // 2 if schedule in V_SCHEDULES else stages
         rank = stage_rank(schedule, stage, w)
-        ops = [op for op in rank_order(schedule, rank, w, chunks, stages // w) if op[0] == stage]
+        ops = [op for op in rank_order(schedule, rank, w, chunks, stages // w, merge) if op[0] == stage]
     else:
         ops = stage_order(schedule, stage, stages, chunks)
     return activation_terms(ops, recomputed)

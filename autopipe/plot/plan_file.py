@@ -65,7 +65,7 @@ def plot_plan_file(
             ties=loaded.ties, method=loaded.method, solver=loaded.solver,
             schedule=loaded.schedule, alternatives=loaded.alternatives,
             data_parallel=loaded.data_parallel, dp_mode=loaded.dp_mode,
-            recompute_layers=loaded.recompute_layers)
+            recompute_layers=loaded.recompute_layers, merge_backward=loaded.merge_backward)
     if figure == "balance":
         fig = plot_balance(loaded)
     elif figure == "layers":

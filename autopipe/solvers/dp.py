@@ -58,7 +58,7 @@ def first_stage_terms(options: CostOptions, k: int, mode: str | None = None) -> 
     mode = options.modes(k)[0] if mode is None else mode
     ranks = (k // 2 if options.schedule in V_SCHEDULES else k) if options.schedule in MULTI_STAGE_SCHEDULES else None
     return stage_terms(options.schedule, 0, k, options.chunks,
-                       recomputed_microbatches(mode, options.chunks), ranks)
+                       recomputed_microbatches(mode, options.chunks), ranks, options.merge)
 
 
 class RangeCosts:

@@ -66,7 +66,7 @@ from autopipe.solvers.search_space import (
 )
 from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
-from executor.spec import CHECKPOINT_MODES, check_schedule
+from executor.spec import CHECKPOINT_MODES, MERGE_RULES, ZERO_BUBBLE_SCHEDULES, check_schedule
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
@@ -90,6 +90,7 @@ class _Result:
     split: Split
     time: float
     memory: int  # the highest device peak
+    merge: str = "unwaited"  # the zero-bubble merge rule it was timed with ([Note: adjacent I and W])
 
 
 class _Search:
@@ -263,9 +264,16 @@ class _Search:
         bound = split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks)
         if bound >= self.best_time() and not always:
             return  # cannot beat the best: no need to simulate it
-        sim = simulate_stages(stages, chunks=c.chunks, checkpoint=split.modes, schedule=c.schedule,
-                              ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices])
-        self.results.append(_Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values())))
+        best: _Result | None = None
+        for rule in MERGE_RULES if c.schedule in ZERO_BUBBLE_SCHEDULES else ("unwaited",):
+            if rule != opts.merge:  # the halves merged otherwise: other activation terms
+                stages = stage_costs(costs, split.assignment, devices, replace(opts, merge=rule))
+            sim = simulate_stages(stages, chunks=c.chunks, checkpoint=split.modes, schedule=c.schedule,
+                                  ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices], merge=rule)
+            if best is None or sim.iteration_time < best.time:
+                best = _Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values()), rule)
+        assert best is not None
+        self.results.append(best)
 
     def infeasible(self) -> PartitionError:
         """No configuration fits: the one-line memory error of the roomiest one searched."""
@@ -348,9 +356,10 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     info = SolverInfo(ilp.status, ilp.objective, ilp.bound, ilp.gap, ilp.seconds)
     if ilp.objective >= best.split.bottleneck * (1 - 1e-9):
         return best.split.assignment, "exact", info
+    opts = replace(opts, merge=best.merge)
     stages = stage_costs(costs, ilp.assignment, devices, opts)
     sim = simulate_stages(stages, chunks=c.chunks, checkpoint=best.split.modes, schedule=c.schedule,
-                          ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices])
+                          ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices], merge=best.merge)
     if sim.iteration_time < best.time:
         return ilp.assignment, "ilp", info
     return best.split.assignment, "exact", info

@@ -244,7 +244,7 @@ class _Stage:
         out = []
         for mode in modes:
             rec = recomputed_microbatches(mode, m)
-            terms = stage_terms(self.options.schedule, s, k, m, rec, self.ranks)
+            terms = stage_terms(self.options.schedule, s, k, m, rec, self.ranks, self.options.merge)
             out.append(self.blocks.masked_time(j0, j1, rec, device.speed, device.memory, terms,
                                                self.ends(s, k)))
         return out
@@ -259,7 +259,8 @@ class _Stage:
             return self.mode_costs(s, k, device, modes, j0, j1)[0]
         m = self.options.chunks
         key = ("fastest", j0, device.speed, device.memory, tuple(modes), (tuple(
-            stage_terms(self.options.schedule, s, k, m, recomputed_microbatches(mode, m), self.ranks)
+            stage_terms(self.options.schedule, s, k, m, recomputed_microbatches(mode, m), self.ranks,
+                        self.options.merge)
             for mode in modes), self.ends(s, k)) if device.memory is not None else None)
         if key not in self.blocks._cache:
             best: FloatArray = np.minimum.reduce(self.mode_costs(s, k, device, modes, j0, j1))

@@ -229,3 +229,36 @@ def test_a_plan_of_another_schedule_simulates_under_a_zero_bubble_one() -> None:
     assert simulate(plan, prof, schedule="interleaved_zb").iteration_time == pytest.approx(zb.iteration_time)
     with pytest.raises(PlanError, match=r"^profile again: .*simulate\(plan, profile, schedule=\.\.\.\)"):
         simulate(plan, schedule="interleaved_zb")  # the plan's own costs have no split
+
+
+def test_the_plan_keeps_the_faster_merge_rule() -> None:
+    """[Note: adjacent I and W]: merging a pair whose gradient another rank waits for delays that
+    rank; splitting it costs the profile's split ratio. The plan simulates both rules."""
+    base = chain_profile([1.0] * 4, bwd_input_ms=[0.5, 1.5, 0.5, 1.5], param_bytes=8,
+                         output_bytes=64, saved_bytes=32, weight_grad_bytes=[4, 5, 6, 7])
+    stages = [[name] for name in base.layers]
+    for ratio, faster in ((1.0, "unwaited"), (1.25, "adjacent")):
+        prof = Profile.from_frame(base.df, meta={**base.meta, "bwd_split_ratio": ratio})
+
+        def plan(rule: str | None, prof: Profile = prof) -> Plan:
+            return Plan.from_stages(prof, stages, chunks=8, checkpoint="never", schedule="zbv", devices=V,
+                                    bandwidth=None, merge_backward=rule)
+
+        each = {rule: plan(rule).iteration_time for rule in ("unwaited", "adjacent")}
+        chosen = plan(None)
+        assert chosen.merge_backward == faster and chosen.iteration_time == min(each.values()), (ratio, each)
+        assert each["unwaited"] != each["adjacent"]
+        assert simulate(chosen, prof).iteration_time == pytest.approx(chosen.iteration_time)  # the plan's rule
+        assert f"(merge_backward {faster!r})" in chosen.explain()
+        again = Plan.from_dict(chosen.to_dict())
+        assert again.merge_backward == faster and again.cost_options.merge == faster
+    # other schedules have no halves to merge; a plan saved before the field loads as "unwaited"
+    assert Plan.from_stages(base, stages, chunks=8, schedule="1f1b").merge_backward == "unwaited"
+    old = {k: v for k, v in chosen.to_dict().items() if k != "merge_backward"}
+    assert Plan.from_dict(old).merge_backward == "unwaited"
+    with pytest.raises(PlanError, match=r"plan has a malformed field: 'merge_backward' must be one of "
+                                        r"\['unwaited', 'adjacent'\], got 'all'"):
+        Plan.from_dict({**old, "merge_backward": "all"})
+    with pytest.raises(PlanError, match=r"merge_backward='all': choose one of"):
+        simulate_stages(chosen.breakdown, chunks=8, checkpoint="never", ms_per_byte=0.0, schedule="zbv",
+                        devices=V, merge="all")

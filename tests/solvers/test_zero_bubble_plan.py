@@ -115,6 +115,22 @@ def test_auto_weighs_all_six_and_is_never_slower_than_a_zero_bubble_plan() -> No
     assert sim.iteration_time == pytest.approx(plan.iteration_time)
 
 
+def test_the_search_times_each_zero_bubble_plan_under_its_faster_merge_rule() -> None:
+    # splitting costs 1.3x here, so merging every adjacent I and W wins under ZB-V ([Note:
+    # adjacent I and W]); under DualPipeV on 2 ranks the rules run the same order
+    base = random_chain(16, 7, split=True)
+    prof = Profile.from_frame(base.df, meta={**base.meta, "bwd_split_ratio": 1.3})
+    plans = {schedule: partition(prof, devices=["cpu:0", "cpu:1"], stages="auto", chunks=8, checkpoint="never",
+                                 schedule=schedule, progress=False) for schedule in ("zbv", "auto")}
+    zbv = plans["zbv"]
+    other = Plan.from_stages(prof, zbv.stages, devices=zbv.devices, chunks=8, checkpoint="never", schedule="zbv",
+                             merge_backward="unwaited")
+    assert zbv.merge_backward == "adjacent" and zbv.iteration_time < other.iteration_time
+    # the automatic search weighed ZB-V at its faster rule, and chose no slower
+    assert f"zbv {zbv.iteration_time:.3f} ms" in plans["auto"].explain()
+    assert plans["auto"].iteration_time <= zbv.iteration_time
+
+
 def test_replicas_sync_after_the_last_weight_gradient() -> None:
     prof = _sized(random_chain(12, 3, split=True), 2, 8)
     plan = partition(prof, devices=[f"cuda:{i}" for i in range(4)], stages="auto", chunks=4, schedule="zbv",
