@@ -197,6 +197,9 @@ class Plan:
         times = [c.time_ms for c in breakdown]
         ordered = [[n for n in layers if where[n] == s] for s in range(len(stages))]
         replica_batch = _int_or_none(profile.meta.get("batch_size"))
+        rows = _int_or_none(profile.meta.get("micro_batch_size"))
+        if rows is not None and _int_or_none(profile.meta.get("chunks")) not in (None, chunks):
+            replica_batch = rows * chunks  # the profile's micro-batch, ``chunks`` times: its batch
         return cls(
             stages=ordered, devices=specs, chunks=chunks, checkpoint=_one(modes), method=method,
             stage_times=times, stage_memory=[c.memory_bytes for c in breakdown],

@@ -101,6 +101,21 @@ def _two_part_plan() -> Plan:
     return Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], chunks=4)
 
 
+def test_a_plan_of_other_chunks_records_the_batch_of_its_profiles_micro_batch() -> None:
+    # the profile measured 8-row micro-batches (batch 32 in 4); planned for 8 or 2 of them
+    # without a batch size, the plan keeps that micro-batch, so its batch is 64 or 16 rows: what
+    # `autopipe run --plan` and `train --plan` then default to ([Note: one chunks rule])
+    prof = random_chain(6, 2)
+    prof.meta.update(fingerprint="aaaa.s1", batch_size=32, chunks=4, micro_batch_size=8)
+    for chunks, batch in ((4, 32), (8, 64), (2, 16)):
+        plan = Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], chunks=chunks)
+        assert (plan.batch_size, plan.micro_batch_size, plan.chunks) == (batch, 8, chunks)
+        replicas = Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], chunks=chunks, data_parallel=2)
+        assert replicas.batch_size == 2 * batch
+    prof.meta.update(batch_size=30)  # 30 rows in 4: the first 8 make the micro-batch
+    assert Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], chunks=4).batch_size == 30
+
+
 def test_check_says_whether_the_model_or_the_micro_batch_differs() -> None:
     plan = _two_part_plan()
     assert (plan.batch_size, plan.micro_batch_size) == (32, 8)
