@@ -37,6 +37,7 @@ from autopipe.frontend.building.stages import RecomputedLayer
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.checkpoint import load_checkpoint
+from executor.distributed import DistributedError, DistributedPipeline
 from executor.grad_scaler import PipelineGradScaler
 from executor.split_backward import WeightGrads, split_call
 from tests.models import Skip
@@ -447,3 +448,6 @@ def test_bad_zero_bubble_combinations_say_so_in_one_line() -> None:
         assert "\n" not in str(err.value)
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, plan=_plan("skip", stages=2), schedule="zbv")
     assert pipe.indices == [0, 1]  # one rank: both halves of the V
+    with pytest.raises(DistributedError, match=r"^merge_backward='all': choose one of \['unwaited', 'adjacent'\]$"):
+        DistributedPipeline(pipe.stages, [0, 1], 2, loss_fn=loss_fn, wires=pipe.wires, schedule="zbv",
+                            merge_backward="all")
