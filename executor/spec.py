@@ -10,7 +10,7 @@
                                                   the stage / micro-batch counts each accepts
     ZERO_BUBBLE_SCHEDULES, stage_rank()           the schedules that split each backward in
                                                   two, and which rank runs which stage
-    MERGE_RULES, merged_backward()                where they run a backward whole after all
+    MERGE_RULES, merged_backward(), merge_rules() where they run a backward whole after all
     PRECISIONS, check_precision()                 what a pipeline computes in: fp32, or autocast
                                                   to bf16 / fp16 over fp32 master parameters
 
@@ -42,6 +42,7 @@ __all__ = [
     "check_precision",
     "check_schedule",
     "check_stage_checkpoints",
+    "merge_rules",
     "merged_backward",
     "microbatch_sizes",
     "recomputed_microbatches",
@@ -84,6 +85,12 @@ V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
 # for, "adjacent" every I that its own W follows at once. A plan records its rule
 # (``Plan.merge_backward``), chosen by simulated time.
 MERGE_RULES: tuple[str, ...] = ("unwaited", "adjacent")
+
+
+def merge_rules(schedule: str) -> tuple[str, ...]:
+    """The merge rules worth weighing under ``schedule``: both under a zero-bubble one, else the
+    default alone (no halves to merge)."""
+    return MERGE_RULES if schedule in ZERO_BUBBLE_SCHEDULES else MERGE_RULES[:1]
 
 
 def check_merge_rule(rule: str) -> str:

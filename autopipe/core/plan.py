@@ -52,7 +52,7 @@ from autopipe.core.plan_checks import check_types
 from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import AutopipeError, PlanError
-from executor.spec import MERGE_RULES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
+from executor.spec import merge_rules, recomputed_microbatches
 
 __all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
 
@@ -175,8 +175,7 @@ class Plan:
         """
         specs = resolve_devices(len(stages), devices, memory_limit)
         modes = CostOptions(chunks, _one(checkpoint), optimizer, bandwidth, ties, schedule).modes(len(stages))
-        rules = ((merge_backward,) if merge_backward is not None
-                 else MERGE_RULES if schedule in ZERO_BUBBLE_SCHEDULES else ("unwaited",))
+        rules = (merge_backward,) if merge_backward is not None else merge_rules(schedule)
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
         chosen = profile.corrections.default_runtime() if runtime is None else runtime

@@ -66,7 +66,7 @@ from autopipe.solvers.search_space import (
 )
 from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
-from executor.spec import CHECKPOINT_MODES, MERGE_RULES, ZERO_BUBBLE_SCHEDULES, check_schedule
+from executor.spec import CHECKPOINT_MODES, check_schedule, merge_rules
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
@@ -265,7 +265,7 @@ class _Search:
         if bound >= self.best_time() and not always:
             return  # cannot beat the best: no need to simulate it
         best: _Result | None = None
-        for rule in MERGE_RULES if c.schedule in ZERO_BUBBLE_SCHEDULES else ("unwaited",):
+        for rule in merge_rules(c.schedule):
             if rule != opts.merge:  # the halves merged otherwise: other activation terms
                 stages = stage_costs(costs, split.assignment, devices, replace(opts, merge=rule))
             sim = simulate_stages(stages, chunks=c.chunks, checkpoint=split.modes, schedule=c.schedule,
