@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import random
 import tempfile
@@ -9,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
+from autopipe.app._startup import collector_paused
 
 
 def skip_if_no_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,6 +30,16 @@ def seed() -> Iterator[int]:
     np.random.seed(0)
     torch.manual_seed(0)
     yield 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection() -> Iterator[None]:
+    """The test modules' imports (torch, transformers, autopipe) with the cyclic collector
+    paused, then frozen: each worker collects sooner, and no later collection walks them
+    ([Note: a rank's imports without the collector] in autopipe/app/_startup.py)."""
+    with collector_paused():
+        yield
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

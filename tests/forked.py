@@ -39,9 +39,10 @@ PRELOAD = [
 
 
 def context() -> Any:
-    """The 'forkserver' context whose server imports ``PRELOAD`` (read when it starts: once)."""
+    """The 'forkserver' context whose server imports ``PRELOAD`` (read when it starts: once),
+    through tests/forked_preload.py."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(["tests.forked_preload"])
     return ctx
 
 

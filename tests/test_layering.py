@@ -116,8 +116,8 @@ def test_private_torch_names_come_only_from_the_compat_module() -> None:
 
 
 def _loaded_imports(path: Path) -> set[str]:
-    """What importing ``path`` imports at once: its module-level imports (in ``if`` / ``try``
-    blocks too), not those in functions nor under ``if TYPE_CHECKING:``."""
+    """What importing ``path`` imports at once: its module-level imports (in ``if`` / ``try`` /
+    ``with`` blocks too), not those in functions nor under ``if TYPE_CHECKING:``."""
     names: set[str] = set()
     body = list(ast.parse(path.read_text(encoding="utf-8")).body)
     while body:
@@ -126,6 +126,8 @@ def _loaded_imports(path: Path) -> set[str]:
             body.extend(node.orelse)
         elif isinstance(node, ast.If | ast.Try):
             body.extend([*node.body, *node.orelse, *getattr(node, "finalbody", [])])
+        elif isinstance(node, ast.With):
+            body.extend(node.body)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -8,4 +8,5 @@
     launch.py       `autopipe run`: start rank_main under torchrun
     rank_main.py    one rank of `autopipe run`
     sigterm_grace.py  a rank's report still written when torchrun's SIGTERM comes first
+    _startup.py     a rank's imports with the collector paused, then frozen
 """

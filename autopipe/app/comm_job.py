@@ -113,5 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: [Note: a rank's imports without the collector] in autopipe/app/_startup.py
+    from autopipe.app._startup import collector_paused, freeze_imports
+
+    with collector_paused():
+        import autopipe.frontend.profiling.comm  # noqa: F401 - what main() imports, imported here
+    freeze_imports()
     raise SystemExit(main())

@@ -45,21 +45,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
-import torch.distributed as dist
+from autopipe.app._startup import collector_paused, freeze_imports
 
-from autopipe.app import sigterm_grace
-from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, RunConfig
-from autopipe.app.faults import Faults
-from autopipe.app.model_spec import load_model
-from autopipe.app.run_checkpoints import RunCheckpoints, restart_count
-from autopipe.assemble_ranks import distributed_pipeline
-from autopipe.core.plan import Plan
-from autopipe.errors import AutopipeError, BuildError
-from executor.distributed import DistributedPipeline, PipelineFailure
-from executor.errors import ExecutorError
-from executor.grad_scaler import PipelineGradScaler
-from executor.rank_cores import pin_local_rank
+with collector_paused():  # [Note: a rank's imports without the collector] in autopipe/app/_startup.py
+    import torch
+    import torch.distributed as dist
+
+    from autopipe.app import sigterm_grace
+    from autopipe.app.config import DEFAULT_BATCH, DEFAULT_CHUNKS, RunConfig
+    from autopipe.app.faults import Faults
+    from autopipe.app.model_spec import load_model
+    from autopipe.app.run_checkpoints import RunCheckpoints, restart_count
+    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.core.plan import Plan
+    from autopipe.errors import AutopipeError, BuildError
+    from executor.distributed import DistributedPipeline, PipelineFailure
+    from executor.errors import ExecutorError
+    from executor.grad_scaler import PipelineGradScaler
+    from executor.rank_cores import pin_local_rank
 
 __all__ = ["main", "train", "check_same_run", "NODE_OWN"]
 
@@ -227,4 +230,5 @@ def _train_reporting(config: RunConfig) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     raise SystemExit(main())
