@@ -31,6 +31,11 @@ from K ranks] in autopipe/app/torchrun.py): ``autopipe run: error on rank R [at 
 for bad input (AutopipeError, ExecutorError), executor's ``PipelineFailure: ...`` when a peer
 died or hung, also when torchrun's SIGTERM (sent once a peer is dead) comes first ([Note: SIGTERM
 grace] in autopipe/app/sigterm_grace.py).
+
+Run as a rank (``python -m``), the module imports torch and autopipe with the cyclic collector
+paused and then freezes what they made (``gc.freeze()``, [Note: a rank's imports without the
+collector] in autopipe/app/_startup.py): the rank's own process-wide choice; imported from
+elsewhere it leaves the collector as it was.
 """
 
 from __future__ import annotations
