@@ -29,6 +29,7 @@ import dataclasses
 import math
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +51,13 @@ from executor.checkpoint import checkpoint_info
 from executor.spec import MULTI_STAGE_SCHEDULES, check_schedule, stage_rank
 
 __all__ = ["RankFailure", "prepare", "torchrun_command", "run", "diagnose"]
+
+# A run without --plan profiles the model here, in one process: the distributed runtime's call
+# cost is measured only by `autopipe profile --comm` (two ranks), so the plan charges
+# executor.GPipe's, and says so in one line instead of the planner's warning.
+NO_DISTRIBUTED_CALL_COST = "autopipe: the profile measured no call cost of the distributed runtime"
+PLANNED_HERE = ("planned from a profile of this process, with executor.GPipe's call costs; for the "
+                "distributed runtime's: autopipe profile MODEL --comm, autopipe partition, then --plan")
 
 def _stages_per_rank(config: RunConfig) -> int:
     return 2 if config.schedule in MULTI_STAGE_SCHEDULES else 1
@@ -99,7 +107,9 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
 
     Returns the config every rank reads (plan path, chunks, batch and checkpoint filled in), the
     plan, and where the plan came from. Without ``config.plan`` the model is profiled (with
-    ``config.threads`` threads, as a rank runs) and partitioned here, into ``work_dir/plan.json``.
+    ``config.threads`` threads, as a rank runs) and partitioned here, into ``work_dir/plan.json``,
+    with executor.GPipe's call costs (the planner's warning about them silenced: run() prints
+    PLANNED_HERE instead).
     """
     import torch
 
@@ -144,13 +154,18 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
                            **_loss_of(loaded))  # [Note: the loss in the last stage]
         finally:
             torch.set_num_threads(before)
-        if replicas == 1 and not auto:
-            plan = partition(prof, devices=[f"rank{stage_rank(config.schedule or 'gpipe', s, config.nproc)}" for s in range(k)],
-                             chunks=chunks, checkpoint=checkpoint, runtime="distributed")
-        else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
-            plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
-                             checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,
-                             data_parallel="auto" if auto else replicas, dp_mode=dp_mode, runtime="distributed")
+        with warnings.catch_warnings():  # a profile made here has no such cost: run() says so, once
+            warnings.filterwarnings("ignore", message=NO_DISTRIBUTED_CALL_COST)
+            if replicas == 1 and not auto:
+                plan = partition(prof, devices=[f"rank{stage_rank(config.schedule or 'gpipe', s, config.nproc)}"
+                                                for s in range(k)],
+                                 chunks=chunks, checkpoint=checkpoint, runtime="distributed")
+            else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
+                plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
+                                 checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,
+                                 data_parallel="auto" if auto else replicas, dp_mode=dp_mode,
+                                 runtime="distributed")
+        if replicas != 1 or auto:
             replicas = plan.data_parallel
             _check_ranks(config, plan, chunks, batch, replicas)
         where = str(plan.save(Path(work_dir) / "plan.json"))
@@ -214,6 +229,8 @@ def run(
     resolved, plan, where = prepare(config, work)
     if log:
         print(layout(resolved, plan, where), flush=True)
+        if config.plan is None:
+            print(PLANNED_HERE, flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), **(extra_env or {})}
     return launch_ranks(torchrun_command(resolved, work / "torchrun"), work, config.nproc // config.nnodes,
                         nodes=config.nnodes, world=config.nproc, env=env, timeout=timeout,

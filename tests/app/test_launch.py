@@ -256,6 +256,23 @@ def test_run_takes_the_plans_schedule_unless_told(plans: dict[str, Path], tmp_pa
     assert resolved.schedule == "gpipe"
 
 
+def test_a_run_without_a_plan_plans_here_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """A profile made here has no call cost of the distributed runtime: the plan charges
+    executor.GPipe's, and run() prints PLANNED_HERE (tests/app/test_restart.py sees it) instead
+    of the planner's warning with its source line."""
+    import warnings
+
+    from autopipe.app.launch import NO_DISTRIBUTED_CALL_COST, PLANNED_HERE, prepare
+    from autopipe.core.plan import Plan
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolved, plan, where = prepare(RunConfig("mlp", nproc=2, batch_size=8, chunks=2), tmp_path)
+    assert not [w for w in caught if NO_DISTRIBUTED_CALL_COST in str(w.message)]
+    assert where == resolved.plan == str(tmp_path / "plan.json") and Plan.load(where).num_stages == 2
+    assert "autopipe profile MODEL --comm" in PLANNED_HERE
+
+
 def _rank_trains(rank: int, config_json: str) -> list[float]:
     from autopipe.app.rank_main import train
 

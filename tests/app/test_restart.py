@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from autopipe.app.config import RunConfig
-from autopipe.app.launch import run
+from autopipe.app.launch import NO_DISTRIBUTED_CALL_COST, PLANNED_HERE, run
 from autopipe.app.restart_watch import TorchrunWatch
 from autopipe.app.torchrun import describe_attempts, diagnose
 from autopipe.examples import get_example
@@ -106,6 +106,7 @@ def test_two_by_two_replicas_survive_a_kill_a_kill_mid_save_and_a_hang(
                          first_step_timeout=60, checkpoint_dir=str(ckpt), checkpoint_every=2, max_restarts=3),
                log_dir=logs, extra_env={"AUTOPIPE_FAULT": faults}) == 0
     out, err = capfd.readouterr()
+    assert PLANNED_HERE in out and NO_DISTRIBUTED_CALL_COST not in err  # planned here: one line, no warning
     assert (f"autopipe run: restart 1: resumed from {ckpt}/step-00000002 at step 2 of 6; the failed run had "
             "reached step 3: step 3 runs again (1 redone)\n") in out
     assert (f"autopipe run: restart 2: resumed from {ckpt}/step-00000002 at step 2 of 6; the failed run had "
