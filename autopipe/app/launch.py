@@ -59,6 +59,7 @@ NO_DISTRIBUTED_CALL_COST = "autopipe: the profile measured no call cost of the d
 PLANNED_HERE = ("planned from a profile of this process, with executor.GPipe's call costs; for the "
                 "distributed runtime's: autopipe profile MODEL --comm, autopipe partition, then --plan")
 
+
 def _stages_per_rank(config: RunConfig) -> int:
     return 2 if config.schedule in MULTI_STAGE_SCHEDULES else 1
 
