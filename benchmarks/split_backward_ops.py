@@ -22,7 +22,13 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
-from executor.split_backward import WeightGrads, _groups, _node, _reverse_edges, split_backward
+from executor.split_backward import (
+    WeightGrads,
+    _node,
+    _reverse_edges,
+    split_backward,
+    weight_groups,
+)
 
 
 def _ms(fn: Callable[[], object]) -> float:
@@ -55,11 +61,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     def analysis() -> float:
         x, y = forward()
         start = time.perf_counter()
-        roots = [n for n in (_node(y),) if n is not None]
+        roots = [n for n in (_node(y),) if n is not None]  # split_backward's own steps
         reverse, _ = _reverse_edges(roots)
-        accumulators = [n for w in stage.parameters() if (n := _node(w)) is not None and n in reverse]
-        inputs = [n for n in (_node(x),) if n is not None]
-        _groups(inputs, accumulators, roots, reverse)
+        weight_groups(roots, reverse, [x], stage.parameters())
         return (time.perf_counter() - start) * 1e3
 
     times: dict[str, list[float]] = {k: [] for k in ("forward", "whole backward", "I", "W", "analysis (in I)")}
@@ -83,14 +87,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"| {k} | {v:.3f} |")
     split = med["I"] + med["W"]
     print(f"| I + W | {split:.3f} |\n\nsplit / whole backward: {split / med['whole backward']:.2f}x")
-    for name, run in (("one W", None), ("one whole backward", True)):
-        x, y = forward()
-        if run is None:
-            split_backward([y], [grad], [x], weights)
-            work = weights.builder()
-        else:
-            def work(y: Tensor = y) -> None:
-                torch.autograd.backward([y], [grad])
+    x, y = forward()
+    split_backward([y], [grad], [x], weights)
+    one_w = weights.builder()
+    _, y = forward()
+    for name, work in (("one W", one_w), ("one whole backward", lambda: torch.autograd.backward([y], [grad]))):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             work()
         print(f"\n{name}:\n{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=6)}")

@@ -47,7 +47,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from executor.recompute import get_phony
 
-__all__ = ["WeightGrads", "split_backward", "split_call"]
+__all__ = ["WeightGrads", "split_backward", "split_call", "weight_groups"]
 
 Weights = Callable[[], Iterable[Tensor]]  # the stage's parameters, read when its backward runs
 
@@ -146,6 +146,16 @@ def _groups(inputs: list[Node], weights: list[Node], roots: list[Node],
     return list({id(g): g for g in of_node.values()}.values())
 
 
+def weight_groups(roots: list[Node], reverse: dict[Node, list[Node]], inputs: Sequence[Tensor],
+                  weights: Iterable[Tensor]) -> tuple[dict[Node, Tensor], list[tuple[set[Node], set[Node]]] | None]:
+    """The split's analysis of the graph below ``roots`` (``reverse``: :func:`_reverse_edges`):
+    the gradient accumulators of ``weights`` it uses, each with its weight, and their groups
+    (:func:`_groups`; None where the split cannot reach a weight)."""
+    accumulators = {node: w for w in weights if (node := _node(w)) is not None and node in reverse}
+    nodes = [n for n in map(_node, inputs) if n is not None]
+    return accumulators, _groups(nodes, list(accumulators), roots, reverse)
+
+
 def split_backward(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
                    weights: WeightGrads) -> list[Tensor | None]:
     """The gradients of ``leaves`` (the stage's inputs) from ``outputs``' ``grads``; the weight
@@ -164,9 +174,8 @@ def split_backward(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], le
     if not wanted and not reentrant:  # nothing to send back: the whole backward at the W
         weights.queue(lambda: torch.autograd.backward(ys, gs))
         return none
-    accumulators = {node: w for w in weights.weights() if (node := _node(w)) is not None and node in reverse}
-    inputs = [n for n in (_node(leaves[k]) for k in wanted) if n is not None]
-    groups = None if reentrant else _groups(inputs, list(accumulators), roots, reverse)
+    accumulators, groups = ({}, None) if reentrant else \
+        weight_groups(roots, reverse, [leaves[k] for k in wanted], weights.weights())
     if groups is None:  # a reentrant checkpoint (it refuses autograd.grad), or a weight the split
         torch.autograd.backward(ys, gs)  # cannot reach: the whole backward, now
         return [x.grad if x.requires_grad else None for x in leaves]
