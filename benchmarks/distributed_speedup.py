@@ -22,7 +22,10 @@ profile --comm`` takes it (split backward, loss, link, call costs, ranks' slowdo
 stages, ``schedule="zbv"`` and ``"dualpipev"`` on 4 in a V (rank r holding stages r and 3 - r;
 backwards split into input and weight gradients, executor/split_backward.py, but where no other
 rank waits: [Note: adjacent I and W] in executor/spec.py); each against one process and
-2M/(M+1), and the simulator's prediction of each against 1F1B.
+2M/(M+1), and the simulator's prediction of each against 1F1B. That table runs in ``--zb-rounds``
+rounds on the same process group (one process, the plain model on rank 0's pinned core while rank
+1 waits; 1F1B; each V plan), its ratios taken within each round: the host's noise, which moves
+step times by up to 1.5x between runs, moves both terms of a ratio.
 
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
 Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.comm (what
@@ -93,7 +96,8 @@ def _median_ms(step: Callable[[], object], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _single_process(model: str, batch: int, width: int, chunks: int, steps: int, warmup: int) -> float:
+def _single_process_step(model: str, batch: int, width: int, chunks: int) -> Callable[[], None]:
+    """One training step of the plain model over the pipeline's micro-batches (loss = their mean)."""
     ex = _example(model, batch, width)
     xs, ys = ex.inputs[0].tensor_split(chunks), ex.target.tensor_split(chunks)
 
@@ -101,18 +105,28 @@ def _single_process(model: str, batch: int, width: int, chunks: int, steps: int,
         ex.model.zero_grad()
         torch.stack([ex.loss_fn(ex.model(x), y) for x, y in zip(xs, ys, strict=True)]).mean().backward()
 
-    return _median_ms(step, steps, warmup)
+    return step
 
 
-def _autopipe_rank(rank: int, plan: dict[str, Any], model: str, batch: int, width: int, chunks: int,
-                   steps: int, warmup: int, schedule: str | None = None) -> float:
+def _single_process(model: str, batch: int, width: int, chunks: int, steps: int, warmup: int) -> float:
+    return _median_ms(_single_process_step(model, batch, width, chunks), steps, warmup)
+
+
+def _autopipe_pipeline(plan: dict[str, Any], model: str, batch: int, width: int, chunks: int,
+                       schedule: str | None = None) -> Callable[[], object]:
+    """This rank's step of ``distributed_pipeline`` under ``plan`` on the example."""
     from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
     ex = _example(model, batch, width)
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=Plan.from_dict(plan),
                                 chunks=chunks, checkpoint="never", host_allocator="retain", schedule=schedule)
-    return _median_ms(lambda: pipe.step(*ex.inputs, target=ex.target), steps, warmup)
+    return lambda: pipe.step(*ex.inputs, target=ex.target)
+
+
+def _autopipe_rank(rank: int, plan: dict[str, Any], model: str, batch: int, width: int, chunks: int,
+                   steps: int, warmup: int) -> float:
+    return _median_ms(_autopipe_pipeline(plan, model, batch, width, chunks), steps, warmup)
 
 
 def _torch_rank(rank: int, cut: int, model: str, batch: int, width: int, chunks: int, steps: int,
@@ -135,16 +149,45 @@ def _torch_rank(rank: int, cut: int, model: str, batch: int, width: int, chunks:
     return _median_ms(step, steps, warmup)
 
 
-Schedules = list[tuple[dict[str, Any], str, tuple[Any, ...]]]  # (plan, schedule, run) of the ZB-V table
+Schedules = list[tuple[dict[str, Any], str]]  # (plan, schedule) of one M's row of the ZB-V table
+Paired = list[tuple[tuple[Any, ...], Schedules]]  # each M's run and its 1F1B, ZB-V and DualPipeV plans
 
 
-def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[Any, ...], more: Schedules) -> list[float]:
+def _rank(rank: int, plans: list[dict[str, Any]], cut: int, run: tuple[Any, ...], paired: Paired,
+          rounds: int) -> list[float]:
     """Every 2-rank configuration in turn on one process group (one start-up for them all): the
-    plans, the hand-written peer, then each of ``more`` under its schedule."""
+    plans, the hand-written peer, then ``paired`` in rounds (:func:`_paired_rounds`)."""
     times = [_autopipe_rank(rank, plan, *run) for plan in plans]
     dist.barrier()
     times.append(_torch_rank(rank, cut, *run))
-    return times + [_autopipe_rank(rank, plan, *r, schedule=schedule) for plan, schedule, r in more]
+    for group_run, schedules in paired:
+        times += _paired_rounds(rank, group_run, schedules, rounds)
+    return times
+
+
+def _paired_rounds(rank: int, run: tuple[Any, ...], schedules: Schedules, rounds: int) -> list[float]:
+    """``rounds`` rounds of: the plain model on rank 0 alone (rank 1 idle in a barrier, so one
+    process on one pinned core, as each rank is), then each of ``schedules`` on both ranks; each
+    a median of ``ceil(steps / rounds)`` steps after one warm-up step. Per round: [one process
+    (0.0 on rank 1), *schedules]. A speedup is then a ratio within a round: the host's noise,
+    which moves one run's step times by up to 1.5x from the next's, moves both of its terms."""
+    model, batch, width, chunks, steps, warmup = run
+    pipes = []
+    for plan, schedule in schedules:
+        pipes.append(_autopipe_pipeline(plan, model, batch, width, chunks, schedule))
+        for _ in range(warmup):
+            pipes[-1]()
+    one = _single_process_step(model, batch, width, chunks)
+    for _ in range(warmup if rank == 0 else 0):
+        one()
+    each = -(-steps // rounds)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        times.append(_median_ms(one, each, 1) if rank == 0 else 0.0)
+        dist.barrier()
+        times += [_median_ms(step, each, 1) for step in pipes]
+    return times
 
 
 def _entry(rank: int, port: int, out: str, fn: Callable[..., list[float]], args: tuple[Any, ...]) -> None:
@@ -194,9 +237,9 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     auto, uniform = _plans(model, args.batch, args.width, args.chunks)
     cut = int(auto.stages[1][0].split(".")[-1])  # layers are net.0, net.1, ...
     one = _single_process(*run)
-    more, zb_rows = _zero_bubble_runs(model, args)
+    paired, zb_rows = _zero_bubble_runs(model, args)
     auto_ms, uniform_ms, peer_ms, *zb_times = _two_ranks(_rank, [auto.to_dict(), uniform.to_dict()], cut, run,
-                                                         more)
+                                                         paired, args.zb_rounds)
     rows = [
         ("one process (1 thread)", "-", one),
         ("autopipe, auto plan", _split(auto.stages), auto_ms),
@@ -221,12 +264,17 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     best = min((auto_ms, auto), (uniform_ms, uniform), key=lambda x: x[0])
     short = "UnevenMLP" if model == "uneven" else "EvenBlocks"
     zb = []
-    for n, (m, one, predicted, splits) in enumerate(zb_rows):  # 1F1B, then each of ZB_SCHEDULES
-        each = 1 + 2 * len(ZB_SCHEDULES)  # 1F1B, each schedule under its rule, then under the other
-        f1b, *theirs = zb_times[n * each:(n + 1) * each]
-        for schedule, ms, guess, split in zip(ZB_SCHEDULES * 2, theirs, predicted, splits, strict=True):
-            zb.append(f"| {short} | {m} | {ZB_NAMES[schedule]} | {split} | {one:.1f} | {f1b:.1f} | {ms:.1f} | "
-                      f"{f1b / ms:.2f}x | {guess} | {one / f1b:.2f}x | {one / ms:.2f}x | {2 * m / (m + 1):.2f} |")
+    each = 2 + 2 * len(ZB_SCHEDULES)  # one process, 1F1B, each schedule under its rule, then under the other
+    for n, (m, predicted, splits) in enumerate(zb_rows):
+        per_round = [zb_times[(n * args.zb_rounds + r) * each:(n * args.zb_rounds + r + 1) * each]
+                     for r in range(args.zb_rounds)]
+        base, f1b = (statistics.median(t[i] for t in per_round) for i in (0, 1))
+        for i, (schedule, guess, split) in enumerate(zip(ZB_SCHEDULES * 2, predicted, splits, strict=True), 2):
+            ms = statistics.median(t[i] for t in per_round)
+            vs_f1b, speedup = ([t[0 if over_one else 1] / t[i] for t in per_round] for over_one in (False, True))
+            zb.append(f"| {short} | {m} | {ZB_NAMES[schedule]} | {split} | {base:.1f} | {f1b:.1f} | {ms:.1f} | "
+                      f"{_spread(vs_f1b)} | {guess} | {_spread([t[0] / t[1] for t in per_round])} | "
+                      f"{_spread(speedup)} | {2 * m / (m + 1):.2f} |")
     return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
 
 
@@ -256,16 +304,15 @@ ZB_SCHEDULES = ("zbv", "dualpipev")  # measured against 1F1B on the same 2 ranks
 ZB_NAMES = {"zbv": "ZB-V", "dualpipev": "DualPipeV"}
 
 
-def _zero_bubble_runs(model: str, args: argparse.Namespace
-                      ) -> tuple[Schedules, list[tuple[int, float, list[str], list[str]]]]:
+def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Paired, list[tuple[int, list[str], list[str]]]]:
     """``model``'s 1F1B plan and one plan of each of ``ZB_SCHEDULES`` at each M of
     ``--zb-chunks``, as ``partition`` makes them for 2 ranks from a ``--comm`` profile: 2
-    stages, and 4 in a V (rank 0: stages 0 and 3); each M's one-process step ms, the
+    stages, and 4 in a V (rank 0: stages 0 and 3), for :func:`_paired_rounds`; each M's
     simulator's 1F1B / schedule ratio and the V's split, per schedule."""
     from autopipe.core.simulator import simulate
     from autopipe.solvers.partitioner import partition
 
-    runs: Schedules = []
+    paired: Paired = []
     rows = []
     for m in args.zb_chunks:
         run = (model, args.batch, args.width, m, args.steps, args.warmup)
@@ -275,13 +322,18 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace
         # each plan also under the merge rule it did not choose: the choice measured, not only simulated
         fours += [dataclasses.replace(p, merge_backward="adjacent" if p.merge_backward == "unwaited" else "unwaited")
                   for p in fours]
-        runs += [(two.to_dict(), "1f1b", run), *((p.to_dict(), p.schedule, run) for p in fours)]
-        rows.append((m, _single_process(*run),
-                     [f"{two.iteration_time / simulate(p, prof).iteration_time:.2f}x" for p in fours],
+        paired.append((run, [(two.to_dict(), "1f1b"), *((p.to_dict(), p.schedule) for p in fours)]))
+        rows.append((m, [f"{two.iteration_time / simulate(p, prof).iteration_time:.2f}x" for p in fours],
                      ["/".join(str(len(s)) for s in p.stages)
                       + f" ({p.merge_backward}{'' if n < len(ZB_SCHEDULES) else ', not chosen'})"
                       for n, p in enumerate(fours)]))
-    return runs, rows
+    return paired, rows
+
+
+def _spread(ratios: list[float]) -> str:
+    """The median of per-round ratios, and their range where there is more than one round."""
+    mid = f"{statistics.median(ratios):.2f}x"
+    return mid if len(ratios) == 1 else f"{mid} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
@@ -292,7 +344,9 @@ def _zero_bubble_table(args: argparse.Namespace, rows: list[str]) -> list[str]:
         "stage in the V column), each backward split into input and weight gradients but where the plan's "
         "merge rule runs adjacent halves whole (in brackets: unwaited, where no other rank waits for them; "
         "adjacent, all; each plan also run under the rule it did not choose); predicted: the simulator's "
-        "1F1B / schedule iteration ratio of the plans",
+        "1F1B / schedule iteration ratio of the plans. In rounds: one process (the plain model on rank 0's core), 1F1B, "
+        f"then each V plan, {args.zb_rounds} times; step ms: the median over rounds, ratios: the median of the "
+        "rounds' ratios (their range in brackets)",
         "",
         "| model | M | schedule | V split (merge) | one process step ms | 1F1B step ms | step ms | vs 1F1B | predicted "
         "| 1F1B speedup | speedup | 2M/(M+1) |",
@@ -337,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument("--no-overheads", action="store_true", help="skip the overhead breakdown")
     p.add_argument("--zb-chunks", type=int, nargs="*", default=[4, 8],
                    help="the M of the ZB-V against 1F1B table (none: no table)")
+    p.add_argument("--zb-rounds", type=int, default=5,
+                   help="rounds of the ZB-V table: its --steps split among them, each round one process, then 1F1B, "
+                        "then each V plan; a speedup is the median of the rounds' ratios (their range in brackets)")
     p.add_argument("--comm-launches", type=int, default=COMM_LAUNCHES,
                    help="measure_comm's launches of two ranks (a smoke run: 1)")
     p.add_argument("--comm-repeats", type=int, default=COMM_REPEATS, help="measure_comm's repeats per size")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import tempfile
 import time
@@ -657,7 +658,7 @@ def test_distributed_speedup_benchmark_runs_tiny() -> None:
     from benchmarks.distributed_speedup import main
 
     table = main(["--batch", "16", "--steps", "1", "--warmup", "0", "--models", "even", "--width", "8",
-                  "--comm-launches", "1", "--comm-repeats", "2", "--comm-steps", "2", "--zb-chunks", "8"])
+                  "--comm-launches", "1", "--comm-repeats", "2", "--comm-steps", "2", "--zb-chunks", "8", "--zb-rounds", "2"])
     assert "EvenBlocks (16 x Linear(8, 8) + ReLU)" in table and "2M/(M+1) = 1.78" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and "step ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == [
@@ -671,6 +672,9 @@ def test_distributed_speedup_benchmark_runs_tiny() -> None:
         assert sum(int(n) for n in split.split("/")) == 32 and len(split.split("/")) == 4
         rules.append(rule)
         assert zb[8].endswith("x") and float(zb[8][:-1]) > 0
+        for ratio in (zb[7], zb[9], zb[10]):  # vs 1F1B, 1F1B's and its speedup: the median of 2 rounds (range)
+            mid, lo, hi = (float(v) for v in re.fullmatch(r"([\d.]+)x \(([\d.]+)-([\d.]+)\)", ratio).groups())
+            assert 0 < lo <= mid <= hi
     assert [r.endswith(", not chosen)") for r in rules] == [False, False, True, True]
     assert {rules[0][:-1], rules[2].split(",")[0]} == {"unwaited", "adjacent"}  # ZB-V: both rules ran
     assert "a crossing" in table  # the runtime's overhead per micro-batch, measured
