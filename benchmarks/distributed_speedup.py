@@ -399,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument("--comm-repeats", type=int, default=COMM_REPEATS, help="measure_comm's repeats per size")
     p.add_argument("--comm-steps", type=int, default=EMPTY_STEPS, help="measure_comm's steps of its empty pipelines")
     args = p.parse_args(argv)
+    if args.zb_rounds < 1 or args.steps < 1:
+        p.error(f"--zb-rounds {args.zb_rounds} --steps {args.steps}: need at least 1 of each")
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     lines: list[str] = []
