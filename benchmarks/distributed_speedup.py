@@ -177,14 +177,15 @@ def _paired_rounds(rank: int, run: tuple[Any, ...], schedules: Schedules, rounds
         pipes.append(_autopipe_pipeline(plan, model, batch, width, chunks, schedule))
         for _ in range(warmup):
             pipes[-1]()
-    one = _single_process_step(model, batch, width, chunks)
-    for _ in range(warmup if rank == 0 else 0):
-        one()
+    one = _single_process_step(model, batch, width, chunks) if rank == 0 else None  # rank 1 waits meanwhile
+    if one is not None:
+        for _ in range(warmup):
+            one()
     each = -(-steps // rounds)
     times = []
     for _ in range(rounds):
         dist.barrier()
-        times.append(_median_ms(one, each, 1) if rank == 0 else 0.0)
+        times.append(0.0 if one is None else _median_ms(one, each, 1))
         dist.barrier()
         times += [_median_ms(step, each, 1) for step in pipes]
     return times
@@ -265,16 +266,14 @@ def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple
     short = "UnevenMLP" if model == "uneven" else "EvenBlocks"
     zb = []
     each = 2 + 2 * len(ZB_SCHEDULES)  # one process, 1F1B, each schedule under its rule, then under the other
+    rounds = [zb_times[k:k + each] for k in range(0, len(zb_times), each)]
     for n, (m, predicted, splits) in enumerate(zb_rows):
-        per_round = [zb_times[(n * args.zb_rounds + r) * each:(n * args.zb_rounds + r + 1) * each]
-                     for r in range(args.zb_rounds)]
-        base, f1b = (statistics.median(t[i] for t in per_round) for i in (0, 1))
+        per_round = rounds[n * args.zb_rounds:(n + 1) * args.zb_rounds]
+        medians = [f"{statistics.median(t[i] for t in per_round):.1f}" for i in range(each)]
         for i, (schedule, guess, split) in enumerate(zip(ZB_SCHEDULES * 2, predicted, splits, strict=True), 2):
-            ms = statistics.median(t[i] for t in per_round)
-            vs_f1b, speedup = ([t[0 if over_one else 1] / t[i] for t in per_round] for over_one in (False, True))
-            zb.append(f"| {short} | {m} | {ZB_NAMES[schedule]} | {split} | {base:.1f} | {f1b:.1f} | {ms:.1f} | "
-                      f"{_spread(vs_f1b)} | {guess} | {_spread([t[0] / t[1] for t in per_round])} | "
-                      f"{_spread(speedup)} | {2 * m / (m + 1):.2f} |")
+            zb.append(f"| {short} | {m} | {ZB_NAMES[schedule]} | {split} | {medians[0]} | {medians[1]} | {medians[i]} | "
+                      f"{_ratio(per_round, 1, i)} | {guess} | {_ratio(per_round, 0, 1)} | {_ratio(per_round, 0, i)} | "
+                      f"{2 * m / (m + 1):.2f} |")
     return lines, (one, best[0], best[1].breakdown[0].output_bytes), zb
 
 
@@ -330,8 +329,10 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Paired, lis
     return paired, rows
 
 
-def _spread(ratios: list[float]) -> str:
-    """The median of per-round ratios, and their range where there is more than one round."""
+def _ratio(per_round: list[list[float]], num: int, den: int) -> str:
+    """The median over rounds of entry ``num`` / entry ``den``, and their range where there is
+    more than one round."""
+    ratios = [t[num] / t[den] for t in per_round]
     mid = f"{statistics.median(ratios):.2f}x"
     return mid if len(ratios) == 1 else f"{mid} ({min(ratios):.2f}-{max(ratios):.2f})"
 
