@@ -24,6 +24,7 @@ whichever stage it lands in.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from autopipe.frontend.building.weights import (
     open_weights,
 )
 
-__all__ = ["TensorIndex", "has_meta_tensors", "materialize", "materialize_stages"]
+__all__ = ["TensorIndex", "has_meta_tensors", "materialize", "materialize_stages",
+           "retarget_graph_module"]
 
 Init = Callable[[nn.Module], None]
 
@@ -200,7 +202,8 @@ def retarget_meta_devices(graph: torch.fx.Graph, device: torch.device) -> bool:
 
     torch.export bakes the device of factory calls (``arange(..., device=meta)``) and of its
     tensor-metadata assertions into the graph: a graph traced from a model on the meta device
-    would otherwise create meta tensors, or fail its assertions, on a real device."""
+    would otherwise create meta tensors, or fail its assertions, on a real device. This sees one
+    graph only; :func:`retarget_graph_module` also sees the graphs nested in it."""
     changed = False
 
     def swap(value: Any) -> Any:
@@ -214,6 +217,41 @@ def retarget_meta_devices(graph: torch.fx.Graph, device: torch.device) -> bool:
         node.args = torch.fx.node.map_aggregate(node.args, swap)
         node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)  # type: ignore[assignment]
     return changed
+
+
+def _holds_meta_device(gm: torch.fx.GraphModule) -> bool:
+    found = False
+
+    def look(value: Any) -> Any:
+        nonlocal found
+        found = found or (isinstance(value, torch.device) and value.type == "meta")
+        return value
+
+    for sub in gm.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in sub.graph.nodes:
+                torch.fx.node.map_aggregate((node.args, node.kwargs), look)
+    return found
+
+
+def retarget_graph_module(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """:func:`retarget_meta_devices` on ``gm`` and on every graph nested in it, recompiled.
+
+    [Note: nested graphs] torch.export writes the body of a higher-order op as a GraphModule
+    attribute that a ``get_attr`` node reads: ``wrap_with_set_grad_enabled(False, submod_1, ...)``
+    for a ``@torch.no_grad()`` forward (transformers 5.17's rotary embedding),
+    ``wrap_with_autocast`` for an autocast block. Such a body bakes meta devices in as the outer
+    graph does, and ``fx.GraphModule(root, graph)`` shares it by reference with the traced graph
+    it was cut from. So a nested body that holds a meta device is replaced by a retargeted deep
+    copy: the traced graph keeps its meta devices, and other stages or layers cut from it can
+    still be retargeted to their own devices."""
+    if retarget_meta_devices(gm.graph, device):
+        gm.recompile()
+    for name, child in gm._modules.items():
+        if isinstance(child, torch.fx.GraphModule) and _holds_meta_device(child):
+            body = copy.deepcopy(child)
+            retarget_graph_module(body, device)
+            gm._modules[name] = body
 
 
 def materialize_stages(
@@ -241,6 +279,6 @@ def materialize_stages(
         initialised += materialize(stages[i], device, index=index, weights=source,
                                    key_map=key_map, init=init, seed=seed)
         stage = stages[i]
-        if isinstance(stage, torch.fx.GraphModule) and retarget_meta_devices(stage.graph, device):
-            stage.recompile()
+        if isinstance(stage, torch.fx.GraphModule):
+            retarget_graph_module(stage, device)
     return initialised

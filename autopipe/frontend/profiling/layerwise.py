@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from autopipe.frontend.building.materialize import retarget_meta_devices
+from autopipe.frontend.building.materialize import retarget_graph_module
 from autopipe.frontend.profiling.replay import LayerCall, Values, graph_args, layer_calls
 from autopipe.frontend.tracing.graph import LayerGraph
 from executor._torch_compat import tree_map_only
 
-__all__ = ["LayerRun", "layer_by_layer", "layer_signature", "on_device"]
+__all__ = ["LayerRun", "layer_by_layer", "layer_signature"]
 
 
 @dataclass
@@ -98,15 +98,6 @@ def _real(t: Tensor, device: torch.device, buffer: bool) -> Tensor:
     return out.zero_()
 
 
-def on_device(graph: fx.Graph, device: torch.device) -> fx.Graph:
-    """A copy of ``graph`` whose baked-in meta devices are ``device`` (see
-    :func:`autopipe.frontend.building.materialize.retarget_meta_devices`)."""
-    copied = fx.Graph()
-    copied.output(copied.graph_copy(graph, {}))
-    retarget_meta_devices(copied, device)
-    return copied
-
-
 def _standalone(call: LayerCall, device: torch.device) -> fx.GraphModule:
     """The layer's GraphModule with parameters and buffers of its own on ``device``."""
     root: dict[str, Any] = {}
@@ -130,8 +121,11 @@ def _standalone(call: LayerCall, device: torch.device) -> fx.GraphModule:
                 root[str(node.target)] = _real(t, device, True)
             else:
                 root[str(node.target)] = t
-    graph = on_device(call.module.graph, device)
-    return fx.GraphModule(root, graph, class_name=type(call.module).__name__).train()
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(call.module.graph, {}))
+    module = fx.GraphModule(root, graph, class_name=type(call.module).__name__).train()
+    retarget_graph_module(module, device)  # [Note: nested graphs] in building/materialize.py
+    return module
 
 
 def _made_up(value: Any, device: torch.device) -> Any:

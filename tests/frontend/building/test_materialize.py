@@ -11,7 +11,12 @@ from torch import nn
 
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
-from autopipe.frontend.building.materialize import TensorIndex, has_meta_tensors, materialize
+from autopipe.frontend.building.materialize import (
+    TensorIndex,
+    has_meta_tensors,
+    materialize,
+    materialize_stages,
+)
 from autopipe.frontend.building.stages import split_stages
 from autopipe.frontend.building.weights import match_weights, open_weights
 from autopipe.frontend.tracing.graph import trace
@@ -133,3 +138,50 @@ def test_a_module_without_reset_parameters_needs_init() -> None:
 
     assert materialize(stages[0], "cpu", index=index, init=init) == ["lin", "norm"]
     torch.testing.assert_close(model.norm.scale, torch.full((4,), 2.0))
+
+
+class _NoGradPositions(nn.Module):
+    """A ``@torch.no_grad()`` helper that makes a tensor on its input's device, as transformers
+    5.17's rotary embedding does: torch.export writes the helper's body as a graph of its own
+    (``wrap_with_set_grad_enabled(False, submod_1, ...)``) with the meta device baked in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def positions(self, x: torch.Tensor) -> torch.Tensor:
+        # len() stops torch.fx, as HF models' code does: the graph comes from torch.export
+        return torch.arange(x.shape[-1], device=x.device, dtype=x.dtype) / len(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.positions(x)
+
+
+def _meta_devices(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes, in ``gm`` and every graph nested in it, that name the meta device."""
+    found = []
+    for path, sub in gm.named_modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in sub.graph.nodes:
+                values = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda v: v)
+                if "device(type='meta')" in repr(values):
+                    found.append(f"{path or '<top>'}.{node.name}")
+    return found
+
+
+def test_nested_graphs_of_a_meta_model_run_on_the_device_and_the_trace_keeps_meta() -> None:
+    torch.manual_seed(0)
+    real = _NoGradPositions()
+    with torch.device("meta"):
+        meta = _NoGradPositions()
+    x = torch.randn(2, 4)
+    g = trace(meta, (x,))
+    assert g.source == "export"
+    nested = [p for p in _meta_devices(g.gm) if not p.startswith("<top>")]
+    assert nested, "the no_grad helper's body is a graph of its own that names the meta device"
+    stages = split_stages(g, [g.layers])
+    materialize_stages(meta, stages, ["cpu"], weights={k: v.clone() for k, v in real.state_dict().items()})
+    assert _meta_devices(stages[0]) == []  # retargeted, nested bodies included
+    assert [p for p in _meta_devices(g.gm) if not p.startswith("<top>")] == nested  # shared, kept
+    torch.testing.assert_close(_run(stages, x), real(x))
