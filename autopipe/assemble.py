@@ -374,7 +374,8 @@ def pipeline(
     check_device_memory(plan, devices)
     stages = build(model, plan, graph)
     initialised = materialize_stages(model, stages, devices, weights=weights, init=init)
-    if initialised:
+    if initialised and weights is None:  # with weights: only non-persistent buffers (rotary
+        # inv_freq), which no weights file holds, were initialised
         warnings.warn(f"autopipe: the model is on the meta device and no weights= were given: "
                       f"{len(initialised)} module(s) were initialised ({initialised[-1]!r}, ...) "
                       "with init= or reset_parameters(); pass weights= to load trained weights",

@@ -136,3 +136,27 @@ def test_weights_of_another_model_are_refused_in_one_line(
                           weights=tmp_path / "other.safetensors")
     assert "\n" not in str(err.value)
     assert all(p.is_meta for p in meta.parameters())  # refused before anything was allocated
+
+
+@pytest.mark.compat
+def test_a_meta_hf_llama_from_its_weights_equals_the_plain_model(tmp_path: Path) -> None:
+    """Stages of a meta-built HF Llama made real from a safetensors file, its nested graphs
+    (transformers 5.17's rotary body: [Note: nested graphs]) moved to the device too."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    real = transformers.LlamaForCausalLM(cfg)
+    save_file({k: v.detach().clone() for k, v in real.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (4, 8))
+    with warnings.catch_warnings():
+        # only rotary inv_freq, in no weights file, is initialised: no warning says "no weights"
+        warnings.filterwarnings("error", message="autopipe: the model is on the meta device")
+        pipe = autopipe.pipeline(meta, (ids,), devices=["cpu", "cpu"], chunks=2,
+                                 weights=tmp_path / "model.safetensors", init=meta._init_weights)
+    torch.testing.assert_close(pipe(ids).logits, real(ids).logits)
