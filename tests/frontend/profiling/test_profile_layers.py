@@ -38,6 +38,30 @@ def test_a_meta_model_is_profiled_layer_by_layer() -> None:
     assert (every.df["layer"] == every.df["measured_as"]).all()
 
 
+@pytest.mark.compat
+def test_a_meta_hf_llama_is_profiled_layer_by_layer_like_the_real_one_whole() -> None:
+    """The GPU check's 70B step at a tiny size: each layer of a meta-built HF Llama measured
+    alone on the CPU, under every transformers the compat jobs hold (5.17 puts its rotary
+    embedding's body in a graph of its own: [Note: nested graphs])."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    real = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (4, 8))
+    layers = autopipe.profile(meta, (ids,), chunks=2, **FAST)
+    whole = autopipe.profile(real, (ids,), chunks=2, mode="whole", **FAST)
+    assert layers.meta["mode"] == "layers" and whole.meta["mode"] == "whole"
+    assert layers.meta["measured_layers"] < len(layers)  # the second decoder layer is the first's twin
+    # the real model's own run, layer for layer (the two traces name some nodes differently)
+    sizes = ["param_bytes", "output_bytes", "saved_bytes", "buffer_bytes", "kind"]
+    assert layers.df[sizes].reset_index(drop=True).equals(whole.df[sizes].reset_index(drop=True))
+    assert all(p.is_meta for p in meta.parameters())  # nothing of the model was allocated
+
+
 def test_layer_by_layer_gives_the_whole_model_columns() -> None:
     model = Chain()
     x = torch.randn(8, 8)
