@@ -12,7 +12,7 @@ chunks=4)``, and is refused, with a message saying why, for ``chunks=8``.
 
 [Note: a plan is a prediction for a placement] A plan's times assume its own devices: made
 with ``stages=2`` it predicts two separate devices, and ``devices=["cpu", "cpu"]`` then runs
-both stages on one CPU, where they take turns (one worker per device: executor.worker). So a
+both stages on one CPU, where they take turns (one worker per device: executor.local.worker). So a
 pipeline keeps, as ``pipe.plan``, the plan re-evaluated for the devices it really runs on: the
 same stages and per-stage costs, its devices renamed to the runtime's names
 (``device_names``) and its iteration time, bubble and peaks simulated again, where stages
@@ -47,9 +47,9 @@ from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor import GPipe
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.keywords import InputSignature
+from executor.local.worker import normalize_device
 from executor.model_loss import ModelLoss
 from executor.spec import check_precision, check_stage_checkpoints
-from executor.worker import normalize_device
 
 __all__ = ["Pipeline", "pipeline", "graph_signature", "graph_model_loss", "microbatch_inputs",
            "check_device_memory", "free_memory", "device_names", "plan_for_devices",

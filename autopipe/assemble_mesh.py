@@ -1,7 +1,7 @@
 """Replicas of a distributed pipeline: how many, how they share gradients, and which runtime.
 
 :func:`autopipe.distributed_pipeline` with ``data_parallel=D`` runs D replicas of a pipeline of
-world / D ranks on a (dp, pp) DeviceMesh ([Note: replicas on a mesh] in executor/replicated.py);
+world / D ranks on a (dp, pp) DeviceMesh ([Note: replicas on a mesh] in executor/ranks/replicated.py);
 D = 1 is the plain :class:`executor.DistributedPipeline`, as before replicas existed.
 """
 
@@ -15,10 +15,10 @@ from torch import nn
 
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
-from executor.distributed import DistributedPipeline
-from executor.replicated import ReplicatedPipeline, pipeline_mesh
+from executor.ranks.distributed import DistributedPipeline
+from executor.ranks.replicated import ReplicatedPipeline, pipeline_mesh
+from executor.ranks.watchdog import StepLimits
 from executor.spec import DATA_PARALLEL_MODES
-from executor.watchdog import StepLimits
 
 __all__ = ["replicas_of", "replicated_pipeline"]
 

@@ -20,7 +20,7 @@ measured profile does not (timings differ per process), so without a ``plan`` ra
 and partitions alone and broadcasts the plan; every rank then checks its fingerprint in
 :func:`autopipe.build.build`. Rank 0's weights are broadcast too, like DistributedDataParallel
 does, so ranks that built the model with different seeds still train one model. The wires
-(executor/wire.py: what crosses each cut, with its sizes as formulas of the inputs') depend on
+(executor/ranks/wire.py: what crosses each cut, with its sizes as formulas of the inputs') depend on
 the stages and the micro-batch alone, the same on every rank, so rank 0 infers them, its probe
 and its symbolic run (as costly as tracing the model), and broadcasts them; a wire that does not
 pickle (a constant of the model's at a cut) leaves every rank inferring its own.
@@ -63,11 +63,11 @@ from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from autopipe.rank_parts import (
     merge_state_dicts,  # re-exported: the parts this module's pipelines save
 )
-from executor.distributed import DistributedError, DistributedPipeline, Wire, infer_wires
 from executor.host_allocator import check_host_allocator, use_host_allocator
-from executor.replicated import check_fsdp_ties
+from executor.ranks.distributed import DistributedError, DistributedPipeline, Wire, infer_wires
+from executor.ranks.replicated import check_fsdp_ties
+from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S
 from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, check_schedule, stage_rank
-from executor.watchdog import FIRST_STEP_TIMEOUT_S
 
 __all__ = ["distributed_pipeline", "merge_state_dicts"]
 
@@ -231,11 +231,11 @@ def distributed_pipeline(
             zero-bubble schedule, each backward split into input and weight gradients:
             ``interleaved_zb`` (interleaved's layout), ``zbv`` or ``dualpipev`` (two stages per
             rank in a V: rank r runs stages r and 2W-1-r); default: the plan's (the schedule its
-            prediction is for), else ``gpipe``. See executor/torch_schedules.py.
+            prediction is for), else ``gpipe``. See executor/ranks/torch_schedules.py.
         stages_per_rank: default 1, or 2 for the schedules of several stages per rank (or the
             plan's stages / ranks per replica); ``zbv`` and ``dualpipev`` need 2.
         data_parallel: D replicas of a pipeline of world / D ranks, on a (dp, pp) DeviceMesh
-            ([Note: replicas on a mesh] in executor/replicated.py); default: the plan's (1
+            ([Note: replicas on a mesh] in executor/ranks/replicated.py); default: the plan's (1
             without a plan). Each replica's ``example_inputs`` and ``step`` inputs are its own
             local batch. ``"auto"``: the plan's (made with ``partition(..., devices=N,
             batch_size=B, data_parallel="auto")``: D is chosen for one global batch B).
@@ -251,7 +251,7 @@ def distributed_pipeline(
             group timeouts remain).
         first_step_timeout: the same for the first step, which builds the schedule, runs every
             lazy initialiser and may compile or warm up (default 600 s;
-            [Note: the first step's own limit] in executor/watchdog.py).
+            [Note: the first step's own limit] in executor/ranks/watchdog.py).
         host_allocator: ``"system"`` (default: the process's allocator as it is) or
             ``"retain"`` (on a CPU, glibc keeps freed memory for reuse, as the command line
             does): see [Note: freed memory stays in the process] in executor/host_allocator.py.

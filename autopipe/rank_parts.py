@@ -4,7 +4,7 @@
     plain.load_state_dict(autopipe.merge_state_dicts(parts, model=plain), strict=True)
 
 Each part holds the model's own keys for the rank's stages, and says which rank of which
-pipeline saved it after which step ([Note: checkpoint parts] in executor/distributed.py), so a
+pipeline saved it after which step ([Note: checkpoint parts] in executor/ranks/distributed.py), so a
 merge of parts from different pipelines, steps or ranks is refused in one line.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.errors import BuildError, first_line
-from executor.distributed import DistributedPipeline
+from executor.ranks.distributed import DistributedPipeline
 
 __all__ = ["merge_state_dicts"]
 
@@ -30,7 +30,7 @@ def merge_state_dicts(
 
     A key saved by several ranks (a tied or shared weight) must hold equal tensors. Parts saved
     by :class:`executor.DistributedPipeline` say which rank of which pipeline they are
-    ([Note: checkpoint parts] in executor/distributed.py): they must be one part per rank of
+    ([Note: checkpoint parts] in executor/ranks/distributed.py): they must be one part per rank of
     one pipeline, saved after the same step. With ``model``, the result must have exactly its
     ``state_dict`` keys, so it loads with ``strict=True``.
 

@@ -70,7 +70,7 @@ from autopipe.errors import AutopipeError
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import transformer_dag
 from executor.host_allocator import use_host_allocator
-from executor.rank_cores import pin_local_rank
+from executor.ranks.rank_cores import pin_local_rank
 from executor.spec import CHECKPOINT_MODES
 
 __all__ = ["main", "Row", "Plans", "Timed", "measured_plans", "measured_profile", "measure"]

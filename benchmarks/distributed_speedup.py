@@ -20,7 +20,7 @@ Then ZB-V and DualPipeV against 1F1B on the same 2 ranks, for each model at each
 ``--zb-chunks`` (M = 4 and 8): the plans ``partition`` makes from a profile taken as ``autopipe
 profile --comm`` takes it (split backward, loss, link, call costs, ranks' slowdown), 1F1B on 2
 stages, ``schedule="zbv"`` and ``"dualpipev"`` on 4 in a V (rank r holding stages r and 3 - r;
-backwards split into input and weight gradients, executor/split_backward.py, but where no other
+backwards split into input and weight gradients, executor/ranks/split_backward.py, but where no other
 rank waits: [Note: adjacent I and W] in executor/spec.py); each against one process and
 2M/(M+1), and the simulator's prediction of each against 1F1B. That table runs in ``--zb-rounds``
 rounds on the same process group (one process, the plain model on rank 0's pinned core while rank
@@ -56,7 +56,7 @@ from torch import nn
 
 from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS
 from executor.host_allocator import use_host_allocator
-from executor.rank_cores import pin_local_rank
+from executor.ranks.rank_cores import pin_local_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
 from forked_ranks import start_ranks  # noqa: E402 - after the path it is found on

@@ -53,7 +53,7 @@ from autopipe.examples import Example, get_example
 from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS, with_comm
 from autopipe.frontend.profiling.rank_contention import with_rank_contention
 from executor.host_allocator import use_host_allocator
-from executor.rank_cores import pin_local_rank
+from executor.ranks.rank_cores import pin_local_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
 from forked_ranks import start_ranks  # noqa: E402 - after the path it is found on

@@ -6,7 +6,7 @@ plumbing and recomputation. Each measurement is one full forward + backward; the
 alternate within each repeat so drift hits both alike. Prints a markdown table; the ratio is
 executor / torchgpipe (lower is better, target <= 1.0). "executor (thread)" forces the executor
 onto a worker thread as torchgpipe always is, separating the inline-worker saving (see
-executor.worker) from the rest.
+executor.local.worker) from the rest.
 
     python3 benchmarks/executor_vs_torchgpipe.py --threads 2
 """

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from executor.host_allocator import use_host_allocator
-from executor.rank_cores import pin_local_rank
+from executor.ranks.rank_cores import pin_local_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
 from forked_ranks import start_ranks  # noqa: E402 - after the path it is found on

@@ -63,7 +63,7 @@ from autopipe.examples import Example, TinyGPT
 from autopipe.frontend.profiling.process_memory import PeakRss, rss_anon
 from executor.activation_meter import ActivationMeter
 from executor.host_allocator import use_host_allocator
-from executor.rank_cores import pin_local_rank
+from executor.ranks.rank_cores import pin_local_rank
 
 __all__ = ["ActivationRow", "Row", "main"]
 

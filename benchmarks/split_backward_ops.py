@@ -4,7 +4,7 @@
     python benchmarks/split_backward_ops.py --rows 256     # M = 4 of batch 1024
 
 One stage of 8 x (Linear(512, 512) + ReLU), one thread: its forward, its whole backward, and its
-backward split by executor/split_backward.py ([Note: split backward on ranks]): the I (input
+backward split by executor/ranks/split_backward.py ([Note: split backward on ranks]): the I (input
 gradients, with the graph analysis that finds where the weight paths leave the input paths),
 then the W (weight gradients from what the I kept). Medians of ``--repeats`` interleaved runs;
 then torch.profiler's op table of one W and of one whole backward, whose matrix products show
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
-from executor.split_backward import (
+from executor.ranks.split_backward import (
     WeightGrads,
     _node,
     _reverse_edges,

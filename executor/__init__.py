@@ -1,6 +1,23 @@
-"""executor: the GPipe runtime. Knows stages, devices and micro-batches; never the planner.
+"""executor: the pipeline runtimes. Know stages, devices, ranks and micro-batches; never the planner.
 
 Imports torch only (never ``autopipe``), so it can be used with hand-made stages.
+
+Sub-packages, one runtime each, and what they share:
+    local/        GPipe in one process over several devices (executor.GPipe)
+    ranks/        one rank's stages on torch.distributed.pipelining (executor.DistributedPipeline,
+                  ReplicatedPipeline)
+    checkpoint/   saved training state (DCP) that loads under any plan
+    spec            the torch-free rules the planner and both runtimes agree on
+    microbatch      scatter a mini-batch, gather the micro-batches' outputs
+    recompute       activation recomputation and the autograd plumbing that orders it
+    precision       autocast inside every stage
+    keywords        keyword inputs bound in the stages' order
+    model_loss      a loss the model computes, weighted per micro-batch
+    grad_norm       the gradient norm over devices, ranks and replicas, and clipping by it
+    host_allocator  freed host memory kept in the process, as CUDA's allocator does
+    activation_meter  the bytes autograd keeps for backward, per stage
+    errors          one-line ValueError subclasses
+    _torch_compat   every private torch API, each checked before use
 
 [Note: lazy executor] Public names are resolved on first use (PEP 562 ``__getattr__``), so that
 ``import executor.spec`` (the torch-free rules the planner shares with the runtime) does not
@@ -17,16 +34,16 @@ from typing import TYPE_CHECKING, Any
 from executor.spec import TimelineEvent
 
 if TYPE_CHECKING:
-    from executor.batchnorm import DeferredBatchNorm
-    from executor.distributed import DistributedPipeline, PipelineFailure
     from executor.errors import DistributedError, ExecutorError, MicroBatchError, PlacementError
-    from executor.fill_drain import clock_cycles
-    from executor.gpipe import GPipe
+    from executor.local.batchnorm import DeferredBatchNorm
+    from executor.local.fill_drain import clock_cycles
+    from executor.local.gpipe import GPipe
+    from executor.local.timeline import save_chrome_trace, to_chrome_trace
     from executor.microbatch import gather, scatter
-    from executor.rank_cores import pin_local_rank
+    from executor.ranks.distributed import DistributedPipeline, PipelineFailure
+    from executor.ranks.rank_cores import pin_local_rank
+    from executor.ranks.replicated import ReplicatedPipeline, pipeline_mesh
     from executor.recompute import is_checkpointing, is_recomputing
-    from executor.replicated import ReplicatedPipeline, pipeline_mesh
-    from executor.timeline import save_chrome_trace, to_chrome_trace
 
 __all__: list[str] = [
     "GPipe",
@@ -52,11 +69,11 @@ __all__: list[str] = [
 
 # public name -> module that defines it (imported on first attribute access)
 _LAZY: dict[str, str] = {
-    "GPipe": "executor.gpipe",
-    "save_chrome_trace": "executor.timeline",
-    "to_chrome_trace": "executor.timeline",
-    "DeferredBatchNorm": "executor.batchnorm",
-    "clock_cycles": "executor.fill_drain",
+    "GPipe": "executor.local.gpipe",
+    "save_chrome_trace": "executor.local.timeline",
+    "to_chrome_trace": "executor.local.timeline",
+    "DeferredBatchNorm": "executor.local.batchnorm",
+    "clock_cycles": "executor.local.fill_drain",
     "scatter": "executor.microbatch",
     "gather": "executor.microbatch",
     "is_checkpointing": "executor.recompute",
@@ -65,11 +82,11 @@ _LAZY: dict[str, str] = {
     "MicroBatchError": "executor.errors",
     "PlacementError": "executor.errors",
     "DistributedError": "executor.errors",
-    "DistributedPipeline": "executor.distributed",
-    "PipelineFailure": "executor.distributed",
-    "ReplicatedPipeline": "executor.replicated",
-    "pipeline_mesh": "executor.replicated",
-    "pin_local_rank": "executor.rank_cores",
+    "DistributedPipeline": "executor.ranks.distributed",
+    "PipelineFailure": "executor.ranks.distributed",
+    "ReplicatedPipeline": "executor.ranks.replicated",
+    "pipeline_mesh": "executor.ranks.replicated",
+    "pin_local_rank": "executor.ranks.rank_cores",
 }
 
 

@@ -8,7 +8,7 @@ name directly: it imports it from here, where
   ``torch._subclasses.fake_tensor.FakeTensorMode`` are re-exported: they have kept their names
   and signatures since torch 2.0 and are what torch's own public wrappers use; an ImportError
   here names this module, not a deep frame of the tracer or the runtime;
-- the receive-ahead GPipe schedule ([Note: receive ahead] in executor/prefetch.py) overrides
+- the receive-ahead GPipe schedule ([Note: receive ahead] in executor/ranks/prefetch.py) overrides
   ``ScheduleGPipe._step_microbatches`` and calls private schedule and stage methods.
   :func:`prefetch_support` checks each of their signatures against the two APIs the override
   was written for: torch 2.13's (``PREFETCH_SIGNATURES``, 2.15's too) and 2.11's, which
@@ -18,7 +18,7 @@ name directly: it imports it from here, where
   On any other difference the executor runs torch's public ``ScheduleGPipe`` instead and
   warns once, in one line, saying why;
 - :func:`without_self_sends` filters what ``PipelineStage._get_init_p2p_neighbors_ops`` gives,
-  which executor/sized.py's stage overrides: torch 2.11 and 2.12 warm up the links to both
+  which executor/ranks/sized.py's stage overrides: torch 2.11 and 2.12 warm up the links to both
   neighbour stages at a schedule's first step, and under the V schedules (zbv, dualpipev) the
   two middle stages share a rank, so half of that is a send to the rank itself, which gloo
   refuses; torch 2.13 warms up another way and never calls the method for a PipelineStage
@@ -38,12 +38,12 @@ name directly: it imports it from here, where
   ``_timeout`` (torch's own code does); for other backends than gloo and NCCL it gives None,
   the default timeout, and the pipeline's watchdog still ends a hung step;
 - :func:`set_group_timeout` shortens a process group's timeout after a pipeline's first step
-  ([Note: the first step's own limit] in executor/watchdog.py) through
+  ([Note: the first step's own limit] in executor/ranks/watchdog.py) through
   ``torch.distributed.distributed_c10d._set_pg_timeout``, as torchtitan does; where it is
   missing or refuses, it says so and the watchdog alone bounds later steps;
 - :func:`found_inf_per_device` is ``torch.amp.GradScaler._found_inf_per_device``, the flags
   ``unscale_`` leaves and ``step`` / ``update`` read (torch's fused optimizers read them too),
-  for executor/grad_scaler.py ([Note: loss scaling on ranks]); missing, it says so in one line;
+  for executor/ranks/grad_scaler.py ([Note: loss scaling on ranks]); missing, it says so in one line;
 - :func:`split_backward_api` is ``torch.distributed.pipelining._backward``'s
   ``stage_backward_input`` and ``stage_backward_weight``, the two halves of a backward that the
   zero-bubble schedules run, checked by signature; the profiler times each layer's backward
@@ -109,7 +109,7 @@ BatchNormBase = _BatchNorm
 
 def symbol_source(name: str) -> Any:
     """A name for a symbolic size (``torch._dynamo.source.ConstantSource``), as fake tensors with
-    symbolic sizes need one (executor/symbolic.py); imported here, lazily: dynamo is heavy."""
+    symbolic sizes need one (executor/ranks/symbolic.py); imported here, lazily: dynamo is heavy."""
     from torch._dynamo.source import ConstantSource
 
     return ConstantSource(name)
@@ -363,7 +363,7 @@ def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.Op
     method = getattr(scaler, "_found_inf_per_device", None)
     if method is None:
         raise RuntimeError(f"torch {torch.__version__}'s GradScaler has no _found_inf_per_device: "
-                           "executor.grad_scaler needs torch 2.11 to 2.15")
+                           "executor.ranks.grad_scaler needs torch 2.11 to 2.15")
     found: dict[torch.device, torch.Tensor] = method(optimizer)
     return found
 

@@ -5,10 +5,10 @@ what ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns on the 
 on every rank, and scales every gradient copy as it would. Each parameter counts once:
 
 - in one process (executor.GPipe) a parameter tied across devices is registered on its first
-  stage only ([Note: ties across devices] in executor/placement.py), so the pipeline's
+  stage only ([Note: ties across devices] in executor/local/placement.py), so the pipeline's
   ``parameters()`` already name each once, whatever devices they are on;
 - on ranks, a tied parameter has a full copy on each rank that uses it, equal after the step
-  ([Note: tied parameters across ranks] in executor/distributed.py): only the lowest rank of
+  ([Note: tied parameters across ranks] in executor/ranks/distributed.py): only the lowest rank of
   its tie group counts it, every copy is scaled;
 - under FSDP2 a gradient is a DTensor sharded over the replicas ("dp" group): each rank counts
   its local shard, and the shards' ``|g|^p`` sums are summed over the dp group;

@@ -1,7 +1,7 @@
 """Keyword inputs of a pipeline: the names a call's keywords bind to, in the stages' order.
 
 [Note: keyword inputs are positional inside] A pipeline's stages take positional values (the
-linear-chain convention, executor/gpipe.py), so a model called as ``model(input_ids=...,
+linear-chain convention, executor/local/gpipe.py), so a model called as ``model(input_ids=...,
 attention_mask=..., labels=...)`` runs as stages whose first one takes ``input_ids,
 attention_mask, labels`` positionally. :class:`InputSignature` remembers that order: ``positional``
 values first, then the ``keywords`` in order. ``bind`` turns ``pipe(*args, **kwargs)`` into that

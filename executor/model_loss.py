@@ -8,7 +8,7 @@ items, and the whole batch's loss is ``sum(n_i * L_i) / N`` with ``N = sum(n_i)`
 spread evenly over micro-batches. :class:`ModelLoss` names the output leaf that is such a loss
 and how to count a micro-batch's items from its inputs (``count(*inputs)``), so the weights
 ``n_i / N`` are known before any micro-batch runs. That matters under 1F1B, where a
-micro-batch's backward starts before later forwards (executor/distributed.py); in one process
+micro-batch's backward starts before later forwards (executor/ranks/distributed.py); in one process
 executor.GPipe builds the weighted sum when it gathers the outputs (executor.microbatch.gather),
 and the user's ``out.loss.backward()`` back-propagates the right weight into each micro-batch.
 Every other 0-dim output (an auxiliary loss) is weighted by the micro-batch's share of rows
@@ -53,7 +53,7 @@ class ModelLoss:
     def schedule_targets(self, inputs: tuple[Any, ...], chunks: int, device: torch.device) -> Tensor:
         """The per-micro-batch targets a torch schedule splits out of ``inputs``' equal
         micro-batches: each one's weight x ``chunks``, since the schedule averages the losses
-        (executor/distributed.py's ``step``)."""
+        (executor/ranks/distributed.py's ``step``)."""
         parts = [tuple(p) for p in zip(*(x.tensor_split(chunks) if isinstance(x, Tensor) and x.dim()
                                          else [x] * chunks for x in inputs), strict=True)]
         return (self.weights(parts) * chunks).to(device)

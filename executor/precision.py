@@ -10,19 +10,19 @@ thread, on another rank, or again in backward when it is recomputed.
 [Note: autocast follows the stage] Autocast is thread-local state, and so is what the caller
 set with ``with torch.autocast(...)`` around a pipeline call. A stage therefore runs under an
 :class:`AutocastState` captured where the call was made: a worker thread enters it before the
-stage (executor.worker), a recomputation enters the state its forward ran under
+stage (executor.local.worker), a recomputation enters the state its forward ran under
 (executor.recompute), so recomputed activations have the dtypes the forward had. A pipeline's
 own ``precision`` enters inside that state, and only where it asks for autocast: with
 ``precision="fp32"`` the caller's autocast is what holds.
 
 [Note: distributed mixed precision] ``precision="bf16"`` (or ``"fp16"``) runs every call of a
-rank's stages (executor/distributed.py), their recomputation and the loss under
+rank's stages (executor/ranks/distributed.py), their recomputation and the loss under
 ``torch.autocast`` to that dtype on ``device``, over fp32 parameters ([Note: mixed precision]);
 the wires are those of a probe under the same autocast, so activations cross in the low dtype
-([Note: wires under autocast] in executor/wire.py). A caller's own ``with torch.autocast(...):
+([Note: wires under autocast] in executor/ranks/wire.py). A caller's own ``with torch.autocast(...):
 pipe.step(...)`` holds too (the schedule runs the stages in the calling thread, and a
 recomputation replays its forward's state). Gradients, their mean over micro-batches, the sum
-of tied copies and the replicas' reduction stay fp32 (executor/replicated.py).
+of tied copies and the replicas' reduction stay fp32 (executor/ranks/replicated.py).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ executor/precision.py): backward runs on another thread, or outside the caller's
 torch.autocast(...)``, and a recomputation without it would rebuild the graph in other dtypes.
 
 :func:`fork`, :func:`join` and :func:`depend` add such ordering-only edges to the autograd
-graph; :mod:`executor.gpipe` uses :func:`depend` to make micro-batch ``i - 1`` of a stage
+graph; :mod:`executor.local.gpipe` uses :func:`depend` to make micro-batch ``i - 1`` of a stage
 back-propagate after micro-batch ``i`` (the fill-drain order, reversed).
 
 [Note: distributed recomputation] The distributed runtime's ``checkpoint``
-(executor/distributed.py) follows this module's modes, one for every stage or one per stage
+(executor/ranks/distributed.py) follows this module's modes, one for every stage or one per stage
 ([Note: per-stage recomputation] in executor/spec.py): stage ``i`` recomputes the last
 ``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last under torch's schedules
 ([Note: which micro-batches recompute]), never in eval mode or under no_grad (as in
@@ -33,7 +33,7 @@ PipelineStage receives a gradient before it starts a micro-batch's backward, so 
 nothing to overlap the recomputation with: it runs when the gradient arrives, without
 executor.recompute's early-recompute lane. Under the zero-bubble schedules the recomputed graph
 is back-propagated in two halves, the inputs' gradients then and the weights' at the W
-(``split=``, [Note: split backward on ranks] in executor/split_backward.py).
+(``split=``, [Note: split backward on ranks] in executor/ranks/split_backward.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ __all__ = [
 
 StageFn = Callable[[Batch], Batch]
 SpanFactory = Callable[[], AbstractContextManager[Any]]
-# a split backward ([Note: split backward on ranks] in executor/split_backward.py): the inputs'
+# a split backward ([Note: split backward on ranks] in executor/ranks/split_backward.py): the inputs'
 # gradients from the recomputed outputs, their gradients and the inputs, the weights' later
 SplitFn = Callable[[list[Tensor], tuple[Tensor | None, ...], list[Tensor]], list[Tensor | None]]
 
@@ -283,7 +283,7 @@ class Checkpointing:
     ``function`` maps the input :class:`Batch` to the output :class:`Batch` and must behave
     the same on both calls (RNG is replayed). ``span`` times the recomputation (tracing).
     ``split``, given, back-propagates the recomputed graph instead of a whole backward (the
-    distributed runtime's zero-bubble schedules: executor/split_backward.py).
+    distributed runtime's zero-bubble schedules: executor/ranks/split_backward.py).
     """
 
     def __init__(

@@ -273,8 +273,8 @@ def test_tied_embedding_and_head_on_different_devices(
     name: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     # One CPU stands in for two GPUs: the runtime is told the stages' devices differ, so the
-    # tied head fetches the embedding's weight ([Note: ties across devices] in executor.gpipe).
-    monkeypatch.setattr("executor.placement._same_device", lambda a, b: False)
+    # tied head fetches the embedding's weight ([Note: ties across devices] in executor.local.gpipe).
+    monkeypatch.setattr("executor.local.placement._same_device", lambda a, b: False)
     graph = None
     if name == "gpt":
         ex = get_example("gpt", batch_size=4)

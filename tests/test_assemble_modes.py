@@ -21,7 +21,7 @@ from autopipe.assemble import microbatch_inputs
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
-from executor.distributed import DistributedError, DistributedPipeline
+from executor.ranks.distributed import DistributedError, DistributedPipeline
 from tests.frontend.tracing.test_dynamic_shapes import FixedView, hf_model
 from tests.frontend.tracing.test_modes import TrainOnlyBranch, gpt2_with_dropout
 from tests.test_assemble import cost_profile

@@ -34,7 +34,7 @@ def test_gpt_with_tied_head_runs_the_plans_per_stage_modes(
     apart: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if apart:  # as on two GPUs: the head fetches the embedding's weight from stage 0's device
-        monkeypatch.setattr("executor.placement._same_device", lambda a, b: False)
+        monkeypatch.setattr("executor.local.placement._same_device", lambda a, b: False)
     ex = get_example("gpt", batch_size=4)
     reference = copy.deepcopy(ex.model)
     graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))

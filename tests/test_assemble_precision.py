@@ -21,7 +21,7 @@ from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
-from executor.distributed import DistributedError, DistributedPipeline
+from executor.ranks.distributed import DistributedError, DistributedPipeline
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 

@@ -1,4 +1,4 @@
-"""executor.distributed + autopipe.assemble: 2 gloo ranks spawned from pytest vs one process.
+"""executor.ranks.distributed + autopipe.assemble: 2 gloo ranks spawned from pytest vs one process.
 
 Every distributed test runs its ranks on a free local port, with a hard deadline: a hanging
 rank is killed and fails the test instead of hanging the suite. Two healthy ranks are shared by
@@ -34,7 +34,7 @@ import autopipe
 from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
 from autopipe.errors import BuildError
 from autopipe.frontend.building.stages import RecomputedLayer
-from executor.distributed import (
+from executor.ranks.distributed import (
     DistributedError,
     DistributedPipeline,
     PipelineFailure,
@@ -347,15 +347,15 @@ def test_two_ranks_match_one_process(case: str, schedule: str, checkpoint: str, 
 
 
 def _train_without_prefetch(rank: int) -> dict[str, Any]:
-    import executor.torch_schedules
+    import executor.ranks.torch_schedules
 
     # as on a torch whose private schedule API drifted: executor._torch_compat's fallback
-    support = executor.torch_schedules.prefetch_support
-    executor.torch_schedules.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
+    support = executor.ranks.torch_schedules.prefetch_support
+    executor.ranks.torch_schedules.prefetch_support = lambda: "forced by the test"  # type: ignore[assignment]
     try:
         return _train_once(rank, "skip", "gpipe", "always", "uniform")
     finally:  # the pool's next call gets the receive-ahead schedule back
-        executor.torch_schedules.prefetch_support = support
+        executor.ranks.torch_schedules.prefetch_support = support
 
 
 @pytest.mark.timeout(60)
@@ -539,9 +539,9 @@ FAIL_WATCHDOG_S = FAIL_TIMEOUT_S + FAIL_GRACE_S  # a step still running then is 
 
 
 def _fail(rank: int, how: str) -> tuple[str, float]:
-    import executor.watchdog
+    import executor.ranks.watchdog
 
-    executor.watchdog.GRACE_S = FAIL_GRACE_S  # read per step; this test's fresh processes only
+    executor.ranks.watchdog.GRACE_S = FAIL_GRACE_S  # read per step; this test's fresh processes only
     model, inputs, target, loss_fn = _case("mlp")
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform",
                                 timeout=FAIL_TIMEOUT_S, first_step_timeout=30)
@@ -582,7 +582,7 @@ def test_wires_round_trip_python_values() -> None:
     values = (torch.ones(2, 3), 5, 0.25, True, torch.Size([2, 3]), None, "tanh")
     wires = [Wire.of(v) for v in values]
     assert [w.kind for w in wires] == ["tensor", "scalar", "scalar", "scalar", "ints", "const", "const"]
-    from executor.wire import _decode, _encode
+    from executor.ranks.wire import _decode, _encode
 
     sent = _encode(values, wires, torch.device("cpu"))
     assert len(sent) == 5 and all(isinstance(t, Tensor) for t in sent)

@@ -3,7 +3,7 @@
 The clipped norm and gradients of a GPT whose head is tied to its embedding (first and last
 stage on different ranks) equal torch's on the plain model; an inf injected into one rank's
 gradient skips the optimizer step on both ranks and backs the scale off as torch's
-GradScaler does ([Note: loss scaling on ranks] in executor/grad_scaler.py).
+GradScaler does ([Note: loss scaling on ranks] in executor/ranks/grad_scaler.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.grad_norm import NonFiniteNormError
-from executor.grad_scaler import PipelineGradScaler
+from executor.ranks.grad_scaler import PipelineGradScaler
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import CHUNKS, Case, _case, _close, _ok, _reference, spawn
 

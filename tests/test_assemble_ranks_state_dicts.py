@@ -19,7 +19,7 @@ from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.errors import BuildError
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
-from executor.distributed import DistributedError, DistributedPipeline
+from executor.ranks.distributed import DistributedError, DistributedPipeline
 from executor.spec import recomputed_microbatches
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import (

@@ -29,9 +29,9 @@ from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
-from executor.distributed import PipelineFailure
 from executor.grad_norm import local_grads
-from executor.grad_scaler import PipelineGradScaler
+from executor.ranks.distributed import PipelineFailure
+from executor.ranks.grad_scaler import PipelineGradScaler
 from executor.spec import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from tests.models import Skip
 from tests.test_assemble import cost_profile
@@ -67,7 +67,7 @@ CASES = [
     ("tied", "fsdp", "gpipe", ["always", "never"], True),
     # a stage of no parameters (not under DDP)
     ("skip", "ddp", "interleaved1f1b", ["never", "always", "never", "except_last"], False),
-    # the zero-bubble schedules (executor/split_backward.py): DDP's mean all-reduced by the
+    # the zero-bubble schedules (executor/ranks/split_backward.py): DDP's mean all-reduced by the
     # pipeline ([Note: DDP under zero bubble]); under zbv the tied embedding and head are one
     # tensor on pp rank 0, under interleaved_zb a tie across the ranks
     ("skip", "ddp", "zbv", ["never", "always", "never", "except_last"], True),

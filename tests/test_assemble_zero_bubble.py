@@ -1,7 +1,7 @@
 """The zero-bubble schedules (interleaved_zb, zbv, dualpipev) on 2 gloo ranks vs one process.
 
 Each backward is split into its input and weight gradients ([Note: split backward on ranks] in
-executor/split_backward.py). One call on the shared pool of two ranks ([Note: one pool of
+executor/ranks/split_backward.py). One call on the shared pool of two ranks ([Note: one pool of
 ranks]) runs every case: a skip connection and a GPT whose head is tied to its embedding (under
 the V schedules both sit on rank 0, one tensor in two stages), recomputation per stage and per
 layer, eval_step, another sequence length, the model's own loss, bf16, a GradScaler, clipping,
@@ -37,9 +37,9 @@ from autopipe.frontend.building.stages import RecomputedLayer
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.checkpoint import load_checkpoint
-from executor.distributed import DistributedError, DistributedPipeline
-from executor.grad_scaler import PipelineGradScaler
-from executor.split_backward import WeightGrads, split_call
+from executor.ranks.distributed import DistributedError, DistributedPipeline
+from executor.ranks.grad_scaler import PipelineGradScaler
+from executor.ranks.split_backward import WeightGrads, split_call
 from tests.models import Skip
 from tests.test_assemble import cost_profile
 from tests.test_assemble_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
@@ -142,7 +142,7 @@ def _plans(cases: list[Case], extra: bool) -> dict[str, dict[str, Any]]:
 
 
 def _zero_bubble(rank: int, out: str, cases: list[Case], dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    import executor.split_backward as split
+    import executor.ranks.split_backward as split
 
     weight_passes = [0]
     part = split._weight_part

@@ -45,6 +45,27 @@ def test_executor_never_imports_autopipe() -> None:
     assert _violations("executor", ("autopipe",)) == []
 
 
+def test_the_local_runtime_never_imports_the_rank_runtime() -> None:
+    assert _modules("executor/local")
+    assert _violations("executor/local", ("executor.ranks",)) == []
+
+
+def test_the_rank_runtime_never_imports_the_local_runtime() -> None:
+    assert _modules("executor/ranks")
+    assert _violations("executor/ranks", ("executor.local",)) == []
+
+
+def test_what_the_runtimes_share_imports_neither_runtime() -> None:
+    """The modules directly in executor/ (bar its lazy ``__init__``) and executor/checkpoint/
+    are the two runtimes' common ground: they import neither of them."""
+    shared = [p for p in (ROOT / "executor").glob("*.py") if p.name != "__init__.py"]
+    assert len(shared) > 5
+    bad = [f"{path.relative_to(ROOT)} imports {name}"
+           for path in [*shared, *_modules("executor/checkpoint")] for name in sorted(_imports(path))
+           if name.split(".")[:2] in (["executor", "local"], ["executor", "ranks"])]
+    assert bad == []
+
+
 APPLICATION = ("autopipe.app", "autopipe.assemble", "autopipe.assemble_ranks", "autopipe.assemble_mesh",
                "autopipe.rank_parts")
 # the runtime's modules as a library: what every package may use of it
@@ -86,7 +107,7 @@ def test_profiling_measures_the_runtime_it_predicts() -> None:
     """Profiling times the runtime's own machinery ([Note: measured overheads], [Note: measured
     transfer]): exactly these runtime modules, and no other (executor.precision: the stages'
     own autocast, [Note: profiling under a precision])."""
-    measured = ("executor.gpipe", "executor.distributed", "executor.rank_cores",
+    measured = ("executor.local.gpipe", "executor.ranks.distributed", "executor.ranks.rank_cores",
                 "executor.host_allocator", "executor.precision")
     assert _violations("autopipe/frontend/profiling", ("executor",),
                        allowed=(*RUNTIME_SHARED, *measured)) == []

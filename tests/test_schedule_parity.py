@@ -123,7 +123,7 @@ def _torch_zero_bubble(schedule: str, ranks: int, local: int, chunks: int,
                        merged: str | None = None) -> dict[int, list[tuple[int, str, int]]]:
     """Every rank's compute order of torch's zero-bubble schedule, as it runs it: the class
     constructed on rank 0's fake stages, its lowered ``pipeline_order_with_comms``; ``merged``:
-    after the runtime merged its adjacent I and W by that rule (executor/torch_schedules.py)."""
+    after the runtime merged its adjacent I and W by that rule (executor/ranks/torch_schedules.py)."""
     k = ranks * local
     fake = [SimpleNamespace(group_size=ranks, group_rank=0, num_stages=k, stage_index=s, submod=None,
                             is_first=s == 0, is_last=s == k - 1)

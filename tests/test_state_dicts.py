@@ -320,7 +320,7 @@ def _part(rank: int, world: int, steps: int, **state: Tensor) -> Mapping[str, Te
     """A part as DistributedPipeline.state_dict() marks it ([Note: checkpoint parts])."""
     from collections import OrderedDict
 
-    from executor.distributed import DistributedPipeline
+    from executor.ranks.distributed import DistributedPipeline
 
     part: OrderedDict[str, Tensor] = OrderedDict(state)
     part._metadata = OrderedDict({DistributedPipeline.PART_METADATA: {  # type: ignore[attr-defined]

@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from autopipe.frontend.profiling.comm import measure_comm_on_ranks
-    from executor.rank_cores import pin_local_rank
+    from executor.ranks.rank_cores import pin_local_rank
 
     parser = argparse.ArgumentParser(prog="autopipe.app.comm_job",
                                      description="one rank of `autopipe comm` (start it with torchrun)")

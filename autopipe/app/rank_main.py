@@ -5,11 +5,11 @@ rendezvous address; what to train arrives as ``--config JSON``, a RunConfig (aut
 that the launcher has already checked and resolved (plan, chunks, batch, checkpoint), so the
 ranks and the command line share one set of defaults. Every rank builds the same model and
 inputs (seeded), joins the process group (gloo on CPU, NCCL on CUDA; a CPU rank first pins
-itself to its share of the host's cores: [Note: ranks pinned to cores] in executor/rank_cores.py,
+itself to its share of the host's cores: [Note: ranks pinned to cores] in executor/ranks/rank_cores.py,
 unless ``--no-pin-cores``), builds its stage with
 :func:`autopipe.distributed_pipeline` and runs AdamW over its own stage's parameters (after
 ``pipe.clip_grad_norm_`` with ``--clip-grad``, the norm printed beside the loss; under
-``--precision fp16`` through a PipelineGradScaler, executor/grad_scaler.py). The last
+``--precision fp16`` through a PipelineGradScaler, executor/ranks/grad_scaler.py). The last
 rank prints the loss of every step and the throughput. With ``data_parallel`` D > 1 each
 replica trains its own batch / D rows of the (seeded, same on every rank) batch, and the last
 rank of replica 0 prints its replica's loss and the whole batch's throughput.
@@ -64,10 +64,10 @@ with collector_paused():  # [Note: a rank's imports without the collector] in au
     from autopipe.assemble_ranks import distributed_pipeline
     from autopipe.core.plan import Plan
     from autopipe.errors import AutopipeError, BuildError
-    from executor.distributed import DistributedPipeline, PipelineFailure
     from executor.errors import ExecutorError
-    from executor.grad_scaler import PipelineGradScaler
-    from executor.rank_cores import pin_local_rank
+    from executor.ranks.distributed import DistributedPipeline, PipelineFailure
+    from executor.ranks.grad_scaler import PipelineGradScaler
+    from executor.ranks.rank_cores import pin_local_rank
 
 __all__ = ["main", "train", "check_same_run", "NODE_OWN"]
 

@@ -42,7 +42,7 @@ were scaled), and its weight-gradient part W, the rest, each times the profile's
 ``bwd_split_ratio``: the two halves cost more than the whole backward (two passes of autograd's
 engine, and a weight pass of its own per group of weights; 1.2-1.35x on a stage of
 Linear(512, 512) blocks, 1.30x over the TinyLlama profile's layers), and the runtime pays it.
-Two stages do not split, as executor/split_backward.py runs them: the first stage's I is nothing
+Two stages do not split, as executor/ranks/split_backward.py runs them: the first stage's I is nothing
 and its W the whole backward, and a stage holding a segment of recomputed layers (torch's
 reentrant checkpoint) runs its whole backward, with the recomputation, at the I and holds
 nothing for a W (``split_parts``). The stage call's backward cost is paid half by each (``split_backward_ms``:

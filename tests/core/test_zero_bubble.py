@@ -113,7 +113,7 @@ def test_the_split_costs_what_the_profile_measured_and_two_stages_do_not_split()
     stages = stage_costs(costs, [0, 1, 2, 3], devices, options)
     # the two halves cost 1.25x the whole on a stage that splits ([Note: split backward time]);
     # the first stage runs its backward whole at the W, the stage of a recomputed layer segment
-    # whole at the I (torch's reentrant checkpoint: executor/split_backward.py), holding nothing
+    # whole at the I (torch's reentrant checkpoint: executor/ranks/split_backward.py), holding nothing
     parts = [(s.bwd_input_ms, s.bwd_weight_ms) for s in stages]
     assert parts[0] == (0.0, 2.0) and parts[2] == (0.5 * 1.25, 1.5 * 1.25) and parts[3] == (1.5 * 1.25, 0.5 * 1.25)
     assert parts[1][1] == 0.0 and parts[1][0] == pytest.approx(stages[1].bwd_ms) and stages[1].bwd_ms > 2.0

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from executor.activation_meter import ActivationMeter
-from executor.gpipe import GPipe
+from executor.local.gpipe import GPipe
 
 F32 = 4
 

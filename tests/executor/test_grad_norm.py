@@ -11,10 +11,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from executor.errors import ExecutorError
-from executor.gpipe import GPipe
 from executor.grad_norm import NonFiniteNormError
+from executor.local.gpipe import GPipe
 from tests.conftest import skip_if_no_cuda
-from tests.executor.test_gpipe import Tied, _tied_stages, chain_stages
+from tests.executor.local.test_gpipe import Tied, _tied_stages, chain_stages
 from tests.models import Chain
 
 

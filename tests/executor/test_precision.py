@@ -13,7 +13,7 @@ from torch import Tensor, fx, nn
 
 from autopipe.frontend.building.stages import RecomputedLayer
 from executor.errors import ExecutorError
-from executor.gpipe import GPipe
+from executor.local.gpipe import GPipe
 from executor.precision import AutocastState, compute_dtype, precision_autocast
 from executor.recompute import is_recomputing
 from tests.conftest import skip_if_no_cuda

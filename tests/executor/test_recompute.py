@@ -197,7 +197,7 @@ def test_checkpointed_steps_leave_no_tensor_behind(checkpoint: str) -> None:
     # each checkpointed stage's outputs (the U-Net example grew 15 MB a step).
     import gc
 
-    from executor.gpipe import GPipe
+    from executor.local.gpipe import GPipe
 
     stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 2))]
     pipe = GPipe(stages, ["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
@@ -233,7 +233,7 @@ class _Scale(nn.Module):
 def test_a_checkpointed_stage_that_returns_a_parameter_leaves_it_a_leaf(checkpoint: str) -> None:
     # As the checkpoint's output the parameter itself got the checkpoint's grad_fn: it stopped
     # being a leaf, and the next step hung in backward.
-    from executor.gpipe import GPipe
+    from executor.local.gpipe import GPipe
 
     first = _ReturnsItsWeight()
     pipe = GPipe([first, _Scale()], ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)

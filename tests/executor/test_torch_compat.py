@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import executor._torch_compat as compat
-import executor.distributed as distributed
-import executor.torch_schedules as torch_schedules
+import executor.ranks.distributed as distributed
+import executor.ranks.torch_schedules as torch_schedules
 from executor.errors import DistributedError
-from executor.prefetch import PrefetchGPipe
+from executor.ranks.prefetch import PrefetchGPipe
 
 pytestmark = pytest.mark.compat  # .ci/compat runs these on every supported torch
 

@@ -139,7 +139,7 @@ def _free_dtype_checks(stage: fx.GraphModule) -> None:
     """[Note: a stage's dtypes follow autocast] torch.export puts an ``_assert_tensor_metadata``
     before each ``.to(...)`` of the model, holding the dtype the tensor had when traced (fp32).
     A stage runs under autocast (``precision=``, or the caller's own ``with torch.autocast``)
-    and with FSDP2 parameters gathered in bf16 (executor/replicated.py), where the same tensor
+    and with FSDP2 parameters gathered in bf16 (executor/ranks/replicated.py), where the same tensor
     may be bf16, and the plain model runs on. So the stages keep these checks' device and
     layout but not their dtype."""
     changed = False
@@ -232,7 +232,7 @@ class _Registry:
     names for it, as a parameter, as a buffer that is persistent exactly where
     ``model.state_dict()`` has that key, and under any other name (a constant) as a
     non-persistent buffer, which still moves with the stage. The stages' state_dicts are then
-    the model's, key for key (executor/gpipe.py [Note: state_dict keys] joins them), and load
+    the model's, key for key (executor/local/gpipe.py [Note: state_dict keys] joins them), and load
     both ways with ``strict=True``. The model's own modules (fx ``call_module`` leaves the stage
     shares) are registered that way already and are never changed.
     """

@@ -6,7 +6,7 @@
 [Note: measured transfer] (the cost model's side is [Note: transfer cost] in autopipe/core/transfer.py)
 Two processes are spawned and joined by gloo (NCCL, one GPU each, when the profile is for CUDA
 and two GPUs are there), each with one CPU thread (on a CPU, each pinned to its half of the
-cores: [Note: ranks pinned to cores] in executor/rank_cores.py), as the distributed runtime's
+cores: [Note: ranks pinned to cores] in executor/ranks/rank_cores.py), as the distributed runtime's
 ranks run:
 
 - A ping-pong at each of ``COMM_SIZES``: rank 0 sends, rank 1 sends the same bytes back; half
@@ -38,7 +38,7 @@ ranks run:
 On a CPU machine both ranks share the host: these numbers include the cores they compete for,
 as the pipeline's own transfers do. An empty pipeline is nothing but messages, and in about half
 the launches gloo's I/O thread takes more of each step ([Note: ranks pinned to cores] in
-executor/rank_cores.py): its fitted call cost came out near one of two values per launch (GPipe
+executor/ranks/rank_cores.py): its fitted call cost came out near one of two values per launch (GPipe
 0.17-0.25 or 0.44-0.49 ms per stage call on 2 pinned gloo ranks), and real pipelines ran as the
 higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms, 1.11-1.20x with
 0.17-0.23). So the ranks are launched ``COMM_LAUNCHES`` times: the crossings are the median
@@ -77,7 +77,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
 from autopipe.errors import ProfileError, first_line
 from autopipe.frontend.profiling._one_weight import OneWeight
-from executor.rank_cores import pin_local_rank
+from executor.ranks.rank_cores import pin_local_rank
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -179,7 +179,7 @@ def timed_schedules(chunks: int) -> tuple[str, ...]:
 def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int) -> dict[str, float]:
     """Median ms of a 2-rank pipeline of near-empty stages: a training step under each schedule
     (:func:`empty_stages`, where torch takes the chunks), a GPipe forward-only step."""
-    from executor.distributed import DistributedPipeline, infer_wires
+    from executor.ranks.distributed import DistributedPipeline, infer_wires
 
     stages = [OneWeight().to(device) for _ in range(4)]
     x = torch.ones(chunks, 1, device=device)

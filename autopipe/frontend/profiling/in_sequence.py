@@ -52,7 +52,7 @@ from autopipe.frontend.profiling.layer_timing import fresh, timed_step
 from autopipe.frontend.profiling.overheads import RATIO_RANGE
 from autopipe.frontend.profiling.timing import Timer, median
 from autopipe.frontend.profiling.under_autocast import as_stage, autocast_call
-from executor.gpipe import GPipe
+from executor.local.gpipe import GPipe
 
 __all__ = ["MAX_ROUNDS_PER_REPEAT", "SCALE_RANGE", "SEQUENCE_MS_PER_REPEAT", "SequenceScales", "measure_sequence",
            "scale_rows", "sequence_budget_s"]

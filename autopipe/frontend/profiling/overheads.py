@@ -49,7 +49,7 @@ from autopipe.frontend.profiling.replay import LayerCall, Values
 from autopipe.frontend.profiling.timing import Timer
 from autopipe.frontend.profiling.under_autocast import as_stage
 from executor._torch_compat import tree_leaves
-from executor.gpipe import GPipe
+from executor.local.gpipe import GPipe
 
 __all__ = ["CALL_STAGES", "RecomputeSampler", "stage_call_ms"]
 

@@ -14,7 +14,7 @@ once per profile on the whole model: its forward and backward on one micro-batch
 alone and then with a forked copy of the process running the same step in a loop, in turns
 (``TWIN_ROUNDS`` rounds of ``TWIN_RUNS`` runs each: a machine whose speed drifts moves both),
 each of the two on the cores a rank of ``autopipe run`` would take ([Note: ranks pinned to
-cores] in executor/rank_cores.py);
+cores] in executor/ranks/rank_cores.py);
 the median over the rounds of (beside / alone) is ``rank_compute_slowdown``, clamped to
 ``SLOWDOWN_RANGE``. The whole model beside itself measured 1.02-1.08 for the bundled examples
 (mlp, cnn, gpt, unet at 64-row micro-batches; gpt 1.03 twice, as its stages beside each other),
@@ -50,7 +50,7 @@ from autopipe.frontend.profiling.layer_timing import fresh, timed_step
 from autopipe.frontend.profiling.preserve import preserved
 from autopipe.frontend.profiling.timing import CpuTimer
 from autopipe.frontend.profiling.under_autocast import autocast_call
-from executor.rank_cores import local_cores, pin_threads
+from executor.ranks.rank_cores import local_cores, pin_threads
 
 if TYPE_CHECKING:
     from autopipe.core.profile_table import Profile
@@ -69,7 +69,7 @@ _TWIN_LIFETIME_S = 120.0  # a twin never outlives this, whatever happens to its 
 @contextlib.contextmanager
 def pinned_pair() -> Iterator[list[int] | None]:
     """This process on local rank 0's cores of two ([Note: ranks pinned to cores] in
-    executor/rank_cores.py) until the block ends; yields rank 1's cores, for its twin (None,
+    executor/ranks/rank_cores.py) until the block ends; yields rank 1's cores, for its twin (None,
     and nothing pinned, with fewer than 2 cores or no CPU affinity)."""
     before = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     mine, other = local_cores(0, 2, before), local_cores(1, 2, before)

@@ -141,7 +141,7 @@ def check_inputs(rules: tuple[Rule, ...], names: tuple[str, ...], *inputs: Any) 
         x = inputs[i] if i < len(inputs) else None
         if not isinstance(x, torch.Tensor) or x.dim() <= d:
             continue
-        if isinstance(x.shape[d], torch.SymInt):  # a symbolic run (executor/symbolic.py):
+        if isinstance(x.shape[d], torch.SymInt):  # a symbolic run (executor/ranks/symbolic.py):
             continue  # comparing would fix the size it is working out
         got = int(x.shape[d])
         where = _dimension(names, i, d)

@@ -17,7 +17,7 @@ from autopipe.frontend.profiling.inputs import micro_batch
 from autopipe.frontend.profiling.under_autocast import AutocastStage
 from benchmarks.memory_vs_prediction import recompute_copy
 from executor.activation_meter import ActivationMeter
-from executor.gpipe import GPipe
+from executor.local.gpipe import GPipe
 
 ROWS, WIDTH, CHUNKS = 256, 16, 2  # many rows, small weights: activations dominate the bytes
 SEEN: list[tuple[bool, torch.dtype]] = []  # (autocast on, the input's dtype) of every real call

@@ -1,0 +1,406 @@
+"""GPipe in one process: stages on devices, micro-batches in fill-drain order.
+
+``GPipe(stages, devices, chunks)`` runs ``stages`` as a linear chain (DESIGN.md "Stages are a
+linear chain"): stage 0 is called as ``stage0(*inputs)`` on each micro-batch, stage ``j + 1``
+with ``*out`` if stage ``j`` returned a tuple, else with ``out``; non-tensor values pass
+through. The last stage's outputs are concatenated along dim 0.
+
+Forward follows :func:`executor.local.fill_drain.clock_cycles`: at each clock the pipeline first
+*fences* (orders micro-batch ``i - 1`` behind ``i`` for backward, copies inputs across devices
+on copy streams) and then *computes* (one task per (micro-batch, stage) on that device's
+worker). Backward is plain autograd over the graph this built, which the fences make run in
+reverse fill-drain order. (Structure after torchgpipe's ``pipeline.py``; own code.)
+
+[Note: state_dict keys] Stages are usually torch.fx GraphModules split from one model, whose
+submodule paths equal the model's qualified names. GPipe's ``state_dict`` is therefore the union
+of its stages' ``state_dict``s without a ``stages.N.`` prefix (a tied parameter appears once),
+and ``load_state_dict`` accepts the original model's ``state_dict`` and reports missing and
+unexpected keys and size mismatches under the original keys, as the model itself would. Which
+keys a stage saves is the stage's business (autopipe's stages save exactly what the model does:
+autopipe/frontend/building/stages.py [Note: a stage saves what the model saves]). Stages whose local
+names differ (e.g. slices of ``model.net``, an ``nn.Sequential``) take ``key_prefixes``: one
+string per stage prepended to its local keys (``"net."``).
+
+Placement, and [Note: ties across devices], are in executor/local/placement.py. Mixed precision
+(``precision=``, and the caller's own ``with torch.autocast(...)``): [Note: mixed precision]
+and [Note: autocast follows the stage] in executor/precision.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from executor.checkpoint import Checkpointable, CheckpointView
+from executor.errors import ExecutorError
+from executor.grad_norm import clip_grads_
+from executor.keywords import InputSignature
+from executor.local.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from executor.local.fill_drain import clock_cycles
+from executor.local.placement import check_devices, place
+from executor.local.state_keys import (
+    original_keys,
+    prefix_state_dict,
+    unprefix_incompatible_keys,
+    unprefix_state_dict,
+)
+from executor.local.stream import (
+    AbstractStream,
+    copy,
+    current_stream,
+    new_stream,
+    use_device,
+    use_stream,
+    wait,
+)
+from executor.local.timeline import TimelineRecorder
+from executor.local.worker import WorkerPool
+from executor.microbatch import Batch, batch_size, gather, scatter
+from executor.model_loss import ModelLoss, row_weights
+from executor.precision import precision_autocast
+from executor.recompute import Checkpointing, checkpoint_stop, depend
+from executor.spec import TimelineEvent, check_precision, check_stage_checkpoints
+
+__all__ = ["GPipe"]
+
+
+class GPipe(Checkpointable, nn.Module):
+    """Pipeline-parallel ``nn.Module`` over hand-made or planner-made stages.
+
+    Args:
+        stages: the chain of stage modules (see the module docstring for the convention).
+        devices: one device per stage; stages on the same device share a worker.
+        chunks: micro-batches per mini-batch (exactly ``chunks``; see executor.microbatch).
+        checkpoint: ``"always"``, ``"except_last"`` (every micro-batch but the last is
+            recomputed in backward) or ``"never"``, or a list with one of them per stage
+            ([Note: per-stage recomputation] in executor/spec.py). No recomputation in eval
+            or under no_grad.
+        deferred_batch_norm: convert BatchNorm layers so running statistics advance once per
+            mini-batch, as in the unpipelined model.
+        key_prefixes: per stage, a prefix mapping its local ``state_dict`` keys to the
+            original model's (see [Note: state_dict keys]); ``None``: keys are already original.
+        record_timeline: record the timeline (executor.spec.TimelineEvent spans) of every
+            iteration (read it from ``last_timeline``).
+        threads: run stages on worker threads (True), inline in the caller (False), or
+            ``None``: threads only when the stages span two or more devices (see
+            [Note: inline worker] in executor.local.worker).
+        signature: the keyword inputs ``forward`` takes, after its positional ones
+            ([Note: keyword inputs are positional inside] in executor/keywords.py).
+        loss_fn: ``loss_fn(output, target)`` computed by the last stage on each micro-batch's
+            output: ``pipe(*inputs, target=y)`` then returns the losses weighted by the
+            micro-batches' rows (the whole batch's loss for a mean loss), as
+            executor.ranks.distributed's ``step`` does; ``target`` is then no keyword input.
+        model_loss: the output leaf that is the model's own mean loss, weighted per
+            micro-batch by its counted items ([Note: a loss the model computes] in
+            executor/model_loss.py); every other 0-dim output is weighted by rows.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: every stage call (and its
+            recomputation) runs under ``torch.autocast`` to that dtype on its device, while the
+            parameters and their gradients stay fp32 ([Note: mixed precision] in
+            executor/precision.py). The caller's own autocast is honoured on every worker and
+            in every recomputation either way. fp16 needs loss scaling:
+            ``torch.amp.GradScaler`` works on a GPipe as on a plain model.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        devices: Sequence[torch.device | str | int],
+        chunks: int,
+        checkpoint: str | Sequence[str] = "except_last",
+        deferred_batch_norm: bool = False,
+        *,
+        key_prefixes: Sequence[str] | None = None,
+        record_timeline: bool = False,
+        threads: bool | None = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        signature: InputSignature | None = None,
+        model_loss: ModelLoss | None = None,
+        precision: str = "fp32",
+    ) -> None:
+        super().__init__()
+        self.loss_fn, self.signature, self.model_loss = loss_fn, signature, model_loss
+        try:
+            self.precision = check_precision(precision)
+        except ValueError as err:
+            raise ExecutorError(str(err)) from None
+        stages = list(stages)
+        if not stages:
+            raise ExecutorError("stages is empty: a pipeline needs at least one stage module")
+        if chunks < 1:
+            raise ExecutorError(
+                f"chunks={chunks} < 1: need at least one micro-batch; use chunks >= 1"
+            )
+        try:
+            checkpoints = check_stage_checkpoints(checkpoint, len(stages))
+        except ValueError as err:
+            raise ExecutorError(str(err)) from None
+        if key_prefixes is not None and len(key_prefixes) != len(stages):
+            raise ExecutorError(
+                f"got {len(key_prefixes)} key_prefixes for {len(stages)} stages: "
+                'pass one prefix per stage ("" for none)'
+            )
+        self.devices = check_devices(devices, len(stages))
+        self.chunks = chunks
+        self.threads = threads
+        self.checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
+        self.checkpoints = checkpoints  # one mode per stage
+        self.key_prefixes = list(key_prefixes) if key_prefixes is not None else [""] * len(stages)
+        self._deferred: list[DeferredBatchNorm] = []
+        if deferred_batch_norm:
+            for j, stage in enumerate(stages):
+                stages[j], layers = convert_deferred_batch_norm(stage)
+                self._deferred += layers
+        self._remotes = place(stages, self.devices)
+        self.stages = nn.ModuleList(stages)
+        self._copy_streams: dict[tuple[torch.device, int], AbstractStream] = {}
+        self._always_record = record_timeline
+        self._recorder: TimelineRecorder | None = None
+        self._recording = False
+        self._load_prefix = ""
+        self._load_errors: list[str] = []
+        self.steps = 0  # training mini-batches run: a checkpoint's default step
+        self.register_state_dict_post_hook(unprefix_state_dict)
+        self.register_load_state_dict_pre_hook(prefix_state_dict)
+        self.register_load_state_dict_post_hook(unprefix_incompatible_keys)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    # --- timeline --------------------------------------------------------------------------
+
+    @contextmanager
+    def record_timeline(self) -> Iterator[list[TimelineEvent]]:
+        """Record the timeline of the iteration run inside the context; the list is filled on exit."""
+        events: list[TimelineEvent] = []
+        old, self._recording, self._recorder = self._recording, True, None
+        try:
+            yield events
+        finally:
+            self._recording = old
+            events += self.last_timeline or []
+
+    @property
+    def last_timeline(self) -> list[TimelineEvent] | None:
+        """The timeline of the last recorded iteration (read it after backward)."""
+        return None if self._recorder is None else self._recorder.events()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every stage's parameters, each once (on the
+        first stage's device; see [Note: one norm over stages and ranks] in executor/grad_norm.py)."""
+        grads = [p.grad for p in self.parameters()]
+        return clip_grads_(grads, (), max_norm, norm_type, error_if_nonfinite, device=self.devices[0])
+
+    def _checkpoint_view(self) -> CheckpointView:
+        """Every tensor under its original key(s), a tie's other copies refreshed after a load."""
+        by_id: dict[int, tuple[Tensor, list[str]]] = {}
+        for key, tensor in self.state_dict(keep_vars=True).items():
+            by_id.setdefault(id(tensor), (tensor, []))[1].append(key)
+        held = {**dict(self.named_parameters(remove_duplicate=False)),
+                **dict(self.named_buffers(remove_duplicate=False))}
+        owners = [[held[k] for k in locals_ if k in held]
+                  for locals_ in original_keys(self).values() if len(locals_) > 1]
+
+        def copy_ties() -> None:
+            with torch.no_grad():
+                for first, *others in owners:
+                    for other in others:
+                        if other is not first:
+                            other.copy_(first)
+
+        return CheckpointView(names=list(by_id.values()), devices=list(self.devices),
+                              about={"runtime": "GPipe", "num_stages": len(self.stages), "chunks": self.chunks},
+                              after_load=copy_ties if owners else None)
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
+        targets = self._targets(keywords)
+        if self.signature is not None:
+            inputs = self.signature.bind(inputs, keywords)
+        elif keywords:
+            raise ExecutorError(f"keyword input {next(iter(keywords))!r}: GPipe takes keyword "
+                                "inputs only with signature=InputSignature(...)")
+        for remote in self._remotes:
+            remote.fetch()
+        batches = scatter(inputs, self.chunks)
+        weights = self._scalar_weights([b.values for b in batches])
+        first = self.devices[0]
+        batches = [b.with_tensors([t.to(first) for t in b.tensors()]) for b in batches]
+        recorder = TimelineRecorder() if (self._recording or self._always_record) else None
+        if recorder is not None:
+            self._recorder = recorder
+        enabled = self.training and torch.is_grad_enabled()
+        stops = [checkpoint_stop(mode, self.chunks, enabled=enabled) for mode in self.checkpoints]
+        try:
+            with WorkerPool(self.devices, self.threads) as pool:
+                for cycle in clock_cycles(len(batches), len(self.stages)):
+                    self._fence(cycle, batches, recorder)
+                    self._compute(cycle, batches, pool, stops, recorder, targets)
+        except BaseException:
+            for bn in self._deferred:
+                bn.reset_tracking()
+            raise
+        if self.training:
+            for bn in self._deferred:
+                bn.commit()
+        if enabled:
+            self.steps += 1
+        return gather([b.output() for b in batches], weights)
+
+    def _targets(self, keywords: dict[str, Any]) -> list[Any] | None:
+        """``target=`` split like the inputs, one per micro-batch, on the last device."""
+        if self.loss_fn is None:
+            return None
+        if "target" not in keywords:
+            raise ExecutorError("this pipeline computes loss_fn(output, target): call it as "
+                                "pipe(*inputs, target=y)")
+        last = self.devices[-1]
+        return [b.with_tensors([t.to(last) for t in b.tensors()]).values[0]
+                for b in scatter((keywords.pop("target"),), self.chunks)]
+
+    def _scalar_weights(self, inputs: list[tuple[Any, ...]]) -> Any:
+        """Each 0-dim output leaf's weight per micro-batch ([Note: a loss the model computes])."""
+        rows = row_weights([batch_size(b) for b in inputs])
+        loss = self.model_loss
+        if loss is None:
+            return lambda k: rows
+        counted = loss.weights(inputs)
+        return lambda k: counted if k == loss.leaf else rows
+
+    def _copy_stream(self, j: int, i: int) -> AbstractStream:
+        """Micro-batch ``i``'s copy stream on stage ``j``'s device (one per pair, lazily)."""
+        key = (self.devices[j], i)
+        if key not in self._copy_streams:
+            self._copy_streams[key] = new_stream(self.devices[j])
+        return self._copy_streams[key]
+
+    def _crosses(self, j: int) -> bool:
+        """Whether stage ``j``'s input comes from another device."""
+        return j > 0 and self.devices[j - 1] != self.devices[j]
+
+    def _fence(
+        self, cycle: list[tuple[int, int]], batches: list[Batch], recorder: TimelineRecorder | None
+    ) -> None:
+        for i, j in cycle:
+            if i > 0:  # micro-batch i-1 back-propagates through stage j after micro-batch i
+                batches[i - 1], batches[i] = depend(batches[i - 1], batches[i])
+            if self._crosses(j):
+                span = (
+                    recorder.span(j, i, "transfer", self.devices[j], self._copy_stream(j, i))
+                    if recorder
+                    else nullcontext()
+                )
+                with span:
+                    batches[i] = copy(
+                        batches[i], self._copy_stream(j - 1, i), self._copy_stream(j, i)
+                    )
+
+    def _compute(
+        self,
+        cycle: list[tuple[int, int]],
+        batches: list[Batch],
+        pool: WorkerPool,
+        stops: list[int],
+        recorder: TimelineRecorder | None,
+        targets: list[Any] | None = None,
+    ) -> None:
+        last = len(self.stages) - 1
+        streams = [current_stream(d) for d in self.devices]
+        futures: list[tuple[int, int, Future[tuple[Batch, Checkpointing | None]]]] = []
+        for i, j in cycle:
+            batch = batches[i]
+            if self._crosses(j):  # compute only after the copy has landed
+                batch = wait(batch, self._copy_stream(j, i), streams[j])
+            loss = None if targets is None or j != last else _Loss(self.loss_fn, targets[i])
+            task = _StageTask(
+                self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder,
+                loss,
+                self.precision,
+            )
+            futures.append((i, j, pool.submit(j, task)))
+        error: BaseException | None = None
+        for i, j, future in futures:
+            try:
+                out, chk = future.result()
+            except BaseException as exc:  # keep draining; raise the first failure
+                error = error or exc
+                continue
+            with use_device(self.devices[j]), use_stream(streams[j]):
+                if j != last and self._crosses(j + 1):  # the copy starts after compute
+                    out = wait(out, streams[j], self._copy_stream(j, i))
+                if chk is not None:
+                    out = chk.recompute(out)
+            batches[i] = out
+        if error is not None:
+            raise error
+
+
+class _StageTask:
+    """Forward of one (stage, micro-batch) on its worker: checkpointed or not, maybe traced."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        j: int,
+        i: int,
+        device: torch.device,
+        stream: AbstractStream,
+        batch: Batch,
+        checkpointed: bool,
+        recorder: TimelineRecorder | None,
+        loss: _Loss | None = None,
+        precision: str = "fp32",
+    ) -> None:
+        self.loss = loss
+        self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
+        self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder
+        self.precision = precision
+
+    def _call(self, batch: Batch) -> Batch:
+        # the stage's own autocast, inside the caller's; a recomputation replays it (it calls
+        # this again) under the forward's autocast state ([Note: autocast follows the stage]);
+        # the last stage's loss_fn runs under it too, as part of that stage's work
+        with precision_autocast(self.precision, self.device):
+            out = batch.call(self.stage)
+            return out if self.loss is None else Batch.from_output(self.loss(out.output()))
+
+    def __call__(self) -> tuple[Batch, Checkpointing | None]:
+        j, i, device, rec = self.j, self.i, self.device, self.recorder
+        batch = self.batch
+        with use_device(device), use_stream(self.stream):
+            has_end = False
+            if rec is not None:
+                tensors, has_end = rec.mark_backward_end(j, i, device, batch.tensors())
+                batch = batch.with_tensors(tensors)
+            with rec.span(j, i, "forward", device) if rec else nullcontext():
+                chk: Checkpointing | None = None
+                if self.checkpointed:
+                    span = (lambda: rec.span(j, i, "recompute", device)) if rec else nullcontext
+                    chk = Checkpointing(self._call, batch, device, span)
+                    out = chk.checkpoint()
+                else:
+                    out = self._call(batch)
+            if rec is not None:
+                out = out.with_tensors(
+                    rec.mark_backward_start(j, i, device, out.tensors(), has_end)
+                )
+        return out, chk
+
+
+class _Loss:
+    """``loss_fn(output, target)`` of one micro-batch, run by the last stage's task."""
+
+    def __init__(self, loss_fn: Any, target: Any) -> None:
+        self.loss_fn, self.target = loss_fn, target
+
+    def __call__(self, output: Any) -> Any:
+        return self.loss_fn(output, self.target)
+
+
+# --- state_dict in the original model's keys (see [Note: state_dict keys]) -----------------
