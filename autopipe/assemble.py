@@ -40,7 +40,7 @@ from autopipe.errors import BuildError, ProfileError
 from autopipe.frontend.building.materialize import materialize_stages
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
-from autopipe.frontend.profiling.inputs import micro_batch
+from autopipe.frontend.profiling.harness.inputs import micro_batch
 from autopipe.frontend.tracing.counted_loss import uncounted_loss
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords

@@ -270,7 +270,7 @@ def rank_profile(example: str, prof: Profile, comm: dict[str, Any]) -> Profile:
     transfer and call costs, and how much slower the example computes beside a copy of itself
     ([Note: ranks sharing a host])."""
     from autopipe.examples import get_example
-    from autopipe.frontend.profiling.comm import with_comm
+    from autopipe.frontend.profiling.spawned.comm import with_comm
 
     ex = get_example(example, batch_size=int(prof.meta["batch_size"]))
     # the ranks' slowdown measured here, the transfer and call costs once for every example
@@ -500,7 +500,7 @@ def measured_main(args: argparse.Namespace) -> str:
     rows: list[Timed] = []
     comm: dict[str, Any] = {}
     if not args.no_ranks:  # [Note: measured transfer], once: the ranks' plans are made with it
-        from autopipe.frontend.profiling.comm import measure_comm
+        from autopipe.frontend.profiling.spawned.comm import measure_comm
 
         comm = measure_comm("cpu", chunks=4 * RECIPE_DEVICES)
     for example in args.examples:

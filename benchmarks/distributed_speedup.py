@@ -28,7 +28,7 @@ rounds on the same process group (one process, the plain model on rank 0's pinne
 step times by up to 1.5x between runs, moves both terms of a ratio.
 
 Timings are medians of ``--steps`` steps after ``--warmup`` steps; ratios are what matter.
-Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.comm (what
+Then the distributed runtime's overhead per micro-batch, from autopipe.frontend.profiling.spawned.comm (what
 ``autopipe profile --comm`` stores for the cost model): a stage call of the runtime (empty
 stages: schedule, PipelineStage, Python) and a gloo crossing of each model's activation, next to
 the gap each model's measured step leaves to its ideal, per micro-batch slot.
@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS
+from autopipe.frontend.profiling.spawned.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
 
@@ -282,7 +282,7 @@ def _planned_profile(model: str, args: argparse.Namespace, chunks: int) -> Any:
     layers (with the split backward), its loss, the link and the runtime's call costs under
     every schedule, and how much slower a rank computes beside the other."""
     import autopipe
-    from autopipe.frontend.profiling.comm import with_comm
+    from autopipe.frontend.profiling.spawned.comm import with_comm
 
     ex = _example(model, args.batch, args.width)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=5, loss_fn=ex.loss_fn, target=ex.target)
@@ -294,7 +294,7 @@ def _planned_profile(model: str, args: argparse.Namespace, chunks: int) -> Any:
 def _comm(chunks: int, launches: int, repeats: int, steps: int) -> dict[str, Any]:
     """One measurement of the link and the runtime's calls at ``chunks`` micro-batches, shared
     by the models' plans and the overhead table."""
-    from autopipe.frontend.profiling.comm import measure_comm
+    from autopipe.frontend.profiling.spawned.comm import measure_comm
 
     return measure_comm("cpu", chunks=chunks, launches=launches, repeats=repeats, steps=steps)
 
@@ -362,7 +362,7 @@ def _overheads(args: argparse.Namespace, steps: dict[str, tuple[float, float, in
     m, latency, bandwidth = args.chunks, comm["comm_latency_ms"], comm["comm_bandwidth"] or float("inf")
     call = comm["stage_call_fwd_ms"] + comm["stage_call_bwd_ms"]
     lines = [
-        f"Distributed runtime overhead per micro-batch (autopipe.frontend.profiling.comm, {comm['comm_backend']}): "
+        f"Distributed runtime overhead per micro-batch (autopipe.frontend.profiling.spawned.comm, {comm['comm_backend']}): "
         f"a stage call (empty stages: schedule, PipelineStage, Python) {comm['stage_call_fwd_ms']:.3f} ms "
         f"forward + {comm['stage_call_bwd_ms']:.3f} ms backward; a crossing {latency:.3f} ms + bytes / "
         f"{bandwidth / 1e9:.2f} GB/s (ping-pong medians {[round(t, 3) for t in comm['comm_ms']]} ms at "

@@ -21,7 +21,7 @@ it, with the spread.
 ``--runtime distributed`` runs each plan on two gloo ranks of one thread each
 (executor.DistributedPipeline, GPipe): the plan is made for two devices (two ranks are two
 devices, not one shared CPU), from a profile that carries the transfer between two ranks and
-the distributed runtime's own call cost, measured once by autopipe.frontend.profiling.comm ([Note:
+the distributed runtime's own call cost, measured once by autopipe.frontend.profiling.spawned.comm ([Note:
 measured transfer]); "before" then drops those and the recompute ratio (the model before any
 measured overhead: no call cost, bandwidth 1e10), and "plain loop" is ONE process running the
 model over the same micro-batches, so "executor / loop" is the inverse of the 2-rank speedup.
@@ -50,8 +50,13 @@ import autopipe
 from autopipe.app.train import median_ms
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
-from autopipe.frontend.profiling.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS, with_comm
-from autopipe.frontend.profiling.rank_contention import with_rank_contention
+from autopipe.frontend.profiling.spawned.comm import (
+    COMM_LAUNCHES,
+    COMM_REPEATS,
+    EMPTY_STEPS,
+    with_comm,
+)
+from autopipe.frontend.profiling.spawned.rank_contention import with_rank_contention
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
 
@@ -258,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.runtime == "distributed":
-        from autopipe.frontend.profiling.comm import measure_comm
+        from autopipe.frontend.profiling.spawned.comm import measure_comm
 
         comm = measure_comm("cpu", chunks=args.chunks, launches=args.comm_launches,
                             repeats=args.comm_repeats, steps=args.comm_steps)

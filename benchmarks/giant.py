@@ -5,7 +5,7 @@
 
 Each phase runs in this process, one after the other; the table reports its wall time and the
 process's peak anonymous resident memory while it ran (RssAnon: [Note: RssAnon] in
-autopipe/frontend/profiling/process_memory.py), next to the model's fp32 bytes, which no phase allocates.
+autopipe/frontend/profiling/harness/process_memory.py), next to the model's fp32 bytes, which no phase allocates.
 Profiling is layer by layer on the CPU with identical decoder blocks measured once
 ([Note: layer by layer], [Note: identical layers]).
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts,
 from auto_plan import add_llama_arguments, llama_config  # noqa: E402 - after the path it is found on
 
 from autopipe.core.units import format_bytes
-from autopipe.frontend.profiling.process_memory import PeakRss
+from autopipe.frontend.profiling.harness.process_memory import PeakRss
 
 
 @dataclass

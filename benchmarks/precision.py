@@ -60,7 +60,7 @@ import autopipe
 from autopipe.core.plan import Plan
 from autopipe.core.simulator import simulate
 from autopipe.examples import Example, TinyGPT
-from autopipe.frontend.profiling.process_memory import PeakRss, rss_anon
+from autopipe.frontend.profiling.harness.process_memory import PeakRss, rss_anon
 from executor.activation_meter import ActivationMeter
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
@@ -256,7 +256,7 @@ def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chun
     comm: dict[str, Any] | None = None
     first: dict[str, Plan] = {}  # runtime -> the first precision's plan, whose split all share
     if "ranks" in runtimes:
-        from autopipe.frontend.profiling.comm import measure_comm
+        from autopipe.frontend.profiling.spawned.comm import measure_comm
 
         comm = measure_comm("cpu", chunks=chunks)
     for precision in precisions:
@@ -280,7 +280,7 @@ def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chun
             rows.append(Row("one process", "process", precision, plan.iteration_time,
                             simulate(plan).device_memory["cpu"], plan.stages[1][0], times, peak))
         if comm is not None:
-            from autopipe.frontend.profiling.comm import with_comm
+            from autopipe.frontend.profiling.spawned.comm import with_comm
 
             ranked = with_comm(prof, measured=comm, model=ex.model, example_inputs=ex.inputs)
             plan = _plan(ranked, ["cpu:0", "cpu:1"], chunks, checkpoint, first.get("ranks"))

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from autopipe.examples import EXAMPLES, get_example
+from autopipe.frontend.profiling.harness.timing import CpuTimer
 from autopipe.frontend.profiling.profiler import profile, time_model
-from autopipe.frontend.profiling.timing import CpuTimer
 from executor.host_allocator import use_host_allocator
 
 __all__ = ["main", "SETTINGS"]

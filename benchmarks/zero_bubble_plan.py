@@ -21,7 +21,7 @@ backward on its input gradients; [Note: split backward time] in autopipe/core/co
 Llama-1B-class profile is measured layer by layer on a model built on the meta device, as
 benchmarks/auto_plan.py does (torch and transformers needed), its split measured with torch's
 own halves of a backward ([Note: split backward measured] in
-autopipe/frontend/profiling/backward_split.py). Times are the profiled device's (one CPU for the
+autopipe/frontend/profiling/harness/backward_split.py). Times are the profiled device's (one CPU for the
 Llama profile); no transfer or call cost is measured for either, so both pay the partitioner's
 default bandwidth and no stage call.
 """

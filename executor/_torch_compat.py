@@ -47,7 +47,7 @@ name directly: it imports it from here, where
 - :func:`split_backward_api` is ``torch.distributed.pipelining._backward``'s
   ``stage_backward_input`` and ``stage_backward_weight``, the two halves of a backward that the
   zero-bubble schedules run, checked by signature; the profiler times each layer's backward
-  with them ([Note: split backward measured] in autopipe/frontend/profiling/backward_split.py),
+  with them ([Note: split backward measured] in autopipe/frontend/profiling/harness/backward_split.py),
   and where they differ it measures no split (the planner then refuses those schedules);
 - :func:`merge_adjacent_backward` rewrites a zero-bubble schedule's compute order
   (``pipeline_order``, its ``_Action`` tuples) with executor.spec.merged_backward's rule and

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from autopipe.assemble_ranks import distributed_pipeline
 from autopipe.examples import TinyGPT
-from autopipe.frontend.profiling.process_memory import PeakRss, rss_anon
+from autopipe.frontend.profiling.harness.process_memory import PeakRss, rss_anon
 from tests import forked
 from tests.test_assemble_ranks import _ok, spawn
 

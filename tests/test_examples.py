@@ -9,7 +9,7 @@ import torch
 from autopipe import AutopipeError
 from autopipe.core.profile_table import Profile, fingerprint_mismatch
 from autopipe.examples import EXAMPLES, TinyGPT, get_example
-from autopipe.frontend.profiling.inputs import micro_batch
+from autopipe.frontend.profiling.harness.inputs import micro_batch
 from autopipe.frontend.tracing.graph import trace
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"

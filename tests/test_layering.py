@@ -113,6 +113,18 @@ def test_profiling_measures_the_runtime_it_predicts() -> None:
                        allowed=(*RUNTIME_SHARED, *measured)) == []
 
 
+def test_profiling_by_job() -> None:
+    """The per-layer harness knows nothing of the whole-model corrections or the experiments
+    that start processes; those two do not know each other."""
+    jobs = "autopipe/frontend/profiling"
+    harness, corrections, spawned = (f"autopipe.frontend.profiling.{job}"
+                                     for job in ("harness", "corrections", "spawned"))
+    assert all(_modules(f"{jobs}/{job}") for job in ("harness", "corrections", "spawned"))
+    assert _violations(f"{jobs}/harness", (corrections, spawned)) == []
+    assert _violations(f"{jobs}/corrections", (spawned,)) == []
+    assert _violations(f"{jobs}/spawned", (corrections,)) == []
+
+
 def test_plots_read_plans_and_profiles_only() -> None:
     assert _violations("autopipe/plot", ("torch", "autopipe.frontend", "autopipe.app",
                                          "autopipe.assemble", "autopipe.assemble_ranks")) == []

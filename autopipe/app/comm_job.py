@@ -9,7 +9,7 @@
 the two ranks are a torchrun launch ([Note: one command line on every node] in
 autopipe/app/nodes.py), one on each node with ``--nnodes 2``: :func:`measure_link` starts
 torchrun over this module, whose :func:`main` is one rank; the ranks take [Note: measured
-transfer]'s measurements together (autopipe.frontend.profiling.comm.measure_comm_on_ranks) and
+transfer]'s measurements together (autopipe.frontend.profiling.spawned.comm.measure_comm_on_ranks) and
 each node's first rank writes the result to ``--out`` (the same file on both nodes, written
 whole or not at all). Its ranks' failures end in one line as ``autopipe run``'s do ([Note: one
 line from K ranks] in autopipe/app/launch.py).
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from autopipe.frontend.profiling.comm import measure_comm_on_ranks
+    from autopipe.frontend.profiling.spawned.comm import measure_comm_on_ranks
     from executor.ranks.rank_cores import pin_local_rank
 
     parser = argparse.ArgumentParser(prog="autopipe.app.comm_job",
@@ -117,6 +117,6 @@ if __name__ == "__main__":  # a rank: [Note: a rank's imports without the collec
     from autopipe.app._startup import collector_paused, freeze_imports
 
     with collector_paused():
-        import autopipe.frontend.profiling.comm  # noqa: F401 - what main() imports, imported here
+        import autopipe.frontend.profiling.spawned.comm  # noqa: F401 - what main() imports, imported here
     freeze_imports()
     raise SystemExit(main())

@@ -20,8 +20,8 @@ from autopipe.app.model_spec import load_model
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
-from autopipe.frontend.profiling.comm import load_comm, with_comm
 from autopipe.frontend.profiling.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
+from autopipe.frontend.profiling.spawned.comm import load_comm, with_comm
 
 
 def _loss_of(loaded: Any) -> dict[str, Any]:

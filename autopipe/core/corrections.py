@@ -5,7 +5,7 @@
     prof.corrections.for_runtime("distributed")           # what that runtime's plan reads
 
 [Note: one profile, two runtimes] Summing layers timed alone misses costs a pipeline pays
-([Note: measured overheads] in autopipe/frontend/profiling/overheads.py), and which ones depends
+([Note: measured overheads] in autopipe/frontend/profiling/corrections/overheads.py), and which ones depends
 on the runtime the plan is for. ``autopipe.profile`` measures each in one step of its ordered
 list (autopipe/frontend/profiling/steps.py), and each step fills one field here:
 
@@ -61,7 +61,7 @@ def call_fallbacks(schedule: str) -> tuple[str, ...]:
     """The schedules whose measured call cost ``schedule``'s plans pay, first measured first:
     its own, then interleaved 1F1B's for the zero-bubble schedules and 1F1B's for interleaved
     1F1B, then GPipe's. [Note: zero-bubble calls] ``profile --comm`` times every schedule on
-    empty stages (autopipe/frontend/profiling/comm.py), where torch runs the profile's chunks
+    empty stages (autopipe/frontend/profiling/spawned/comm.py), where torch runs the profile's chunks
     on them; a profile measured before the zero-bubble schedules ran on ranks (or at chunks
     torch refuses for one) lacks theirs, and their plans pay the closest runtime's: torch's
     _PipelineScheduleRuntime runs interleaved 1F1B and all three through the same action loop,

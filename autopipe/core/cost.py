@@ -10,7 +10,7 @@ call and the transfers it sends (see [Note: measured overheads], [Note: transfer
 the stage's busy time per iteration; the slowest stage (the bottleneck) sets the pipeline's pace.
 
 [Note: measured overheads] Two things the per-layer profile leaves out, measured by the profiler
-(autopipe/frontend/profiling/overheads.py) and kept in the profile's metadata; a profile without them
+(autopipe/frontend/profiling/corrections/overheads.py) and kept in the profile's metadata; a profile without them
 (older ones, synthetic ones) gets today's model: no fixed cost and a ratio of 1.
 - ``stage_call_fwd_ms`` / ``stage_call_bwd_ms``: the fixed cost of running ONE micro-batch
   through ONE stage module, forward and backward, whatever its layers (the module's call, the
@@ -57,7 +57,7 @@ data parallel].
 [Note: mixed precision memory] Under ``precision="bf16"`` / ``"fp16"`` (executor/precision.py's
 [Note: mixed precision]) a stage keeps fp32 master parameters, fp32 gradients and fp32 optimizer
 state: ``state_bytes`` as in fp32, from the profile's fp32 ``param_bytes``. Its activations are
-what the profile measured under autocast (autopipe/frontend/profiling/under_autocast.py): low-dtype
+what the profile measured under autocast (autopipe/frontend/profiling/harness/under_autocast.py): low-dtype
 values, and the low-dtype copies of weights that autocast casts for a matmul and autograd saves
 for its backward, one copy per micro-batch (each stage call is its own autocast region, whose
 cast cache is emptied when the call returns). All of that is in ``saved_bytes`` and the cut

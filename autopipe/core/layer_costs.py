@@ -3,7 +3,7 @@
 [Note: saved once] A tensor that two layers save for backward is held once: a ReLU saves its
 output and the Linear after it saves the same tensor as its input. Each layer is profiled
 alone, so both count it; the profile's ``saved_shared_bytes`` says how much of a layer's
-``saved_bytes`` its producers already save (autopipe.frontend.profiling.layer_timing.shared_saved), and
+``saved_bytes`` its producers already save (autopipe.frontend.profiling.harness.layer_timing.shared_saved), and
 ``LayerCosts.saved`` is the difference, so a stage's sum counts such a tensor once, in the
 layer that made it. The graph's own inputs (the caller's batch, which a first layer saves a
 view of) are shared too: they are not the pipeline's to hold ([Note: transfer cost] in
@@ -121,7 +121,7 @@ class LayerCosts:
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
             bwd[-1] += 0.0 if c.loss is None else c.loss.fwd_ms + c.loss.bwd_ms
-        # [Note: ranks sharing a host] (autopipe/frontend/profiling/rank_contention.py): ranks on one
+        # [Note: ranks sharing a host] (autopipe/frontend/profiling/spawned/rank_contention.py): ranks on one
         # host compute beside each other, each this much slower than the profile timed it alone
         beside = max(c.rank_compute_slowdown or 1.0, 1.0)
         gpipe = calls.get("gpipe")

@@ -1,7 +1,7 @@
 """The precision a profile was measured under, and the one-line warning when a pipeline differs.
 
 A profile measured under ``precision="bf16"`` holds bf16 times and bytes (autopipe.profile:
-[Note: profiling under a precision] in autopipe/frontend/profiling/under_autocast.py), and a
+[Note: profiling under a precision] in autopipe/frontend/profiling/harness/under_autocast.py), and a
 plan made from it predicts a bf16 pipeline ([Note: mixed precision memory] in autopipe/core/cost.py). A
 profile or plan without the field was measured in fp32, as every one was before precisions
 existed ([Note: plan fields over time] in plan.py).

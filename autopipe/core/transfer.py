@@ -19,7 +19,7 @@ sender pays, as before measuring).
 
 ``bandwidth=None`` or 0 makes transfers free, latency included. Graph inputs cost nothing.
 Latency and (unless the caller gives one) bandwidth are measured between two ranks by
-``autopipe profile --comm`` (autopipe/frontend/profiling/comm.py) into the profile's ``comm_latency_ms``
+``autopipe profile --comm`` (autopipe/frontend/profiling/spawned/comm.py) into the profile's ``comm_latency_ms``
 and ``comm_bandwidth``; without them: latency 0, ``DEFAULT_BANDWIDTH``, as before measuring.
 """
 

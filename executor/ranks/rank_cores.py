@@ -10,7 +10,7 @@ notice, and while it runs the posting thread waits; unpinned, it lands on the ot
 and a post that takes 0.05 ms alone can hold a small step for milliseconds, in some launches and
 not others. Pinned, it shares its own rank's core. An empty pipeline, which is nothing but such
 messages, still pays it in some launches, pinned or not: the likely reason the call cost fitted
-on one ([Note: measured transfer] in autopipe/frontend/profiling/comm.py) takes one of two
+on one ([Note: measured transfer] in autopipe/frontend/profiling/spawned/comm.py) takes one of two
 values. Every thread is pinned, not only the rank's compute thread: pinning that one alone
 measured no better. Measured: docs/benchmarks.md, "The runtime's own cost"; the A/B runs
 behind this Note are in CHANGELOG.md (2026-11-30, "Ranks are pinned to a core each").

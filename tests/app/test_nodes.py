@@ -21,7 +21,7 @@ from autopipe.app.config import CommConfig, RunConfig
 from autopipe.app.launch import torchrun_command
 from autopipe.app.torchrun import diagnose, ranks_command
 from autopipe.errors import BuildError, ProfileError
-from autopipe.frontend.profiling.comm import (
+from autopipe.frontend.profiling.spawned.comm import (
     COMM_REPEATS,
     COMM_SIZES,
     load_comm,

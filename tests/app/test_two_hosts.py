@@ -23,7 +23,7 @@ from autopipe.app.cli import main
 from autopipe.app.config import RunConfig
 from autopipe.app.launch import prepare, torchrun_command
 from autopipe.app.model_spec import load_model
-from autopipe.frontend.profiling.comm import load_comm, with_comm
+from autopipe.frontend.profiling.spawned.comm import load_comm, with_comm
 from tests.app import two_hosts as two_hosts_module
 from tests.app.two_hosts import Host, TwoHosts, two_hosts
 

@@ -1,16 +1,16 @@
-"""The LayerGraph measured into a Profile on the target device.
+"""The LayerGraph measured into a Profile on the target device, by job.
 
-    profiler.py       profile(): time and memory of each layer -> Profile
-    inputs.py         micro_batch(): the micro-batch of an example batch; device checks
-    replay.py         run the traced graph one layer at a time on recorded values
-    timing.py         timers and memory meters per device (CPU clock, CUDA events)
-    preserve.py       restore RNG and module state after measuring
-    layer_timing.py   one layer timed and measured alone
-    layerwise.py      each layer alone on the device with made-up inputs (models that never fit)
-    overheads.py      the stage call's fixed cost and the recompute / forward ratio
-    in_sequence.py    the whole graph timed in sequence; layer_stamps.py: each layer's share
-    loss_timing.py    the loss's time per micro-batch
-    comm.py           a transfer between two ranks, the distributed runtime's call cost
-    rank_contention.py  how much slower ranks sharing a host compute
-    process_memory.py peak anonymous resident memory of a region
+    prof = autopipe.profile(model, (x,), chunks=8)   # profiler.profile, steps in steps.py
+
+Modules:
+    profiler          profile(): every layer of one micro-batch, then the corrections -> Profile
+    steps             the measurement steps in order, each filling one field of Corrections
+    layer_rows        every layer measured into its profile row
+    _whole_or_layers  the choice between one real run of the whole model and each layer alone
+    harness/          the per-layer measuring harness: a layer alone, timed and measured
+    corrections/      what layers alone miss, measured on the whole model
+    spawned/          experiments that start processes: ranks and neighbours
+
+harness/ imports neither corrections/ nor spawned/, and those two never import each other
+(tests/test_layering.py).
 """

@@ -20,22 +20,22 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from autopipe.frontend.profiling.backward_split import (
+from autopipe.frontend.profiling.corrections.overheads import RecomputeSampler
+from autopipe.frontend.profiling.harness.backward_split import (
     BackwardSplit,
     Overhead,
     measure_split,
     split_overhead,
 )
-from autopipe.frontend.profiling.layer_timing import (
+from autopipe.frontend.profiling.harness.layer_timing import (
     harness_overhead,
     probe,
     shared_saved,
     time_layer,
 )
-from autopipe.frontend.profiling.layerwise import LayerRun
-from autopipe.frontend.profiling.overheads import RecomputeSampler
-from autopipe.frontend.profiling.timing import Timer, memory_meter_for
-from autopipe.frontend.profiling.under_autocast import layer_output_bytes, measured_edges
+from autopipe.frontend.profiling.harness.layerwise import LayerRun
+from autopipe.frontend.profiling.harness.timing import Timer, memory_meter_for
+from autopipe.frontend.profiling.harness.under_autocast import layer_output_bytes, measured_edges
 from autopipe.frontend.tracing.graph import LayerGraph
 
 __all__ = ["Edges", "Splits", "measure_rows"]

@@ -7,11 +7,11 @@
 A pipeline runs micro-batches, so the profiler slices the example batch to one micro-batch
 (``ceil(batch / chunks)`` rows) and traces it (autopipe.frontend.tracing.graph). Then, for a model that
 fits (``mode="whole"``), it runs the traced graph once to get every node's real value
-(autopipe.frontend.profiling.replay) and times each layer alone, forward and backward, on fresh copies of
-exactly the values it reads in the real run (autopipe.frontend.profiling.layer_timing). For a model that
+(autopipe.frontend.profiling.harness.replay) and times each layer alone, forward and backward, on fresh copies of
+exactly the values it reads in the real run (autopipe.frontend.profiling.harness.layer_timing). For a model that
 does not, or that lives on the meta device (``mode="layers"``), each layer is built alone on the
 device with made-up inputs of the traced shapes, and identical layers are measured once
-(autopipe.frontend.profiling.layerwise). Both give the same columns; ``measured_as`` names the layer
+(autopipe.frontend.profiling.harness.layerwise). Both give the same columns; ``measured_as`` names the layer
 whose measurement a row holds, and the metadata records the mode and the peak memory.
 
 [Note: progress on a terminal] Long work shows its progress on stderr by default only when
@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -37,30 +38,30 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import SCALED_COLUMNS
 from autopipe.errors import ProfileError
 from autopipe.frontend.profiling._whole_or_layers import choose_mode
-from autopipe.frontend.profiling.backward_split import split_columns, split_ratio
-from autopipe.frontend.profiling.in_sequence import (
+from autopipe.frontend.profiling.corrections.in_sequence import (
     SequenceScales,
     measure_sequence,
     scale_rows,
     sequence_budget_s,
 )
-from autopipe.frontend.profiling.inputs import (
+from autopipe.frontend.profiling.corrections.overheads import stage_call_ms
+from autopipe.frontend.profiling.harness.backward_split import split_columns, split_ratio
+from autopipe.frontend.profiling.harness.inputs import (
     micro_batch,
     other_sizes,
     target_device,
     to_device,
     with_rows,
 )
+from autopipe.frontend.profiling.harness.layer_timing import fresh, storage_key, time_runs
+from autopipe.frontend.profiling.harness.layerwise import LayerRun, layer_by_layer
+from autopipe.frontend.profiling.harness.preserve import preserved
+from autopipe.frontend.profiling.harness.process_memory import PeakRss
+from autopipe.frontend.profiling.harness.replay import graph_args, layer_calls, record_values
+from autopipe.frontend.profiling.harness.timing import Timer, timer_for
+from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from autopipe.frontend.profiling.layer_rows import Edges, measure_rows
-from autopipe.frontend.profiling.layer_timing import fresh, storage_key, time_runs
-from autopipe.frontend.profiling.layerwise import LayerRun, layer_by_layer
-from autopipe.frontend.profiling.overheads import stage_call_ms
-from autopipe.frontend.profiling.preserve import preserved
-from autopipe.frontend.profiling.process_memory import PeakRss
-from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
-from autopipe.frontend.profiling.timing import Timer, timer_for
-from autopipe.frontend.profiling.under_autocast import autocast_call
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
@@ -73,9 +74,19 @@ DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 2
 RSS_INTERVAL_S = 0.005  # how often profile() samples the process's RssAnon (CPU)
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-# the graph, every layer's row, (harness forward, backward ms, recompute ratio), the scales, the
-# edges, the split backward's (I + W) / backward ([Note: split backward measured])
-Measured = tuple[LayerGraph, list[dict[str, Any]], tuple[float, float, float], SequenceScales, Edges, float | None]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One micro-batch size measured, whole or layer by layer."""
+
+    graph: LayerGraph
+    rows: list[dict[str, Any]]  # every layer's profile row
+    harness_ms: tuple[float, float]  # the layer harness's own forward, backward call
+    recompute_ratio: float
+    scales: SequenceScales  # the whole graph in sequence ([Note: layers in sequence])
+    edges: Edges
+    split_ratio: float | None  # the split backward's (I + W) / backward ([Note: split backward measured])
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -163,13 +174,14 @@ def _measure_at(
             finally:
                 if home is not None and graph is not None:
                     g.gm.to(home)
-        return g, split_columns(rows, *splits), extra, seq, edges, ratio
+        return Measured(g, split_columns(rows, *splits), extra[:2], extra[2], seq, edges, ratio)
     # the model is never moved or run: see [Note: layer by layer]
     with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
         g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
         rows, extra, edges, splits = measure_rows(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
                                               repeats, warmup, progress, precision)
-    return g, split_columns(rows, *splits), extra, SequenceScales(), edges, split_ratio(rows, *splits)
+    return Measured(g, split_columns(rows, *splits), extra[:2], extra[2], SequenceScales(), edges,
+                    split_ratio(rows, *splits))
 
 
 def profile(
@@ -211,7 +223,7 @@ def profile(
         name: the model's name in the metadata (default: its class name).
         progress: a progress bar over the layers on stderr: None (default) shows it when
             stderr is a terminal, True always, False never.
-        timer: how to time a call (default: the device's, see autopipe.frontend.profiling.timing).
+        timer: how to time a call (default: the device's, see autopipe.frontend.profiling.harness.timing).
         mode: ``"whole"`` (one real run of the model on the device), ``"layers"`` (each layer
             alone, for models that do not fit or live on the meta device) or ``"auto"``: see
             [Note: whole or layer by layer].
@@ -278,11 +290,13 @@ def profile(
     with rss or contextlib.nullcontext():
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        g, rows, (fwd_extra, bwd_extra, ratio), scales, edges, split = measure_at(inputs, graph)
-        frame = pd.DataFrame(rows)
+        measured = measure_at(inputs, graph)
+        g = measured.graph
+        frame = pd.DataFrame(measured.rows)
         fingerprints = {str(micro): g.fingerprint}
         for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
-            g_r, rows_r, *_ = measure_at(with_rows(example_inputs, r), None)
+            at_r = measure_at(with_rows(example_inputs, r), None)
+            g_r, rows_r = at_r.graph, at_r.rows
             if g_r.layers != g.layers:
                 raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
                                    f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
@@ -310,17 +324,18 @@ def profile(
         "source": g.source,
         "mode": chosen,
         "dedupe": bool(dedupe) if chosen == "layers" else False,
-        "measured_layers": sum(1 for r in rows if r["measured_as"] == r["layer"]),
+        "measured_layers": sum(1 for r in measured.rows if r["measured_as"] == r["layer"]),
         **({"grouped": grouped_meta(g.layers, g.grouped)} if g.grouped else {}),  # [Note: automatic granularity]
-        **({"bwd_split_ratio": split} if split is not None else {}),  # [Note: split backward measured]
+        **({"bwd_split_ratio": measured.split_ratio} if measured.split_ratio is not None else {}),  # [Note: split backward measured]
         "peak_memory_bytes": peak[0],
         "peak_memory_of": peak[1],
         **({"micro_batch_sizes": sorted([micro, *others]), "fingerprints": fingerprints}
            if others else {}),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    corrections = measured_corrections((fwd_extra, bwd_extra), calls, ratio, scales, chosen == "whole")
-    return later_steps(Profile(frame, edges, meta, corrections), model, example_inputs, device=dev,
+    corrections = measured_corrections(measured.harness_ms, calls, measured.recompute_ratio,
+                                       measured.scales, chosen == "whole")
+    return later_steps(Profile(frame, measured.edges, meta, corrections), model, example_inputs, device=dev,
                        loss_fn=loss_fn, target=target, comm=comm)
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from autopipe.core.corrections import Corrections, InSequence, Phases
 from autopipe.core.profile_table import Profile
 from autopipe.errors import ProfileError
-from autopipe.frontend.profiling.in_sequence import SequenceScales
+from autopipe.frontend.profiling.corrections.in_sequence import SequenceScales
 
 __all__ = ["STEPS", "check_steps", "later_steps", "measured_corrections"]
 
@@ -44,7 +44,7 @@ STEPS = ("stage calls", "layers", "sequence", "loss", "rank contention", "transf
 def measured_corrections(harness: tuple[float, float], calls: tuple[float, float, float], ratio: float,
                          scales: SequenceScales, whole: bool) -> Corrections:
     """Steps 1-3's fields: the harness, executor.GPipe's stage call and what checkpointing it
-    adds (:func:`~autopipe.frontend.profiling.overheads.stage_call_ms`), the recompute ``ratio``
+    adds (:func:`~autopipe.frontend.profiling.corrections.overheads.stage_call_ms`), the recompute ``ratio``
     and, for a model run ``whole``, the sequence scales."""
     return Corrections(
         harness=Phases(round(harness[0], 6), round(harness[1], 6)),
@@ -70,9 +70,9 @@ def later_steps(prof: Profile, model: nn.Module, example_inputs: Any, *, device:
                 loss_fn: Callable[[Any, Any], Any] | None, target: Any, comm: bool) -> Profile:
     """Steps 4-6 on the layers' profile ([Note: one list of measurement steps]); their arguments
     were checked by :func:`check_steps` before anything was measured."""
-    from autopipe.frontend.profiling.comm import with_comm
-    from autopipe.frontend.profiling.loss_timing import with_loss
-    from autopipe.frontend.profiling.rank_contention import with_rank_contention
+    from autopipe.frontend.profiling.corrections.loss_timing import with_loss
+    from autopipe.frontend.profiling.spawned.comm import with_comm
+    from autopipe.frontend.profiling.spawned.rank_contention import with_rank_contention
 
     steps: list[tuple[str, Callable[[Profile], Profile]]] = [
         ("loss", lambda p: with_loss(p, model, example_inputs, target, loss_fn, device=device)),

@@ -1,6 +1,6 @@
 """Cut a set of nodes out of a traced graph as a GraphModule of its own.
 
-Both a profiled layer (frontend/profiling/replay.py) and a pipeline stage (frontend/building/stages.py) are such a
+Both a profiled layer (frontend/profiling/harness/replay.py) and a pipeline stage (frontend/building/stages.py) are such a
 cut. [Note: a cut reads parameters, never receives them] A ``get_attr`` node the cut reads (its
 own parameter, or one tied to a node outside the cut) is re-created inside the cut, on the
 original root module: the cut shares the model's parameters and never takes them as inputs.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.frontend.profiling.process_memory import rss_anon
+from autopipe.frontend.profiling.harness.process_memory import rss_anon
 from tests import forked
 
 GiB = 2**30
@@ -23,7 +23,7 @@ GiB = 2**30
 def _bounds(name: str) -> dict[str, Any]:
     """Layers, profiling seconds and peak RssAnon of tracing / profiling ``name`` (in a process
     of its own: it measures only itself)."""
-    from autopipe.frontend.profiling.process_memory import PeakRss
+    from autopipe.frontend.profiling.harness.process_memory import PeakRss
     from tests.frontend.many_layers import Scan, tiny_mamba
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from torch import nn
 import autopipe
 from autopipe.errors import ProfileError
 from autopipe.examples import TinyGPT
-from autopipe.frontend.profiling.process_memory import rss_anon
+from autopipe.frontend.profiling.harness.process_memory import rss_anon
 from tests import forked
 from tests.models import Chain
 
@@ -92,7 +92,7 @@ def test_bad_modes_are_one_line_errors() -> None:
 
 def _phase_peak(phase: str) -> tuple[int, int | None]:
     """The 5 GB meta TinyGPT's parameter bytes, and the peak RssAnon of tracing or profiling it."""
-    from autopipe.frontend.profiling.process_memory import PeakRss
+    from autopipe.frontend.profiling.harness.process_memory import PeakRss
 
     torch.set_num_threads(1)
     with torch.device("meta"):

@@ -19,11 +19,11 @@ from autopipe import ProfileError
 from autopipe.core.corrections import Phases
 from autopipe.core.profile_table import Profile
 from autopipe.examples import get_example
-from autopipe.frontend.profiling.in_sequence import MAX_ROUNDS_PER_REPEAT
-from autopipe.frontend.profiling.inputs import micro_batch
-from autopipe.frontend.profiling.overheads import CALL_REPEATS, CALL_WARMUP
+from autopipe.frontend.profiling.corrections.in_sequence import MAX_ROUNDS_PER_REPEAT
+from autopipe.frontend.profiling.corrections.overheads import CALL_REPEATS, CALL_WARMUP
+from autopipe.frontend.profiling.harness.inputs import micro_batch
+from autopipe.frontend.profiling.harness.timing import Timer
 from autopipe.frontend.profiling.profiler import DEFAULT_REPEATS, profile, time_model
-from autopipe.frontend.profiling.timing import Timer
 from autopipe.frontend.tracing.graph import trace
 from tests.conftest import skip_if_no_cuda
 from tests.models import BNNet, Chain, Dropouty, Skip

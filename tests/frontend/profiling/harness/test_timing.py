@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from autopipe.frontend.profiling.timing import (
+from autopipe.frontend.profiling.harness.timing import (
     CpuTimer,
     CudaTimer,
     MemoryMeter,

@@ -172,7 +172,7 @@ def test_a_script_without_a_main_guard_gets_one_line_that_says_so(tmp_path: Path
     # the spawned ranks import the script first, which calls measure_comm again while they bootstrap
     script = tmp_path / "unguarded.py"
     script.write_text("from autopipe.errors import ProfileError\n"
-                      "from autopipe.frontend.profiling.comm import measure_comm\n"
+                      "from autopipe.frontend.profiling.spawned.comm import measure_comm\n"
                       "try:\n"
                       "    measure_comm('cpu', chunks=2, repeats=1, steps=1)\n"
                       "except ProfileError as err:\n"

@@ -10,9 +10,13 @@ from torch import fx, nn
 import autopipe
 from autopipe.core.profile_table import Profile
 from autopipe.examples import TinyGPT
-from autopipe.frontend.profiling.backward_split import BackwardSplit, input_share, measure_split
-from autopipe.frontend.profiling.replay import LayerCall, Values
-from autopipe.frontend.profiling.timing import CpuTimer
+from autopipe.frontend.profiling.harness.backward_split import (
+    BackwardSplit,
+    input_share,
+    measure_split,
+)
+from autopipe.frontend.profiling.harness.replay import LayerCall, Values
+from autopipe.frontend.profiling.harness.timing import CpuTimer
 from tests.models import Chain
 
 FAST = dict(repeats=1, warmup=0, progress=False)

@@ -1,4 +1,4 @@
-"""autopipe.frontend.profiling.layerwise: every layer alone on the device, identical layers measured once."""
+"""autopipe.frontend.profiling.harness.layerwise: every layer alone on the device, identical layers measured once."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from autopipe.examples import TinyGPT
-from autopipe.frontend.profiling.layerwise import layer_by_layer
-from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
+from autopipe.frontend.profiling.harness.layerwise import layer_by_layer
+from autopipe.frontend.profiling.harness.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.tracing.graph import trace
 from tests.models import Chain
 

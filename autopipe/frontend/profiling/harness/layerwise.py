@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from autopipe.frontend.building.materialize import retarget_graph_module
-from autopipe.frontend.profiling.replay import LayerCall, Values, graph_args, layer_calls
+from autopipe.frontend.profiling.harness.replay import LayerCall, Values, graph_args, layer_calls
 from autopipe.frontend.tracing.graph import LayerGraph
 from executor._torch_compat import tree_map_only
 

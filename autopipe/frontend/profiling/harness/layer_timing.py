@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopipe.frontend.profiling.replay import LayerCall, Values
-from autopipe.frontend.profiling.timing import MemoryMeter, Timer, median
+from autopipe.frontend.profiling.harness.replay import LayerCall, Values
+from autopipe.frontend.profiling.harness.timing import MemoryMeter, Timer, median
 from executor._torch_compat import tree_leaves, tree_map_only
 
 __all__ = ["probe", "shared_saved", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key",

@@ -76,7 +76,7 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
 from autopipe.errors import ProfileError, first_line
-from autopipe.frontend.profiling._one_weight import OneWeight
+from autopipe.frontend.profiling.harness.one_weight import OneWeight
 from executor.ranks.rank_cores import pin_local_rank
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
@@ -388,9 +388,9 @@ def with_comm(profile: Profile, device: str | torch.device | None = None, *, mod
     go into ``meta``. ``measured``: :func:`measure_comm`'s result, taken instead of measuring
     (a benchmark that reuses one measurement). With the profiled ``model`` and
     ``example_inputs`` (on a CPU), also how much slower a rank computes beside another
-    ([Note: ranks sharing a host] in autopipe/frontend/profiling/rank_contention.py)."""
+    ([Note: ranks sharing a host] in autopipe/frontend/profiling/spawned/rank_contention.py)."""
     from autopipe.core.corrections import Corrections, is_legacy_key
-    from autopipe.frontend.profiling.rank_contention import with_rank_contention
+    from autopipe.frontend.profiling.spawned.rank_contention import with_rank_contention
 
     if model is not None and example_inputs is not None:
         profile = with_rank_contention(profile, model, example_inputs)

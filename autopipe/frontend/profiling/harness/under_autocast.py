@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopipe.frontend.profiling.layer_timing import fresh
-from autopipe.frontend.profiling.replay import LayerCall, Values
+from autopipe.frontend.profiling.harness.layer_timing import fresh
+from autopipe.frontend.profiling.harness.replay import LayerCall, Values
 from autopipe.frontend.tracing.graph import LayerGraph
 from autopipe.frontend.tracing.grouping import value_bytes
 from executor.precision import precision_autocast

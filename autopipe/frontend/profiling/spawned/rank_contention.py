@@ -45,11 +45,11 @@ import torch
 from torch import nn
 
 from autopipe.core.planned_precision import precision_of
-from autopipe.frontend.profiling.inputs import micro_batch, to_device
-from autopipe.frontend.profiling.layer_timing import fresh, timed_step
-from autopipe.frontend.profiling.preserve import preserved
-from autopipe.frontend.profiling.timing import CpuTimer
-from autopipe.frontend.profiling.under_autocast import autocast_call
+from autopipe.frontend.profiling.harness.inputs import micro_batch, to_device
+from autopipe.frontend.profiling.harness.layer_timing import fresh, timed_step
+from autopipe.frontend.profiling.harness.preserve import preserved
+from autopipe.frontend.profiling.harness.timing import CpuTimer
+from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from executor.ranks.rank_cores import local_cores, pin_threads
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import torch
 
 import autopipe
 from autopipe.core.cost import LayerCosts
-from autopipe.frontend.profiling.overheads import RATIO_RANGE, stage_call_ms
-from autopipe.frontend.profiling.timing import CpuTimer
+from autopipe.frontend.profiling.corrections.overheads import RATIO_RANGE, stage_call_ms
+from autopipe.frontend.profiling.harness.timing import CpuTimer
 from tests.models import Chain
 
 
@@ -43,8 +43,8 @@ def test_sampling_a_layer_that_returns_a_parameter_leaves_it_a_leaf() -> None:
     # checkpoint's grad_fn, and every later repeat re-entered every earlier recomputation
     from torch import fx, nn
 
-    from autopipe.frontend.profiling.overheads import RecomputeSampler
-    from autopipe.frontend.profiling.replay import LayerCall, Values
+    from autopipe.frontend.profiling.corrections.overheads import RecomputeSampler
+    from autopipe.frontend.profiling.harness.replay import LayerCall, Values
 
     root = nn.Module()
     root.w = nn.Parameter(torch.randn(3))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.frontend.profiling.in_sequence import (
+from autopipe.frontend.profiling.corrections.in_sequence import (
     MAX_ROUNDS_PER_REPEAT,
     SCALE_RANGE,
     SEQUENCE_MS_PER_REPEAT,
@@ -18,8 +18,8 @@ from autopipe.frontend.profiling.in_sequence import (
     scale_rows,
     sequence_budget_s,
 )
-from autopipe.frontend.profiling.overheads import RATIO_RANGE
-from autopipe.frontend.profiling.timing import Timer
+from autopipe.frontend.profiling.corrections.overheads import RATIO_RANGE
+from autopipe.frontend.profiling.harness.timing import Timer
 from autopipe.frontend.tracing.graph import trace
 from tests.models import Chain
 
@@ -105,7 +105,7 @@ def test_a_graph_gpipe_cannot_run_keeps_the_sampled_ratio(monkeypatch: pytest.Mo
     def refuse(*_: object, **__: object) -> None:
         raise RuntimeError("cannot gather these outputs")
 
-    monkeypatch.setattr("autopipe.frontend.profiling.in_sequence.GPipe", refuse)
+    monkeypatch.setattr("autopipe.frontend.profiling.corrections.in_sequence.GPipe", refuse)
     s = measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([3.0]), repeats=1,
                          warmup=0, harness=(0.0, 0.0))
     assert s.recompute_ratio is None and SequenceScales().recompute_ratio is None
@@ -141,7 +141,7 @@ def test_a_graph_the_stamps_cannot_run_keeps_the_shares_alone(monkeypatch: pytes
     def refuse(*_: object, **__: object) -> None:
         raise RuntimeError("cannot stamp this graph")
 
-    monkeypatch.setattr("autopipe.frontend.profiling.layer_stamps.LayerStamps.run", refuse)
+    monkeypatch.setattr("autopipe.frontend.profiling.corrections.layer_stamps.LayerStamps.run", refuse)
     s = measure_sequence(gm, args, rows, torch.device("cpu"), ScriptedTimer([3.0]), repeats=1,
                          warmup=0, harness=(0.0, 0.0), node_layer=node_layer)
     assert s.fwd_shares == s.bwd_shares == () and s.fwd == 3.0 / len(rows)

@@ -1,4 +1,4 @@
-"""autopipe.frontend.profiling.process_memory: RssAnon counts real copies, not a memory-mapped file."""
+"""autopipe.frontend.profiling.harness.process_memory: RssAnon counts real copies, not a memory-mapped file."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.frontend.profiling.process_memory import rss_anon
+from autopipe.frontend.profiling.harness.process_memory import rss_anon
 from tests import forked
 
 pytestmark = pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
@@ -17,7 +17,7 @@ MiB = 2**20
 def _mapped_and_copied(path: str) -> tuple[int | None, int | None, float]:
     import torch
 
-    from autopipe.frontend.profiling.process_memory import PeakRss
+    from autopipe.frontend.profiling.harness.process_memory import PeakRss
 
     torch.save({"w": torch.ones(64 * 2**20 // 4)}, path)  # a 64 MiB file
     with PeakRss() as mapped:
@@ -40,7 +40,7 @@ def test_a_copy_counts_and_a_mapped_file_does_not(tmp_path: Path) -> None:
 def _short_allocation() -> int | None:
     import torch
 
-    from autopipe.frontend.profiling.process_memory import PeakRss
+    from autopipe.frontend.profiling.harness.process_memory import PeakRss
 
     with PeakRss() as peak:
         block = torch.ones(32 * 2**20 // 4)

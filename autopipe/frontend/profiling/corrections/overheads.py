@@ -31,7 +31,7 @@ Both go into the profile's corrections (``stage_calls["gpipe"]``, ``recompute_ca
 model (no call cost, ratio 1).
 When the model runs whole, the ratio is measured on the whole graph through executor.GPipe
 instead, and the layers' times are scaled to the graph's: [Note: layers in sequence] in
-autopipe/frontend/profiling/in_sequence.py. The sampler's ratio remains for layer-by-layer profiles.
+autopipe/frontend/profiling/corrections/in_sequence.py. The sampler's ratio remains for layer-by-layer profiles.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from autopipe.frontend.profiling.layer_timing import fresh, leaves_as_views, time_runs
-from autopipe.frontend.profiling.replay import LayerCall, Values
-from autopipe.frontend.profiling.timing import Timer
-from autopipe.frontend.profiling.under_autocast import as_stage
+from autopipe.frontend.profiling.harness.layer_timing import fresh, leaves_as_views, time_runs
+from autopipe.frontend.profiling.harness.replay import LayerCall, Values
+from autopipe.frontend.profiling.harness.timing import Timer
+from autopipe.frontend.profiling.harness.under_autocast import as_stage
 from executor._torch_compat import tree_leaves
 from executor.local.gpipe import GPipe
 

@@ -33,15 +33,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopipe.frontend.profiling._one_weight import OneWeight
-from autopipe.frontend.profiling.layer_timing import (
+from autopipe.frontend.profiling.harness.layer_timing import (
     CALIBRATION_REPEATS,
     backward_roots,
     fresh,
     storage_key,
 )
-from autopipe.frontend.profiling.replay import LayerCall, Values
-from autopipe.frontend.profiling.timing import Timer, median
+from autopipe.frontend.profiling.harness.one_weight import OneWeight
+from autopipe.frontend.profiling.harness.replay import LayerCall, Values
+from autopipe.frontend.profiling.harness.timing import Timer, median
 from executor._torch_compat import split_backward_api, tree_leaves
 
 __all__ = ["BackwardSplit", "input_share", "measure_split", "split_columns", "split_overhead", "split_ratio"]

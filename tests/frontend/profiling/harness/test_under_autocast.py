@@ -13,8 +13,8 @@ import autopipe
 from autopipe.core.profile_table import Profile
 from autopipe.errors import ProfileError
 from autopipe.frontend.building.stages import build
-from autopipe.frontend.profiling.inputs import micro_batch
-from autopipe.frontend.profiling.under_autocast import AutocastStage
+from autopipe.frontend.profiling.harness.inputs import micro_batch
+from autopipe.frontend.profiling.harness.under_autocast import AutocastStage
 from benchmarks.memory_vs_prediction import recompute_copy
 from executor.activation_meter import ActivationMeter
 from executor.local.gpipe import GPipe

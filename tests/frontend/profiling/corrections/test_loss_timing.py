@@ -15,7 +15,7 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at
 from autopipe.errors import ProfileError
-from autopipe.frontend.profiling.loss_timing import with_loss
+from autopipe.frontend.profiling.corrections.loss_timing import with_loss
 from autopipe.solvers.synthetic import random_chain
 from tests.models import Chain
 

@@ -22,7 +22,7 @@ the stamps cannot run keeps the shares measured alone (one scale for every layer
 It then runs the same graph as ONE stage of executor.GPipe (one micro-batch) with
 ``checkpoint="never"`` and ``"always"``: the extra time of the second, less what checkpointing
 costs any stage call (``recompute_call_ms``, paid per stage), over the whole forward is
-``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/profiling/overheads.py), which
+``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/profiling/corrections/overheads.py), which
 replaces the ratio sampled on layers alone. The three runs take turns in every round: this
 machine's speed drifts by tens of percent over minutes, and separate batches of repeats
 measured the drift, not the recomputation. A small graph's round takes a few milliseconds, and
@@ -47,11 +47,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopipe.frontend.profiling.layer_stamps import LayerStamps
-from autopipe.frontend.profiling.layer_timing import fresh, timed_step
-from autopipe.frontend.profiling.overheads import RATIO_RANGE
-from autopipe.frontend.profiling.timing import Timer, median
-from autopipe.frontend.profiling.under_autocast import as_stage, autocast_call
+from autopipe.frontend.profiling.corrections.layer_stamps import LayerStamps
+from autopipe.frontend.profiling.corrections.overheads import RATIO_RANGE
+from autopipe.frontend.profiling.harness.layer_timing import fresh, timed_step
+from autopipe.frontend.profiling.harness.timing import Timer, median
+from autopipe.frontend.profiling.harness.under_autocast import as_stage, autocast_call
 from executor.local.gpipe import GPipe
 
 __all__ = ["MAX_ROUNDS_PER_REPEAT", "SCALE_RANGE", "SEQUENCE_MS_PER_REPEAT", "SequenceScales", "measure_sequence",

@@ -14,7 +14,7 @@ import torch
 import autopipe
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.profile_table import Profile
-from autopipe.frontend.profiling.rank_contention import (
+from autopipe.frontend.profiling.spawned.rank_contention import (
     SLOWDOWN_RANGE,
     pinned_pair,
     twin,

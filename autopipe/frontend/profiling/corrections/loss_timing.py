@@ -33,10 +33,10 @@ from autopipe.core.corrections import LossCost
 from autopipe.core.planned_precision import precision_of
 from autopipe.errors import ProfileError
 from autopipe.frontend.building.materialize import has_meta_tensors
-from autopipe.frontend.profiling.inputs import micro_batch, to_device
-from autopipe.frontend.profiling.preserve import preserved
-from autopipe.frontend.profiling.timing import Timer, median, timer_for
-from autopipe.frontend.profiling.under_autocast import autocast_call
+from autopipe.frontend.profiling.harness.inputs import micro_batch, to_device
+from autopipe.frontend.profiling.harness.preserve import preserved
+from autopipe.frontend.profiling.harness.timing import Timer, median, timer_for
+from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from executor._torch_compat import tree_map_only
 
 if TYPE_CHECKING:

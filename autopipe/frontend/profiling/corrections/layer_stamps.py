@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopipe.frontend.profiling.under_autocast import autocast_call
+from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from executor._torch_compat import tree_leaves
 
 __all__ = ["LayerStamps", "layer_shares"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.frontend.profiling.in_sequence import _flat
-from autopipe.frontend.profiling.layer_stamps import LayerStamps, layer_shares
-from autopipe.frontend.profiling.replay import graph_args
+from autopipe.frontend.profiling.corrections.in_sequence import _flat
+from autopipe.frontend.profiling.corrections.layer_stamps import LayerStamps, layer_shares
+from autopipe.frontend.profiling.harness.replay import graph_args
 from autopipe.frontend.tracing.graph import trace
 from tests.conftest import skip_if_no_cuda
 from tests.models import MultiIO, Skip

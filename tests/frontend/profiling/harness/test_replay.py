@@ -5,7 +5,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from autopipe.examples import get_example
-from autopipe.frontend.profiling.replay import graph_args, layer_calls, record_values
+from autopipe.frontend.profiling.harness.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.tracing.graph import trace
 from tests.models import MultiIO, Skip
 

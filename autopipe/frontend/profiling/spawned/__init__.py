@@ -1,0 +1,6 @@
+"""Measurements that start processes: two ranks, or a neighbour on the same host.
+
+Modules:
+    comm             what crossing between two ranks costs, and the rank runtime's call cost
+    rank_contention  how much slower a rank computes beside another on the same host
+"""
