@@ -130,12 +130,12 @@ class SizedSchedules:
     def get(self, sizes: Sizes) -> Any:
         """The schedule for micro-batches of ``sizes``, built on first use; the wire stages
         pack their cuts for those sizes ([Note: few messages per cut])."""
-        for w in self.wire_stages:
-            w.use(sizes)
-        if sizes in self._built:
-            self._built.move_to_end(sizes)
-            return self._built[sizes][1]
-        try:
+        try:  # this rank's own cuts first, then every cut: either may not take these sizes
+            for w in self.wire_stages:
+                w.use(sizes)
+            if sizes in self._built:
+                self._built.move_to_end(sizes)
+                return self._built[sizes][1]
             at = [tuple(w.at(sizes) for w in cut) for cut in self.wires]
         except ValueError as err:
             raise DistributedError(f"cannot size the pipeline's cuts for inputs {list(sizes)}: {err}; "
