@@ -10,7 +10,7 @@ The packages, in the order data flows through them (docs/DESIGN.md has the map a
     core/       torch-free values and the one cost model: Profile, Plan, simulator, units, atomic files
     solvers/    torch-free: partition() with the exact DP, the ILP and the baselines
     frontend/   torch: trace a model, group layers, profile them, cut stage modules
-    assemble*   pipeline() and distributed_pipeline(): frontend + solvers + executor
+    assemble/   pipeline() and distributed_pipeline(): frontend + solvers + executor
     plot/       matplotlib figures of plans, profiles and timelines
     app/        the command line and what it runs (no library logic)
 
@@ -42,8 +42,9 @@ from autopipe.errors import (
 )
 
 if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
-    from autopipe.assemble import pipeline
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.local import pipeline
+    from autopipe.assemble.rank_parts import merge_state_dicts
+    from autopipe.assemble.ranks import distributed_pipeline
     from autopipe.core.devices import DeviceSpec
     from autopipe.core.plan import Plan
     from autopipe.core.profile_table import Profile
@@ -53,7 +54,6 @@ if TYPE_CHECKING:  # real imports for type checkers; at run time see __getattr__
     from autopipe.frontend.profiling.profiler import profile
     from autopipe.frontend.tracing.graph import LayerGraph, trace
     from autopipe.plot import compare_plans, plot_balance, plot_profile, plot_timeline
-    from autopipe.rank_parts import merge_state_dicts
     from autopipe.solvers.partitioner import partition
     from executor.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 
@@ -95,9 +95,9 @@ _LAZY: dict[str, str] = {
     "trace": "autopipe.frontend.tracing.graph",
     "LayerGraph": "autopipe.frontend.tracing.graph",
     "build": "autopipe.frontend.building.stages",
-    "pipeline": "autopipe.assemble",
-    "distributed_pipeline": "autopipe.assemble_ranks",
-    "merge_state_dicts": "autopipe.rank_parts",
+    "pipeline": "autopipe.assemble.local",
+    "distributed_pipeline": "autopipe.assemble.ranks",
+    "merge_state_dicts": "autopipe.assemble.rank_parts",
     "save_checkpoint": "executor.checkpoint",
     "load_checkpoint": "executor.checkpoint",
     "checkpoint_info": "executor.checkpoint",

@@ -380,7 +380,7 @@ def _rank_steps(rank: int, example: str, batch: int, plans: list[dict[str, objec
                 warmup: int) -> list[list[float]]:
     import torch.distributed as dist
 
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
     from autopipe.examples import get_example
 
     runs = []

@@ -127,7 +127,7 @@ def _plan(size: Size) -> dict[str, Any]:
     """A uniform 2-stage plan from made-up layer costs (the split is all that is used)."""
     import pandas as pd
 
-    from autopipe.assemble import microbatch_inputs
+    from autopipe.assemble.setup import microbatch_inputs
     from autopipe.core.profile_table import Profile
     from autopipe.frontend.tracing.graph import trace
     from autopipe.solvers.partitioner import partition
@@ -161,7 +161,7 @@ class _Bench:
                                                    loss_fn=_lm_loss, plan=made)
             self.module: torch.nn.Module = model
         else:
-            from autopipe.assemble_ranks import distributed_pipeline
+            from autopipe.assemble.ranks import distributed_pipeline
 
             self.pipe = distributed_pipeline(model, (self.ids,), loss_fn=_lm_loss, plan=made, timeout=600)
             self.module = self.pipe.stage_module

@@ -115,7 +115,7 @@ def _single_process(model: str, batch: int, width: int, chunks: int, steps: int,
 def _autopipe_pipeline(plan: dict[str, Any], model: str, batch: int, width: int, chunks: int,
                        schedule: str | None = None) -> Callable[[], object]:
     """This rank's step of ``distributed_pipeline`` under ``plan`` on the example."""
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
     ex = _example(model, batch, width)

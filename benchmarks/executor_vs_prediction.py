@@ -129,7 +129,7 @@ def _without(prof: Profile, fields: dict[str, Any]) -> Profile:
 def _rank(rank: int, port: int, out: str, name: str, batch: int, chunks: int,
           plans: list[dict[str, Any]], repeats: int) -> None:
     """Every plan in turn on this rank: a fresh model each (a pipeline frees the others' parts)."""
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
 
     torch.set_num_threads(1)
     pin_local_rank(rank, 2)  # as `autopipe run` places its ranks

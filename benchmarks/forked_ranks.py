@@ -22,7 +22,7 @@ from torch.multiprocessing.spawn import start_processes
 
 __all__ = ["PRELOAD", "start_ranks"]
 
-PRELOAD = ["autopipe.assemble_ranks", "autopipe.frontend.profiling.profiler"]  # torch, pipelining, autopipe
+PRELOAD = ["autopipe.assemble.ranks", "autopipe.frontend.profiling.profiler"]  # torch, pipelining, autopipe
 
 
 def start_ranks(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int) -> None:

@@ -63,7 +63,7 @@ def _times(step: Any, steps: int, warmup: int) -> list[float]:
 
 def _config(rank: int, d: int, batch: int, chunks: int, steps: int, warmup: int) -> list[float]:
     """This rank's step times as one of ``d`` replicas of a WORLD / d stage pipeline."""
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
 
     ex = _example(batch)  # the same seeded model and global batch on every rank
     replica = rank // (WORLD // d)

@@ -186,7 +186,7 @@ def _one_process(index: int, out: str, size: Size, plan: dict[str, Any], repeats
 
 def _rank(rank: int, port: int, out: str, size: Size, plan: dict[str, Any], repeats: int, warmup: int) -> None:
     """One of 2 gloo ranks (a fresh process): its stage of ``plan``, step times, peak memory."""
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
 
     use_host_allocator("retain")
     torch.set_num_threads(1)

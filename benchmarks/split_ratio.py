@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.assemble import microbatch_inputs
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.frontend.building.stages import build
 from executor._torch_compat import split_backward_api
 

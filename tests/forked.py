@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 __all__ = ["PRELOAD", "Child", "context", "start"]
 
 PRELOAD = [
-    "autopipe.assemble_ranks", "autopipe.frontend.profiling.profiler",  # torch, pipelining, autopipe
+    "autopipe.assemble.ranks", "autopipe.frontend.profiling.profiler",  # torch, pipelining, autopipe
     # what a child's first HuggingFace model and first torch.export import (~4.5 s of CPU, ~60 MB):
     # the families the tests build from configs ([Note: processes forked from a server]); a name
     # that does not import is skipped by the server

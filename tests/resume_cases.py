@@ -70,10 +70,10 @@ def plan(stages: int, replicas: int = 1, dp_mode: str = "ddp", schedule: str = "
          case: str = "tiny") -> dict[str, Any]:
     """A uniform plan of ``stages`` for one replica's batch (made once, in the parent: the
     ranks import none of this)."""
-    from autopipe.assemble import microbatch_inputs
+    from autopipe.assemble.setup import microbatch_inputs
     from autopipe.frontend.tracing.graph import trace
     from autopipe.solvers.partitioner import partition
-    from tests.test_assemble import cost_profile
+    from tests.assemble.test_local import cost_profile
 
     x, _ = batch(0, 0, replicas)
     graph = trace(model(case=case), microbatch_inputs((x,), CHUNKS))

@@ -66,8 +66,7 @@ def test_what_the_runtimes_share_imports_neither_runtime() -> None:
     assert bad == []
 
 
-APPLICATION = ("autopipe.app", "autopipe.assemble", "autopipe.assemble_ranks", "autopipe.assemble_mesh",
-               "autopipe.rank_parts")
+APPLICATION = ("autopipe.app", "autopipe.assemble")
 # the runtime's modules as a library: what every package may use of it
 RUNTIME_SHARED = ("executor.spec", "executor._torch_compat")
 
@@ -125,9 +124,15 @@ def test_profiling_by_job() -> None:
     assert _violations(f"{jobs}/spawned", (corrections,)) == []
 
 
+def test_assembling_never_reaches_the_command_line() -> None:
+    """autopipe/assemble/ is the library's entry points; the command line is built on them."""
+    assert _modules("autopipe/assemble")
+    assert _violations("autopipe/assemble", ("autopipe.app",)) == []
+
+
 def test_plots_read_plans_and_profiles_only() -> None:
     assert _violations("autopipe/plot", ("torch", "autopipe.frontend", "autopipe.app",
-                                         "autopipe.assemble", "autopipe.assemble_ranks")) == []
+                                         "autopipe.assemble")) == []
 
 
 def test_executor_spec_is_torch_free() -> None:
@@ -197,5 +202,5 @@ def test_a_rank_loads_no_table_solver_or_plot_library() -> None:
                 external.add(parts[0])
                 continue
             todo.extend(_loaded_imports(path))
-    assert "autopipe.assemble_ranks" in seen and "torch" in external
+    assert "autopipe.assemble.ranks" in seen and "torch" in external
     assert not external & {"pandas", "pulp", "matplotlib"}, sorted(external)

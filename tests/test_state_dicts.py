@@ -22,14 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from autopipe.assemble import Pipeline, microbatch_inputs, pipeline
-from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+from autopipe.assemble.local import Pipeline, pipeline
+from autopipe.assemble.ranks import distributed_pipeline, merge_state_dicts
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import CHUNKS, _ok, _reference, spawn
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import CHUNKS, _ok, _reference, spawn
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -44,7 +44,7 @@ from autopipe.app.config import (
 from autopipe.app.model_spec import load_model
 from autopipe.app.run_checkpoints import check_before_start, nothing_left
 from autopipe.app.torchrun import RankFailure, diagnose, launch_ranks, ranks_command
-from autopipe.assemble_mesh import replicas_of
+from autopipe.assemble.mesh import replicas_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from executor.checkpoint import checkpoint_info
@@ -114,7 +114,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     """
     import torch
 
-    from autopipe.assemble import microbatch_inputs
+    from autopipe.assemble.setup import microbatch_inputs
     from autopipe.frontend.tracing.graph import trace
 
     config.check()

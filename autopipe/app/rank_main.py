@@ -61,7 +61,7 @@ with collector_paused():  # [Note: a rank's imports without the collector] in au
     from autopipe.app.faults import Faults
     from autopipe.app.model_spec import load_model
     from autopipe.app.run_checkpoints import RunCheckpoints, restart_count
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
     from autopipe.core.plan import Plan
     from autopipe.errors import AutopipeError, BuildError
     from executor.errors import ExecutorError

@@ -41,7 +41,8 @@ from autopipe.app.config import (
 )
 from autopipe.app.model_spec import LoadedModel, load_model
 from autopipe.app.run_checkpoints import RunCheckpoints, check_before_start, nothing_left
-from autopipe.assemble import microbatch_inputs, pipeline, pipeline_precision
+from autopipe.assemble.local import pipeline
+from autopipe.assemble.setup import microbatch_inputs, pipeline_precision
 from autopipe.core.cost import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile

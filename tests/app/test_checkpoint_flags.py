@@ -20,7 +20,7 @@ from autopipe.app.train import train_example
 from autopipe.errors import BuildError
 from autopipe.examples import EXAMPLES, get_example
 from executor.checkpoint import load_checkpoint, save_checkpoint
-from tests.test_assemble_ranks import one_rank  # noqa: F401 - a fixture
+from tests.assemble.test_ranks import one_rank  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

@@ -18,7 +18,7 @@ from autopipe.app.cli import main
 from autopipe.app.config import RunConfig
 from autopipe.app.launch import diagnose, torchrun_command
 from autopipe.app.rank_main import main as rank_main
-from autopipe.assemble import microbatch_inputs
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.errors import BuildError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,7 +285,7 @@ def test_a_rank_trains_under_a_precision_with_clipping(plans: dict[str, Path], p
     (scaled in the schedule, unscaled before clipping), the losses finite, each step's batch's
     ([Note: a batch per step]) and near the untrained fp32 model's on those batches (4 steps at
     lr 1e-3 move it little)."""
-    from tests.test_assemble_ranks import _ok, spawn
+    from tests.assemble.test_ranks import _ok, spawn
 
     config = RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2, steps=4, threads=1, timeout=30,
                        batch_size=16, chunks=4,  # as the launcher resolves them from the plan

@@ -13,8 +13,8 @@ import autopipe
 from autopipe.app.cli import main
 from autopipe.app.config import RunConfig
 from autopipe.app.launch import diagnose, run
-from autopipe.assemble import microbatch_inputs
-from tests.test_assemble import cost_profile
+from autopipe.assemble.setup import microbatch_inputs
+from tests.assemble.test_local import cost_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +74,7 @@ def test_diagnose_reads_a_replicas_failure(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_cli_run_trains_two_replicas(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # 2 replicas of a 1-stage pipeline: rank_main's slicing and the flags, on 2 ranks (the 2 x 2
-    # mesh itself is tests/test_assemble_replicas.py's)
+    # mesh itself is tests/assemble/test_replicas.py's)
     rc = run(RunConfig("mlp", nproc=2, data_parallel="2", dp_mode="fsdp", steps=2, batch_size=16,
                        timeout=30), log_dir=tmp_path)
     out = capfd.readouterr().out

@@ -18,7 +18,7 @@ from autopipe.app.config import RunConfig
 from autopipe.app.train import TrainReport, train_example
 from autopipe.core.plan import Plan
 from autopipe.solvers.synthetic import random_chain
-from tests.test_assemble_ranks import one_rank  # noqa: F401 - a fixture
+from tests.assemble.test_ranks import one_rank  # noqa: F401 - a fixture
 
 
 def test_trains_a_bundled_example_end_to_end() -> None:

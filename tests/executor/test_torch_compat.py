@@ -1,6 +1,6 @@
 """executor._torch_compat: the private torch API the runtime relies on, and its fallbacks.
 
-The receive-ahead schedule's numerics are covered by tests/test_assemble_ranks.py, whose "gpipe"
+The receive-ahead schedule's numerics are covered by tests/assemble/test_ranks.py, whose "gpipe"
 runs use it (and one run forced onto the fallback) and compare loss and every gradient with one
 process. Here: the signature checks that decide between the two, on the real torch and on a
 torch whose private methods drifted.

@@ -1,7 +1,7 @@
 """fp16 loss scaling in one process: torch.amp.GradScaler on executor.GPipe as on the plain model.
 
-On ranks, executor.ranks.grad_scaler.PipelineGradScaler (tests/test_assemble_ranks_clip.py and
-tests/test_assemble_replicas.py): [Note: loss scaling on ranks].
+On ranks, executor.ranks.grad_scaler.PipelineGradScaler (tests/assemble/test_ranks_clip.py and
+tests/assemble/test_replicas.py): [Note: loss scaling on ranks].
 """
 
 from __future__ import annotations

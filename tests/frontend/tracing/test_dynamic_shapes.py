@@ -1,7 +1,7 @@
 """A pipeline traced at one sequence length runs others ([Note: dynamic sizes]), in one process.
 
 Gradients are compared with a deep copy of the model run on the same inputs; the plan comes
-from made-up costs (tests/test_assemble.py), which is enough to cut the graph into stages.
+from made-up costs (tests/assemble/test_local.py), which is enough to cut the graph into stages.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from autopipe import TraceError
-from autopipe.assemble import Pipeline, microbatch_inputs, pipeline
+from autopipe.assemble.local import Pipeline, pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.frontend.tracing.graph import trace
 from autopipe.frontend.tracing.shapes import check_inputs
 from autopipe.solvers.partitioner import partition
-from tests.test_assemble import cost_profile
+from tests.assemble.test_local import cost_profile
 
 CHUNKS = 2
 

@@ -83,9 +83,9 @@ class OwnLoss(nn.Module):
 def test_a_loss_that_cannot_be_counted_is_weighted_by_rows_with_one_warning(kind: str, why: str | None) -> None:
     import warnings
 
-    from autopipe.assemble import pipeline
+    from autopipe.assemble.local import pipeline
     from autopipe.solvers.partitioner import partition
-    from tests.test_assemble import cost_profile
+    from tests.assemble.test_local import cost_profile
 
     batch = {"x": torch.randn(6, 4), "labels": torch.tensor([0, 1, 2, 0, 1, 2])}
     model = OwnLoss(kind)

@@ -17,11 +17,12 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from autopipe import TraceError
-from autopipe.assemble import Pipeline, microbatch_inputs, pipeline
+from autopipe.assemble.local import Pipeline, pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.frontend.tracing.capture import capture
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
-from tests.test_assemble import cost_profile
+from tests.assemble.test_local import cost_profile
 
 
 def gpt2_with_dropout() -> nn.Module:

@@ -1,7 +1,7 @@
 """The inputs and device of a measurement: THE micro-batch rule, device checks, moving values.
 
 ``micro_batch`` cuts an example batch to the micro-batch that profiles, plans and pipeline
-graphs describe ([Note: graphs are keyed to the micro-batch] in autopipe/assemble.py), with the
+graphs describe ([Note: graphs are keyed to the micro-batch] in autopipe/assemble/local.py), with the
 sizes of executor.spec.microbatch_sizes.
 """
 
@@ -27,7 +27,7 @@ def micro_batch(
     Every tensor input with a batch dimension is cut to its first ``ceil(batch / chunks)``
     rows along dim 0 (copies), the size of the largest micro-batch ``chunks`` will make. This is
     THE micro-batch rule: the profile, the plan's fingerprint and the pipeline's graph all use it
-    ([Note: graphs are keyed to the micro-batch] in autopipe/assemble.py). ``error`` is the class
+    ([Note: graphs are keyed to the micro-batch] in autopipe/assemble/local.py). ``error`` is the class
     raised on bad input, so each caller reports in its own terms.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

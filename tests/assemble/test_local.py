@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 import autopipe
 from autopipe import BuildError, PlanError, ProfileError
-from autopipe.assemble import microbatch_inputs, pipeline
+from autopipe.assemble.local import pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, TinyGPT, get_example
 from autopipe.frontend.tracing.graph import LayerGraph, trace
@@ -298,7 +299,7 @@ def test_tied_embedding_and_head_on_different_devices(
 
 
 def test_stage_that_does_not_fit_its_device_is_refused() -> None:
-    from autopipe.assemble import check_device_memory
+    from autopipe.assemble.setup import check_device_memory
 
     ex = get_example("mlp", batch_size=4)
     graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))

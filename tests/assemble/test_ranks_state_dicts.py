@@ -14,15 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.assemble import microbatch_inputs
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.errors import BuildError
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.ranks.distributed import DistributedError, DistributedPipeline
 from executor.spec import recomputed_microbatches
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import (
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import (
     CHUNKS,
     _assert_matches_reference,
     _case,

@@ -12,13 +12,14 @@ import torch
 
 import autopipe
 from autopipe import BuildError
-from autopipe.assemble import microbatch_inputs, pipeline
+from autopipe.assemble.local import pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.examples import Example, get_example
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
-from tests.test_assemble import cost_profile
+from tests.assemble.test_local import cost_profile
 
 MODES = ["always", "never", "except_last"]
 

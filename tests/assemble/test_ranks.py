@@ -5,7 +5,7 @@ rank is killed and fails the test instead of hanging the suite. Two healthy rank
 the tests, started once per session ([Note: one pool of ranks]); a test that kills or hangs a
 rank spawns fresh processes of its own. The
 single-process reference is the mean of ``loss_fn`` over the same micro-batches (see
-[Note: loss of a pipeline] in autopipe/assemble.py).
+[Note: loss of a pipeline] in autopipe/assemble/local.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import autopipe
-from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+from autopipe.assemble.ranks import distributed_pipeline, merge_state_dicts
 from autopipe.errors import BuildError
 from autopipe.frontend.building.stages import RecomputedLayer
 from executor.ranks.distributed import (
@@ -369,7 +369,7 @@ def test_gpipe_on_torchs_own_schedule_matches_one_process() -> None:
 def _wires_from_rank0(rank: int, plan: dict[str, Any]) -> dict[bool, dict[str, Any]]:
     """Build ``plan`` twice, the second time with rank 0's wires refused as unpicklable: how
     often this rank ran infer_wires, and the wires it built with."""
-    import autopipe.assemble_ranks as built
+    import autopipe.assemble.ranks as built
 
     calls: list[int] = []
     got: list[Any] = []
@@ -402,11 +402,11 @@ def _wires_from_rank0(rank: int, plan: dict[str, Any]) -> dict[bool, dict[str, A
 def test_rank0_infers_the_wires_for_every_rank() -> None:
     """Rank 0 alone probes the stages (a symbolic run as costly as a trace); the others build
     with its wires, equal to what they would infer; wires that do not pickle: each its own."""
-    from autopipe.assemble import microbatch_inputs
+    from autopipe.assemble.setup import microbatch_inputs
     from autopipe.frontend.building.stages import build
     from autopipe.frontend.tracing.graph import trace
     from autopipe.solvers.partitioner import partition
-    from tests.test_assemble import cost_profile
+    from tests.assemble.test_local import cost_profile
 
     model, inputs, target, loss_fn = _case("multi")
     micro = microbatch_inputs(inputs, CHUNKS)
@@ -427,7 +427,7 @@ def test_rank0_infers_the_wires_for_every_rank() -> None:
 def _other_seed_each(rank: int) -> dict[str, Any]:
     """The mlp built with this rank's own seed: the pipeline trains rank 0's weights. Buckets of
     one tensor's size at most, so the broadcast is cut into several."""
-    import autopipe.assemble_ranks as built
+    import autopipe.assemble.ranks as built
 
     model, inputs, target, loss_fn = _case("mlp")
     if rank:

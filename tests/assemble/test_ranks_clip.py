@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from autopipe.assemble import microbatch_inputs
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.grad_norm import NonFiniteNormError
 from executor.ranks.grad_scaler import PipelineGradScaler
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import CHUNKS, Case, _case, _close, _ok, _reference, spawn
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import CHUNKS, Case, _case, _close, _ok, _reference, spawn
 
 SMALL = 0.05  # clips: every gradient scaled
 # one stage per rank, and two per rank (0, 2 | 1, 3): the head tied to the embedding either way

@@ -1,7 +1,7 @@
 """autopipe.distributed_pipeline on 2 gloo ranks: other sequence lengths, eval_step, train/eval.
 
-Ranks are spawned with tests/test_assemble_ranks.py's helpers. References are the plain model
-on the same micro-batches (see [Note: loss of a pipeline] in autopipe/assemble_ranks.py).
+Ranks are spawned with tests/assemble/test_ranks.py's helpers. References are the plain model
+on the same micro-batches (see [Note: loss of a pipeline] in autopipe/assemble/ranks.py).
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from autopipe import BuildError, TraceError
-from autopipe.assemble import microbatch_inputs
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.ranks.distributed import DistributedError, DistributedPipeline
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 from tests.frontend.tracing.test_dynamic_shapes import FixedView, hf_model
 from tests.frontend.tracing.test_modes import TrainOnlyBranch, gpt2_with_dropout
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 
 CHUNKS = 2
 LENGTHS = (5, 12)  # the pipelines are built on length 8

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autopipe.assemble_ranks import distributed_pipeline
-from tests.test_assemble_ranks import _ok, spawn
+from autopipe.assemble.ranks import distributed_pipeline
+from tests.assemble.test_ranks import _ok, spawn
 
 CHUNKS = 2
 

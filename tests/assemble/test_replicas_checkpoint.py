@@ -1,7 +1,7 @@
 """Resume, exactly, with replicas: 2 replicas x 2 stages (DDP, FSDP) on 4 gloo ranks.
 
 One spawn of 4 ranks runs every case in turn (starting 4 processes costs more than a case;
-the runs as tests/test_assemble_ranks_checkpoint.py's ``_run``). Under DDP with dropout: 6
+the runs as tests/assemble/test_ranks_checkpoint.py's ``_run``). Under DDP with dropout: 6
 steps straight vs 3, save, a new pipeline and optimizer, load, 3 more, bit for bit. With
 dropout off (p=0: masks drawn under another plan differ): a DDP checkpoint resumed under FSDP
 and under one pipeline of 4 stages (another K and D), an FSDP one (sharded parameters and AdamW
@@ -17,8 +17,8 @@ import pytest
 from torch import Tensor
 
 from tests import resume_cases as rc
-from tests.test_assemble_ranks import _ok, spawn
-from tests.test_assemble_ranks_checkpoint import _plain, _run, assert_equal, assert_matches
+from tests.assemble.test_ranks import _ok, spawn
+from tests.assemble.test_ranks_checkpoint import _plain, _run, assert_equal, assert_matches
 
 
 def _ranks(rank: int, root: str, plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Tensor]]:

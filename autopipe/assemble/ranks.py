@@ -42,7 +42,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.assemble import (
+from autopipe.assemble.mesh import replicas_of, replicated_pipeline
+from autopipe.assemble.rank_parts import (
+    merge_state_dicts,  # re-exported: the parts this module's pipelines save
+)
+from autopipe.assemble.setup import (
     DEFAULT_PIPELINE_CHUNKS,
     graph_model_loss,
     graph_signature,
@@ -52,7 +56,6 @@ from autopipe.assemble import (
     runtime_checkpoint,
     warn_precision_mismatch,
 )
-from autopipe.assemble_mesh import replicas_of, replicated_pipeline
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError, first_line
 from autopipe.frontend.building.materialize import has_meta_tensors, materialize_stages
@@ -60,9 +63,6 @@ from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords
-from autopipe.rank_parts import (
-    merge_state_dicts,  # re-exported: the parts this module's pipelines save
-)
 from executor.host_allocator import check_host_allocator, use_host_allocator
 from executor.ranks.distributed import DistributedError, DistributedPipeline, Wire, infer_wires
 from executor.ranks.replicated import check_fsdp_ties
@@ -226,7 +226,7 @@ def distributed_pipeline(
         method: the partitioner's method when no plan is given.
         chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
         checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
-            (see :func:`autopipe.assemble.runtime_checkpoint`), ``"except_last"`` to partition.
+            (see :func:`autopipe.assemble.setup.runtime_checkpoint`), ``"except_last"`` to partition.
         schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b`` (several stages per rank), or a
             zero-bubble schedule, each backward split into input and weight gradients:
             ``interleaved_zb`` (interleaved's layout), ``zbv`` or ``dualpipev`` (two stages per
@@ -270,7 +270,7 @@ def distributed_pipeline(
             tracing again, as :func:`autopipe.pipeline` takes one (e.g. the graph the caller
             partitioned with). It must be of this ``model`` (its own parameters) and of the
             micro-batch ``example_inputs`` / ``example_kwargs`` split into ``chunks`` give
-            (``autopipe.assemble.microbatch_inputs``); another model or shape is refused in one line.
+            (``autopipe.assemble.setup.microbatch_inputs``); another model or shape is refused in one line.
             A LayerGraph does not pickle: trace on the rank that builds.
         trace_kwargs: ``leaf_modules=``, ``max_depth=``, ``kwargs=`` for :func:`autopipe.trace`.
 
@@ -397,7 +397,7 @@ def _check_graph(graph: LayerGraph, model: nn.Module, micro: tuple[Any, ...],
         raise BuildError(f"graph= was traced on inputs {', '.join(str(s) for s in shapes(values))}"
                          f"{f' (keywords {list(graph.keywords)})' if graph.keywords else ''}, but the "
                          f"micro-batch here is {got}{f' (keywords {list(keywords)})' if keywords else ''}: "
-                         "trace the model on autopipe.assemble.microbatch_inputs(example_inputs, chunks), or pass no graph=")
+                         "trace the model on autopipe.assemble.setup.microbatch_inputs(example_inputs, chunks), or pass no graph=")
 
 
 def _free_others(model: nn.Module, keep: list[nn.Module]) -> None:

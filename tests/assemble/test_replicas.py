@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from autopipe.assemble import microbatch_inputs
-from autopipe.assemble_mesh import replicas_of
-from autopipe.assemble_ranks import distributed_pipeline, merge_state_dicts
+from autopipe.assemble.mesh import replicas_of
+from autopipe.assemble.ranks import distributed_pipeline, merge_state_dicts
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
@@ -33,9 +33,9 @@ from executor.grad_norm import local_grads
 from executor.ranks.distributed import PipelineFailure
 from executor.ranks.grad_scaler import PipelineGradScaler
 from executor.spec import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import RankResult, _close, spawn
 from tests.models import Skip
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import RankResult, _close, spawn
 
 D, K, CHUNKS, STEPS, LR = 2, 2, 2, 2, 0.1
 SMALL = 0.05  # a max_norm that clips

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from autopipe.assemble import Pipeline, pipeline
+from autopipe.assemble.local import Pipeline, pipeline
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from executor.errors import ExecutorError, MicroBatchError
-from tests.test_assemble import cost_profile
+from tests.assemble.test_local import cost_profile
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -228,7 +228,7 @@ RANKED: dict[str, tuple[str, Callable[[], dict[str, Tensor]]]] = {
 def _families_on_ranks(rank: int, plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each family in turn: one trace per rank (distributed_pipeline's own) and the parent's
     plan, so nothing is measured; the model seeded as in :func:`traced`."""
-    from autopipe.assemble_ranks import distributed_pipeline
+    from autopipe.assemble.ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
     values = {}
@@ -256,7 +256,7 @@ def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
     gives the model's whole-batch loss and every gradient. Under 1F1B a micro-batch's backward
     runs before later forwards: the weights come first. eval_step(**batch) returns the model's
     output with the loss weighted as step's."""
-    from tests.test_assemble_ranks import _ok, spawn
+    from tests.assemble.test_ranks import _ok, spawn
 
     plans, fresh, batches = {}, {}, {}
     for name in RANKED:
@@ -291,7 +291,7 @@ def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
 def test_the_models_loss_under_bf16_on_worker_threads(checkpoint: str) -> None:
     """precision="bf16" with every stage on a worker thread: the loss and gradients of the plain
     model under the same autocast, to bf16's tolerance, in every recomputation mode."""
-    from tests.test_assemble_precision import _close
+    from tests.assemble.test_precision import _close
 
     model, reference, graph, batch = traced("llama")
     chunks = MODELS["llama"][2]

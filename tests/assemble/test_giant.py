@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
 from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.harness.process_memory import PeakRss, rss_anon
 from tests import forked
-from tests.test_assemble_ranks import _ok, spawn
+from tests.assemble.test_ranks import _ok, spawn
 
 # 28 blocks of 12 x 1536^2 parameters plus a 8000-token tied embedding: 3.2 GB in fp32
 GIANT = {"vocab": 8000, "dim": 1536, "heads": 12, "layers": 28, "max_len": 64}
@@ -127,10 +127,10 @@ def _giant_plan() -> dict[str, Any]:
     """Two stages of equal layer counts, from made-up costs: what is measured below is building
     the stages from the file; profiling a meta model layer by layer has its own memory bound
     (tests/frontend/profiling/test_profile_layers.py)."""
-    from autopipe.assemble import microbatch_inputs
+    from autopipe.assemble.setup import microbatch_inputs
     from autopipe.frontend.tracing.graph import trace
     from autopipe.solvers.partitioner import partition
-    from tests.test_assemble import cost_profile
+    from tests.assemble.test_local import cost_profile
 
     with torch.device("meta"):
         model = TinyGPT(**GIANT)

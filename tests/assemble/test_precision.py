@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.assemble import microbatch_inputs
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
 from executor.ranks.distributed import DistributedError, DistributedPipeline
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 
 CHUNKS = 4
 BF16 = torch.bfloat16

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 import autopipe
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
 from autopipe.core.plan import Plan
 from executor.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from tests import resume_cases as rc
-from tests.test_assemble_ranks import _close, _ok, spawn
+from tests.assemble.test_ranks import _close, _ok, spawn
 
 
 def _run(rank: int, plan: dict[str, Any], dropout: float, start: int, stop: int, *,

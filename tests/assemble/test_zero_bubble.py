@@ -7,7 +7,7 @@ the V schedules both sit on rank 0, one tensor in two stages), recomputation per
 layer, eval_step, another sequence length, the model's own loss, bf16, a GradScaler, clipping,
 and a checkpoint saved under zbv and loaded under 1F1B. Every gradient is compared with the
 plain model's on the same micro-batches (see [Note: loss of a pipeline]). PP x DP under these
-schedules is in tests/test_assemble_replicas.py's one 4-rank run.
+schedules is in tests/assemble/test_replicas.py's one 4-rank run.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from autopipe.assemble import microbatch_inputs
-from autopipe.assemble_ranks import distributed_pipeline
+from autopipe.assemble.ranks import distributed_pipeline
+from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.core.schedules import rank_order
 from autopipe.errors import BuildError
@@ -40,9 +40,9 @@ from executor.checkpoint import load_checkpoint
 from executor.ranks.distributed import DistributedError, DistributedPipeline
 from executor.ranks.grad_scaler import PipelineGradScaler
 from executor.ranks.split_backward import WeightGrads, split_call
+from tests.assemble.test_local import cost_profile
+from tests.assemble.test_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 from tests.models import Skip
-from tests.test_assemble import cost_profile
-from tests.test_assemble_ranks import _ok, one_rank, spawn  # noqa: F401 - a fixture
 
 CHUNKS, V, SMALL = 4, 16, 0.05
 
@@ -359,7 +359,7 @@ def _check_own_loss_bf16_and_resume(values: list[dict[str, Any]]) -> None:
     expected.backward()
     assert_close(values[0]["own"]["loss"], expected.detach())
     _match(_merged([v["own"] for v in values], "grads"), model, "own loss")
-    from tests.test_assemble_precision import _close
+    from tests.assemble.test_precision import _close
 
     model, (x,), y, loss_fn = _tied()
     with torch.autocast("cpu", dtype=torch.bfloat16):
