@@ -7,12 +7,17 @@
 
 The packages, in the order data flows through them (docs/DESIGN.md has the map and the rules):
 
-    core/       torch-free values and the one cost model: Profile, Plan, simulator, units, atomic files
-    solvers/    torch-free: partition() with the exact DP, the ILP and the baselines
-    frontend/   torch: trace a model, group layers, profile them, cut stage modules
-    assemble/   pipeline() and distributed_pipeline(): frontend + solvers + executor
-    plot/       matplotlib figures of plans, profiles and timelines
-    app/        the command line and what it runs (no library logic)
+    core/        torch-free values, one cost model: Profile, Plan, simulator, units, atomic files
+    solvers/     torch-free: partition() with the exact DP, the ILP and the baselines
+    frontend/    torch: trace a model, group layers, profile them, cut stage modules
+    assemble/    pipeline() and distributed_pipeline(): frontend + solvers + executor
+    plot/        matplotlib figures of plans, profiles and timelines
+    app/         the command line and what it runs (no library logic)
+
+and two modules beside them:
+
+    errors.py    AutopipeError and its subclasses: the one-line errors of every public entry point
+    examples.py  the bundled example models (``autopipe profile mlp``): inputs, target and loss
 
 The runtime is the separate ``executor`` package, which never imports ``autopipe``.
 

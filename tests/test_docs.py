@@ -143,3 +143,29 @@ def test_readme_keeps_its_commands(command: str) -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "pytest -q" in ci and 'pip install --quiet -e ".[dev]"' in ci
+
+
+def _packages() -> list[Path]:
+    return [init.parent for top in ("autopipe", "executor")
+            for init in sorted((ROOT / top).rglob("__init__.py"))]
+
+
+# an indented line of a package docstring that starts with a name and two spaces (or a comma,
+# as in "replay, layerwise  ...") names a module or sub-package of that package
+_MAP_ENTRY = re.compile(r"^\s+(\w+)(?:\.py|/)?(?:\s{2,}|,)", re.M)
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_package_docstring_maps_its_modules(package: Path) -> None:
+    """Each package's ``__init__`` docstring names every module and sub-package it holds, and
+    each of its map's entries exists: the map a newcomer reads first stays true."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    members = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+    members |= {d.name for d in package.iterdir() if (d / "__init__.py").is_file()}
+    unnamed = sorted(m for m in members
+                     if not re.search(rf"(?<![\w.]){re.escape(m)}(\.py|/)?(?!\w)", doc))
+    assert unnamed == [], f"{package.relative_to(ROOT)}/__init__.py does not name {unnamed}"
+    stale = sorted(set(_MAP_ENTRY.findall(doc)) - members)
+    assert stale == [], f"{package.relative_to(ROOT)}/__init__.py names {stale}, which it lacks"

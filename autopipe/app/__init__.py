@@ -1,12 +1,20 @@
 """The application: the ``autopipe`` command line and the jobs it starts. No library logic.
 
-    config.py       the config dataclasses: every CLI choice and default, in one place
-    cli.py          argv -> config -> one library call; AutopipeError -> one line, exit 2
-    model_spec.py   MODEL strings (a bundled example or package.module:factory) -> model, inputs
-    profile_job.py  `autopipe profile`: measure and save, print a summary
-    train.py        `autopipe train`: the whole job in one process
-    launch.py       `autopipe run`: start rank_main under torchrun
-    rank_main.py    one rank of `autopipe run`
-    sigterm_grace.py  a rank's report still written when torchrun's SIGTERM comes first
-    _startup.py     a rank's imports with the collector paused, then frozen
+    config.py            the config dataclasses: every CLI choice and default, in one place
+    checkpoint_flags.py  the checkpoint and restart flags that TrainConfig and RunConfig inherit
+    flags.py             argparse from the config dataclasses: one flag per field
+    cli.py               argv -> config -> one library call; AutopipeError -> one line, exit 2
+    model_spec.py        MODEL strings (bundled example or package.module:factory) -> model, inputs
+    profile_job.py       `autopipe profile`: measure and save, print a summary
+    comm_job.py          `autopipe comm`: two ranks time the link between them, for --comm-from
+    train.py             `autopipe train`: the whole job in one process
+    run_checkpoints.py   checkpoints of train and run: when to save, what a resume loads
+    launch.py            `autopipe run`: start rank_main under torchrun
+    nodes.py             where a torchrun launch's ranks run: the node flags, torchrun's flags
+    torchrun.py          torchrun over the rank modules: its command line, run, failures in one line
+    restart_watch.py     torchrun's stderr read as it comes: each failed attempt and its restart
+    rank_main.py         one rank of `autopipe run`
+    faults.py            testing hook: AUTOPIPE_FAULT makes a rank die or hang on purpose
+    sigterm_grace.py     a rank's report still written when torchrun's SIGTERM comes first
+    _startup.py          a rank's imports with the collector paused, then frozen
 """

@@ -13,8 +13,9 @@ Each function is pure: it reads its arguments and returns a new ``matplotlib.fig
     balance.py    plot_balance, compare_plans
     per_layer.py  plot_profile
     timeline.py   plot_timeline, bubble_fraction
-    files.py      save_figure, plot_plan_file (the ``autopipe plot`` command)
+    plan_file.py  save_figure, plot_plan_file (the ``autopipe plot`` command)
     readme.py     the README images (``python -m autopipe.plot --readme-images``)
+    __main__.py   ``python -m autopipe.plot``: runs readme.py's main
 """
 
 from __future__ import annotations

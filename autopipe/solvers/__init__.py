@@ -1,13 +1,18 @@
 """Torch-free solvers that balance a Profile's layers into stages: ``partition()``.
 
-    partitioner.py  partition(profile, stages=K|"auto", ...) -> Plan: picks and runs a solver
-    search.py       the automatic search: stages, chunks, recomputation, schedule
-    bounds.py       lower bounds on a simulated iteration, for the search's pruning
-    stage_dp.py     exact min-max split with a checkpoint mode per stage, all stage counts
-    dp.py           the DP for one configuration, and why nothing fits
-    ilp.py          PuLP/CBC over the whole DAG, warm-started from the DP
-    baselines.py    equal layer counts, DeepSpeed's parameter balance, torchgpipe's blockpartition
-    synthetic.py    deterministic chain and transformer-DAG profiles for tests and benchmarks
+    partitioner.py      partition(profile, stages=K|"auto", ...) -> Plan: picks and runs a solver
+    data_parallel_search.py  the replica count D ("auto"): one search per divisor of the devices
+    search.py           the automatic search: stages, chunks, recomputation, schedule
+    search_space.py     what the search chooses from: ranks, micro-batches, schedules, layouts
+    bounds.py           lower bounds on a simulated iteration, for the search's pruning
+    stage_dp.py         exact min-max split with a recompute mode per stage, all stage counts
+    dp.py               the DP for one configuration, and why nothing fits
+    layer_recompute.py  after the split: recompute a few layers instead of a whole stage
+    dag_bound.py        when the ILP can beat the DP: a lower bound over every DAG split
+    ilp.py              PuLP/CBC over the whole DAG, warm-started from the DP
+    cbc_log.py          CBC's log read as it is written: incumbent, bound and gap, progress
+    baselines.py        equal layer counts, DeepSpeed's parameter split, torchgpipe's blockpartition
+    synthetic.py        deterministic chain and transformer-DAG profiles for tests and benchmarks
 
 Every solver reads stage costs from autopipe.core.cost; none writes a formula of its own.
 """
