@@ -4,16 +4,16 @@
     python benchmarks/auto_plan.py --no-llama           # the synthetic DAG only (no torch)
     python benchmarks/auto_plan.py --llama-profile profiles/llama1b   # profile once, reuse
 
-For each profile and memory limit, ``partition(stages="auto", chunks="auto", checkpoint="auto",
+For each profile and memory limit, ``partition(stages="auto", chunks="auto", recompute="auto",
 schedule="auto")`` on D devices, and the same with ``chunks`` fixed at the profile's (a
 "fixed M" row: with one measured micro-batch size the model charges nothing for more, smaller
 micro-batches, so chunks="auto" takes many and memory rarely binds; at a fixed M it does), is
 compared with two plans a user might set by hand, all simulated by autopipe.core.simulator:
 
-- recompute everywhere, uniform stages: D stages of equal layer counts, ``checkpoint="always"``,
+- recompute everywhere, uniform stages: D stages of equal layer counts, ``recompute="always"``,
   the profile's micro-batches, GPipe (the safe torchgpipe-style default);
 - the best single-mode plan of the same K, M and schedule as the auto plan: the DP split with
-  one checkpoint mode for every stage (the fastest of the modes that fit).
+  one recompute mode for every stage (the fastest of the modes that fit).
 
 Memory limits are fractions of what the fastest never-recompute GPipe split at the profile's
 micro-batches needs on its fullest device, so they bind. The Llama-1B-class profile is measured
@@ -29,7 +29,7 @@ which needs torch and transformers; the DAG is autopipe.solvers.synthetic's.
 ``--fraction`` of the way from what the GPipe recipe needs on its fullest device to the least
 that any split never recomputing at M = 8 needs), and three plans:
 
-- auto: ``partition(stages="auto", chunks="auto", checkpoint="auto", schedule="auto")``, among
+- auto: ``partition(stages="auto", chunks="auto", recompute="auto", schedule="auto")``, among
   the schedules the runtimes run (the zero-bubble ones are left out until the distributed
   runtime runs them);
 - the GPipe paper's recipe: K = 2 devices, M = 4K = 8, recompute everywhere, equal layer counts;
@@ -71,7 +71,7 @@ from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import transformer_dag
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
-from executor.spec import CHECKPOINT_MODES
+from executor.spec import RECOMPUTE_MODES
 
 __all__ = ["main", "Row", "Plans", "Timed", "measured_plans", "measured_profile", "measure"]
 
@@ -145,7 +145,7 @@ def llama_profile(args: argparse.Namespace) -> Profile:
 def compare(name: str, prof: Profile, devices: int, fractions: Sequence[float]) -> list[Row]:
     pool = [f"gpu:{i}" for i in range(devices)]
     chunks = int(prof.meta["chunks"])
-    free = partition(prof, devices=pool, chunks=chunks, checkpoint="never", method="dp", progress=False)
+    free = partition(prof, devices=pool, chunks=chunks, recompute="never", method="dp", progress=False)
     rows = []
     for fraction in fractions:
         limit = int(max(free.stage_memory) * fraction)
@@ -154,26 +154,26 @@ def compare(name: str, prof: Profile, devices: int, fractions: Sequence[float]) 
             start = time.perf_counter()
             try:
                 auto = partition(prof, devices=pool, memory_limit=limit, stages="auto", chunks=chosen,
-                                 batch_size=int(prof.meta["batch_size"]), checkpoint="auto",
+                                 batch_size=int(prof.meta["batch_size"]), recompute="auto",
                                  schedule="auto", progress=False)
             except AutopipeError as err:
                 print(f"{name} at {format_bytes(limit)}, chunks {chosen}: {err}")
                 continue
             seconds = time.perf_counter() - start
-            uniform = partition(prof, devices=pool, chunks=chunks, checkpoint="always", method="uniform",
+            uniform = partition(prof, devices=pool, chunks=chunks, recompute="always", method="uniform",
                                 memory_limit=limit, progress=False)
             rows.append(Row(name, str(chosen), limit, auto, seconds, uniform, _single(prof, auto)))
     return rows
 
 
 def _single(prof: Profile, auto: Plan) -> Plan | None:
-    """The fastest plan with one checkpoint mode for every stage, at the auto plan's K, M and
+    """The fastest plan with one recompute mode for every stage, at the auto plan's K, M and
     schedule, on its devices."""
     best = None
-    for mode in CHECKPOINT_MODES:
+    for mode in RECOMPUTE_MODES:
         try:
             plan = partition(prof, devices=auto.devices, chunks=auto.chunks, batch_size=auto.batch_size,
-                             checkpoint=mode, schedule=auto.schedule, method="dp", progress=False)
+                             recompute=mode, schedule=auto.schedule, method="dp", progress=False)
         except AutopipeError:
             continue  # this mode does not fit at that K and M
         if best is None or plan.iteration_time < best.iteration_time:
@@ -199,7 +199,7 @@ def table(rows: Sequence[Row]) -> str:
     for r in rows:
         a = r.auto
         uni = f"{r.uniform.iteration_time:.1f}" + ("" if _fits(r.uniform, r.limit) else " (over the limit)")
-        single = (f"{r.single.checkpoint}: {r.single.iteration_time:.1f} ms" if r.single else "none fits")
+        single = (f"{r.single.recompute}: {r.single.iteration_time:.1f} ms" if r.single else "none fits")
         ratio = f"{r.single.iteration_time / a.iteration_time:.2f}x" if r.single else ""
         lines.append(
             f"| {r.profile} | {format_bytes(r.limit)} | {r.chunks} | {a.num_stages}, {a.chunks} of "
@@ -282,11 +282,11 @@ def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
     batch = int(prof.meta["batch_size"])
     pool = [f"cpu:{i}" for i in range(RECIPE_DEVICES)]
     m = 4 * RECIPE_DEVICES
-    recipe = partition(prof, devices=pool, chunks=m, batch_size=batch, checkpoint="always",
+    recipe = partition(prof, devices=pool, chunks=m, batch_size=batch, recompute="always",
                        method="uniform", progress=False)
     low, high = _peak(recipe), never_needs(prof, pool, m)
     limit = int(low + fraction * (high - low)) if high > low else low
-    recipe = partition(prof, devices=pool, chunks=m, batch_size=batch, checkpoint="always",
+    recipe = partition(prof, devices=pool, chunks=m, batch_size=batch, recompute="always",
                        method="uniform", memory_limit=limit, progress=False)
 
     # what the runtime runs: without the split backward the search leaves the zero-bubble
@@ -295,7 +295,7 @@ def measured_plans(example: str, prof: Profile, fraction: float) -> Plans:
 
     def auto(schedule: str) -> Plan:
         return partition(runnable, devices=pool, memory_limit=limit, stages="auto", chunks="auto",
-                         batch_size=batch, checkpoint="auto", schedule=schedule, progress=False)
+                         batch_size=batch, recompute="auto", schedule=schedule, progress=False)
 
     best = auto("auto")
     gpipe = best if best.schedule == "gpipe" else auto("gpipe")
@@ -312,13 +312,13 @@ def never_needs(prof: Profile, pool: Sequence[str], chunks: int) -> int:
 
     def fits(limit: int) -> bool:
         try:
-            partition(prof, devices=pool, chunks=chunks, batch_size=batch, checkpoint="never",
+            partition(prof, devices=pool, chunks=chunks, batch_size=batch, recompute="never",
                       method="dp", memory_limit=limit, progress=False)
         except AutopipeError:
             return False
         return True
 
-    high = _peak(partition(prof, devices=pool, chunks=chunks, batch_size=batch, checkpoint="never",
+    high = _peak(partition(prof, devices=pool, chunks=chunks, batch_size=batch, recompute="never",
                            method="dp", progress=False))
     low = 0
     while high - low > max(1, high // 1000):
@@ -328,7 +328,7 @@ def never_needs(prof: Profile, pool: Sequence[str], chunks: int) -> int:
 
 
 def _key(plan: Plan) -> tuple[object, ...]:
-    return (str(plan.stages), plan.chunks, str(plan.checkpoint), plan.schedule)
+    return (str(plan.stages), plan.chunks, str(plan.recompute), plan.schedule)
 
 
 def _steps(runs: Sequence[Callable[[], object]], steps: int, warmup: int,
@@ -466,9 +466,9 @@ def _modes(plan: Plan) -> str:
     """One mode, or a letter per stage, and the layers recomputed in segments ([Note: recomputed
     layers])."""
     alone = f" + {len(plan.recompute_layers)} layers alone" if plan.recompute_layers else ""
-    if isinstance(plan.checkpoint, str):
-        return plan.checkpoint + alone
-    return ",".join(m[0] for m in plan.checkpoint) + alone  # a = always, e = except_last, n = never
+    if isinstance(plan.recompute, str):
+        return plan.recompute + alone
+    return ",".join(m[0] for m in plan.recompute) + alone  # a = always, e = except_last, n = never
 
 
 def measured_table(rows: Sequence[Timed]) -> str:

@@ -120,7 +120,7 @@ def _autopipe_pipeline(plan: dict[str, Any], model: str, batch: int, width: int,
 
     ex = _example(model, batch, width)
     pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=Plan.from_dict(plan),
-                                chunks=chunks, checkpoint="never", host_allocator="retain", schedule=schedule)
+                                chunks=chunks, recompute="never", host_allocator="retain", schedule=schedule)
     return lambda: pipe.step(*ex.inputs, target=ex.target)
 
 
@@ -227,8 +227,8 @@ def _plans(model: str, batch: int, width: int, chunks: int) -> tuple[Any, Any]:
     from autopipe.solvers.partitioner import partition
 
     prof = _profile(model, batch, width, chunks)
-    return (partition(prof, stages=2, chunks=chunks, checkpoint="never"),
-            partition(prof, stages=2, chunks=chunks, checkpoint="never", method="uniform"))
+    return (partition(prof, stages=2, chunks=chunks, recompute="never"),
+            partition(prof, stages=2, chunks=chunks, recompute="never", method="uniform"))
 
 
 def _model_table(model: str, args: argparse.Namespace) -> tuple[list[str], tuple[float, float, int], list[str]]:
@@ -316,8 +316,8 @@ def _zero_bubble_runs(model: str, args: argparse.Namespace) -> tuple[Paired, lis
     for m in args.zb_chunks:
         run = (model, args.batch, args.width, m, args.steps, args.warmup)
         prof = _planned_profile(model, args, m)
-        two = partition(prof, devices=["cpu:0", "cpu:1"], chunks=m, checkpoint="never", schedule="1f1b")
-        fours = [partition(prof, stages=4, chunks=m, checkpoint="never", schedule=s) for s in ZB_SCHEDULES]
+        two = partition(prof, devices=["cpu:0", "cpu:1"], chunks=m, recompute="never", schedule="1f1b")
+        fours = [partition(prof, stages=4, chunks=m, recompute="never", schedule=s) for s in ZB_SCHEDULES]
         # each plan also under the merge rule it did not choose: the choice measured, not only simulated
         fours += [dataclasses.replace(p, merge_backward="adjacent" if p.merge_backward == "unwaited" else "unwaited")
                   for p in fours]

@@ -73,7 +73,7 @@ class Row:
     model: str
     batch: int
     chunks: int
-    checkpoint: str
+    recompute: str
     schedule: str = "gpipe"
     predicted: list[float] = field(default_factory=list)
     measured: list[float] = field(default_factory=list)
@@ -156,7 +156,7 @@ def _profile(ex: Example, chunks: int, repeats: int, device: str = "cpu") -> Pro
 def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequence[str],
                         repeats: int, comm: dict[str, Any], schedules: Sequence[str] = ("gpipe",),
                         rounds: int = 1) -> list[Row]:
-    """Every checkpoint mode x schedule of one example on 2 gloo ranks, predicted for two
+    """Every recompute mode x schedule of one example on 2 gloo ranks, predicted for two
     devices; each round profiles anew, then runs every plan."""
     ex = get_example(name, batch_size=batch)
     devices = ["cpu:0", "cpu:1"]  # two ranks: two devices
@@ -171,7 +171,7 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
     for _ in range(rounds):
         prof = with_rank_contention(_profile(ex, chunks, repeats), ex.model, ex.inputs)  # as --comm does
         prof = with_comm(prof, measured=comm)  # the one measurement, reused
-        plans = [autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=r.checkpoint,
+        plans = [autopipe.partition(prof, devices=devices, chunks=chunks, recompute=r.recompute,
                                     schedule=r.schedule) for r in rows]
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -183,14 +183,14 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
         bare = _without(prof, {**OVERHEADS, **COMM})
         for row, plan, a, b in zip(rows, plans, *per_rank, strict=True):
             before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
-                                               checkpoint=row.checkpoint, schedule=row.schedule)
+                                               recompute=row.recompute, schedule=row.schedule)
             row.add(plan.iteration_time, max(a, b), loop_ms, before.iteration_time)
     return rows
 
 
 def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str], stages: int,
                   repeats: int, overheads: bool = True, device: str = "cpu", rounds: int = 1) -> list[Row]:
-    """Every checkpoint mode of one example (on ``device``); each round profiles anew, then
+    """Every recompute mode of one example (on ``device``); each round profiles anew, then
     runs every mode, so each measurement is compared with a profile taken seconds before."""
     ex = get_example(name, batch_size=batch)
     ex = Example(ex.name, ex.model, tuple(x.to(device) for x in ex.inputs), ex.target.to(device),
@@ -201,17 +201,17 @@ def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str]
         if not overheads:
             prof = _without(prof, OVERHEADS)
         for row in rows:
-            row.add(*measure(ex, prof, chunks, row.checkpoint, stages, repeats, device))
+            row.add(*measure(ex, prof, chunks, row.recompute, stages, repeats, device))
     return rows
 
 
-def measure(ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: int,
+def measure(ex: Example, prof: Profile, chunks: int, recompute: str, stages: int,
             repeats: int, device: str = "cpu") -> tuple[float, float, float, float]:
     """(predicted, measured, plain loop, predicted without the overheads) ms of one plan."""
     devices = [device] * stages  # one device: the stages take turns ([Note: shared devices])
-    plan = autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=checkpoint)
+    plan = autopipe.partition(prof, devices=devices, chunks=chunks, recompute=recompute)
     pipe = autopipe.pipeline(ex.model, ex.inputs, devices=devices, chunks=chunks,
-                             checkpoint=checkpoint, plan=plan)
+                             recompute=recompute, plan=plan)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     pieces = list(zip(*(torch.tensor_split(x, chunks) for x in ex.inputs), strict=True))
     targets = torch.tensor_split(ex.target, chunks)
@@ -230,7 +230,7 @@ def measure(ex: Example, prof: Profile, chunks: int, checkpoint: str, stages: in
 
     bare = _without(prof, OVERHEADS)
     before = autopipe.Plan.from_stages(bare, plan.stages, devices=devices, chunks=chunks,
-                                       checkpoint=checkpoint)
+                                       recompute=recompute)
     return (plan.iteration_time, median_ms(step, repeats, warmup=2), median_ms(loop, repeats, warmup=2),
             before.iteration_time)
 
@@ -295,7 +295,7 @@ def table(rows: Sequence[Row]) -> str:
              "plain loop ms | executor / loop |",
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.model} | {r.batch} | {r.chunks} | {r.schedule} | {r.checkpoint} | "
+        lines.append(f"| {r.model} | {r.batch} | {r.chunks} | {r.schedule} | {r.recompute} | "
                      f"{r.predicted_ms:.3f} | {r.measured_ms:.3f} | {r.ratio:.3f} | "
                      f"{min(r.ratios):.2f}-{max(r.ratios):.2f} | "
                      f"{r.before_ms:.3f} | {r.before_ratio:.3f} | {r.loop_ms:.3f} | "

@@ -1,4 +1,4 @@
-"""executor.GPipe vs torchgpipe 0.0.7: the same model, balance, chunks and checkpoint mode.
+"""executor.GPipe vs torchgpipe 0.0.7: the same model, balance, chunks and recompute mode.
 
 Both run in one process on ``["cpu", "cpu"]`` (two stages on one device: one worker, no copies),
 so the comparison measures the runtimes' own overheads: scattering, scheduling, autograd
@@ -35,7 +35,7 @@ class Row:
     model: str
     batch: int
     chunks: int
-    checkpoint: str
+    recompute: str
     executor_ms: float
     threaded_ms: float  # executor forced onto a worker thread, as torchgpipe always is
     torchgpipe_ms: float
@@ -75,7 +75,7 @@ def _step(pipe: nn.Module, x: Tensor, target: Tensor, loss_fn: Callable[..., Ten
 
 
 def measure(
-    name: str, batch: int, chunks: int, checkpoint: str, repeats: int, warmup: int = 2
+    name: str, batch: int, chunks: int, recompute: str, repeats: int, warmup: int = 2
 ) -> Row:
     import torchgpipe
 
@@ -84,14 +84,14 @@ def measure(
     balance = [cut, len(seq) - cut]
     ours_seq = copy.deepcopy(seq)
     ours = GPipe(
-        [ours_seq[:cut], ours_seq[cut:]], ["cpu", "cpu"], chunks=chunks, checkpoint=checkpoint
+        [ours_seq[:cut], ours_seq[cut:]], ["cpu", "cpu"], chunks=chunks, recompute=recompute
     )
     threaded_seq = copy.deepcopy(seq)
     threaded = GPipe(
         [threaded_seq[:cut], threaded_seq[cut:]],
         ["cpu", "cpu"],
         chunks=chunks,
-        checkpoint=checkpoint,
+        recompute=recompute,
         threads=True,
     )
     peer = torchgpipe.GPipe(
@@ -99,7 +99,7 @@ def measure(
         balance=balance,
         devices=["cpu", "cpu"],
         chunks=chunks,
-        checkpoint=checkpoint,
+        checkpoint=recompute,  # torchgpipe's own name for it
     )
     times: dict[str, list[float]] = {"ours": [], "threaded": [], "peer": []}
     for k in range(warmup + repeats):
@@ -117,7 +117,7 @@ def measure(
         name,
         batch,
         chunks,
-        checkpoint,
+        recompute,
         statistics.median(times["ours"]),
         statistics.median(times["threaded"]),
         statistics.median(times["peer"]),
@@ -133,7 +133,7 @@ def table(rows: Sequence[Row]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.batch} | {r.chunks} | {r.checkpoint} | {r.executor_ms:.2f} "
+            f"| {r.model} | {r.batch} | {r.chunks} | {r.recompute} | {r.executor_ms:.2f} "
             f"| {r.threaded_ms:.2f} | {r.torchgpipe_ms:.2f} | {r.ratio:.2f} "
             f"| {r.threaded_ms / r.torchgpipe_ms:.2f} |"
         )

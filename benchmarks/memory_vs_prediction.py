@@ -1,6 +1,6 @@
 """Predicted vs measured activation memory of every pipeline stage, in bytes.
 
-For each bundled example and checkpoint mode: profile, partition for ``--stages`` CPU stages,
+For each bundled example and recompute mode: profile, partition for ``--stages`` CPU stages,
 build the pipeline (executor.GPipe), run one training iteration under
 executor.activation_meter.ActivationMeter (the bytes autograd keeps for backward, per stage:
 [Note: counting activations]) and compare each stage's peak with the plan's prediction
@@ -36,7 +36,7 @@ __all__ = ["Row", "main", "measure_model", "measure_plan", "recompute_copy"]
 @dataclass
 class Row:
     model: str
-    checkpoint: str
+    recompute: str
     stage: int
     predicted: int
     measured: int
@@ -52,33 +52,33 @@ class Row:
         return self.measured / total if total else float("nan")
 
 
-def recompute_copy(prof: Profile, stages: list[list[str]], checkpoint: str) -> list[int]:
+def recompute_copy(prof: Profile, stages: list[list[str]], recompute: str) -> list[int]:
     """Per stage, under ``always``: the received bytes its first layers save again (module
     docstring); 0 otherwise."""
     costs = LayerCosts.from_profile(prof)
     index = {name: i for i, name in enumerate(costs.names)}
     into = costs.cut_bytes(costs.resaved)
-    return [int(into[min(index[layer] for layer in layers)]) if checkpoint == "always" else 0
+    return [int(into[min(index[layer] for layer in layers)]) if recompute == "always" else 0
             for layers in stages]
 
 
 def measure_model(name: str, batch: int, chunks: int, checkpoints: Sequence[str],
                   stages: int) -> list[Row]:
-    """Every checkpoint mode of one example on one profile of it: a row per stage."""
+    """Every recompute mode of one example on one profile of it: a row per stage."""
     ex = get_example(name, batch_size=batch)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, repeats=1, warmup=0,
                             progress=False)
     devices = ["cpu"] * stages
     return [row for mode in checkpoints for row in measure_plan(
-        ex, prof, autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=mode))]
+        ex, prof, autopipe.partition(prof, devices=devices, chunks=chunks, recompute=mode))]
 
 
 def measure_plan(ex: Example, prof: Profile, plan: Plan) -> list[Row]:
     """One training iteration of ``plan`` on one CPU under the meter: a row per stage."""
-    mode, chunks = plan.checkpoint, plan.chunks
-    assert isinstance(mode, str), "one checkpoint mode for every stage"
+    mode, chunks = plan.recompute, plan.chunks
+    assert isinstance(mode, str), "one recompute mode for every stage"
     pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * len(plan.stages),
-                             chunks=chunks, checkpoint=mode, plan=plan)
+                             chunks=chunks, recompute=mode, plan=plan)
     meter = ActivationMeter(pipe.stages, inputs=ex.inputs)
     with meter:
         out = pipe(*ex.inputs)
@@ -94,7 +94,7 @@ def table(rows: Sequence[Row]) -> str:
     lines = ["| model | checkpoint | stage | predicted bytes | measured bytes | measured / predicted "
              "| recompute copy | measured / (predicted - recompute copy) |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r.model} | {r.checkpoint} | {r.stage} | {r.predicted} | {r.measured} | "
+    lines += [f"| {r.model} | {r.recompute} | {r.stage} | {r.predicted} | {r.measured} | "
               f"{r.ratio:.3f} | {r.recompute_copy} | {r.ratio_without_copy:.3f} |" for r in rows]
     return "\n".join(lines)
 

@@ -61,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     for name, prof, k in cases(args.random_n, args.seeds, args.gpt_blocks, args.dag_blocks):
         if k > len(prof):
             continue
-        opts = dict(chunks=8, checkpoint="never", bandwidth=None) if name.startswith(("random", "gpt")) \
-            else dict(chunks=8, checkpoint="except_last", bandwidth=10e9)
+        opts = dict(chunks=8, recompute="never", bandwidth=None) if name.startswith(("random", "gpt")) \
+            else dict(chunks=8, recompute="except_last", bandwidth=10e9)
         plans = {}
         for method in METHODS:
             try:

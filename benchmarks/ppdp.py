@@ -6,7 +6,7 @@
     python benchmarks/ppdp.py --no-llama --measured         # and 4 gloo ranks measured on CPU
 
 Simulated part: for each profile, device count N and per-device memory limit,
-``partition(devices=N, data_parallel="auto", chunks="auto", checkpoint="auto",
+``partition(devices=N, data_parallel="auto", chunks="auto", recompute="auto",
 schedule="auto")`` (D replicas of a K = N / D stage pipeline, the global batch split over the
 replicas: [Note: pipeline x data parallel] in autopipe/core/data_parallel.py) is compared, by simulated
 time per global batch (autopipe.core.simulator), with the same search held at
@@ -47,7 +47,7 @@ from auto_plan import add_llama_arguments  # noqa: E402
 
 __all__ = ["main", "Row", "simulated_rows", "simulated_table"]
 
-AUTO: dict[str, Any] = dict(chunks="auto", checkpoint="auto", schedule="auto", progress=False)
+AUTO: dict[str, Any] = dict(chunks="auto", recompute="auto", schedule="auto", progress=False)
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _whole_model(prof: Profile, batch: int, speed: float) -> int:
     """What one device needs for the whole model, never recomputed, on ``batch`` rows in one
     micro-batch: pure data parallel's replica at M = 1."""
     plan = partition(prof, devices=[DeviceSpec("one", None, speed)], chunks=1, batch_size=batch,
-                     checkpoint="never", method="dp", progress=False)
+                     recompute="never", method="dp", progress=False)
     return max(plan.stage_memory)
 
 

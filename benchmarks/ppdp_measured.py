@@ -68,7 +68,7 @@ def _config(rank: int, d: int, batch: int, chunks: int, steps: int, warmup: int)
     ex = _example(batch)  # the same seeded model and global batch on every rank
     replica = rank // (WORLD // d)
     x, y = ex.inputs[0].tensor_split(d)[replica], ex.target.tensor_split(d)[replica]
-    pipe = distributed_pipeline(ex.model, (x,), loss_fn=ex.loss_fn, chunks=chunks, checkpoint="never",
+    pipe = distributed_pipeline(ex.model, (x,), loss_fn=ex.loss_fn, chunks=chunks, recompute="never",
                                 data_parallel=d, dp_mode="ddp", timeout=120, host_allocator="retain")
     opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=1e-3)
 

@@ -171,7 +171,7 @@ def _one_process(index: int, out: str, size: Size, plan: dict[str, Any], repeats
     ex = example(size)
     p = Plan.from_dict(plan)
     pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * len(p.stages), loss_fn=ex.loss_fn,
-                             chunks=p.chunks, checkpoint=p.checkpoint, plan=p, precision=p.precision,
+                             chunks=p.chunks, recompute=p.recompute, plan=p, precision=p.precision,
                              host_allocator="retain")
     opt = torch.optim.Adam(ex.model.parameters(), lr=1e-4)
 
@@ -227,7 +227,7 @@ def _spawn(fn: Any, nprocs: int, args: tuple[Any, ...]) -> list[tuple[list[float
 def activations(ex: Example, plan: Plan) -> list[int]:
     """Per stage: the bytes autograd keeps at its peak in one iteration (the loss outside)."""
     pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu"] * len(plan.stages), chunks=plan.chunks,
-                             checkpoint=plan.checkpoint, plan=plan, precision=plan.precision,
+                             recompute=plan.recompute, plan=plan, precision=plan.precision,
                              host_allocator="retain")
     meter = ActivationMeter(list(pipe.stages), inputs=ex.inputs)
     with meter:
@@ -239,16 +239,16 @@ def activations(ex: Example, plan: Plan) -> list[int]:
     return list(meter.peaks)
 
 
-def _plan(prof: Any, devices: list[str], chunks: int, checkpoint: str, first: Plan | None) -> Plan:
+def _plan(prof: Any, devices: list[str], chunks: int, recompute: str, first: Plan | None) -> Plan:
     """``partition``'s 2-stage plan, or under ``first``'s split (the first precision's plan), so
     that every precision is compared on the same stages."""
     if first is None:
-        return autopipe.partition(prof, devices=devices, chunks=chunks, checkpoint=checkpoint)
-    return Plan.from_stages(prof, first.stages, devices=devices, chunks=chunks, checkpoint=checkpoint,
+        return autopipe.partition(prof, devices=devices, chunks=chunks, recompute=recompute)
+    return Plan.from_stages(prof, first.stages, devices=devices, chunks=chunks, recompute=recompute,
                             bandwidth=first.bandwidth)
 
 
-def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chunks: int, checkpoint: str,
+def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chunks: int, recompute: str,
             repeats: int, warmup: int, profile_repeats: int,
             in_process: bool = False) -> tuple[list[Row], list[ActivationRow]]:
     rows: list[Row] = []
@@ -265,7 +265,7 @@ def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chun
                                 warmup=0 if profile_repeats == 1 else 1, progress=False, precision=precision,
                                 loss_fn=ex.loss_fn, target=ex.target, host_allocator="retain")
         if "one" in runtimes:
-            plan = _plan(prof, ["cpu", "cpu"], chunks, checkpoint, first.get("one"))
+            plan = _plan(prof, ["cpu", "cpu"], chunks, recompute, first.get("one"))
             first.setdefault("one", plan)
             acts += [ActivationRow(precision, s, int(b.activation_bytes), m)
                      for s, (b, m) in enumerate(zip(plan.breakdown, activations(ex, plan), strict=True))]
@@ -283,7 +283,7 @@ def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chun
             from autopipe.frontend.profiling.spawned.comm import with_comm
 
             ranked = with_comm(prof, measured=comm, model=ex.model, example_inputs=ex.inputs)
-            plan = _plan(ranked, ["cpu:0", "cpu:1"], chunks, checkpoint, first.get("ranks"))
+            plan = _plan(ranked, ["cpu:0", "cpu:1"], chunks, recompute, first.get("ranks"))
             first.setdefault("ranks", plan)
             per_rank = _spawn(_rank, 2, (size, plan.to_dict(), repeats, warmup))
             rows += [Row("2 ranks", f"rank {r}", precision, plan.iteration_time, plan.peak_memory[r],
@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[list[Row], list[ActivationR
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--checkpoint", default="except_last",
+    parser.add_argument("--recompute", default="except_last",
                         choices=["never", "except_last", "always"])
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES,
@@ -384,10 +384,10 @@ def main(argv: Sequence[str] | None = None) -> tuple[list[Row], list[ActivationR
         args.profile_repeats = 1
     torch.set_num_threads(1)
     size = Size(args.vocab, args.dim, args.layers, args.seq, args.batch)
-    rows, acts = measure(size, args.precisions, args.runtimes, args.chunks, args.checkpoint,
+    rows, acts = measure(size, args.precisions, args.runtimes, args.chunks, args.recompute,
                          args.repeats, args.warmup, args.profile_repeats, args.in_process)
     print(f"GPT vocab {size.vocab}, dim {size.dim}, {size.layers} layers, seq {size.seq}, batch "
-          f"{size.batch}, {args.chunks} micro-batches, checkpoint={args.checkpoint}, 2 stages, "
+          f"{size.batch}, {args.chunks} micro-batches, recompute={args.recompute}, 2 stages, "
           f"1 thread per process; {args.repeats} timed iterations after {args.warmup}")
     print(environment(args.note))
     print()

@@ -98,7 +98,7 @@ def stage_split(stage: nn.Module, inputs: tuple[Tensor, ...], repeats: int) -> t
 def measure(model_name: str, batch: int, width: int, chunks: int, repeats: int) -> list[StageSplit]:
     ex = _example(model_name, batch, width)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=chunks, progress=False, repeats=repeats, warmup=1)
-    plan = autopipe.partition(prof, stages=4, chunks=chunks, checkpoint="never", schedule="zbv", progress=False)
+    plan = autopipe.partition(prof, stages=4, chunks=chunks, recompute="never", schedule="zbv", progress=False)
     micro = microbatch_inputs(ex.inputs, chunks)
     graph = autopipe.trace(ex.model, micro)
     values: tuple[Any, ...] = micro

@@ -8,7 +8,7 @@ For each profile, K pipeline ranks (``--ranks``, default 4 and 8) and M micro-ba
 x K``, default K, 2K and 4K) of one global batch (``--batch-per-rank`` x K rows), and each memory
 limit (none, then ``--fractions`` of what the fastest 1F1B plan at M = K needs on its fullest
 device), every schedule is planned on the K ranks with ``partition(devices=K ranks, chunks=M,
-checkpoint="auto", schedule=...)``: the exact DP split, a recomputation mode per stage, the
+recompute="auto", schedule=...)``: the exact DP split, a recomputation mode per stage, the
 schedule's own layout (one stage per rank under 1F1B; two under interleaved 1F1B and the
 zero-bubble schedules, in a V for ZBV and DualPipeV: [Note: stage to rank] in executor/spec.py),
 timed by autopipe.core.simulator in torch 2.13's order. The table gives the best of 1F1B and
@@ -70,7 +70,7 @@ def _best(prof: Profile, schedules: Sequence[str], ranks: int, chunks: int, batc
     for schedule in schedules:
         try:
             plan = partition(prof, devices=[f"rank{r}" for r in range(ranks)], chunks=chunks, batch_size=batch,
-                             checkpoint="auto", schedule=schedule, memory_limit=limit, method="exact",
+                             recompute="auto", schedule=schedule, memory_limit=limit, method="exact",
                              progress=False)
         except AutopipeError:
             continue  # this schedule takes no such count, or nothing fits

@@ -20,10 +20,10 @@ torch.autocast(...)``, and a recomputation without it would rebuild the graph in
 graph; :mod:`executor.local.gpipe` uses :func:`depend` to make micro-batch ``i - 1`` of a stage
 back-propagate after micro-batch ``i`` (the fill-drain order, reversed).
 
-[Note: distributed recomputation] The distributed runtime's ``checkpoint``
+[Note: distributed recomputation] The distributed runtime's ``recompute``
 (executor/ranks/distributed.py) follows this module's modes, one for every stage or one per stage
 ([Note: per-stage recomputation] in executor/spec.py): stage ``i`` recomputes the last
-``checkpoint_stop(modes[i])`` micro-batches, whose backward comes last under torch's schedules
+``recompute_stop(modes[i])`` micro-batches, whose backward comes last under torch's schedules
 ([Note: which micro-batches recompute]), never in eval mode or under no_grad (as in
 executor.GPipe). It uses this module's own checkpoint (RNG replayed), so a recomputation costs
 what it costs in executor.GPipe and what the profile's ``recompute_ratio`` measured there
@@ -52,7 +52,7 @@ from executor.precision import AutocastState
 from executor.spec import recomputed_microbatches
 
 __all__ = [
-    "checkpoint_stop",
+    "recompute_stop",
     "is_checkpointing",
     "is_recomputing",
     "Checkpointing",
@@ -69,7 +69,7 @@ SpanFactory = Callable[[], AbstractContextManager[Any]]
 SplitFn = Callable[[list[Tensor], tuple[Tensor | None, ...], list[Tensor]], list[Tensor | None]]
 
 
-def checkpoint_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
+def recompute_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
     """Micro-batches ``0 .. stop-1`` are checkpointed; ``enabled=False`` (eval, no_grad) -> 0."""
     try:
         recomputed = recomputed_microbatches(mode, chunks)

@@ -1,7 +1,8 @@
 """The rules the runtime and the planner must agree on, torch-free: one copy, imported by both.
 
-    CHECKPOINT_MODES, recomputed_microbatches()   which micro-batches are recomputed
-    check_stage_checkpoints()                     one checkpoint mode per stage
+    RECOMPUTE_MODES, recomputed_microbatches()    which micro-batches are recomputed
+    check_stage_recompute()                       one recompute mode per stage
+    renamed_recompute()                           checkpoint= still taken, with a warning
     microbatch_sizes()                            how a batch is cut into micro-batches
     PHASES, TimelineEvent                         the spans of a (predicted or measured) timeline
     DATA_PARALLEL_MODES, DATA_PARALLEL_PHASES     how replicas of a pipeline share gradients, and
@@ -22,10 +23,13 @@ executor/__init__.py). Functions raise ValueError; each caller re-raises in its 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
-    "CHECKPOINT_MODES",
+    "RECOMPUTE_MODES",
+    "renamed_recompute",
     "DATA_PARALLEL_MODES",
     "DATA_PARALLEL_PHASES",
     "MERGE_RULES",
@@ -36,12 +40,12 @@ __all__ = [
     "TimelineEvent",
     "V_SCHEDULES",
     "ZERO_BUBBLE_SCHEDULES",
-    "check_checkpoint_mode",
+    "check_recompute_mode",
     "check_chunks",
     "check_merge_rule",
     "check_precision",
     "check_schedule",
-    "check_stage_checkpoints",
+    "check_stage_recompute",
     "merge_rules",
     "merged_backward",
     "microbatch_sizes",
@@ -49,7 +53,7 @@ __all__ = [
     "stage_rank",
 ]
 
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+RECOMPUTE_MODES: tuple[str, ...] = ("always", "except_last", "never")
 
 # How replicas of a pipeline keep a stage's parameters equal: "ddp" (DistributedDataParallel,
 # an all-reduce of the gradients) or "fsdp" (FSDP2 fully_shard: sharded parameters, gradients and
@@ -162,10 +166,10 @@ def check_precision(precision: object) -> str:
     return precision
 
 
-def check_checkpoint_mode(mode: str) -> None:
-    if mode not in CHECKPOINT_MODES:
+def check_recompute_mode(mode: str) -> None:
+    if mode not in RECOMPUTE_MODES:
         raise ValueError(
-            f"checkpoint={mode!r} is not a checkpoint mode; use one of {', '.join(CHECKPOINT_MODES)}"
+            f"recompute={mode!r} is not a recompute mode; use one of {', '.join(RECOMPUTE_MODES)}"
         )
 
 
@@ -175,7 +179,7 @@ def recomputed_microbatches(mode: str, chunks: int) -> int:
     ``always``: all of them; ``except_last``: all but one, the micro-batch back-propagated
     first; ``never``: none. Which R: :func:`is_recomputed` ([Note: which micro-batches recompute]).
     """
-    check_checkpoint_mode(mode)
+    check_recompute_mode(mode)
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
 
 
@@ -191,8 +195,20 @@ def is_recomputed(microbatch: int, chunks: int, recomputed: int) -> bool:
     return microbatch >= chunks - recomputed
 
 
-def check_stage_checkpoints(checkpoint: object, stages: int) -> list[str]:
-    """[Note: per-stage recomputation] One checkpoint mode per stage, from one mode for every
+def renamed_recompute(recompute: Any, checkpoint: Any, where: str) -> Any:
+    """[Note: recompute, not checkpoint] Recomputation is ``recompute=`` everywhere; "checkpoint"
+    means saved training state (``save_checkpoint``, ``--checkpoint-dir``), as in torchtitan,
+    DeepSpeed and Megatron. Until the next release an entry point still takes ``checkpoint=``:
+    its value is used, with one DeprecationWarning line that says what to write instead."""
+    if checkpoint is None:
+        return recompute
+    warnings.warn(f"{where}(checkpoint={checkpoint!r}) is now {where}(recompute={checkpoint!r}); "
+                  "checkpoint= will be removed in the next release", DeprecationWarning, stacklevel=3)
+    return checkpoint
+
+
+def check_stage_recompute(recompute: object, stages: int) -> list[str]:
+    """[Note: per-stage recomputation] One recompute mode per stage, from one mode for every
     stage or a list (or tuple) with one mode per stage.
 
     Recomputation is local to a stage: a checkpointed stage saves its own inputs and replays its
@@ -201,25 +217,25 @@ def check_stage_checkpoints(checkpoint: object, stages: int) -> list[str]:
     modes leaves the same loss and gradients; only time and memory differ, per stage. A planner
     can therefore pay for recomputation only on the stages where memory binds.
     """
-    if isinstance(checkpoint, str):
-        check_checkpoint_mode(checkpoint)
-        return [checkpoint] * stages
-    if not isinstance(checkpoint, list | tuple):
+    if isinstance(recompute, str):
+        check_recompute_mode(recompute)
+        return [recompute] * stages
+    if not isinstance(recompute, list | tuple):
         raise ValueError(
-            f"checkpoint={checkpoint!r} is neither a mode nor a list of modes; pass one of "
-            f"{', '.join(CHECKPOINT_MODES)}, or a list with one per stage"
+            f"recompute={recompute!r} is neither a mode nor a list of modes; pass one of "
+            f"{', '.join(RECOMPUTE_MODES)}, or a list with one per stage"
         )
-    modes = list(checkpoint)
+    modes = list(recompute)
     if len(modes) != stages:
         raise ValueError(
-            f"checkpoint lists {len(modes)} mode(s) for {stages} stage(s); give one mode per "
+            f"recompute lists {len(modes)} mode(s) for {stages} stage(s); give one mode per "
             "stage, or one mode for all of them"
         )
     for s, mode in enumerate(modes):
-        if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
+        if not isinstance(mode, str) or mode not in RECOMPUTE_MODES:
             raise ValueError(
-                f"checkpoint[{s}]={mode!r} is not a checkpoint mode; use one of "
-                f"{', '.join(CHECKPOINT_MODES)}"
+                f"recompute[{s}]={mode!r} is not a recompute mode; use one of "
+                f"{', '.join(RECOMPUTE_MODES)}"
             )
     return modes
 

@@ -29,17 +29,17 @@ def test_auto_plan_benchmark_runs_tiny(tmp_path: Path) -> None:
 
 def _check_plans(ap, plans, prof, batch: int) -> None:  # type: ignore[no-untyped-def]
     recipe = plans.recipe
-    assert (recipe.num_stages, recipe.chunks, recipe.checkpoint, recipe.method) == (2, 8, "always", "uniform")
+    assert (recipe.num_stages, recipe.chunks, recipe.recompute, recipe.method) == (2, 8, "always", "uniform")
     assert ap._fits(recipe, plans.limit)  # recompute everywhere fits the limit ...
     if plans.binds:  # ... and no split never recomputing at M = 8 does
         with pytest.raises(ap.AutopipeError):
-            ap.partition(prof, devices=["cpu:0", "cpu:1"], chunks=8, batch_size=batch, checkpoint="never",
+            ap.partition(prof, devices=["cpu:0", "cpu:1"], chunks=8, batch_size=batch, recompute="never",
                          method="dp", memory_limit=plans.limit, progress=False)
     else:  # memory mostly parameters (a tiny batch): then the limit is the recipe's
         assert plans.limit == ap._peak(recipe)
     for auto, single in ((plans.auto, plans.single), (plans.auto_gpipe, plans.single_gpipe)):
         assert ap._fits(auto, plans.limit) and auto.batch_size == batch
-        assert single is not None and isinstance(single.checkpoint, str)
+        assert single is not None and isinstance(single.recompute, str)
         assert (single.num_stages, single.chunks, single.schedule) == (auto.num_stages, auto.chunks, auto.schedule)
         assert auto.iteration_time <= single.iteration_time * (1 + 1e-9)
     assert plans.auto_gpipe.schedule == "gpipe"

@@ -1,4 +1,4 @@
-"""benchmarks/executor_vs_prediction.py runs tiny over every example and checkpoint mode, and its
+"""benchmarks/executor_vs_prediction.py runs tiny over every example and recompute mode, and its
 table is consistent (the numbers themselves: the report; no timing thresholds here)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from benchmarks import executor_vs_prediction
 def test_executor_vs_prediction_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     bench = executor_vs_prediction
     rows = bench.main(["--batch", "8", "--chunks", "2", "--repeats", "1", "--rounds", "1"])
-    assert [(r.model, r.checkpoint) for r in rows] == [
+    assert [(r.model, r.recompute) for r in rows] == [
         (m, c) for m in ("mlp", "cnn", "gpt", "unet") for c in ("never", "except_last", "always")]
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 + len(rows)
@@ -27,7 +27,7 @@ def test_executor_vs_prediction_runs_tiny(capsys: pytest.CaptureFixture[str]) ->
         assert low == high == pytest.approx(ratio, abs=6e-3)  # one round
         assert before_ratio == pytest.approx(measured / before, abs=2e-3, rel=2e-3)
     for r in rows:  # without recomputation the overheads only add a call cost >= 0
-        if r.checkpoint == "never":
+        if r.recompute == "never":
             assert r.predicted_ms >= r.before_ms - 1e-9
 
 
@@ -51,6 +51,6 @@ def test_two_ranks_under_both_schedules() -> None:
                                         "--chunks", "2", "--checkpoints", "except_last", "--repeats", "1",
                                         "--rounds", "1", "--schedules", "gpipe", "1f1b", "--comm-launches", "1",
                                         "--comm-repeats", "2", "--comm-steps", "2"])
-    assert [(r.schedule, r.checkpoint) for r in rows] == [("gpipe", "except_last"), ("1f1b", "except_last")]
+    assert [(r.schedule, r.recompute) for r in rows] == [("gpipe", "except_last"), ("1f1b", "except_last")]
     for r in rows:  # the measured transfer and call cost only add to the prediction before them
         assert r.measured_ms > 0 and r.predicted_ms > r.before_ms > 0

@@ -31,7 +31,7 @@ def test_a_cut_after_a_relu_is_predicted_with_the_receivers_copy() -> None:
     copy = 8 * 512 * 4  # net.1's output for one micro-batch of 8 rows
     for mode in ("never", "except_last", "always"):
         plan = autopipe.Plan.from_stages(prof, [layers[:2], layers[2:]], devices=["cpu", "cpu"],
-                                         chunks=4, checkpoint=mode)
+                                         chunks=4, recompute=mode)
         first, second = bench.measure_plan(ex, prof, plan)
         assert first.measured == first.predicted and first.recompute_copy == 0
         # stage 1 keeps its own copy of net.1's output: in the prediction, exactly

@@ -137,7 +137,8 @@ def test_plots_read_plans_and_profiles_only() -> None:
 
 def test_executor_spec_is_torch_free() -> None:
     assert _imports(ROOT / "executor" / "spec.py") <= {"__future__", "__future__.annotations",
-                                                      "dataclasses", "dataclasses.dataclass"}
+                                                      "dataclasses", "dataclasses.dataclass",
+                                                      "typing", "typing.Any", "warnings"}
 
 
 def test_private_torch_names_come_only_from_the_compat_module() -> None:

@@ -81,7 +81,7 @@ def _simulated(schedule: str, devices: list[str], chunks: int,
     k = len(devices)
     stages = [StageCost(1.0 + 0.3 * s, 2.0 + 0.7 * (s % 2), 0.0, 0.0, 0, 0, 8, 8, 64,
                         bwd_input_ms=0.8 + 0.5 * (s % 3)) for s in range(k)]
-    sim = simulate_stages(stages, chunks=chunks, checkpoint="except_last", ms_per_byte=0.01,
+    sim = simulate_stages(stages, chunks=chunks, recompute="except_last", ms_per_byte=0.01,
                           schedule=schedule, devices=devices, merge=merge)
     split = {(e.stage, e.microbatch) for e in sim.timeline if e.phase == "weight"}
     kinds = {"forward": "F", "weight": "W", "backward": "B"}

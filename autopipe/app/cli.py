@@ -125,7 +125,7 @@ def _partition(args: argparse.Namespace) -> int:
     stages = None if config.stages is None else _count_or_auto("--stages", config.stages)
     chunks = None if config.chunks is None else _count_or_auto("--chunks", config.chunks)
     data_parallel = _count_or_auto("--data-parallel", config.data_parallel)
-    modes = config.checkpoint.split(",") if "," in config.checkpoint else config.checkpoint
+    modes = config.recompute.split(",") if "," in config.recompute else config.recompute
     if os.path.exists(config.out) and not config.force:  # fail before solving, not after
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
     profile = Profile.load(config.profile)
@@ -138,7 +138,7 @@ def _partition(args: argparse.Namespace) -> int:
         chunks = resolve(None, profile.meta.get("chunks"), default=DEFAULT_CHUNKS)
     plan: Plan = partition(
         profile, stages=stages, devices=devices, method=config.method, chunks=chunks,
-        checkpoint=modes, schedule=config.schedule, batch_size=config.batch_size,
+        recompute=modes, schedule=config.schedule, batch_size=config.batch_size,
         memory_limit=config.memory, optimizer=config.optimizer, time_limit=config.time_limit,
         ties=config.ties,
         bandwidth="measured" if config.bandwidth is None else config.bandwidth or None,
@@ -208,7 +208,7 @@ def _train(args: argparse.Namespace) -> int:
     config: TrainConfig = from_namespace(TrainConfig, args)
     config.check()
     train_example(config.model, stages=config.stages, chunks=config.chunks,
-                  batch_size=config.batch_size, steps=config.steps, checkpoint=config.checkpoint,
+                  batch_size=config.batch_size, steps=config.steps, recompute=config.recompute,
                   devices=config.devices, method=config.method, plan=config.plan,
                   profile=config.profile, lr=config.lr, clip_grad=config.clip_grad,
                   host_allocator=config.host_allocator, precision=config.precision,

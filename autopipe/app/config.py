@@ -42,7 +42,7 @@ __all__ = [
     "check_clip_grad",
 ]
 
-Checkpoint = Literal["always", "except_last", "never"]
+Recompute = Literal["always", "except_last", "never"]
 Method = Literal["auto", "exact", "ilp", "uniform", "params", "blockpartition"]  # "dp": exact
 Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
 Ties = Literal["share", "colocate"]
@@ -161,10 +161,10 @@ class PartitionConfig:
     batch_size: int | None = _opt(None, "mini-batch size B: --chunks M plans micro-batches of "
                                         "ceil(B/M) rows, --chunks auto the fastest divisor M of B "
                                         "(default: the profile's)")
-    checkpoint: str = _opt("except_last", "recomputation: always, except_last, never, auto (a "
+    recompute: str = _opt("except_last", "recomputation: always, except_last, never, auto (a "
                                           "mode per stage, only where memory binds), or one mode "
                                           "per stage, comma-separated (default except_last)",
-                           metavar="MODE|auto|M1,M2,..")
+                           metavar="MODE|auto|M1,M2,..", renamed_from="--checkpoint")
     schedule: ScheduleChoice = _opt("gpipe", "pipeline schedule, or auto: the fastest simulated "
                                              "(default gpipe)")
     optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
@@ -213,8 +213,8 @@ class TrainConfig(CheckpointFlags):
     chunks: int | None = _opt(None, _chunks("the --plan's, else the --profile's"))
     batch_size: int | None = _opt(None, _batch("the --plan's, else the --profile's"))
     steps: int = _opt(10, "training steps (default 10; the summary times steps 2..10)")
-    checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, per stage, "
-                                               "else except_last)")
+    recompute: Recompute | None = _opt(None, "recomputation (default: the plan's, per stage, "
+                                               "else except_last)", renamed_from="--checkpoint")
     devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")
     method: Method = _opt("auto", "partition method (default auto)")
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")
@@ -278,7 +278,8 @@ class RunConfig(Launch, RestartFlags):
     batch_size: int | None = _opt(None, _batch("the --plan's"))
     chunks: int | None = _opt(None, _chunks("the --plan's"))
     schedule: Schedule | None = _opt(None, "pipeline schedule (default: the plan's, else gpipe)")
-    checkpoint: Checkpoint | None = _opt(None, "recomputation (default: the plan's, else except_last)")
+    recompute: Recompute | None = _opt(None, "recomputation (default: the plan's, else except_last)",
+                                       renamed_from="--checkpoint")
     lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
     clip_grad: float | None = _opt(None, "clip the gradient norm of the whole model (every stage, "
                                          "each parameter once) to this before each step (default: "
@@ -336,8 +337,8 @@ class RunConfig(Launch, RestartFlags):
                              "e.g. --first-step-timeout 600")
         if self.schedule is not None:
             _check_choice("--schedule", self.schedule, Schedule)
-        if self.checkpoint is not None:
-            _check_choice("--checkpoint", self.checkpoint, Checkpoint)
+        if self.recompute is not None:
+            _check_choice("--recompute", self.recompute, Recompute)
         if self.dp_mode is not None:
             _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
         _check_choice("--precision", self.precision, Precision)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from typing import Any, Literal
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
                 group.add_argument(switch, action="store_const", const=value, dest=f.name, help=text)
             parser.set_defaults(**{f.name: f.default})
             continue
+        renamed_from = meta.pop("renamed_from", None)
         kw: dict[str, Any] = {"help": help_text, "dest": f.name, **meta}
         if f.default is not dataclasses.MISSING and not meta.get("required"):
             kw["default"] = f.default
@@ -62,6 +64,22 @@ def add_arguments(parser: argparse.ArgumentParser, config: type) -> None:
         else:
             kw["type"] = kind
         parser.add_argument(flag, **kw)
+        if renamed_from is not None:  # the flag's old name, hidden, for one more release
+            parser.add_argument(renamed_from, **{**kw, "help": argparse.SUPPRESS,
+                                                 "action": _renamed(renamed_from, flag)})
+
+
+def _renamed(old: str, new: str) -> type[argparse.Action]:
+    """An argparse action that stores the value and says, in one line on stderr, the new name."""
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                     values: Any, option_string: str | None = None) -> None:
+            print(f"autopipe: {old} is now {new}; {old} will be removed in the next release",
+                  file=sys.stderr)
+            setattr(namespace, self.dest, values)
+
+    return Renamed
 
 
 def from_namespace(config: type, args: argparse.Namespace) -> Any:

@@ -36,7 +36,7 @@ from typing import Any, cast
 from autopipe.app.config import (
     DEFAULT_BATCH,
     DEFAULT_CHUNKS,
-    Checkpoint,
+    Recompute,
     RunConfig,
     Schedule,
     resolve,
@@ -123,7 +123,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     config = dataclasses.replace(config, schedule=config.schedule or cast(Schedule, plan.schedule if plan else "gpipe"))
     chunks = resolve(config.chunks, plan.chunks if plan else None, default=DEFAULT_CHUNKS)
     batch = resolve(config.batch_size, plan.batch_size if plan else None, default=DEFAULT_BATCH)
-    checkpoint = config.checkpoint or cast(Checkpoint, plan.checkpoint if plan else "except_last")
+    checkpoint = config.recompute or cast(Recompute, plan.recompute if plan else "except_last")
     asked = config.replicas()
     auto = asked == "auto" and plan is None  # the planner picks D below
     replicas, dp_mode = (1, config.dp_mode or "ddp") if auto else replicas_of(plan, asked, config.dp_mode,
@@ -160,17 +160,17 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
             if replicas == 1 and not auto:
                 plan = partition(prof, devices=[f"rank{stage_rank(config.schedule or 'gpipe', s, config.nproc)}"
                                                 for s in range(k)],
-                                 chunks=chunks, checkpoint=checkpoint, runtime="distributed")
+                                 chunks=chunks, recompute=checkpoint, runtime="distributed")
             else:  # [Note: pipeline x data parallel]: replicas of batch / D rows on the nproc ranks
                 plan = partition(prof, devices=[f"rank{r}" for r in range(config.nproc)], chunks=chunks,
-                                 checkpoint=checkpoint, batch_size=batch, stages=None if auto else k,
+                                 recompute=checkpoint, batch_size=batch, stages=None if auto else k,
                                  data_parallel="auto" if auto else replicas, dp_mode=dp_mode,
                                  runtime="distributed")
         if replicas != 1 or auto:
             replicas = plan.data_parallel
             _check_ranks(config, plan, chunks, batch, replicas)
         where = str(plan.save(Path(work_dir) / "plan.json"))
-    resolved = dataclasses.replace(config, plan=where, chunks=chunks, batch_size=batch, checkpoint=checkpoint,
+    resolved = dataclasses.replace(config, plan=where, chunks=chunks, batch_size=batch, recompute=checkpoint,
                                    data_parallel=str(replicas), dp_mode=cast(Any, dp_mode))
     return resolved, plan, where
 
@@ -186,7 +186,7 @@ def layout(config: RunConfig, plan: Plan, where: str) -> str:
     ranks = [",".join(str(s % w + r * w) for r in range(d)) for s in range(len(plan.stages))]
     rw = max(4, *(len(x) for x in ranks))
     amp = "" if config.precision == "fp32" else f", precision={config.precision}"
-    lines = [f"{config.model} on {config.nproc} ranks ({config.schedule}, checkpoint={config.checkpoint}{amp}): "
+    lines = [f"{config.model} on {config.nproc} ranks ({config.schedule}, recompute={config.recompute}{amp}): "
              f"batch {config.batch_size} {'as ' + each if each else ''}in {config.chunks} micro-batches of "
              f"{micro} rows; plan {where}",
              f"{'rank':>{rw}}  {'stage':>5}  {'layers':>6}  {'first .. last':<{wide}}  {'ms per micro-batch':>18}"]

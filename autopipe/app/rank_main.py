@@ -107,7 +107,7 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
     plan = Plan.load(config.plan) if config.plan else None
     chunks = config.chunks or (plan.chunks if plan else DEFAULT_CHUNKS)
     batch = config.batch_size or DEFAULT_BATCH
-    checkpoint = config.checkpoint or (plan.checkpoint if plan else "except_last")
+    checkpoint = config.recompute or (plan.recompute if plan else "except_last")
     schedule = config.schedule or (plan.schedule if plan else "gpipe")
     ex = load_model(config.model, batch, for_training="autopipe run")  # same seed on every rank
     assert ex.loss_fn is not None
@@ -118,7 +118,7 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
         return x.tensor_split(replicas)[mine] if isinstance(x, torch.Tensor) and x.dim() else x
 
     pipe = distributed_pipeline(ex.model, tuple(local(x) for x in ex.inputs), loss_fn=ex.loss_fn, plan=plan,
-                                chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                                chunks=chunks, recompute=checkpoint, schedule=schedule,
                                 timeout=config.timeout, first_step_timeout=config.first_step_timeout,
                                 host_allocator=config.host_allocator, data_parallel=replicas,
                                 dp_mode=config.dp_mode, precision=config.precision)

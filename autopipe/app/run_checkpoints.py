@@ -3,7 +3,7 @@ and the line that says where a run resumed and which steps it runs again.
 
 [Note: resuming a run] ``--checkpoint-dir DIR`` saves the pipeline and its AdamW after the last
 step (and every ``--checkpoint-every N`` steps) with ``pipe.save_checkpoint`` (executor/
-checkpoint: every rank its part, the folder renamed into place only when whole). A run resumes
+recompute: every rank its part, the folder renamed into place only when whole). A run resumes
 from the newest whole checkpoint in DIR when it is asked to (``--resume``) or when torchrun's
 elastic agent has restarted the ranks after a failure (``TORCHELASTIC_RESTART_COUNT`` > 0,
 ``autopipe run --max-restarts N``), and trains on to ``--steps``. Because each step's batch is

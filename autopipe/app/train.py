@@ -96,7 +96,7 @@ class TrainReport:
         timed = "steps 2.." + str(len(self.step_ms)) if len(self.step_ms) > 1 else "the only step"
         lines = [
             f"{self.example}: batch {self.batch_size} in {m} micro-batches of {micro} rows, "
-            f"{k} stages on {', '.join(self.devices)} (checkpoint={self.plan.checkpoint}, "
+            f"{k} stages on {', '.join(self.devices)} (recompute={self.plan.recompute}, "
             f"method={self.plan.method}{'' if self.precision == 'fp32' else ', precision=' + self.precision})",
             f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f} over {len(self.losses)} steps",
             f"step {step:.1f} ms (medians of {timed}: forward+backward {fb:.1f} ms, AdamW "
@@ -110,7 +110,7 @@ class TrainReport:
                 f"Stages on one device take turns: with {k} stages on {self.devices[0]} this process "
                 f"runs one micro-batch of one stage at a time, so the pipeline cannot beat the "
                 f"unpipelined model here; it adds per-micro-batch overhead and recomputation "
-                f"(checkpoint={self.plan.checkpoint}), both in the prediction. For a real speedup "
+                f"(recompute={self.plan.recompute}), both in the prediction. For a real speedup "
                 f"give each stage its own process: `{self.run_command}` "
                 f"(predicted forward+backward {self.predicted_apart_ms:.1f} ms with one device per stage)."
             )
@@ -131,8 +131,8 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
 
 def _predict(plan: Plan, devices: Sequence[str]) -> float:
     """The plan's simulated GPipe iteration on ``devices`` (shared names take turns)."""
-    options = CostOptions(plan.chunks, plan.checkpoint, plan.optimizer, plan.bandwidth, plan.ties)
-    return simulate_stages(plan.breakdown, chunks=plan.chunks, checkpoint=plan.checkpoint,
+    options = CostOptions(plan.chunks, plan.recompute, plan.optimizer, plan.bandwidth, plan.ties)
+    return simulate_stages(plan.breakdown, chunks=plan.chunks, recompute=plan.recompute,
                            ms_per_byte=options.ms_per_byte, devices=list(devices)).iteration_time
 
 
@@ -161,7 +161,7 @@ def train_example(
     chunks: int | None = None,
     batch_size: int | None = None,
     steps: int = 10,
-    checkpoint: str | None = None,
+    recompute: str | None = None,
     devices: Sequence[str] | None = None,
     method: str = "auto",
     plan: Plan | str | None = None,
@@ -178,7 +178,7 @@ def train_example(
 ) -> TrainReport | None:
     """Profile, partition and train ``name`` (a bundled example or ``package.module:factory``
     returning a target and loss too) as a GPipe pipeline; ``stages``, ``chunks`` and
-    ``batch_size`` default to the plan's or profile's, else 2, 4 and 32; ``checkpoint`` to the
+    ``batch_size`` default to the plan's or profile's, else 2, 4 and 32; ``recompute`` to the
     plan's (one mode per stage), else except_last; ``precision`` is the pipeline's (fp16 with
     a gradient scaler). ``clip_grad``: clip the gradient norm to it before each step
     (``pipe.clip_grad_norm_``, after unscaling), the norms kept in ``report.grad_norms``.
@@ -202,7 +202,7 @@ def train_example(
         loaded_profile = profile_model(ex.model, ex.inputs, chunks=m, device=chosen[0], graph=graph,
                                        host_allocator=host_allocator, loss_fn=ex.loss_fn, target=ex.target,
                                        precision=precision)
-    pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, checkpoint=checkpoint,
+    pipe = pipeline(ex.model, ex.inputs, devices=chosen, chunks=m, recompute=recompute,
                     plan=loaded_plan, profile=loaded_profile, method=method, graph=graph,
                     host_allocator=host_allocator, precision=precision)
     run = f"autopipe run {name} --nproc {k} --batch-size {b} --chunks {m}"

@@ -38,11 +38,11 @@ from autopipe.assemble.setup import (
     graph_model_loss,
     graph_signature,
     microbatch_inputs,
-    partition_checkpoint,
+    partition_recompute,
     pipeline_precision,
     placement_warning,
     plan_for_devices,
-    runtime_checkpoint,
+    runtime_recompute,
     warn_precision_mismatch,
 )
 from autopipe.core.plan import Plan
@@ -56,6 +56,7 @@ from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor import GPipe
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
+from executor.spec import renamed_recompute
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -64,11 +65,11 @@ class Pipeline(GPipe):
     ([Note: a plan is a prediction for a placement]), and the graph it was built from."""
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
-                 chunks: int, checkpoint: str | Sequence[str], deferred_batch_norm: bool, *,
+                 chunks: int, recompute: str | Sequence[str], deferred_batch_norm: bool, *,
                  plan: Plan, graph: LayerGraph,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  precision: str = "fp32") -> None:
-        super().__init__(stages, devices, chunks=chunks, checkpoint=checkpoint,
+        super().__init__(stages, devices, chunks=chunks, recompute=recompute,
                          deferred_batch_norm=deferred_batch_norm, loss_fn=loss_fn,
                          signature=graph_signature(graph),
                          model_loss=graph_model_loss(graph, loss_fn), precision=precision)
@@ -84,7 +85,7 @@ def pipeline(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     chunks: int | None = None,
-    checkpoint: str | Sequence[str] | None = None,
+    recompute: str | Sequence[str] | None = None,
     plan: Plan | None = None,
     profile: Profile | None = None,
     method: str = "auto",
@@ -96,6 +97,7 @@ def pipeline(
     init: Callable[[nn.Module], None] | None = None,
     host_allocator: str = "system",
     precision: str = "fp32",
+    checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
     **trace_kwargs: Any,
 ) -> Pipeline:
     """Trace, profile (if needed), partition, build and place ``model`` as a GPipe pipeline.
@@ -120,9 +122,9 @@ def pipeline(
             whole batch's for a mean loss), as ``DistributedPipeline.step`` does.
         devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"] * 4``.
         chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
-        checkpoint: recomputation: ``"always"``, ``"except_last"`` or ``"never"``, or a list
+        recompute: recomputation: ``"always"``, ``"except_last"`` or ``"never"``, or a list
             with one of them per stage; default: the plan's (its mode or per-stage list), and
-            ``"except_last"`` to partition with. See :func:`runtime_checkpoint`.
+            ``"except_last"`` to partition with. See :func:`runtime_recompute`.
         plan: a saved Plan (``autopipe.Plan.load``) to use instead of partitioning. It is kept
             as ``pipe.plan`` re-evaluated for ``devices``, with a warning when its devices
             differ ([Note: a plan is a prediction for a placement]).
@@ -147,6 +149,7 @@ def pipeline(
     Raises:
         BuildError, PlanError, ProfileError, PartitionError, TraceError: one-line messages.
     """
+    recompute = renamed_recompute(recompute, checkpoint, "pipeline")
     from autopipe.frontend.profiling.profiler import profile as measure  # not on a rank's path
     from autopipe.solvers.partitioner import partition
 
@@ -162,9 +165,9 @@ def pipeline(
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     micro = microbatch_inputs(inputs, chunks)
     micro_kwargs = {**dict(zip(batched, micro[n_positional:], strict=True)), **constants}
-    given = checkpoint if plan is not None else None  # else the plan is made with it
+    given = recompute if plan is not None else None  # else the plan is made with it
     # refused before tracing and profiling; unused with a plan
-    mode = partition_checkpoint(checkpoint, len(devices)) if plan is None else ""
+    mode = partition_recompute(recompute, len(devices)) if plan is None else ""
     on_cpu = any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int))
     check_host_allocator(host_allocator)  # on any device: a typo is refused, not ignored
     in_use = use_host_allocator(host_allocator) if on_cpu else host_allocator_in_use()
@@ -191,7 +194,7 @@ def pipeline(
             devices=device_names(devices),  # the runtime's names: shared devices take turns
             method=method,
             chunks=chunks,
-            checkpoint=mode,
+            recompute=mode,
             memory_limit=memory_limit,
             optimizer=optimizer,
             runtime="gpipe",  # executor.GPipe in this process: its own call cost, no ranks
@@ -203,7 +206,7 @@ def pipeline(
         )
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
-    modes = runtime_checkpoint(plan, given)
+    modes = runtime_recompute(plan, given)
     check_device_memory(plan, devices)
     stages = build(model, plan, graph)
     initialised = materialize_stages(model, stages, devices, weights=weights, init=init)

@@ -51,9 +51,9 @@ from autopipe.assemble.setup import (
     graph_model_loss,
     graph_signature,
     microbatch_inputs,
-    partition_checkpoint,
+    partition_recompute,
     pipeline_precision,
-    runtime_checkpoint,
+    runtime_recompute,
     warn_precision_mismatch,
 )
 from autopipe.core.plan import Plan
@@ -67,7 +67,13 @@ from executor.host_allocator import check_host_allocator, use_host_allocator
 from executor.ranks.distributed import DistributedError, DistributedPipeline, Wire, infer_wires
 from executor.ranks.replicated import check_fsdp_ties
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S
-from executor.spec import MULTI_STAGE_SCHEDULES, SCHEDULES, check_schedule, stage_rank
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    check_schedule,
+    renamed_recompute,
+    stage_rank,
+)
 
 __all__ = ["distributed_pipeline", "merge_state_dicts"]
 
@@ -87,7 +93,7 @@ def _comm_device(here: torch.device) -> torch.device:
 
 
 def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
-                 method: str, chunks: int, checkpoint: str, loss_fn: Callable[[Any, Any], Tensor] | None,
+                 method: str, chunks: int, recompute: str, loss_fn: Callable[[Any, Any], Tensor] | None,
                  target: Any = None, precision: str = "fp32", schedule: str = "gpipe", ranks: int = 1,
                  device: torch.device | None = None) -> Plan:
     """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
@@ -103,7 +109,7 @@ def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: i
             prof = profile(model, micro, graph=graph, loss_fn=None if target is None else loss_fn,
                            target=target, precision=precision)
             devices = [f"rank:{stage_rank(schedule, i, ranks)}" for i in range(stages)]
-            box[0] = partition(prof, devices=devices, method=method, chunks=chunks, checkpoint=checkpoint,
+            box[0] = partition(prof, devices=devices, method=method, chunks=chunks, recompute=recompute,
                                runtime="distributed", schedule=schedule).to_dict()
         except ValueError as err:
             box[0] = err  # every rank raises it, instead of the others waiting forever
@@ -190,7 +196,7 @@ def distributed_pipeline(
     plan: Plan | None = None,
     method: str = "auto",
     chunks: int | None = None,
-    checkpoint: str | Sequence[str] | None = None,
+    recompute: str | Sequence[str] | None = None,
     schedule: str | None = None,
     stages_per_rank: int | None = None,
     data_parallel: int | str | None = None,
@@ -204,6 +210,7 @@ def distributed_pipeline(
     example_target: Any = None,
     precision: str = "fp32",
     graph: LayerGraph | None = None,
+    checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
     **trace_kwargs: Any,
 ) -> DistributedPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
@@ -225,8 +232,8 @@ def distributed_pipeline(
             rank 0 partitions.
         method: the partitioner's method when no plan is given.
         chunks: micro-batches per mini-batch; default: the plan's, else ``DEFAULT_PIPELINE_CHUNKS`` (8).
-        checkpoint: recomputation, one mode or a list of one per stage; default: the plan's
-            (see :func:`autopipe.assemble.setup.runtime_checkpoint`), ``"except_last"`` to partition.
+        recompute: recomputation, one mode or a list of one per stage; default: the plan's
+            (see :func:`autopipe.assemble.setup.runtime_recompute`), ``"except_last"`` to partition.
         schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b`` (several stages per rank), or a
             zero-bubble schedule, each backward split into input and weight gradients:
             ``interleaved_zb`` (interleaved's layout), ``zbv`` or ``dualpipev`` (two stages per
@@ -280,6 +287,7 @@ def distributed_pipeline(
     Raises:
         BuildError, PlanError (and the planner's errors): one-line messages, on every rank.
     """
+    recompute = renamed_recompute(recompute, checkpoint, "distributed_pipeline")
     if not dist.is_initialized():
         raise BuildError("torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) on every rank first")
@@ -309,8 +317,8 @@ def distributed_pipeline(
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     micro = microbatch_inputs(inputs, chunks)
     micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
-    given = checkpoint if plan is not None else None  # else the plan is made with it
-    mode = partition_checkpoint(checkpoint, k) if plan is None else ""
+    given = recompute if plan is not None else None  # else the plan is made with it
+    mode = partition_recompute(recompute, k) if plan is None else ""
     try:  # what the schedule accepts, before any rank profiles
         check_schedule(schedule, k, world, chunks)
     except ValueError as err:
@@ -337,12 +345,12 @@ def distributed_pipeline(
             target = microbatch_inputs(target, chunks)
         elif target is not None:
             target = microbatch_inputs((target,), chunks)[0]
-        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, checkpoint=mode,
+        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, recompute=mode,
                             loss_fn=loss_fn, target=target, precision=precision, schedule=schedule, ranks=world,
                             device=_comm_device(here))
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
-    modes = runtime_checkpoint(plan, given)
+    modes = runtime_recompute(plan, given)
     stages = build(model, plan, graph)
     if replicas > 1 and dp == "fsdp":  # on every rank, before any builds its replica
         for r in range(world):
@@ -371,7 +379,7 @@ def distributed_pipeline(
     return replicated_pipeline(
         [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp,
         loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
-        chunks=chunks, checkpoint=modes, schedule=schedule, wires=wires, ties=ties,
+        chunks=chunks, recompute=modes, schedule=schedule, wires=wires, ties=ties,
         key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
         precision=precision,  # the plan's merge rule is for its own schedule ([Note: adjacent I and W])
         merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited",

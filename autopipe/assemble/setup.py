@@ -2,8 +2,8 @@
 (ranks.py) each call these in the same order.
 
     micro = microbatch_inputs(inputs, chunks)            # the micro-batch graphs are keyed to
-    mode = partition_checkpoint(checkpoint, stages)      # one mode to partition with
-    modes = runtime_checkpoint(plan, checkpoint)         # what the runtime runs, plan first
+    mode = partition_recompute(recompute, stages)      # one mode to partition with
+    modes = runtime_recompute(plan, recompute)         # what the runtime runs, plan first
     check_device_memory(plan, devices)                   # refused before anything is built
 
 See [Note: graphs are keyed to the micro-batch] and [Note: a plan is a prediction for a
@@ -31,11 +31,11 @@ from autopipe.frontend.tracing.graph import LayerGraph
 from executor.keywords import InputSignature
 from executor.local.worker import normalize_device
 from executor.model_loss import ModelLoss
-from executor.spec import check_precision, check_stage_checkpoints
+from executor.spec import check_precision, check_stage_recompute
 
 __all__ = ["DEFAULT_PIPELINE_CHUNKS", "graph_signature", "graph_model_loss", "microbatch_inputs",
            "check_device_memory", "free_memory", "device_names", "plan_for_devices", "placement_warning",
-           "partition_checkpoint", "runtime_checkpoint", "pipeline_precision", "warn_precision_mismatch",
+           "partition_recompute", "runtime_recompute", "pipeline_precision", "warn_precision_mismatch",
            "check_profile_allocator"]
 
 DEFAULT_PIPELINE_CHUNKS = 8  # pipeline() and distributed_pipeline() without a plan or chunks
@@ -103,9 +103,9 @@ def placement_warning(plan: Plan, placed: Plan) -> str:
             f"for a plan balanced for them")
 
 
-def _modes(checkpoint: str | Sequence[str], stages: int, what: str) -> list[str]:
+def _modes(recompute: str | Sequence[str], stages: int, what: str) -> list[str]:
     try:
-        return check_stage_checkpoints(checkpoint, stages)
+        return check_stage_recompute(recompute, stages)
     except ValueError as err:
         raise BuildError(f"{what}: {err}") from None
 
@@ -114,33 +114,33 @@ def _show(modes: list[str]) -> str:
     return repr(modes[0]) if len(set(modes)) == 1 else repr(modes)
 
 
-def partition_checkpoint(checkpoint: str | Sequence[str] | None, stages: int) -> str:
-    """The mode to partition with when no plan is given: ``checkpoint``, ``"except_last"`` by
+def partition_recompute(recompute: str | Sequence[str] | None, stages: int) -> str:
+    """The mode to partition with when no plan is given: ``recompute``, ``"except_last"`` by
     default; a list of one mode per stage is refused in one line, since only a plan made for
     those modes predicts them (partition takes one mode)."""
-    if checkpoint is None or isinstance(checkpoint, str):
-        return checkpoint or "except_last"
-    listed = _modes(checkpoint, stages, "checkpoint")
-    raise BuildError(f"checkpoint={listed!r} gives one mode per stage, which only a plan made "
+    if recompute is None or isinstance(recompute, str):
+        return recompute or "except_last"
+    listed = _modes(recompute, stages, "recompute")
+    raise BuildError(f"recompute={listed!r} gives one mode per stage, which only a plan made "
                      "for them predicts; pass plan=partition(profile, ...) with those modes, "
                      "or one mode for every stage")
 
 
-def runtime_checkpoint(plan: Plan, checkpoint: str | Sequence[str] | None) -> str | list[str]:
+def runtime_recompute(plan: Plan, recompute: str | Sequence[str] | None) -> str | list[str]:
     """The recomputation a pipeline built from ``plan`` runs: the plan's mode, or its list of
     one mode per stage ([Note: per-stage recomputation] in executor/spec.py), unless
-    ``checkpoint`` is given. A given ``checkpoint`` that differs from the plan's still wins, with
+    ``recompute`` is given. A given ``recompute`` that differs from the plan's still wins, with
     a one-line warning: the plan's times and memory were predicted for its own modes."""
     k = len(plan.stages)
-    planned = _modes(plan.checkpoint, k, "the plan's checkpoint")
-    if checkpoint is None:
-        return plan.checkpoint if isinstance(plan.checkpoint, str) else planned
-    asked = _modes(checkpoint, k, "checkpoint")
+    planned = _modes(plan.recompute, k, "the plan's recompute")
+    if recompute is None:
+        return plan.recompute if isinstance(plan.recompute, str) else planned
+    asked = _modes(recompute, k, "recompute")
     if asked != planned:
-        warnings.warn(f"autopipe: checkpoint={_show(asked)} overrides the plan's {_show(planned)}, "
-                      "for which its times and memory were predicted; drop checkpoint= to run the "
-                      "plan's, or partition with this checkpoint", UserWarning, stacklevel=3)
-    return checkpoint if isinstance(checkpoint, str) else asked
+        warnings.warn(f"autopipe: recompute={_show(asked)} overrides the plan's {_show(planned)}, "
+                      "for which its times and memory were predicted; drop recompute= to run the "
+                      "plan's, or partition with this recompute", UserWarning, stacklevel=3)
+    return recompute if isinstance(recompute, str) else asked
 
 
 def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any, ...]:
@@ -176,7 +176,7 @@ def check_device_memory(
         if available is not None and nbytes > available:
             raise BuildError(
                 f"stage(s) {stages[dev]} need {format_bytes(nbytes)} (predicted peak) but {dev} "
-                f"has {format_bytes(available)} free; use more stages, checkpoint='always', or "
+                f"has {format_bytes(available)} free; use more stages, recompute='always', or "
                 f"partition with memory_limit={format_bytes(available)!r}"
             )
 

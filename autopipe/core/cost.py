@@ -109,13 +109,13 @@ from autopipe.core.stage_memory import (
 from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms
 from autopipe.errors import PartitionError
 from executor.spec import (
-    CHECKPOINT_MODES,
     MULTI_STAGE_SCHEDULES,
     PRECISION_BYTES,
+    RECOMPUTE_MODES,
     SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     check_merge_rule,
-    check_stage_checkpoints,
+    check_stage_recompute,
     recomputed_microbatches,
 )
 
@@ -255,7 +255,7 @@ class CostOptions:
     bandwidth between stages, tied parameters, the pipeline schedule and its replicas."""
 
     chunks: int = 8
-    checkpoint: str | Sequence[str] = "except_last"  # a list becomes a tuple
+    recompute: str | Sequence[str] = "except_last"  # a list becomes a tuple
     optimizer: str = "adam"
     bandwidth: float | None = DEFAULT_BANDWIDTH
     ties: str = "share"
@@ -270,12 +270,12 @@ class CostOptions:
             object.__setattr__(self, "recompute_layers", tuple(self.recompute_layers))
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise PartitionError(f"chunks={self.chunks!r}: need an integer number of micro-batches >= 1")
-        if not isinstance(self.checkpoint, str | tuple):
-            object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
-        if isinstance(self.checkpoint, str) and self.checkpoint not in CHECKPOINT_MODES:
-            raise PartitionError(f"checkpoint={self.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
-        if not isinstance(self.checkpoint, str):
-            self.modes(len(self.checkpoint))  # each entry a mode
+        if not isinstance(self.recompute, str | tuple):
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        if isinstance(self.recompute, str) and self.recompute not in RECOMPUTE_MODES:
+            raise PartitionError(f"recompute={self.recompute!r}: choose one of {list(RECOMPUTE_MODES)}")
+        if not isinstance(self.recompute, str):
+            self.modes(len(self.recompute))  # each entry a mode
         if self.optimizer not in OPTIMIZER_FACTOR:
             raise PartitionError(f"optimizer={self.optimizer!r}: choose one of {list(OPTIMIZER_FACTOR)}")
         if self.ties not in ("share", "colocate"):
@@ -295,9 +295,9 @@ class CostOptions:
         return 0.0 if not self.bandwidth else 1000.0 / self.bandwidth
 
     def modes(self, stages: int) -> list[str]:
-        """Each stage's checkpoint mode ([Note: per-stage recomputation] in executor/spec.py)."""
+        """Each stage's recompute mode ([Note: per-stage recomputation] in executor/spec.py)."""
         try:
-            return check_stage_checkpoints(self.checkpoint, stages)
+            return check_stage_recompute(self.recompute, stages)
         except ValueError as err:
             raise PartitionError(str(err)) from None
 
@@ -335,7 +335,7 @@ def _recomputed_mask(costs: LayerCosts, stage: np.ndarray, modes: Sequence[str],
         s = int(stage[index[name]])
         if modes[s] != "never":
             raise PartitionError(f"layer {name!r} is recomputed alone but its stage {s} recomputes as a whole "
-                                 f"(checkpoint {modes[s]!r}); recompute layers only in stages whose mode "
+                                 f"(recompute {modes[s]!r}); recompute layers only in stages whose mode "
                                  "is 'never'")
         mask[index[name]] = True
     return mask

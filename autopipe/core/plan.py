@@ -7,8 +7,10 @@ Everything numeric in it comes from ``autopipe.core.cost`` (per-stage time and m
 the plan's schedule); ``autopipe.core.plan_text`` puts it in words.
 
 [Note: plan fields over time] ``autopipe-plan/1`` only ever gains optional fields, so every
-older plan loads: ``checkpoint`` is one mode or, since per-stage recomputation, a list with one
-mode per stage (a plan whose stages all share a mode stores the single mode, as before);
+older plan loads: ``recompute`` is one mode or, since per-stage recomputation, a list with one
+mode per stage (a plan whose stages all share a mode stores the single mode, as before); plans
+written before the word was ``recompute`` name it ``checkpoint``, in the plan and in each of its
+``alternatives``, and load the same;
 ``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
 ``device_memory`` were added with the automatic search; ``data_parallel`` (replicas of the
 pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel;
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -79,7 +82,7 @@ class Alternative:
     stages: int
     chunks: int
     schedule: str
-    checkpoint: str | list[str]
+    recompute: str | list[str]
     iteration_time: float
     bottleneck: float
     memory: int
@@ -95,13 +98,13 @@ class Plan:
     runs. Times are ms per micro-batch (``stage_times``, ``bottleneck``, ``lower_bound``) or per
     iteration (``iteration_time``, simulated GPipe); memory is bytes. ``breakdown[s]`` splits
     stage s's time into forward, backward, recompute and transfer (for stacked bar plots).
-    ``checkpoint`` is one mode, or one per stage (``stage_checkpoints`` always gives the list).
+    ``recompute`` is one mode, or one per stage (``stage_recompute`` always gives the list).
     """
 
     stages: list[list[str]]
     devices: list[DeviceSpec]
     chunks: int
-    checkpoint: str | list[str]
+    recompute: str | list[str]
     method: str
     stage_times: list[float]
     stage_memory: list[int]
@@ -139,7 +142,7 @@ class Plan:
         *,
         devices: Sequence[DeviceSpec | str] | None = None,
         chunks: int = 8,
-        checkpoint: str | Sequence[str] = "except_last",
+        recompute: str | Sequence[str] = "except_last",
         optimizer: str = "adam",
         bandwidth: float | None = 10e9,
         ties: str = "share",
@@ -157,7 +160,7 @@ class Plan:
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
-        ``checkpoint`` is one mode or a list of one mode per stage; ``schedule`` one of
+        ``recompute`` is one mode or a list of one mode per stage; ``schedule`` one of
         executor.spec.SCHEDULES (``interleaved1f1b`` cycles the stages over the distinct device
         names). ``data_parallel`` replicas of it, synced as ``dp_mode`` says, each run
         ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/data_parallel.py).
@@ -174,7 +177,7 @@ class Plan:
         stage is empty, or an edge of the graph runs from a later stage back to an earlier one.
         """
         specs = resolve_devices(len(stages), devices, memory_limit)
-        modes = CostOptions(chunks, _one(checkpoint), optimizer, bandwidth, ties, schedule).modes(len(stages))
+        modes = CostOptions(chunks, _one(recompute), optimizer, bandwidth, ties, schedule).modes(len(stages))
         rules = (merge_backward,) if merge_backward is not None else merge_rules(schedule)
         layers = profile.layers
         where = assign_stages(stages, layers, profile.edges, "the profile")
@@ -185,7 +188,7 @@ class Plan:
             options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule,
                                   data_parallel, dp_mode, tuple(recompute_layers), rule)
             breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
-            tried.append((simulate_stages(breakdown, chunks=chunks, checkpoint=modes, schedule=schedule,
+            tried.append((simulate_stages(breakdown, chunks=chunks, recompute=modes, schedule=schedule,
                                           ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs],
                                           merge=rule), rule, breakdown))
         sim, rule, breakdown = min(tried, key=lambda t: t[0].iteration_time)
@@ -200,7 +203,7 @@ class Plan:
         if rows is not None and _int_or_none(profile.meta.get("chunks")) not in (None, chunks):
             replica_batch = rows * chunks  # the profile's micro-batch, ``chunks`` times: its batch
         return cls(
-            stages=ordered, devices=specs, chunks=chunks, checkpoint=_one(modes), method=method,
+            stages=ordered, devices=specs, chunks=chunks, recompute=_one(modes), method=method,
             stage_times=times, stage_memory=[c.memory_bytes for c in breakdown],
             bottleneck=max(times), iteration_time=sim.iteration_time, lower_bound=lower,
             bubble_fraction=sim.bubble_fraction, peak_memory=sim.peak_memory,
@@ -222,14 +225,22 @@ class Plan:
         return len(self.stages)
 
     @property
-    def stage_checkpoints(self) -> list[str]:
-        """Each stage's checkpoint mode ([Note: per-stage recomputation] in executor/spec.py)."""
-        return [self.checkpoint] * self.num_stages if isinstance(self.checkpoint, str) else list(self.checkpoint)
+    def checkpoint(self) -> str | list[str]:
+        """``recompute``'s old name, until the next release ([Note: recompute, not checkpoint] in
+        executor/spec.py)."""
+        warnings.warn("plan.checkpoint is now plan.recompute; checkpoint will be removed in the "
+                      "next release", DeprecationWarning, stacklevel=2)
+        return self.recompute
+
+    @property
+    def stage_recompute(self) -> list[str]:
+        """Each stage's recompute mode ([Note: per-stage recomputation] in executor/spec.py)."""
+        return [self.recompute] * self.num_stages if isinstance(self.recompute, str) else list(self.recompute)
 
     @property
     def cost_options(self) -> CostOptions:
         """The options every cost of this plan was computed with."""
-        return CostOptions(self.chunks, _one(self.checkpoint), self.optimizer, self.bandwidth,
+        return CostOptions(self.chunks, _one(self.recompute), self.optimizer, self.bandwidth,
                            self.ties, self.schedule, self.data_parallel, self.dp_mode,
                            tuple(self.recompute_layers), self.merge_backward)
 
@@ -322,6 +333,7 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{where} is not an autopipe plan (expected format {PLAN_FORMAT!r}); "
                             f"re-run `autopipe partition ...`")
+        data = _renamed(data)
         names = [f.name for f in fields(cls)]
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
@@ -338,7 +350,7 @@ class Plan:
             kw["breakdown"] = [StageCost(**b) for b in data["breakdown"]]
             kw["solver"] = SolverInfo(**data.get("solver", {}))
             kw["largest_layer"] = tuple(data.get("largest_layer", ("", 0.0)))
-            kw["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
+            kw["alternatives"] = [Alternative(**_renamed(a)) for a in data.get("alternatives", [])]
             kw["device_memory"] = dict(data.get("device_memory", {}))
             plan = cls(**kw)
             check_types(plan)
@@ -347,11 +359,19 @@ class Plan:
         return plan
 
 
-def _one(checkpoint: str | Sequence[str]) -> str | list[str]:
+def _renamed(data: Any) -> Any:
+    """A plan's (or an alternative's) fields as they are named now: ``checkpoint`` -> ``recompute``
+    ([Note: plan fields over time])."""
+    if isinstance(data, dict) and "checkpoint" in data and "recompute" not in data:
+        return {("recompute" if k == "checkpoint" else k): v for k, v in data.items()}
+    return data
+
+
+def _one(recompute: str | Sequence[str]) -> str | list[str]:
     """One mode when every stage has it (the form older plans and readers know), else the list."""
-    if isinstance(checkpoint, str):
-        return checkpoint
-    modes = list(checkpoint)
+    if isinstance(recompute, str):
+        return recompute
+    modes = list(recompute)
     return modes[0] if modes and all(m == modes[0] for m in modes) else modes
 
 

@@ -35,8 +35,8 @@ def check_types(plan: Plan) -> None:
         value = getattr(plan, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise TypeError(f"{name!r} must be an integer >= 1 or null, got {value!r}")
-    if not isinstance(plan.checkpoint, str | list):
-        raise TypeError(f"'checkpoint' must be a mode or a list of modes, got {plan.checkpoint!r}")
+    if not isinstance(plan.recompute, str | list):
+        raise TypeError(f"'recompute' must be a mode or a list of modes, got {plan.recompute!r}")
     if plan.merge_backward not in MERGE_RULES:
         raise TypeError(f"'merge_backward' must be one of {list(MERGE_RULES)}, got {plan.merge_backward!r}")
     plan.cost_options.modes(k)
@@ -54,7 +54,7 @@ def check_types(plan: Plan) -> None:
     if plan.runtime not in (None, *RUNTIMES):
         raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
     where = {n: s for s, names in enumerate(plan.stages) for n in names}
-    modes = plan.stage_checkpoints
+    modes = plan.stage_recompute
     if not isinstance(plan.recompute_layers, list) or not all(
             isinstance(n, str) and modes[where.get(n, 0)] == "never" and n in where for n in plan.recompute_layers):
-        raise TypeError("'recompute_layers' must list layers of stages whose checkpoint is 'never'")
+        raise TypeError("'recompute_layers' must list layers of stages whose recompute is 'never'")

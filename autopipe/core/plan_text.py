@@ -18,15 +18,15 @@ from executor.spec import ZERO_BUBBLE_SCHEDULES
 if TYPE_CHECKING:
     from autopipe.core.plan import Alternative, Plan
 
-__all__ = ["explain", "table", "alternatives_table", "checkpoint_text", "memory_forced"]
+__all__ = ["explain", "table", "alternatives_table", "recompute_text", "memory_forced"]
 
 
-def checkpoint_text(checkpoint: str | list[str]) -> str:
+def recompute_text(recompute: str | list[str]) -> str:
     """``except_last``, or a per-stage list run-length coded: ``always x2, never x2``."""
-    if isinstance(checkpoint, str):
-        return checkpoint
+    if isinstance(recompute, str):
+        return recompute
     runs: list[list[object]] = []
-    for mode in checkpoint:
+    for mode in recompute:
         if runs and runs[-1][0] == mode:
             runs[-1][1] = int(str(runs[-1][1])) + 1
         else:
@@ -40,7 +40,7 @@ def memory_forced(plan: Plan) -> list[tuple[int, int]]:
     k = plan.num_stages
     ranks = schedule_ranks(plan.schedule, plan.devices)
     out = []
-    for s, mode in enumerate(plan.stage_checkpoints):
+    for s, mode in enumerate(plan.stage_recompute):
         dev, b = plan.devices[s], plan.breakdown[s]
         if mode == "never" or dev.memory is None:
             continue
@@ -70,7 +70,7 @@ def _limit(plan: Plan, s: int) -> str:
     if forced:
         i, need = forced[0]
         more = f" (and {len(forced) - 1} more stage(s))" if len(forced) > 1 else ""
-        return (f"memory: stage {i} recomputes ({plan.stage_checkpoints[i]}) because without it "
+        return (f"memory: stage {i} recomputes ({plan.stage_recompute[i]}) because without it "
                 f"it needs {format_bytes(need)} and {plan.devices[i].name} has "
                 f"{format_bytes(plan.devices[i].memory)}{more}; stages that fit run without "
                 f"recomputation")
@@ -121,7 +121,7 @@ def explain(plan: Plan) -> str:
     replicas = f"{d} replicas ({plan.dp_mode}) x " if d > 1 else ""
     parts = [
         f"{replicas}{k} stage(s) split by method {plan.method!r}, schedule {plan.schedule}, {plan.chunks} "
-        f"micro-batches{rows}, recomputation {checkpoint_text(plan.checkpoint)}: simulated "
+        f"micro-batches{rows}, recomputation {recompute_text(plan.recompute)}: simulated "
         f"iteration {plan.iteration_time:.3f} ms ({100 * plan.bubble_fraction:.0f}% bubble).",
     ]
     if d > 1:
@@ -181,20 +181,20 @@ def alternatives_table(plan: Plan) -> str:
             "iteration ms | vs chosen | bottleneck ms | peak memory | note |\n"
             + ("|---:" if wide else "") + "|---:|---:|---|---|---:|---:|---:|---:|---|")
     chosen = max(plan.device_memory.values(), default=max(plan.peak_memory))
-    rows = [_row(plan.num_stages, plan.chunks, plan.schedule, plan.checkpoint, plan.iteration_time,
+    rows = [_row(plan.num_stages, plan.chunks, plan.schedule, plan.recompute, plan.iteration_time,
                  plan.iteration_time, plan.bottleneck, chosen, "chosen",
                  plan.data_parallel if wide else None)]
-    rows += [_row(a.stages, a.chunks, a.schedule, a.checkpoint, a.iteration_time,
+    rows += [_row(a.stages, a.chunks, a.schedule, a.recompute, a.iteration_time,
                   plan.iteration_time, a.bottleneck, a.memory, a.note,
                   a.data_parallel if wide else None) for a in plan.alternatives]
     return "\n".join([head, *rows])
 
 
-def _row(k: int, m: int, schedule: str, checkpoint: str | list[str], t: float, best: float,
+def _row(k: int, m: int, schedule: str, recompute: str | list[str], t: float, best: float,
          bottleneck: float, memory: int, note: str, replicas: int | None) -> str:
     versus = "" if t == best else f"{100 * (t / best - 1):+.1f}%"
     first = "" if replicas is None else f"| {replicas} "
-    return (f"{first}| {k} | {m} | {schedule} | {checkpoint_text(checkpoint)} | {t:.3f} | {versus} | "
+    return (f"{first}| {k} | {m} | {schedule} | {recompute_text(recompute)} | {t:.3f} | {versus} | "
             f"{bottleneck:.3f} | {format_bytes(memory)} | {note} |")
 
 
@@ -205,14 +205,14 @@ def table(plan: Plan) -> str:
     wide = max(len("first .. last"), *(len(x) for x in spans))
     dev = max(len("device"), *(len(d.name) for d in plan.devices))
     rows = [f"{'stage':>5}  {'device':<{dev}} {'layers':>6}  {'first .. last':<{wide}} {'time ms':>9} "
-            f"{'fwd':>8} {'bwd':>8} {'recomp':>8} {'xfer':>8} {'memory':>10}  {'share':>5}  {'checkpoint':<11}"]
+            f"{'fwd':>8} {'bwd':>8} {'recomp':>8} {'xfer':>8} {'memory':>10}  {'share':>5}  {'recompute':<11}"]
     for s, names in enumerate(plan.stages):
         b = plan.breakdown[s]
         rows.append(
             f"{s:>5}  {plan.devices[s].name:<{dev}} {len(names):>6}  {spans[s]:<{wide}} "
             f"{plan.stage_times[s]:>9.3f} {b.fwd_ms:>8.3f} {b.bwd_ms:>8.3f} {b.recompute_ms:>8.3f} "
             f"{b.transfer_ms:>8.3f} {format_bytes(plan.stage_memory[s]):>10}  "
-            f"{100 * plan.stage_times[s] / total:>4.0f}%  {plan.stage_checkpoints[s]:<11}"
+            f"{100 * plan.stage_times[s] / total:>4.0f}%  {plan.stage_recompute[s]:<11}"
         )
     return "\n".join(rows + _recomputed_lines(plan))
 
@@ -233,4 +233,4 @@ def describe(a: Alternative) -> str:
     """One alternative in a few words (for progress and error messages)."""
     replicas = f"{a.data_parallel} replicas x " if a.data_parallel > 1 else ""
     return (f"{replicas}{a.stages} stages, {a.chunks} micro-batches, {a.schedule}, "
-            f"{checkpoint_text(a.checkpoint)}: {a.iteration_time:.3f} ms")
+            f"{recompute_text(a.recompute)}: {a.iteration_time:.3f} ms")

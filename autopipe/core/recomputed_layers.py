@@ -1,6 +1,6 @@
 """Recomputing chosen layers inside a stage: what each run of them frees and what it costs.
 
-[Note: recomputed layers] A stage's checkpoint mode recomputes a whole stage for some
+[Note: recomputed layers] A stage's recompute mode recomputes a whole stage for some
 micro-batches ([Note: per-stage recomputation] in executor/spec.py). Finer: a stage that
 never recomputes as a whole can still drop, after every forward, what some of its layers save
 for backward and recompute them in the backward, those whose saves are large for their forward

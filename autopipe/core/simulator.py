@@ -64,7 +64,7 @@ from executor.spec import (
     ZERO_BUBBLE_SCHEDULES,
     TimelineEvent,
     check_merge_rule,
-    check_stage_checkpoints,
+    check_stage_recompute,
     is_recomputed,
     recomputed_microbatches,
 )
@@ -143,7 +143,7 @@ def simulate_stages(
     stages: Sequence[StageCost],
     *,
     chunks: int,
-    checkpoint: str | Sequence[str],
+    recompute: str | Sequence[str],
     ms_per_byte: float,
     schedule: str = "gpipe",
     devices: Sequence[str] | None = None,
@@ -151,7 +151,7 @@ def simulate_stages(
 ) -> SimulationResult:
     """Simulate one training iteration of stages with the given per-micro-batch costs.
 
-    ``checkpoint`` is one mode or one per stage. ``devices`` names each stage's device; stages
+    ``recompute`` is one mode or one per stage. ``devices`` names each stage's device; stages
     with the same name share it and never run at the same time (see [Note: shared devices]);
     under a schedule of several stages per rank the names are the ranks, as
     ``executor.spec.stage_rank`` places the stages. Default: every stage on its own device.
@@ -165,7 +165,7 @@ def simulate_stages(
     if len(names) != k:
         raise PlanError(f"{len(names)} devices for {k} stages: give one device per stage")
     try:
-        rec = [recomputed_microbatches(mode, m) for mode in check_stage_checkpoints(checkpoint, k)]
+        rec = [recomputed_microbatches(mode, m) for mode in check_stage_recompute(recompute, k)]
     except ValueError as err:
         raise PlanError(str(err)) from None
     try:
@@ -310,6 +310,6 @@ def simulate(plan: Plan, profile: Profile | None = None, schedule: str | None = 
                                  plan.devices, options)
         except PartitionError as err:
             raise PlanError(str(err)) from None
-    return simulate_stages(stages, chunks=plan.chunks, checkpoint=plan.checkpoint,
+    return simulate_stages(stages, chunks=plan.chunks, recompute=plan.recompute,
                            ms_per_byte=options.ms_per_byte, schedule=schedule,
                            devices=[d.name for d in plan.devices], merge=options.merge)

@@ -70,7 +70,7 @@ def plot_balance(plan: Plan, *, title: str | None = None) -> Figure:
     acts = np.array([b.activation_bytes for b in plan.breakdown]) / size
     ax_m.bar(x, params, 0.7, color="#55A868", label=f"parameters + grads + {plan.optimizer} state")
     ax_m.bar(x, acts, 0.7, bottom=params, color="#CCB974",
-             label=f"activations (checkpoint={plan.checkpoint})")
+             label=f"activations (recompute={plan.recompute})")
     for s, limit in enumerate(limits):
         if limit is not None:
             ax_m.hlines(limit / size, s - 0.45, s + 0.45, colors=LIMIT_COLOR, lw=2,

@@ -61,7 +61,7 @@ def plot_plan_file(
     if prof is not None:
         loaded = Plan.from_stages(
             loaded.profile_for(prof), loaded.stages, devices=loaded.devices, chunks=loaded.chunks,
-            checkpoint=loaded.checkpoint, optimizer=loaded.optimizer, bandwidth=loaded.bandwidth,
+            recompute=loaded.recompute, optimizer=loaded.optimizer, bandwidth=loaded.bandwidth,
             ties=loaded.ties, method=loaded.method, solver=loaded.solver,
             schedule=loaded.schedule, alternatives=loaded.alternatives,
             data_parallel=loaded.data_parallel, dp_mode=loaded.dp_mode,

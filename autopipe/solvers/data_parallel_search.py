@@ -102,7 +102,7 @@ def search_replicas(counts: list[int], solve: Callable[[int], Plan]) -> Plan:
         return plans[counts[0]]
     ranked = sorted(plans.values(), key=lambda p: (p.iteration_time, p.num_stages))
     best = ranked[0]
-    others = [Alternative(p.num_stages, p.chunks, p.schedule, p.checkpoint, p.iteration_time,
+    others = [Alternative(p.num_stages, p.chunks, p.schedule, p.recompute, p.iteration_time,
                           p.bottleneck, max(p.device_memory.values(), default=max(p.peak_memory)),
                           f"best with {p.data_parallel} replica(s)", p.data_parallel)
               for p in ranked[1:]]

@@ -2,7 +2,7 @@
 
 ``solve_dp`` minimises the bottleneck stage time (autopipe.core.cost's ``stage_time``: compute /
 device speed + transfers at the stage's cuts) subject to each device's memory limit, tie groups and
-non-empty stages, with the checkpoint mode(s) of its options. It is the classic O(K N^2) dynamic
+non-empty stages, with the recompute mode(s) of its options. It is the classic O(K N^2) dynamic
 program, run by autopipe.solvers.stage_dp ([Note: per-stage mode DP]) with every (i, j) column
 block evaluated at once in numpy, so N = 2000 layers into K = 16 stages takes about two seconds.
 Stage costs are not monotone in the stage's extent (cutting through a wide activation costs more
@@ -49,7 +49,7 @@ _BLOCK = 256  # columns per numpy block: bounds memory to (N + 1) x 256 floats p
 class DPResult:
     assignment: list[int]  # stage of each layer
     bottleneck: float  # ms
-    modes: list[str] = field(default_factory=list)  # each stage's checkpoint mode
+    modes: list[str] = field(default_factory=list)  # each stage's recompute mode
 
 
 def first_stage_terms(options: CostOptions, k: int, mode: str | None = None) -> Terms:
@@ -204,7 +204,7 @@ def memory_error(
 
     In order: a layer whose parameters with optimizer state alone exceed the limit (no split
     can help: name it and the least memory any split needs); else, with one limit for every
-    stage, the fewest stages that fit, and whether checkpoint='always' fits at this count; else
+    stage, the fewest stages that fit, and whether recompute='always' fits at this count; else
     the least memory any split needs.
     """
     n, k = rc.n, len(devices)
@@ -212,7 +212,7 @@ def memory_error(
     roomiest = max(limits)
     state, params = layer_state_bytes(rc, options.optimizer)
     big = int(np.argmax(state))
-    setting = f"checkpoint={_mode_text(options.checkpoint)}, optimizer={options.optimizer!r}"
+    setting = f"recompute={_mode_text(options.recompute)}, optimizer={options.optimizer!r}"
     if state[big] > roomiest:
         return PartitionError(
             f"layer {rc.names[big]!r} alone needs {format_bytes(state[big])} for its parameters "
@@ -226,7 +226,7 @@ def memory_error(
         return PartitionError(
             f"stage memory exceeds some device's limit by at least {100 * (need - 1):.1f}% with "
             f"{setting} and these {k} devices; give them more memory"
-            + (" or use checkpoint='except_last'" if "never" in options.modes(k) else "")
+            + (" or use recompute='except_last'" if "never" in options.modes(k) else "")
         )
     limit = limits[0]
     need, _ = minmax_dp(n, k, _ratio(rc, devices, memory))
@@ -236,21 +236,21 @@ def memory_error(
     fewest = fewest_stages(rc, memory, limit)
     if fewest is not None:
         fixes.append(f"{fewest} stages are the fewest that fit (--stages {fewest} / stages={fewest})")
-    others = {mode: RangeCosts(costs, replace(options, checkpoint=mode), mode,
+    others = {mode: RangeCosts(costs, replace(options, recompute=mode), mode,
                                first_stage_terms(options, k, mode))
-              for mode in ("except_last", "always") if mode != options.checkpoint}
+              for mode in ("except_last", "always") if mode != options.recompute}
     for mode, other in others.items():  # recomputation keeps fewer activations than 'never'
         if minmax_dp(n, k, _ratio(other, devices, other.memory))[0] <= 1.0:
-            fixes.append(f"{k} stages fit with checkpoint={mode!r} (--checkpoint {mode} / "
-                         f"checkpoint={mode!r})")
+            fixes.append(f"{k} stages fit with recompute={mode!r} (--recompute {mode} / "
+                         f"recompute={mode!r})")
             break
     else:
         if fewest is None:
             for mode, other in others.items():
                 count = fewest_stages(other, other.memory, limit)
                 if count is not None:
-                    fixes.append(f"{count} stages fit with checkpoint={mode!r} (--stages {count} "
-                                 f"--checkpoint {mode} / stages={count}, checkpoint={mode!r})")
+                    fixes.append(f"{count} stages fit with recompute={mode!r} (--stages {count} "
+                                 f"--recompute {mode} / stages={count}, recompute={mode!r})")
                     break
     if not fixes:
         fixes.append(f"no number of stages fits: the least memory any split needs is "
@@ -259,8 +259,8 @@ def memory_error(
     return PartitionError(f"{head}; {'; or '.join(fixes)}")
 
 
-def _mode_text(checkpoint: str | Sequence[str]) -> str:
-    return repr(checkpoint) if isinstance(checkpoint, str) else repr(list(checkpoint))
+def _mode_text(recompute: str | Sequence[str]) -> str:
+    return repr(recompute) if isinstance(recompute, str) else repr(list(recompute))
 
 
 def _ratio(rc: RangeCosts, devices: Sequence[DeviceSpec], memory: Callable[[int, int], FloatArray]) -> BlockCost:

@@ -10,7 +10,7 @@ values at every cut they cross ([Note: transfer cost] in autopipe.core.cost). Th
 CBC than one-hot assignment with ``stage(u) <= stage(v)`` written through stage indices.
 
 The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` for every stage
-(one memory constraint per activation term of the stage's schedule and checkpoint mode: the
+(one memory constraint per activation term of the stage's schedule and recompute mode: the
 peak is a maximum of linear terms, [Note: stage memory]),
 with autopipe.core.cost's formulas applied to PuLP expressions, tie groups shared (a member anywhere charges the group's
 bytes to that stage) or colocated (members' y rows equal), and non-empty stages. CBC is
@@ -191,7 +191,7 @@ def _solve(
     if status == "Infeasible":
         raise PartitionError(
             f"the ILP has no split into {k} stages within the memory limits; "
-            f"try checkpoint='always', more stages or devices with more memory"
+            f"try recompute='always', more stages or devices with more memory"
         )
     values = [[pulp.value(var) for var in row] for row in y]
     if status != "Optimal" or any(v is None for row in values for v in row):

@@ -1,6 +1,6 @@
 """After the split: a stage that recomputes as a whole recomputes a few layers instead, if faster.
 
-The search ([Note: automatic search] in search.py) gives each stage its fastest checkpoint mode
+The search ([Note: automatic search] in search.py) gives each stage its fastest recompute mode
 that fits. A stage that had to recompute (``always`` or ``except_last``) pays a whole second
 forward for its recomputed micro-batches; often a few of its layers hold most of its saves for
 little of its forward ([Note: recomputed layers] in autopipe/core/recomputed_layers.py). For
@@ -40,7 +40,7 @@ def _saved_to_fit(stage: StageCost, terms: Terms, limit: int) -> float:
 def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
     """``plan`` with layers recomputed alone instead of whole-stage recomputation where that is
     faster and fits; ``plan`` itself otherwise. ``profile`` is the one ``plan`` was made from."""
-    modes = plan.stage_checkpoints
+    modes = plan.stage_recompute
     if all(m == "never" for m in modes) or plan.recompute_layers:
         return plan
     costs = LayerCosts.from_profile(profile)
@@ -48,7 +48,7 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
     assignment = [where[n] for n in costs.names]
     options = plan.cost_options
     k = plan.num_stages
-    trial = replace(options, checkpoint=("never",) * k, recompute_layers=())
+    trial = replace(options, recompute=("never",) * k, recompute_layers=())
     never = stage_costs(costs, assignment, plan.devices, trial)
     terms = trial.terms(k, schedule_ranks(options.schedule, plan.devices))
     budgets = budget_devices(plan.devices, plan.schedule)  # [Note: interleaved memory]: a share each
@@ -74,7 +74,7 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
     if not chosen and new_modes == modes:
         return plan
     candidate = Plan.from_stages(
-        profile, plan.stages, devices=plan.devices, chunks=plan.chunks, checkpoint=new_modes,
+        profile, plan.stages, devices=plan.devices, chunks=plan.chunks, recompute=new_modes,
         optimizer=plan.optimizer, bandwidth=plan.bandwidth, ties=plan.ties, method=plan.method,
         solver=plan.solver, schedule=plan.schedule, alternatives=plan.alternatives,
         data_parallel=plan.data_parallel, dp_mode=plan.dp_mode, recompute_layers=chosen)

@@ -1,7 +1,7 @@
 """Balance a profile's layers into pipeline stages: ``autopipe.partition(profile, stages=K)``.
 
     search.py     the automatic search over stages, chunks, recomputation and schedule
-    stage_dp.py   exact min-max split with a checkpoint mode per stage (memory, speeds, ties)
+    stage_dp.py   exact min-max split with a recompute mode per stage (memory, speeds, ties)
     dp.py         the DP for one configuration, and why nothing fits
     ilp.py        PuLP/CBC over the whole DAG, warm-started from the DP
     cbc_log.py    CBC's log read as it is written: bound, incumbent and gap, live
@@ -51,11 +51,12 @@ from autopipe.solvers.search import ILP_MAX_VARIABLES, search
 from autopipe.solvers.search_space import Setting, chunk_candidates, stages_per_rank
 from autopipe.solvers.stage_dp import budget_devices
 from executor.spec import (
-    CHECKPOINT_MODES,
     MULTI_STAGE_SCHEDULES,
+    RECOMPUTE_MODES,
     SCHEDULES,
     V_SCHEDULES,
     check_schedule,
+    renamed_recompute,
     stage_rank,
 )
 
@@ -80,7 +81,7 @@ def partition(
     devices: Sequence[DeviceSpec | str] | int | None = None,
     method: str = "auto",
     chunks: int | str | None = None,
-    checkpoint: str | Sequence[str] = "except_last",
+    recompute: str | Sequence[str] = "except_last",
     schedule: str = "gpipe",
     batch_size: int | None = None,
     memory_limit: int | str | None = None,
@@ -93,25 +94,26 @@ def partition(
     data_parallel: int | str = 1,
     dp_mode: str = "ddp",
     runtime: str | None = None,
+    checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
     Minimises the bottleneck stage time (forward + backward + recompute, over the device's
     relative speed, plus transfers at its cuts; see autopipe.core.cost) subject to each device's
     memory (``DeviceSpec.memory`` or ``memory_limit``, e.g. ``"16GiB"``), for the given
-    ``chunks``, ``checkpoint`` (one mode, or a list with one per stage) and ``schedule``
+    ``chunks``, ``recompute`` (one mode, or a list with one per stage) and ``schedule``
     (``gpipe``, ``1f1b``, ``interleaved1f1b`` and ``interleaved_zb``: stage s on device s %
     ranks, ``zbv`` and ``dualpipev``: two stages per rank in a V, rank r running stages r and
     2W-1-r; the last three split each backward into input and weight gradients, which needs a
     profile that measured the split: [Note: zero-bubble schedules] in executor/spec.py).
 
-    Any of ``stages``, ``chunks``, ``checkpoint``, ``schedule`` may be ``"auto"``: the plan is
+    Any of ``stages``, ``chunks``, ``recompute``, ``schedule`` may be ``"auto"``: the plan is
     then the configuration with the shortest SIMULATED iteration that fits memory ([Note:
     automatic search] in autopipe/solvers/search.py): ``stages="auto"`` tries 1 .. len(devices)
     devices (``devices`` required; the multi-stage schedules run two stages on each),
     ``chunks="auto"``
     the divisors of ``batch_size`` (default: the profile's) up to ``max_chunks``, with the
-    profile scaled to each micro-batch ([Note: micro-batch scaling]), ``checkpoint="auto"`` a
+    profile scaled to each micro-batch ([Note: micro-batch scaling]), ``recompute="auto"`` a
     mode per stage, ``schedule="auto"`` each schedule. ``plan.explain()`` then lists the next
     best alternatives. ``batch_size`` with a fixed ``chunks`` plans micro-batches of
     ``ceil(batch_size / chunks)`` rows.
@@ -148,6 +150,7 @@ def partition(
     ([Note: one profile, two runtimes] in autopipe/core/corrections.py); ``plan.runtime``
     records it. Raises PartitionError when no split fits.
     """
+    recompute = renamed_recompute(recompute, checkpoint, "partition")
     if not isinstance(profile, Profile):
         raise PartitionError(f"partition needs an autopipe.Profile, got {type(profile).__name__}; "
                              f"load one with autopipe.Profile.load(path)")
@@ -161,7 +164,7 @@ def partition(
     if progress is not None and not isinstance(progress, bool):
         raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
                              f"terminal), got {progress!r}")
-    _check_choices(stages, chunks, checkpoint, schedule, batch_size, max_chunks)
+    _check_choices(stages, chunks, recompute, schedule, batch_size, max_chunks)
     if runtime is not None and runtime not in RUNTIMES:
         raise PartitionError(f"runtime={runtime!r} is unknown; use one of {list(RUNTIMES)} (gpipe: executor.GPipe "
                              "in one process, distributed: torch.distributed.pipelining), or None: the profile's")
@@ -179,7 +182,7 @@ def partition(
                                  f"'measured' (the profile's, from autopipe profile --comm)")
         bandwidth = LayerCosts.from_profile(profile).comm_bandwidth or DEFAULT_BANDWIDTH
     args: dict[str, Any] = dict(
-        stages=stages, devices=devices, method=method, chunks=chunks, checkpoint=checkpoint,
+        stages=stages, devices=devices, method=method, chunks=chunks, recompute=recompute,
         schedule=schedule, batch_size=batch_size, memory_limit=memory_limit, optimizer=optimizer,
         time_limit=time_limit, ties=ties, bandwidth=bandwidth, progress=progress,
         max_chunks=max_chunks)
@@ -233,7 +236,7 @@ def _in_a_v(devices: Sequence[DeviceSpec | str], schedule: str) -> list[DeviceSp
 
 def _pipeline(profile: Profile, *, stages: int | str | None,
               devices: Sequence[DeviceSpec | str] | None, method: str, chunks: int | str,
-              checkpoint: str | Sequence[str], schedule: str, batch_size: int | None,
+              recompute: str | Sequence[str], schedule: str, batch_size: int | None,
               memory_limit: int | str | None, optimizer: str, time_limit: float | None, ties: str,
               bandwidth: float | None, progress: bool | None, max_chunks: int,
               data_parallel: int, dp_mode: str) -> Plan:
@@ -247,7 +250,7 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
         raise PartitionError(f"chunks={chunks} > batch_size={batch_size}: micro-batches would be "
                              f"empty; use chunks <= {batch_size}")
     kind = profile.meta.get("device_type")
-    searching = "auto" in (stages, chunks, checkpoint, schedule)
+    searching = "auto" in (stages, chunks, recompute, schedule)
     if devices is None and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
         if schedule in MULTI_STAGE_SCHEDULES and not searching:  # two stages a rank, as the runtime
             per_rank = stages_per_rank(schedule)
@@ -265,13 +268,13 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
         if method in ("uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "
                                  f"choices use method='auto', 'exact' or 'ilp'")
-        return _search(profile, stages, devices, chunks, checkpoint, schedule, batch_size,
+        return _search(profile, stages, devices, chunks, recompute, schedule, batch_size,
                        memory_limit, optimizer, ties, bandwidth, method, time_limit, progress,
                        max_chunks, data_parallel, dp_mode)
     assert isinstance(chunks, int) and isinstance(stages, int | None)
     if batch_size is not None and measured_sizes(profile):
         profile = profile_at(profile, rows_for(batch_size, chunks), batch_size=batch_size, chunks=chunks)
-    return _fixed(profile, stages, devices, chunks, checkpoint, schedule, memory_limit, optimizer,
+    return _fixed(profile, stages, devices, chunks, recompute, schedule, memory_limit, optimizer,
                   ties, bandwidth, method, ILP_TIME_LIMIT if time_limit is None else time_limit, progress,
                   data_parallel, dp_mode)
 
@@ -280,17 +283,17 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
-def _check_choices(stages: Any, chunks: Any, checkpoint: Any, schedule: Any, batch_size: Any,
+def _check_choices(stages: Any, chunks: Any, recompute: Any, schedule: Any, batch_size: Any,
                    max_chunks: Any) -> None:
     """One line for each bad value, before any work."""
     if stages is not None and stages != "auto" and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise PartitionError(f"stages={stages!r}: need an integer K >= 1 or 'auto'")
     if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise PartitionError(f"chunks={chunks!r}: need an integer number of micro-batches >= 1 or 'auto'")
-    if not (checkpoint == "auto" or (isinstance(checkpoint, str) and checkpoint in CHECKPOINT_MODES)
-            or (isinstance(checkpoint, list | tuple) and checkpoint
-                and all(isinstance(c, str) and c in CHECKPOINT_MODES for c in checkpoint))):
-        raise PartitionError(f"checkpoint={checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}, "
+    if not (recompute == "auto" or (isinstance(recompute, str) and recompute in RECOMPUTE_MODES)
+            or (isinstance(recompute, list | tuple) and recompute
+                and all(isinstance(c, str) and c in RECOMPUTE_MODES for c in recompute))):
+        raise PartitionError(f"recompute={recompute!r}: choose one of {list(RECOMPUTE_MODES)}, "
                              f"a list with one per stage, or 'auto'")
     if schedule != "auto" and schedule not in SCHEDULES:
         raise PartitionError(f"schedule={schedule!r}: choose one of {list(SCHEDULES)} or 'auto'")
@@ -301,7 +304,7 @@ def _check_choices(stages: Any, chunks: Any, checkpoint: Any, schedule: Any, bat
 
 
 def _search(profile: Profile, stages: int | str | None, devices: Sequence[DeviceSpec | str] | None,
-            chunks: int | str, checkpoint: str | Sequence[str], schedule: str,
+            chunks: int | str, recompute: str | Sequence[str], schedule: str,
             batch_size: int | None, memory_limit: int | str | None, optimizer: str, ties: str,
             bandwidth: float | None, method: str, time_limit: float | None,
             progress: bool | None, max_chunks: int, data_parallel: int, dp_mode: str) -> Plan:
@@ -325,7 +328,7 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
     else:
         assert batch_size is not None
         counts = chunk_candidates(batch_size, max_chunks)
-    modes: list[str | tuple[str, ...]] = [checkpoint if isinstance(checkpoint, str) else tuple(checkpoint)]
+    modes: list[str | tuple[str, ...]] = [recompute if isinstance(recompute, str) else tuple(recompute)]
     setting = Setting(ranks, counts, list(SCHEDULES) if schedule == "auto" else [schedule], modes,
                       batch_size, optimizer, bandwidth, ties,
                       stages=stages if isinstance(stages, int) else None,
@@ -335,13 +338,13 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
 
 
 def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | str] | None,
-           chunks: int, checkpoint: str | Sequence[str], schedule: str,
+           chunks: int, recompute: str | Sequence[str], schedule: str,
            memory_limit: int | str | None, optimizer: str, ties: str, bandwidth: float | None,
            method: str, time_limit: float, progress: bool | None, data_parallel: int,
            dp_mode: str) -> Plan:
     """One given configuration: the exact DP, the ILP where it can gain, or a baseline."""
     specs = resolve_devices(stages, devices, memory_limit)
-    options = CostOptions(chunks, checkpoint if isinstance(checkpoint, str) else tuple(checkpoint),
+    options = CostOptions(chunks, recompute if isinstance(recompute, str) else tuple(recompute),
                           optimizer, bandwidth, ties, schedule, data_parallel, dp_mode)
     costs = LayerCosts.from_profile(profile)
     check_split(costs, schedule)  # zero-bubble: "profile again" for a profile without the split
@@ -355,7 +358,7 @@ def _fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | 
         except ValueError as err:
             raise PartitionError(str(err)) from None
     bounded = budget_devices(specs, schedule)  # [Note: interleaved memory]
-    common: dict[str, Any] = dict(devices=specs, chunks=chunks, checkpoint=modes, optimizer=optimizer,
+    common: dict[str, Any] = dict(devices=specs, chunks=chunks, recompute=modes, optimizer=optimizer,
                                   bandwidth=bandwidth, ties=ties, schedule=schedule,
                                   data_parallel=data_parallel, dp_mode=dp_mode)
 

@@ -1,6 +1,6 @@
 """The automatic search: stages, micro-batches, recomputation and schedule, by simulated time.
 
-[Note: automatic search] ``partition(stages="auto", chunks="auto", checkpoint="auto",
+[Note: automatic search] ``partition(stages="auto", chunks="auto", recompute="auto",
 schedule="auto")`` (any of them) picks the configuration whose SIMULATED iteration
 (autopipe.core.simulator, the schedule's own order) is shortest among those that fit every
 device's memory. The bottleneck stays a reported figure, not the target. A configuration is
@@ -66,7 +66,7 @@ from autopipe.solvers.search_space import (
 )
 from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
-from executor.spec import CHECKPOINT_MODES, check_schedule, merge_rules
+from executor.spec import RECOMPUTE_MODES, check_schedule, merge_rules
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
@@ -86,7 +86,7 @@ class _Config:
 @dataclass(frozen=True)
 class _Result:
     config: _Config
-    checkpoint: str | tuple[str, ...]  # the variant searched
+    recompute: str | tuple[str, ...]  # the variant searched
     split: Split
     time: float
     memory: int  # the highest device peak
@@ -115,9 +115,9 @@ class _Search:
             self._profiles[rows] = (prof, LayerCosts.from_profile(prof))
         return self._profiles[rows]
 
-    def options(self, schedule: str, m: int, checkpoint: str | tuple[str, ...]) -> CostOptions:
+    def options(self, schedule: str, m: int, recompute: str | tuple[str, ...]) -> CostOptions:
         st = self.setting
-        mode = "never" if checkpoint == "auto" else checkpoint
+        mode = "never" if recompute == "auto" else recompute
         return CostOptions(m, mode, st.optimizer, st.bandwidth, st.ties, schedule, st.data_parallel,
                            st.dp_mode)
 
@@ -161,7 +161,7 @@ class _Search:
             given = [cp for cp in self.setting.checkpoints if cp != "auto"]
             self._pass(configs, ["auto"] if auto else given, bar)
             if auto:
-                self._pass(configs, [*CHECKPOINT_MODES, *given], bar)
+                self._pass(configs, [*RECOMPUTE_MODES, *given], bar)
         finally:
             bar.close()
 
@@ -259,7 +259,7 @@ class _Search:
     def evaluate(self, c: _Config, cp: str | tuple[str, ...], split: Split, always: bool = False) -> None:
         costs = self.at(c.chunks)[1]
         devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
-        opts = replace(self.options(c.schedule, c.chunks, cp), checkpoint=tuple(split.modes))
+        opts = replace(self.options(c.schedule, c.chunks, cp), recompute=tuple(split.modes))
         stages = stage_costs(costs, split.assignment, devices, opts)
         bound = split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks)
         if bound >= self.best_time() and not always:
@@ -268,7 +268,7 @@ class _Search:
         for rule in merge_rules(c.schedule):
             if rule != opts.merge:  # the halves merged otherwise: other activation terms
                 stages = stage_costs(costs, split.assignment, devices, replace(opts, merge=rule))
-            sim = simulate_stages(stages, chunks=c.chunks, checkpoint=split.modes, schedule=c.schedule,
+            sim = simulate_stages(stages, chunks=c.chunks, recompute=split.modes, schedule=c.schedule,
                                   ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices], merge=rule)
             if best is None or sim.iteration_time < best.time:
                 best = _Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values()), rule)
@@ -319,7 +319,7 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     seconds = time.perf_counter() - start
     info = info or SolverInfo(f"best of {len(s.results)} simulated configurations "
                               f"({s.solved} DP solves)", best.split.bottleneck, None, None, seconds)
-    plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, checkpoint=best.split.modes,
+    plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, recompute=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
                             method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
                             alternatives=alternatives, data_parallel=setting.data_parallel,
@@ -358,7 +358,7 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
         return best.split.assignment, "exact", info
     opts = replace(opts, merge=best.merge)
     stages = stage_costs(costs, ilp.assignment, devices, opts)
-    sim = simulate_stages(stages, chunks=c.chunks, checkpoint=best.split.modes, schedule=c.schedule,
+    sim = simulate_stages(stages, chunks=c.chunks, recompute=best.split.modes, schedule=c.schedule,
                           ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices], merge=best.merge)
     if sim.iteration_time < best.time:
         return ilp.assignment, "ilp", info
@@ -380,7 +380,7 @@ def _alternatives(ranked: list[_Result], best: _Result, replicas: int) -> list[A
         c = r.config
         k = len(r.split.modes)
         modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
-        note = "" if r.checkpoint == "auto" else "one mode for all stages"
+        note = "" if r.recompute == "auto" else "one mode for all stages"
         if len(out) >= ALTERNATIVES:
             note = f"best {c.schedule}" + (f", {note}" if note else "")
         out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note,

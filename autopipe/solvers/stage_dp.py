@@ -1,8 +1,8 @@
-"""Exact min-max split of the topological order, with a checkpoint mode chosen per stage.
+"""Exact min-max split of the topological order, with a recompute mode chosen per stage.
 
 [Note: per-stage mode DP] Stage costs are evaluated for every contiguous range ``layers[i:j]``
 at once, in column blocks (numpy), with autopipe.core.cost's formulas. A stage may run any of its
-allowed checkpoint modes; its cost is the fastest mode whose memory fits its device (inf when
+allowed recompute modes; its cost is the fastest mode whose memory fits its device (inf when
 none does), which is exact for the bottleneck: the stages of a split do not share memory, so
 each picks its own mode, and a faster stage never raises the maximum. The DP runs over
 SUFFIXES::
@@ -44,7 +44,7 @@ from autopipe.core.cost import (
     weight_held_bytes,
 )
 from autopipe.core.layer_costs import FloatArray
-from executor.spec import CHECKPOINT_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
+from executor.spec import RECOMPUTE_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]
 
@@ -56,11 +56,11 @@ _CACHE_LIMIT = 1 << 28  # bytes of cached blocks before the cache is cleared
 class Split:
     assignment: list[int]  # stage of each layer
     bottleneck: float  # ms
-    modes: list[str]  # each stage's checkpoint mode
+    modes: list[str]  # each stage's recompute mode
 
 
 class StageBlocks:
-    """Time and memory of every contiguous stage ``layers[i:j]`` (i < j), per checkpoint mode,
+    """Time and memory of every contiguous stage ``layers[i:j]`` (i < j), per recompute mode,
     for column blocks ``j0 <= j < j1`` and rows ``i < j1``; ``masked_time`` caches its blocks."""
 
     def __init__(self, costs: LayerCosts, options: CostOptions) -> None:
@@ -283,8 +283,8 @@ class _Stage:
 def _allowed(options: CostOptions, k: int, modes: str | Sequence[str] | None) -> list[list[str]]:
     """Each stage's allowed modes: "auto" -> all; None -> the options' own; else the given."""
     if modes == "auto":
-        return [list(CHECKPOINT_MODES)] * k
-    fixed = options if modes is None else replace(options, checkpoint=modes)
+        return [list(RECOMPUTE_MODES)] * k
+    fixed = options if modes is None else replace(options, recompute=modes)
     return [[mode] for mode in fixed.modes(k)]
 
 
@@ -314,7 +314,7 @@ def solve_counts(costs: LayerCosts, device: DeviceSpec, options: CostOptions, k_
     k_max = min(k_max, n)
     blocks = blocks or StageBlocks(costs, options)
     stage = _Stage(blocks, options, None)
-    allowed = list(CHECKPOINT_MODES) if modes == "auto" else [modes]
+    allowed = list(RECOMPUTE_MODES) if modes == "auto" else [modes]
     # stage s = K - r of any K: its 1F1B in-flight count min(M, r) is that of stage k_max - r of k_max
     best, choice = suffix_minmax(n, k_max, lambda r, j0, j1: stage.cost(
         k_max - r, k_max, device, allowed, j0, j1))

@@ -63,8 +63,8 @@ from executor.local.worker import WorkerPool
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
 from executor.precision import precision_autocast
-from executor.recompute import Checkpointing, checkpoint_stop, depend
-from executor.spec import TimelineEvent, check_precision, check_stage_checkpoints
+from executor.recompute import Checkpointing, depend, recompute_stop
+from executor.spec import TimelineEvent, check_precision, check_stage_recompute, renamed_recompute
 
 __all__ = ["GPipe"]
 
@@ -76,7 +76,7 @@ class GPipe(Checkpointable, nn.Module):
         stages: the chain of stage modules (see the module docstring for the convention).
         devices: one device per stage; stages on the same device share a worker.
         chunks: micro-batches per mini-batch (exactly ``chunks``; see executor.microbatch).
-        checkpoint: ``"always"``, ``"except_last"`` (every micro-batch but the last is
+        recompute: ``"always"``, ``"except_last"`` (every micro-batch but the last is
             recomputed in backward) or ``"never"``, or a list with one of them per stage
             ([Note: per-stage recomputation] in executor/spec.py). No recomputation in eval
             or under no_grad.
@@ -111,7 +111,7 @@ class GPipe(Checkpointable, nn.Module):
         stages: Sequence[nn.Module],
         devices: Sequence[torch.device | str | int],
         chunks: int,
-        checkpoint: str | Sequence[str] = "except_last",
+        recompute: str | Sequence[str] = "except_last",
         deferred_batch_norm: bool = False,
         *,
         key_prefixes: Sequence[str] | None = None,
@@ -121,7 +121,9 @@ class GPipe(Checkpointable, nn.Module):
         signature: InputSignature | None = None,
         model_loss: ModelLoss | None = None,
         precision: str = "fp32",
+        checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
     ) -> None:
+        recompute = renamed_recompute(recompute, checkpoint, "GPipe")
         super().__init__()
         self.loss_fn, self.signature, self.model_loss = loss_fn, signature, model_loss
         try:
@@ -136,7 +138,7 @@ class GPipe(Checkpointable, nn.Module):
                 f"chunks={chunks} < 1: need at least one micro-batch; use chunks >= 1"
             )
         try:
-            checkpoints = check_stage_checkpoints(checkpoint, len(stages))
+            checkpoints = check_stage_recompute(recompute, len(stages))
         except ValueError as err:
             raise ExecutorError(str(err)) from None
         if key_prefixes is not None and len(key_prefixes) != len(stages):
@@ -147,8 +149,8 @@ class GPipe(Checkpointable, nn.Module):
         self.devices = check_devices(devices, len(stages))
         self.chunks = chunks
         self.threads = threads
-        self.checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
-        self.checkpoints = checkpoints  # one mode per stage
+        self.recompute = recompute if isinstance(recompute, str) else list(recompute)
+        self.recompute_modes = checkpoints  # one mode per stage
         self.key_prefixes = list(key_prefixes) if key_prefixes is not None else [""] * len(stages)
         self._deferred: list[DeferredBatchNorm] = []
         if deferred_batch_norm:
@@ -236,7 +238,7 @@ class GPipe(Checkpointable, nn.Module):
         if recorder is not None:
             self._recorder = recorder
         enabled = self.training and torch.is_grad_enabled()
-        stops = [checkpoint_stop(mode, self.chunks, enabled=enabled) for mode in self.checkpoints]
+        stops = [recompute_stop(mode, self.chunks, enabled=enabled) for mode in self.recompute_modes]
         try:
             with WorkerPool(self.devices, self.threads) as pool:
                 for cycle in clock_cycles(len(batches), len(self.stages)):

@@ -65,13 +65,14 @@ from executor.ranks.sized import SizedSchedules, microbatch_sizes_of
 from executor.ranks.torch_schedules import build_schedule, check_layout, schedule_class
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.ranks.wire import Wire, WireStage, infer_wires
-from executor.recompute import checkpoint_stop
+from executor.recompute import recompute_stop
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     check_merge_rule,
     check_precision,
-    check_stage_checkpoints,
+    check_stage_recompute,
+    renamed_recompute,
 )
 
 __all__ = [
@@ -101,7 +102,7 @@ class DistributedPipeline(Checkpointable):
         signature: the keyword inputs ``step`` and ``eval_step`` take ([Note: keyword inputs
             are positional inside] in executor/keywords.py).
         chunks: micro-batches per mini-batch; the batch size must be a multiple of it.
-        checkpoint: ``always``, ``except_last`` or ``never``, or a list with one of them for
+        recompute: ``always``, ``except_last`` or ``never``, or a list with one of them for
             each of the ``num_stages`` stages (see [Note: distributed recomputation]).
         schedule: one of executor.spec.SCHEDULES.
         wires: the wires of every cut, from :func:`infer_wires` (the same on every rank).
@@ -136,7 +137,7 @@ class DistributedPipeline(Checkpointable):
         loss_fn: Callable[[Any, Any], Tensor] | ModelLoss,
         signature: InputSignature | None = None,
         chunks: int = 8,
-        checkpoint: str | Sequence[str] = "except_last",
+        recompute: str | Sequence[str] = "except_last",
         schedule: str = "gpipe",
         wires: Sequence[Sequence[Wire]],
         ties: Sequence[tuple[Sequence[int] | dist.ProcessGroup | None, nn.Parameter | None]] = (),
@@ -147,7 +148,9 @@ class DistributedPipeline(Checkpointable):
         group: dist.ProcessGroup | None = None,
         precision: str = "fp32",
         merge_backward: str = "unwaited",
+        checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
     ) -> None:
+        recompute = renamed_recompute(recompute, checkpoint, "DistributedPipeline")
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized; call "
                                    "torch.distributed.init_process_group(...) on every rank first")
@@ -163,7 +166,7 @@ class DistributedPipeline(Checkpointable):
             raise DistributedError(f"got wires for {len(wires)} cuts but {num_stages} stages have "
                                    f"{num_stages + 1}; pass infer_wires(all_stages, micro_batch)")
         try:
-            self.checkpoints = check_stage_checkpoints(checkpoint, num_stages)  # every stage's
+            self.recompute_modes = check_stage_recompute(recompute, num_stages)  # every stage's
             self.precision = check_precision(precision)
             self.merge_backward = check_merge_rule(merge_backward)
         except ValueError as err:
@@ -202,7 +205,7 @@ class DistributedPipeline(Checkpointable):
             return build_schedule(kind, schedule, stages, chunks, self._loss, self.merge_backward)
 
         self._sized = SizedSchedules(self.wire_stages, self.indices, num_stages, wires, make_schedule,
-                                     recomputed=[checkpoint_stop(self.checkpoints[i], chunks)
+                                     recomputed=[recompute_stop(self.recompute_modes[i], chunks)
                                                  for i in self.indices], chunks=chunks,
                                      device=self.device,
                                      group=self.group, modules=modules)

@@ -1,4 +1,4 @@
-"""`autopipe partition --stages auto --chunks auto --checkpoint auto --schedule auto`."""
+"""`autopipe partition --stages auto --chunks auto --recompute auto --schedule auto`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def profile_csv(tmp_path: Path) -> Path:
 def test_everything_auto(profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "auto.json"
     argv = ["partition", str(profile_csv), "--stages", "auto", "--devices", "4", "--chunks", "auto",
-            "--checkpoint", "auto", "--schedule", "auto", "--memory", "200MiB", "--no-progress",
+            "--recompute", "auto", "--schedule", "auto", "--memory", "200MiB", "--no-progress",
             "--out", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -36,11 +36,11 @@ def test_everything_auto(profile_csv: Path, tmp_path: Path, capsys: pytest.Captu
 def test_per_stage_checkpoint_and_batch_size(profile_csv: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "mixed.json"
-    argv = ["partition", str(profile_csv), "--stages", "2", "--checkpoint", "always,never",
+    argv = ["partition", str(profile_csv), "--stages", "2", "--recompute", "always,never",
             "--schedule", "1f1b", "--chunks", "8", "--batch-size", "16", "--out", str(out)]
     assert main(argv) == 0
     plan = Plan.load(out)
-    assert plan.checkpoint == ["always", "never"] and plan.schedule == "1f1b"
+    assert plan.recompute == ["always", "never"] and plan.schedule == "1f1b"
     assert (plan.chunks, plan.batch_size, plan.micro_batch_size) == (8, 16, 2)
     assert "always" in capsys.readouterr().out
 
@@ -52,8 +52,8 @@ def test_per_stage_checkpoint_and_batch_size(profile_csv: Path, tmp_path: Path,
         (["--stages", "two"], r"--stages 'two': give a whole number >= 1 or auto"),
         (["--stages", "2", "--chunks", "0"], r"--chunks '0': give a whole number >= 1 or auto"),
         (["--stages", "2", "--schedule", "zigzag"], r"schedule='zigzag': choose one of"),
-        (["--stages", "2", "--checkpoint", "never,sometimes"], r"checkpoint=\['never', 'sometimes'\]"),
-        (["--stages", "3", "--checkpoint", "never,always"], r"checkpoint lists 2 mode\(s\) for 3 stage\(s\)"),
+        (["--stages", "2", "--recompute", "never,sometimes"], r"recompute=\['never', 'sometimes'\]"),
+        (["--stages", "3", "--recompute", "never,always"], r"recompute lists 2 mode\(s\) for 3 stage\(s\)"),
         (["--stages", "2", "--chunks", "auto", "--batch-size", "0"], r"batch_size=0: need an integer"),
         (["--stages", "auto", "--devices", "3", "--memory", "1KiB"],
          r"no searched configuration fits the memory"),

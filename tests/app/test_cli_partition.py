@@ -27,6 +27,20 @@ def test_partition_then_simulate(profile_csv: Path, tmp_path: Path, capsys: pyte
     assert "schedule 1f1b" in text and "stage 2" in text
 
 
+def test_the_old_checkpoint_flag_still_sets_recompute_with_one_line(
+        profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    assert main(["partition", str(profile_csv), "--stages", "2", "--checkpoint", "always",
+                 "--out", str(old)]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "autopipe: --checkpoint is now --recompute; --checkpoint will be removed in the next release"]
+    assert main(["partition", str(profile_csv), "--stages", "2", "--recompute", "always",
+                 "--out", str(new)]) == 0
+    assert capsys.readouterr().err == ""
+    assert Plan.load(old).recompute == Plan.load(new).recompute == "always"
+    assert Plan.load(old).stages == Plan.load(new).stages
+
+
 def test_existing_out_is_left_unchanged(profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     out.write_text("precious")

@@ -31,7 +31,7 @@ def test_torchrun_command_names_every_setting(tmp_path: Path) -> None:
     assert cmd[cmd.index("--log-dir") + 1] == str(tmp_path) and cmd[cmd.index("--redirects") + 1] == "2"
     sent = RunConfig.from_json(cmd[cmd.index("--config") + 1])  # what every rank reads
     assert sent == RunConfig("mlp", nproc=3, plan="plans/mlp.json", steps=2, chunks=4)
-    assert sent.checkpoint is None  # left to the plan
+    assert sent.recompute is None  # left to the plan
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_cli_run_trains_a_bundled_example_with_a_saved_plan(plans: dict[str, Pat
                          f"--threads {per_rank}, or --no-pin-cores to share all cores") == 1, err
     plan = autopipe.Plan.load(plans["mlp2"])
     (first, last), layers = plan.spans(), [len(s) for s in plan.stages]
-    assert out.startswith(f"mlp on 2 ranks (gpipe, checkpoint=except_last): batch 16 in 4 micro-batches "
+    assert out.startswith(f"mlp on 2 ranks (gpipe, recompute=except_last): batch 16 in 4 micro-batches "
                           f"of 4 rows; plan {plans['mlp2']}\n")  # batch and chunks from the plan
     assert f"   0      0  {layers[0]:>6}  {first}" in out and f"   1      1  {layers[1]:>6}  {last}" in out
     assert out.count("loss") == 3 and "samples/s" in out and "2 ranks" in out

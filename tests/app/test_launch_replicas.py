@@ -79,7 +79,7 @@ def test_cli_run_trains_two_replicas(tmp_path: Path, capfd: pytest.CaptureFixtur
                        timeout=30), log_dir=tmp_path)
     out = capfd.readouterr().out
     assert rc == 0, out
-    assert out.startswith("mlp on 2 ranks (gpipe, checkpoint=except_last): batch 16 as 2 replicas "
+    assert out.startswith("mlp on 2 ranks (gpipe, recompute=except_last): batch 16 as 2 replicas "
                           "(fsdp) of 8 rows, in 4 micro-batches of 2 rows; plan "), out
     assert " 0,1      0      15  net.0 .. net.14" in out, out
     assert out.count("loss") == 2 and "mlp: 2 replicas (fsdp) x 1 ranks x 1 stage(s)" in out, out

@@ -44,7 +44,7 @@ def test_trains_a_bundled_example_end_to_end() -> None:
     assert report.predicted_apart_ms < report.predicted_ms
     summary = report.summary()
     assert summary.startswith("mlp: batch 16 in 4 micro-batches of 4 rows, 2 stages on cpu, cpu "
-                              "(checkpoint=except_last, method=exact)\n")
+                              "(recompute=except_last, method=exact)\n")
     assert "measured/predicted" in summary and "pipelined/unpipelined" in summary
     assert "Stages on one device take turns: with 2 stages on cpu" in summary
     assert "`autopipe run mlp --nproc 2 --batch-size 16 --chunks 4`" in summary
@@ -59,7 +59,7 @@ def test_summary_without_shared_devices_claims_no_turn_taking() -> None:
                          predicted_ms=2.0, predicted_apart_ms=2.0)
     lines = report.summary().splitlines()
     assert lines[0] == "toy: batch 6 in 2 micro-batches of 3 rows, 2 stages on cuda:0, cuda:1 " \
-                       "(checkpoint=except_last, method=manual)"
+                       "(recompute=except_last, method=manual)"
     assert lines[2].startswith("step 5.0 ms (medians of steps 2..2: forward+backward 4.0 ms, AdamW 1.0 ms)")
     assert "(measured/predicted 2.00)" in lines[2] and "(pipelined/unpipelined 0.62)" in lines[2]
     assert len(lines) == 3 and "take turns" not in report.summary()
@@ -155,7 +155,7 @@ def test_cli_precision_reaches_the_pipeline(monkeypatch: pytest.MonkeyPatch,
                  "--precision", "bf16"]) == 0
     assert built == ["bf16"]
     out = capsys.readouterr().out
-    assert "(checkpoint=except_last, method=exact, precision=bf16)" in out
+    assert "(recompute=except_last, method=exact, precision=bf16)" in out
     assert "--chunks 2 --precision bf16`" in out  # the autopipe run command it names
     for command in ("train", "run"):
         assert main([command, "mlp", "--precision", "fp8"]) == 2

@@ -123,7 +123,7 @@ def built(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module, Pipelin
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = partition(cost_profile(graph), devices=["cpu"] * 3, method="dp", chunks=chunks,
-                         checkpoint="except_last")
+                         recompute="except_last")
         pipe = pipeline(model, example_kwargs=batch, devices=["cpu"] * 3, chunks=chunks,
                         plan=plan, graph=graph)
     return model, reference, pipe, batch
@@ -200,7 +200,7 @@ def test_loss_fn_in_one_process_is_the_whole_batch_loss() -> None:
         warnings.simplefilter("ignore")
         graph = trace(model, (x[:3],))
         plan = partition(cost_profile(graph), devices=["cpu"] * 2, method="dp", chunks=3,
-                         checkpoint="except_last")
+                         recompute="except_last")
         pipe = pipeline(model, (x,), devices=["cpu"] * 2, chunks=3, plan=plan, graph=graph,
                         loss_fn=F.mse_loss)
     loss = pipe(x, target=y)
@@ -263,7 +263,7 @@ def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
         _model, fresh[name], graph, _ = traced(name)
         batches[name] = RANKED[name][1]()
         plans[name] = partition(cost_profile(graph), stages=2, method="dp",
-                                chunks=MODELS[name][2], checkpoint="never").to_dict()
+                                chunks=MODELS[name][2], recompute="never").to_dict()
     values = _ok(spawn(_families_on_ranks, plans, timeout=190))
     for name in RANKED:
         batch = batches[name]
@@ -287,8 +287,8 @@ def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
         assert covered == {id(p) for p in reference.parameters()}, name
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_the_models_loss_under_bf16_on_worker_threads(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["always", "except_last", "never"])
+def test_the_models_loss_under_bf16_on_worker_threads(recompute: str) -> None:
     """precision="bf16" with every stage on a worker thread: the loss and gradients of the plain
     model under the same autocast, to bf16's tolerance, in every recomputation mode."""
     from tests.assemble.test_precision import _close
@@ -298,7 +298,7 @@ def test_the_models_loss_under_bf16_on_worker_threads(checkpoint: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = partition(cost_profile(graph), devices=["cpu"] * 3, method="dp", chunks=chunks,
-                         checkpoint=checkpoint)
+                         recompute=recompute)
         pipe = pipeline(model, example_kwargs=batch, devices=["cpu"] * 3, chunks=chunks,
                         plan=plan, graph=graph, precision="bf16")
     pipe.threads = True  # as on distinct devices: autocast must reach the workers

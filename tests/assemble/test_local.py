@@ -47,7 +47,7 @@ def check_transparent(
     inputs: tuple[Any, ...],
     loss_of: Callable[[Any], Tensor],
     k: int,
-    checkpoint: str,
+    recompute: str,
     chunks: int = 2,
     graph: LayerGraph | None = None,
     **trace_kwargs: Any,
@@ -58,7 +58,7 @@ def check_transparent(
         graph = trace(model, microbatch_inputs(inputs, chunks), **trace_kwargs)
     # a plan for where it runs and what it recomputes: neither of pipeline()'s warnings applies
     plan = partition(cost_profile(graph), devices=["cpu"] * k, method="dp", chunks=chunks,
-                     checkpoint=checkpoint)
+                     recompute=recompute)
     pipe = pipeline(model, inputs, devices=["cpu"] * k, chunks=chunks, plan=plan, graph=graph)
     out = pipe(*inputs)
     expected = reference(*inputs)
@@ -112,15 +112,15 @@ def bundled() -> Iterator[Callable[[str], tuple[Example, LayerGraph]]]:
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "unet"])
-@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("recompute", MODES)
 @pytest.mark.compat
 def test_bundled_examples_match_unpipelined(
-    name: str, checkpoint: str, bundled: Callable[[str], tuple[Example, LayerGraph]]
+    name: str, recompute: str, bundled: Callable[[str], tuple[Example, LayerGraph]]
 ) -> None:
     for k in (1, 2, 3, 4):
         ex, graph = bundled(name)
         check_transparent(ex.model, ex.inputs, lambda out, ex=ex: ex.loss_fn(out, ex.target),
-                          k, checkpoint, graph=graph)
+                          k, recompute, graph=graph)
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +132,13 @@ def transformer() -> tuple[nn.Module, LayerGraph, tuple[Tensor, Tensor]]:
     return *traced(model, inputs), inputs
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("recompute", MODES)
 def test_nn_transformer_matches(
-    checkpoint: str, transformer: tuple[nn.Module, LayerGraph, tuple[Tensor, Tensor]]
+    recompute: str, transformer: tuple[nn.Module, LayerGraph, tuple[Tensor, Tensor]]
 ) -> None:
     model, graph, inputs = transformer
     for k in (1, 2, 3, 4):
-        check_transparent(fresh_grads(model), inputs, lambda out: out.pow(2).mean(), k, checkpoint,
+        check_transparent(fresh_grads(model), inputs, lambda out: out.pow(2).mean(), k, recompute,
                           graph=graph)
 
 
@@ -150,15 +150,15 @@ def gpt2() -> tuple[nn.Module, LayerGraph, Tensor]:
     return *traced(model, (ids,)), ids
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("recompute", MODES)
 @pytest.mark.compat
-def test_huggingface_gpt2_matches(checkpoint: str, gpt2: tuple[nn.Module, LayerGraph, Tensor]) -> None:
+def test_huggingface_gpt2_matches(recompute: str, gpt2: tuple[nn.Module, LayerGraph, Tensor]) -> None:
     model, graph, ids = gpt2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k in (1, 2, 3, 4):
             pipe = check_transparent(fresh_grads(model), (ids,),
-                                     lambda out: out.logits.logsumexp(-1).mean(), k, checkpoint,
+                                     lambda out: out.logits.logsumexp(-1).mean(), k, recompute,
                                      graph=graph)
             # export keeps one name per tied tensor; build restores the plain model's keys
             assert set(pipe.state_dict()) == set(model.state_dict())
@@ -203,9 +203,9 @@ def test_dropout_recomputation_replays_masks() -> None:
         graph = trace(model, microbatch_inputs((ids,), 2))
         plan = partition(cost_profile(graph), devices=["cpu"] * 2, method="dp", chunks=2)
         # one split for both modes (the masks depend on it); the plan's mode is overridden
-        with pytest.warns(UserWarning, match=rf"checkpoint='{mode}' overrides the plan's "
+        with pytest.warns(UserWarning, match=rf"recompute='{mode}' overrides the plan's "
                                              r"'except_last', for which its times and memory"):
-            pipe = pipeline(model, (ids,), devices=["cpu"] * 2, chunks=2, checkpoint=mode,
+            pipe = pipeline(model, (ids,), devices=["cpu"] * 2, chunks=2, recompute=mode,
                             plan=plan, graph=graph)
         torch.manual_seed(1)
         pipe(ids).logsumexp(-1).mean().backward()
@@ -334,16 +334,28 @@ def llama_and_bert() -> tuple[tuple[nn.Module, LayerGraph], tuple[nn.Module, Lay
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("recompute", MODES)
 def test_huggingface_llama_and_bert_match(
-    checkpoint: str,
+    recompute: str,
     llama_and_bert: tuple[tuple[nn.Module, LayerGraph], tuple[nn.Module, LayerGraph], Tensor],
 ) -> None:
     (llama, llama_graph), (bert, bert_graph), ids = llama_and_bert
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check_transparent(fresh_grads(llama), (ids,), lambda out: out.logits.logsumexp(-1).mean(), 3,
-                          checkpoint, graph=llama_graph)
+                          recompute, graph=llama_graph)
         check_transparent(fresh_grads(bert), (ids,), lambda out: out.last_hidden_state.pow(2).mean(),
-                          3, checkpoint, graph=bert_graph)
+                          3, recompute, graph=bert_graph)
     assert bert.pooler.dense.weight.grad is None
+
+
+def test_checkpoint_is_recomputes_old_name_for_one_release() -> None:
+    """[Note: recompute, not checkpoint]: pipeline(checkpoint=) builds pipeline(recompute=)'s
+    pipeline, with one DeprecationWarning line."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(8, 8)
+    with pytest.warns(DeprecationWarning, match=r"^pipeline\(checkpoint='always'\) is now "
+                                                 r"pipeline\(recompute='always'\)"):
+        pipe = pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    assert pipe.recompute_modes == ["always", "always"] and pipe.plan.recompute == "always"
+    torch.testing.assert_close(pipe(x), model(x))

@@ -40,11 +40,11 @@ def test_gpt_with_tied_head_runs_the_plans_per_stage_modes(
     reference = copy.deepcopy(ex.model)
     graph = trace(ex.model, microbatch_inputs(ex.inputs, 2))
     plan = partition(cost_profile(graph), devices=["cpu"] * 3, method="dp", chunks=2)
-    plan = dataclasses.replace(plan, checkpoint=list(MODES))  # a plan with one mode per stage
+    plan = dataclasses.replace(plan, recompute=list(MODES))  # a plan with one mode per stage
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a plan for these devices and modes: nothing to say
         pipe = pipeline(ex.model, ex.inputs, devices=["cpu"] * 3, chunks=2, plan=plan, graph=graph)
-    assert pipe.checkpoints == MODES
+    assert pipe.recompute_modes == MODES
     loss = ex.loss_fn(pipe(*ex.inputs), ex.target)
     ref_loss = ex.loss_fn(reference(*ex.inputs), ex.target)
     torch.testing.assert_close(loss, ref_loss)
@@ -130,25 +130,25 @@ def test_partitioning_names_devices_as_the_runtime_does() -> None:
 
 
 def test_checkpoint_choice_and_its_errors() -> None:
-    ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"], checkpoint="never")
+    ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"], recompute="never")
     pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan, graph=graph)
-    assert pipe.checkpoints == ["never", "never"]  # default: the plan's
-    with pytest.warns(UserWarning, match=r"^autopipe: checkpoint=\['always', 'never'\] overrides "
+    assert pipe.recompute_modes == ["never", "never"]  # default: the plan's
+    with pytest.warns(UserWarning, match=r"^autopipe: recompute=\['always', 'never'\] overrides "
                                          r"the plan's 'never', for which its times and memory "
-                                         r"were predicted; drop checkpoint= to run the plan's"):
+                                         r"were predicted; drop recompute= to run the plan's"):
         pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan,
-                        graph=graph, checkpoint=["always", "never"])
-    assert pipe.checkpoints == ["always", "never"]
-    with pytest.raises(BuildError, match=r"^checkpoint: checkpoint lists 3 mode\(s\) for 2 "
+                        graph=graph, recompute=["always", "never"])
+    assert pipe.recompute_modes == ["always", "never"]
+    with pytest.raises(BuildError, match=r"^recompute: recompute lists 3 mode\(s\) for 2 "
                                          r"stage\(s\); give one mode per stage") as err:
         pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan, graph=graph,
-                 checkpoint=MODES)
+                 recompute=MODES)
     assert "\n" not in str(err.value)
-    with pytest.raises(BuildError, match=r"^checkpoint=\['always', 'never'\] gives one mode per "
+    with pytest.raises(BuildError, match=r"^recompute=\['always', 'never'\] gives one mode per "
                                          r"stage, which only a plan made for them predicts"):
         pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, graph=graph,
-                 checkpoint=["always", "never"])
-    with pytest.raises(BuildError, match=r"^the plan's checkpoint: checkpoint\[1\]='sometimes' "
-                                         r"is not a checkpoint mode"):
-        bad = dataclasses.replace(plan, checkpoint=["never", "sometimes"])
+                 recompute=["always", "never"])
+    with pytest.raises(BuildError, match=r"^the plan's recompute: recompute\[1\]='sometimes' "
+                                         r"is not a recompute mode"):
+        bad = dataclasses.replace(plan, recompute=["never", "sometimes"])
         pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=bad, graph=graph)

@@ -80,7 +80,7 @@ def test_llama_recomputed_under_bf16_equals_the_plain_model(llama: dict[str, Any
                                                             threads: bool) -> None:
     model, ids, target, graph = llama["model"], llama["ids"], llama["target"], llama["graph"]
     model.zero_grad(set_to_none=True)
-    pipe = autopipe.pipeline(model, (ids,), devices=["cpu"] * 3, chunks=CHUNKS, checkpoint="always",
+    pipe = autopipe.pipeline(model, (ids,), devices=["cpu"] * 3, chunks=CHUNKS, recompute="always",
                              graph=graph, profile=cost_profile(graph),
                              precision="bf16" if how == "precision" else "fp32")
     pipe.threads = threads  # stages on worker threads, as on distinct devices
@@ -121,7 +121,7 @@ def _gpt() -> tuple[nn.Module, Tensor, Tensor]:
         torch.randint(0, 16, (8, 4)), torch.randint(0, 16, (8, 4))
 
 
-def _plan(model: nn.Module, ids: Tensor, checkpoint: str, data_parallel: int = 1) -> Plan:
+def _plan(model: nn.Module, ids: Tensor, recompute: str, data_parallel: int = 1) -> Plan:
     """Two stages cut after ``blocks.0.fc1`` (its bf16 output crosses beside the fp32 residual),
     or one stage for ``data_parallel`` FSDP replicas."""
     graph = trace(model, microbatch_inputs((ids,), CHUNKS))
@@ -129,7 +129,7 @@ def _plan(model: nn.Module, ids: Tensor, checkpoint: str, data_parallel: int = 1
     at = graph.layers.index("blocks.0.fc1") + 1
     stages = [graph.layers[:at], graph.layers[at:]] if data_parallel == 1 else [graph.layers]
     plan = Plan.from_stages(prof, stages, chunks=CHUNKS)
-    return dataclasses.replace(plan, checkpoint=checkpoint, data_parallel=data_parallel, dp_mode="fsdp")
+    return dataclasses.replace(plan, recompute=recompute, data_parallel=data_parallel, dp_mode="fsdp")
 
 
 def _two_ranks(rank: int) -> dict[str, Any]:

@@ -288,10 +288,10 @@ def _reference(model: nn.Module, inputs: tuple[Tensor, ...], target: Tensor,
 
 
 # --- rank workers (module level: spawned processes import them) -------------------------------
-def _train_once(rank: int, case: str, schedule: str, checkpoint: str, method: str) -> dict[str, Any]:
+def _train_once(rank: int, case: str, schedule: str, recompute: str, method: str) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case(case)
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule,
-                                checkpoint=checkpoint, method=method, timeout=20)
+                                recompute=recompute, method=method, timeout=20)
     loss = pipe.step(*inputs, target=target)
     return {
         "loss": loss,
@@ -325,7 +325,7 @@ def _assert_matches_reference(case: str, values: list[dict[str, Any]]) -> nn.Mod
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("case", "schedule", "checkpoint", "method"),
+    ("case", "schedule", "recompute", "method"),
     [
         pytest.param("mlp", "gpipe", "except_last", "auto", marks=pytest.mark.compat),
         pytest.param("mlp", "1f1b", "never", "uniform", marks=pytest.mark.compat),
@@ -334,8 +334,8 @@ def _assert_matches_reference(case: str, values: list[dict[str, Any]]) -> nn.Mod
         pytest.param("gpt2", "gpipe", "except_last", "uniform", marks=pytest.mark.slow),
     ],
 )
-def test_two_ranks_match_one_process(case: str, schedule: str, checkpoint: str, method: str) -> None:
-    values = _ok(spawn(_train_once, case, schedule, checkpoint, method))
+def test_two_ranks_match_one_process(case: str, schedule: str, recompute: str, method: str) -> None:
+    values = _ok(spawn(_train_once, case, schedule, recompute, method))
     _assert_matches_reference(case, values)
     if schedule == "gpipe":  # [Note: receive ahead], not torch's ScheduleGPipe
         assert [v["schedule"] for v in values] == ["PrefetchGPipe"] * 2
@@ -477,7 +477,7 @@ def _planned(rank: int, schedule: str, recompute: bool = False) -> dict[str, Any
     prof = autopipe.profile(model, inputs, chunks=CHUNKS, repeats=1, warmup=0, progress=False)
     plan = autopipe.partition(prof, stages=2, method="uniform", schedule=schedule)  # same on both ranks
     if recompute:  # [Note: recomputed layers]: every layer of both stages, each alone
-        plan = autopipe.Plan.from_stages(prof, plan.stages, chunks=plan.chunks, checkpoint="never",
+        plan = autopipe.Plan.from_stages(prof, plan.stages, chunks=plan.chunks, recompute="never",
                                          schedule=schedule, recompute_layers=prof.layers)
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, plan=plan, timeout=20)
     loss = pipe.step(*inputs, target=target)

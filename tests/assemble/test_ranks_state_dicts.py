@@ -1,4 +1,4 @@
-"""distributed_pipeline(..., plan=plan) with one checkpoint mode per stage, on 2 gloo ranks.
+"""distributed_pipeline(..., plan=plan) with one recompute mode per stage, on 2 gloo ranks.
 
 Each stage recomputes exactly executor.spec.recomputed_microbatches(its mode) micro-batches
 (counted as calls of the stage module: ``chunks`` forwards plus one per recomputation), none
@@ -43,7 +43,7 @@ def _per_stage(rank: int, case: str, schedule: str, modes: list[str]) -> dict[st
     model, inputs, target, loss_fn = _case(case)
     graph = trace(model, microbatch_inputs(inputs, CHUNKS))
     plan = partition(cost_profile(graph), stages=len(modes), method="uniform", chunks=CHUNKS)
-    plan = dataclasses.replace(plan, checkpoint=list(modes))  # the same plan on every rank
+    plan = dataclasses.replace(plan, recompute=list(modes))  # the same plan on every rank
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule,
                                 plan=plan, timeout=20)
     calls = dict.fromkeys(pipe.indices, 0)
@@ -58,7 +58,7 @@ def _per_stage(rank: int, case: str, schedule: str, modes: list[str]) -> dict[st
     calls.update(dict.fromkeys(calls, 0))
     pipe.step(*inputs, target=target)
     return {"loss": loss, "grads": grads, "calls": trained, "eval_calls": dict(calls),
-            "checkpoints": pipe.checkpoints}
+            "checkpoints": pipe.recompute_modes}
 
 
 @pytest.mark.slow
@@ -86,16 +86,16 @@ def test_per_stage_modes_on_two_ranks(case: str, schedule: str, modes: list[str]
 
 @pytest.mark.usefixtures("one_rank")
 def test_bad_per_stage_modes_end_in_one_line() -> None:
-    with pytest.raises(DistributedError, match=r"^checkpoint lists 1 mode\(s\) for 2 stage\(s\); "
+    with pytest.raises(DistributedError, match=r"^recompute lists 1 mode\(s\) for 2 stage\(s\); "
                                                r"give one mode per stage") as err:
-        DistributedPipeline([nn.Identity()], [0], 2, loss_fn=torch.sub, checkpoint=["never"],
+        DistributedPipeline([nn.Identity()], [0], 2, loss_fn=torch.sub, recompute=["never"],
                             wires=[(), (), ()])
     assert "\n" not in str(err.value)
-    with pytest.raises(DistributedError, match=r"^checkpoint\[1\]='all' is not a checkpoint mode"):
+    with pytest.raises(DistributedError, match=r"^recompute\[1\]='all' is not a recompute mode"):
         DistributedPipeline([nn.Identity()], [0], 2, loss_fn=torch.sub,
-                            checkpoint=["never", "all"], wires=[(), (), ()])
+                            recompute=["never", "all"], wires=[(), (), ()])
     model, inputs, _, loss_fn = _case("mlp")
-    with pytest.raises(BuildError, match=r"^checkpoint=\['never', 'always'\] gives one mode per "
+    with pytest.raises(BuildError, match=r"^recompute=\['never', 'always'\] gives one mode per "
                                          r"stage, which only a plan made for them predicts"):
         distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS,
-                             checkpoint=["never", "always"], stages_per_rank=2)
+                             recompute=["never", "always"], stages_per_rank=2)

@@ -85,7 +85,7 @@ def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
     model, inputs, _, _ = _case(case)
     graph = trace(model, microbatch_inputs(_local(inputs, 0), CHUNKS))
     plan = partition(cost_profile(graph), stages=len(modes), method="uniform", chunks=CHUNKS)
-    return dataclasses.replace(plan, checkpoint=modes, data_parallel=D, dp_mode=dp_mode)
+    return dataclasses.replace(plan, recompute=modes, data_parallel=D, dp_mode=dp_mode)
 
 
 def _train(rank: int, out: str, plans: list[dict[str, Any]], refused: dict[str, Any]) -> tuple[str, float] | None:

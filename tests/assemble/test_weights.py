@@ -55,19 +55,19 @@ def _weights(real: nn.Module, fmt: str, folder: Path) -> Any:
     return folder / "model.pt"
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("recompute", ["always", "except_last", "never"])
 @pytest.mark.parametrize("fmt", ["safetensors", "sharded", "torch"])
 def test_meta_model_with_weights_equals_the_plain_model(
-    case: tuple[TinyGPT, Tensor, Tensor, Plan], tmp_path: Path, fmt: str, checkpoint: str
+    case: tuple[TinyGPT, Tensor, Tensor, Plan], tmp_path: Path, fmt: str, recompute: str
 ) -> None:
     real, ids, target, plan = case
-    plan = dataclasses.replace(plan, checkpoint=checkpoint)  # the same split, run in this mode
+    plan = dataclasses.replace(plan, recompute=recompute)  # the same split, run in this mode
     ref = TinyGPT(layers=2)
     ref.load_state_dict(real.state_dict())
     meta = _meta()
     pipe = autopipe.pipeline(meta, (ids,), devices=DEVICES, chunks=CHUNKS, plan=plan,
                              weights=_weights(real, fmt, tmp_path))
-    assert pipe.checkpoints == [checkpoint] * 3
+    assert pipe.recompute_modes == [recompute] * 3
     assert not any(t.is_meta for t in (*meta.parameters(), *meta.buffers()))
     assert meta.head.weight is meta.tok.weight
     loss = _loss(pipe(ids), target)

@@ -101,7 +101,7 @@ def _plan(name: str, stages: int = 4, layers: bool = False) -> Plan:
     prof = _profile(name)
     plan = partition(prof, stages=stages, method="uniform", chunks=CHUNKS)
     if layers:  # [Note: recomputed layers]: each layer of every stage recomputed alone
-        plan = Plan.from_stages(prof, plan.stages, chunks=CHUNKS, checkpoint="never",
+        plan = Plan.from_stages(prof, plan.stages, chunks=CHUNKS, recompute="never",
                                 recompute_layers=prof.layers)
     return plan
 
@@ -132,7 +132,7 @@ def _plans(cases: list[Case], extra: bool) -> dict[str, dict[str, Any]]:
     """Every plan the ranks run, made once here (as JSON: the same on both ranks); a case of
     another merge rule than the default has its plan made for its schedule (the rule is the
     plan's for its own schedule)."""
-    plans = {f"case{n}": dataclasses.replace(_plan(name, layers=layers), checkpoint=checkpoint,
+    plans = {f"case{n}": dataclasses.replace(_plan(name, layers=layers), recompute=checkpoint,
                                              **({"schedule": schedule, "merge_backward": merge}
                                                 if merge != "unwaited" else {}))
              for n, (name, schedule, checkpoint, layers, merge) in enumerate(cases)}
@@ -292,7 +292,7 @@ def _check_cases(values: list[dict[str, Any]], cases: list[Case]) -> None:
                                        "interleaved_zb": "ScheduleInterleavedZeroBubble"}[schedule], what
         if name == "tied":  # one tensor in two stages of rank 0 under the V: no tie group
             assert [r["ties"] for r in runs] == ([0, 0] if v_layout else [1, 1]), what
-        if layers:  # a reentrant checkpoint: the whole backward at the I, no weight pass
+        if layers:  # a reentrant recompute: the whole backward at the I, no weight pass
             assert all(r["recomputed"] > 0 and r["weight_passes"] == 0 for r in runs), what
         else:  # the weights' half ran apart, at each W that does not follow its I at once; the
             # adjacent halves ran as one backward ([Note: adjacent I and W] in executor/spec.py)

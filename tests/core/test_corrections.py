@@ -107,7 +107,7 @@ def test_one_profile_plans_each_runtime_with_its_own_call_cost() -> None:
     prof = _chain(BOTH)
     assert prof.corrections.default_runtime() == "distributed"
     for runtime, call in (("gpipe", (0.05, 0.07)), ("distributed", (0.5, 0.7))):
-        plan = partition(prof, stages=2, chunks=4, checkpoint="never", schedule="1f1b", runtime=runtime,
+        plan = partition(prof, stages=2, chunks=4, recompute="never", schedule="1f1b", runtime=runtime,
                          method="dp")
         assert plan.runtime == runtime
         assert {(st.call_fwd_ms, st.call_bwd_ms) for st in plan.breakdown} == {call}

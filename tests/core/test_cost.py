@@ -49,8 +49,8 @@ def test_resolve_devices() -> None:
 
 
 def test_options_validation() -> None:
-    with pytest.raises(PartitionError, match="checkpoint='sometimes'"):
-        CostOptions(checkpoint="sometimes")
+    with pytest.raises(PartitionError, match="recompute='sometimes'"):
+        CostOptions(recompute="sometimes")
     with pytest.raises(PartitionError, match="optimizer='lion'"):
         CostOptions(optimizer="lion")
     with pytest.raises(PartitionError, match="chunks=0"):
@@ -67,7 +67,7 @@ def test_cut_bytes_count_pass_through() -> None:
 
 def test_stage_costs_hand_computed() -> None:
     lc = LayerCosts.from_profile(_diamond())
-    opts = CostOptions(chunks=4, checkpoint="never", optimizer="adam", bandwidth=1e6)
+    opts = CostOptions(chunks=4, recompute="never", optimizer="adam", bandwidth=1e6)
     # stages: {a, c} | {b, d}: a's value crosses cut 0 (b needs it), c's value also crosses
     s0, s1 = stage_costs(lc, [0, 1, 0, 1], [DeviceSpec("x"), DeviceSpec("y", speed=2.0)], opts)
     assert s0.output_bytes == 100 + 300 and s1.input_bytes == 400
@@ -80,14 +80,14 @@ def test_stage_costs_hand_computed() -> None:
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "recompute", "act1"),
+    ("recompute", "recompute_ms", "act1"),
     [("always", 3.0, 4 * 400 + 6000), ("except_last", 3.0 * 3 / 4, 3 * 400 + 6000), ("never", 0.0, 4 * 6000)],
 )
-def test_checkpoint_modes(checkpoint: str, recompute: float, act1: int) -> None:
+def test_recompute_modes(recompute: str, recompute_ms: float, act1: int) -> None:
     lc = LayerCosts.from_profile(_diamond())
-    opts = CostOptions(chunks=4, checkpoint=checkpoint, optimizer="sgd", bandwidth=None)
+    opts = CostOptions(chunks=4, recompute=recompute, optimizer="sgd", bandwidth=None)
     s0, s1 = stage_costs(lc, [0, 1, 0, 1], [DeviceSpec("x"), DeviceSpec("y", speed=2.0)], opts)
-    assert s1.recompute_ms == pytest.approx(recompute)
+    assert s1.recompute_ms == pytest.approx(recompute_ms)
     assert s1.activation_bytes == act1
     assert s0.transfer_ms == 0.0 and s1.param_bytes == 60 * 2
 
@@ -134,16 +134,16 @@ def test_peak_is_the_walk_over_the_order() -> None:
 def test_per_stage_modes() -> None:
     lc = LayerCosts.from_profile(_diamond())
     devs = [DeviceSpec("x"), DeviceSpec("y")]
-    mixed = CostOptions(chunks=4, checkpoint=["always", "never"], optimizer="sgd", bandwidth=None)
-    assert mixed.checkpoint == ("always", "never") and mixed.recomputed(2) == [4, 0]
+    mixed = CostOptions(chunks=4, recompute=["always", "never"], optimizer="sgd", bandwidth=None)
+    assert mixed.recompute == ("always", "never") and mixed.recomputed(2) == [4, 0]
     s0, s1 = stage_costs(lc, [0, 1, 0, 1], devs, mixed)
     a0, _ = stage_costs(lc, [0, 1, 0, 1], devs, CostOptions(4, "always", "sgd", None))
     _, n1 = stage_costs(lc, [0, 1, 0, 1], devs, CostOptions(4, "never", "sgd", None))
     assert (s0, s1) == (a0, n1)  # each stage exactly as if every stage ran its mode
-    with pytest.raises(PartitionError, match=r"checkpoint lists 2 mode\(s\) for 3 stage\(s\)"):
+    with pytest.raises(PartitionError, match=r"recompute lists 2 mode\(s\) for 3 stage\(s\)"):
         stage_costs(lc, [0, 1, 2, 2], devs + [DeviceSpec("z")], mixed)
-    with pytest.raises(PartitionError, match=r"checkpoint\[1\]='sometimes' is not a checkpoint mode"):
-        CostOptions(checkpoint=["never", "sometimes"])
+    with pytest.raises(PartitionError, match=r"recompute\[1\]='sometimes' is not a recompute mode"):
+        CostOptions(recompute=["never", "sometimes"])
     with pytest.raises(PartitionError, match="schedule='zigzag'"):
         CostOptions(schedule="zigzag")
 
@@ -164,7 +164,7 @@ def test_a_received_value_both_sides_save_is_held_once_per_side() -> None:
                        "saved_bytes": [100, 100 + 40, 10], "saved_shared_bytes": [0, 100, 0]})
     lc = LayerCosts.from_profile(Profile(df, [("a", "b", 100), ("b", "c", 100)], {}))
     assert lc.saved.tolist() == [100, 40, 10] and lc.resaved.tolist() == [100, 0, 0]
-    opts = CostOptions(chunks=1, checkpoint="never", optimizer="none", bandwidth=None)
+    opts = CostOptions(chunks=1, recompute="never", optimizer="none", bandwidth=None)
     devs = [DeviceSpec("x"), DeviceSpec("y")]
     together, = stage_costs(lc, [0, 0, 0], devs[:1], opts)
     assert together.saved_bytes == 150  # one process, one tensor

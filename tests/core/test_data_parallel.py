@@ -71,7 +71,7 @@ def _two_stages(data_parallel: int, dp_mode: str = "ddp") -> Plan:
     # layers of 1 ms forward, 2 ms backward, nothing crosses the cut; stage 0 holds 1 MB of
     # parameters, stage 1 5 MB
     prof = chain_profile([1.0, 1.0], param_bytes=[MB, 5 * MB])
-    return Plan.from_stages(prof, [["l0"], ["l1"]], chunks=2, checkpoint="never",
+    return Plan.from_stages(prof, [["l0"], ["l1"]], chunks=2, recompute="never",
                             bandwidth=1e9, data_parallel=data_parallel, dp_mode=dp_mode)
 
 
@@ -108,7 +108,7 @@ def test_fsdp_gathers_before_the_first_forward_and_reduce_scatters_after_the_las
 
 def test_fsdp_shards_the_stage_state() -> None:
     prof = chain_profile([1.0, 1.0], param_bytes=[4 * MB, 4 * MB])
-    plans = {(d, mode): Plan.from_stages(prof, [["l0", "l1"]], chunks=1, checkpoint="never",
+    plans = {(d, mode): Plan.from_stages(prof, [["l0", "l1"]], chunks=1, recompute="never",
                                          data_parallel=d, dp_mode=mode)
              for d in (1, 4) for mode in ("ddp", "fsdp")}
     assert plans[1, "ddp"].stage_memory == [32 * MB]  # 8 MB x adam's 4
@@ -167,7 +167,7 @@ def test_shared_devices_run_their_collectives_in_turn() -> None:
     prof = chain_profile([1.0] * 4, param_bytes=[MB] * 4)
     plan = Plan.from_stages(prof, [[n] for n in prof.layers], devices=["r0", "r1", "r0", "r1"],
                             chunks=4, schedule="interleaved1f1b", bandwidth=1e9, data_parallel=2)
-    sim = simulate_stages(plan.breakdown, chunks=4, checkpoint=plan.checkpoint, ms_per_byte=MS_PER_BYTE,
+    sim = simulate_stages(plan.breakdown, chunks=4, recompute=plan.recompute, ms_per_byte=MS_PER_BYTE,
                           schedule="interleaved1f1b", devices=["r0", "r1", "r0", "r1"])
     for rank in (0, 1):
         spans = sorted((e.start_ms, e.end_ms) for e in sim.timeline

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from autopipe.core.plan import Plan
+from autopipe.core.plan import Alternative, Plan
 from autopipe.core.profile_table import Profile
 from autopipe.errors import PlanError, ProfileError
 from autopipe.solvers.synthetic import chain_profile, random_chain
@@ -19,7 +20,7 @@ def _plan() -> Plan:
 
 def test_from_stages_numbers() -> None:
     prof = chain_profile([1.0, 2.0, 3.0, 6.0], output_bytes=0, saved_bytes=0)
-    plan = Plan.from_stages(prof, [["l0", "l1", "l2"], ["l3"]], chunks=2, checkpoint="never")
+    plan = Plan.from_stages(prof, [["l0", "l1", "l2"], ["l3"]], chunks=2, recompute="never")
     assert plan.stage_times == [18.0, 18.0]  # fwd + 2 x fwd backward
     assert plan.bottleneck == 18.0 and plan.lower_bound == 18.0
     assert plan.iteration_time == 3 * 18.0  # (M + K - 1) x bottleneck
@@ -67,7 +68,7 @@ def test_save_refuses_overwrite(tmp_path: Path) -> None:
         (lambda d: json.dumps({**d, "stage_times": [1.0]}), "'stage_times' must be a list with one entry per stage"),
         (lambda d: json.dumps({**d, "chunks": "four"}), "malformed field"),
         (lambda d: json.dumps({**d, "stages": [["a"], "b"]}), "'stages' must be a list"),
-        (lambda d: json.dumps({**d, "checkpoint": "sometimes"}), "malformed field.*checkpoint"),
+        (lambda d: json.dumps({**d, "recompute": "sometimes"}), "malformed field.*recompute"),
     ],
 )
 def test_load_rejects_bad_files(tmp_path: Path, edit, match) -> None:  # type: ignore[no-untyped-def]
@@ -195,18 +196,35 @@ def test_a_one_part_fingerprint_still_names_the_micro_batches() -> None:
 def test_per_stage_checkpoint_roundtrips_and_one_mode_stays_a_string(tmp_path: Path) -> None:
     prof = random_chain(6, 2)
     mixed = Plan.from_stages(prof, [prof.layers[:2], prof.layers[2:4], prof.layers[4:]],
-                             checkpoint=["always", "never", "never"], chunks=4, schedule="1f1b")
-    assert mixed.checkpoint == ["always", "never", "never"] and mixed.schedule == "1f1b"
+                             recompute=["always", "never", "never"], chunks=4, schedule="1f1b")
+    assert mixed.recompute == ["always", "never", "never"] and mixed.schedule == "1f1b"
     assert [b.recompute_ms > 0 for b in mixed.breakdown] == [True, False, False]
     mixed.save(tmp_path / "mixed.json")
     assert Plan.load(tmp_path / "mixed.json") == mixed
-    same = Plan.from_stages(prof, mixed.stages, checkpoint=["never"] * 3, chunks=4)
-    assert same.checkpoint == "never" and same.stage_checkpoints == ["never"] * 3
+    same = Plan.from_stages(prof, mixed.stages, recompute=["never"] * 3, chunks=4)
+    assert same.recompute == "never" and same.stage_recompute == ["never"] * 3
     assert "never" in same.table().splitlines()[1]
     data = mixed.to_dict()
-    (tmp_path / "bad.json").write_text(json.dumps({**data, "checkpoint": ["always", "never"]}))
-    with pytest.raises(PlanError, match=r"malformed field: checkpoint lists 2 mode\(s\) for 3 stage\(s\)"):
+    (tmp_path / "bad.json").write_text(json.dumps({**data, "recompute": ["always", "never"]}))
+    with pytest.raises(PlanError, match=r"malformed field: recompute lists 2 mode\(s\) for 3 stage\(s\)"):
         Plan.load(tmp_path / "bad.json")
+
+
+def test_plans_saved_when_recompute_was_called_checkpoint_still_load(tmp_path: Path) -> None:
+    """[Note: plan fields over time]: the plan's and each alternative's ``checkpoint``."""
+    prof = random_chain(6, 2)
+    plan = Plan.from_stages(prof, [prof.layers[:3], prof.layers[3:]], recompute=["always", "never"],
+                            chunks=4)
+    plan = dataclasses.replace(plan, alternatives=[Alternative(2, 8, "gpipe", "never", 1.0, 2.0, 3)])
+    data = plan.to_dict()
+    data["checkpoint"] = data.pop("recompute")
+    data["alternatives"] = [{("checkpoint" if k == "recompute" else k): v
+                             for k, v in a.items()} for a in data["alternatives"]]
+    assert "recompute" not in json.dumps(data).replace("recompute_", "")
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json") == plan
+    with pytest.warns(DeprecationWarning, match=r"^plan.checkpoint is now plan.recompute"):
+        assert plan.checkpoint == ["always", "never"]
 
 
 def test_plans_saved_before_schedules_still_load(tmp_path: Path) -> None:
@@ -240,7 +258,7 @@ def test_a_plan_for_another_micro_batch_checks_structure_and_rows() -> None:
 def test_explain_says_memory_binds_and_where() -> None:
     prof = chain_profile([1.0] * 4, param_bytes=[0] * 4, output_bytes=1, saved_bytes=1 << 20)
     # stage 0 keeps 4 micro-batches x 3 MiB without recomputation; stage 1 fits them (4 x 1 MiB)
-    plan = Plan.from_stages(prof, [["l0", "l1", "l2"], ["l3"]], chunks=4, checkpoint=["always", "never"],
+    plan = Plan.from_stages(prof, [["l0", "l1", "l2"], ["l3"]], chunks=4, recompute=["always", "never"],
                             memory_limit=6 << 20, optimizer="none")
     text = plan.explain()
     assert "recomputation always, never" in text

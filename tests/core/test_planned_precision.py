@@ -35,8 +35,8 @@ def test_the_cast_cache_is_the_low_dtype_weights_of_a_stage_that_recomputes() ->
 @pytest.mark.parametrize("mode", ["never", "always"])
 def test_a_plan_of_a_bf16_profile_counts_fp32_state_and_the_cache(mode: str) -> None:
     split = [["l0", "l1"], ["l2", "l3"]]
-    fp32 = Plan.from_stages(_chain(None), split, chunks=4, checkpoint=mode, optimizer="adam")
-    bf16 = Plan.from_stages(_chain("bf16"), split, chunks=4, checkpoint=mode, optimizer="adam")
+    fp32 = Plan.from_stages(_chain(None), split, chunks=4, recompute=mode, optimizer="adam")
+    bf16 = Plan.from_stages(_chain("bf16"), split, chunks=4, recompute=mode, optimizer="adam")
     assert fp32.precision == "fp32" and bf16.precision == "bf16"
     cache = 2 * PARAMS // 2 if mode == "always" else 0  # two layers' weights in bf16, per stage
     for a, b in zip(fp32.breakdown, bf16.breakdown, strict=True):
@@ -49,14 +49,14 @@ def test_a_plan_of_a_bf16_profile_counts_fp32_state_and_the_cache(mode: str) -> 
 def test_the_solvers_fit_the_cache_into_the_memory_limit(method: str) -> None:
     prof = _chain("bf16")
     # each stage of the even split holds 2 x 4 x PARAMS of Adam state + 50 x 4 saved / 10 x 4 in
-    bare = Plan.from_stages(_chain(None), [["l0", "l1"], ["l2", "l3"]], chunks=4, checkpoint="always")
+    bare = Plan.from_stages(_chain(None), [["l0", "l1"], ["l2", "l3"]], chunks=4, recompute="always")
     limit = max(bare.stage_memory) + PARAMS // 2  # fits fp32's split, not bf16's with its cache
     with pytest.raises(PartitionError, match="memory"):
-        partition(prof, devices=["cpu"] * 2, chunks=4, checkpoint="always", memory_limit=limit,
+        partition(prof, devices=["cpu"] * 2, chunks=4, recompute="always", memory_limit=limit,
                   method=method)
-    plan = partition(prof, devices=["cpu"] * 2, chunks=4, checkpoint="always",
+    plan = partition(prof, devices=["cpu"] * 2, chunks=4, recompute="always",
                      memory_limit=limit + PARAMS, method=method)
-    again = Plan.from_stages(prof, plan.stages, chunks=4, checkpoint="always")
+    again = Plan.from_stages(prof, plan.stages, chunks=4, recompute="always")
     assert plan.precision == "bf16" and plan.stage_memory == again.stage_memory
     assert max(plan.stage_memory) <= limit + PARAMS
 

@@ -46,8 +46,8 @@ def test_the_stage_keeps_less_and_its_backward_recomputes() -> None:
     prof = _dag()
     split = _split(prof)
     assert {"h0.attn", "h0.fc1"} <= set(split[0])
-    plain = Plan.from_stages(prof, split, chunks=4, checkpoint="never")
-    chosen = Plan.from_stages(prof, split, chunks=4, checkpoint="never", recompute_layers=["h0.fc1", "h0.attn"])
+    plain = Plan.from_stages(prof, split, chunks=4, recompute="never")
+    chosen = Plan.from_stages(prof, split, chunks=4, recompute="never", recompute_layers=["h0.fc1", "h0.attn"])
     costs = LayerCosts.from_profile(prof)
     picked = [costs.names.index(n) for n in ("h0.attn", "h0.fc1")]  # two segments of one layer
     assert chosen.recompute_layers == ["h0.attn", "h0.fc1"]  # in the profile's order
@@ -62,7 +62,7 @@ def test_the_stage_keeps_less_and_its_backward_recomputes() -> None:
 
 def test_a_plan_keeps_its_recomputed_layers_and_older_plans_have_none(tmp_path: Path) -> None:
     prof = _dag()
-    plan = Plan.from_stages(prof, _split(prof), chunks=4, checkpoint="never", recompute_layers=["h0.attn"])
+    plan = Plan.from_stages(prof, _split(prof), chunks=4, recompute="never", recompute_layers=["h0.attn"])
     path = plan.save(tmp_path / "p.json")
     loaded = Plan.load(path)
     assert loaded.recompute_layers == ["h0.attn"] and loaded.cost_options.recompute_layers == ("h0.attn",)
@@ -70,17 +70,17 @@ def test_a_plan_keeps_its_recomputed_layers_and_older_plans_have_none(tmp_path: 
     del data["recompute_layers"]
     assert Plan.from_dict(data).recompute_layers == []
     data["recompute_layers"] = ["no.such.layer"]
-    with pytest.raises(PlanError, match="'recompute_layers' must list layers of stages whose checkpoint is 'never'"):
+    with pytest.raises(PlanError, match="'recompute_layers' must list layers of stages whose recompute is 'never'"):
         Plan.from_dict(data)
 
 
 def test_only_stages_that_never_recompute_as_a_whole_take_them() -> None:
     prof = _dag()
-    with pytest.raises(PartitionError, match="stage 0 recomputes as a whole .checkpoint 'always'."):
-        Plan.from_stages(prof, _split(prof), chunks=4, checkpoint=["always", "never"],
+    with pytest.raises(PartitionError, match="stage 0 recomputes as a whole .recompute 'always'."):
+        Plan.from_stages(prof, _split(prof), chunks=4, recompute=["always", "never"],
                          recompute_layers=[_split(prof)[0][1]])
     with pytest.raises(PartitionError, match="'nope', which is not a layer of the profile"):
-        Plan.from_stages(prof, _split(prof), chunks=4, checkpoint="never", recompute_layers=["nope"])
+        Plan.from_stages(prof, _split(prof), chunks=4, recompute="never", recompute_layers=["nope"])
 
 
 def _brute_force(costs: LayerCosts, layers: list[int], need: int) -> float:

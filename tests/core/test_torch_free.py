@@ -25,12 +25,12 @@ _PLAN_WITHOUT_TORCH = textwrap.dedent("""
         assert sim.iteration_time > 0 and len(sim.peak_memory) == 3
     prof.meta.update(micro_batch_size=4, batch_size=16, chunks=4)
     auto = autopipe.partition(prof, stages="auto", devices=["a", "b", "c"], chunks="auto",
-                              checkpoint="auto", schedule="auto", memory_limit="64MiB")
+                              recompute="auto", schedule="auto", memory_limit="64MiB")
     assert auto.alternatives and "Next best" in auto.explain()
     for schedule in ("gpipe", "1f1b", "interleaved1f1b"):
         sim = autopipe.simulate(auto, prof, schedule=schedule) if schedule == auto.schedule else None
         assert sim is None or sim.iteration_time > 0
-    mixed = autopipe.partition(prof, stages=2, chunks=4, checkpoint=["always", "never"],
+    mixed = autopipe.partition(prof, stages=2, chunks=4, recompute=["always", "never"],
                                schedule="1f1b")
     replicas = autopipe.partition(prof, devices=4, data_parallel="auto", dp_mode="fsdp", chunks=2)
     assert any(a.data_parallel != replicas.data_parallel for a in replicas.alternatives)

@@ -45,20 +45,20 @@ def test_the_measured_link_flows_into_plans_and_the_simulator() -> None:
     costs = LayerCosts.from_profile(prof)
     assert (costs.comm_latency_ms, costs.comm_bandwidth) == (0.2, 1e8)
     devices = [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")]
-    options = CostOptions(chunks=4, checkpoint="never", bandwidth=1e8)
+    options = CostOptions(chunks=4, recompute="never", bandwidth=1e8)
     split = [0] * 3 + [1] * 4 + [2] * 3
     before = stage_costs(LayerCosts.from_profile(base), split, devices, options)
     after = stage_costs(costs, split, devices, options)
     assert [a.transfer_ms - b.transfer_ms for a, b in zip(after, before, strict=True)] == \
         pytest.approx([0.2, 0.4, 0.2])  # one message per cut a stage sends on
-    plan = partition(prof, stages=3, chunks=4, checkpoint="never", method="dp")
+    plan = partition(prof, stages=3, chunks=4, recompute="never", method="dp")
     assert plan.bandwidth == 1e8  # not given: the measured one
-    assert partition(base, stages=3, chunks=4, checkpoint="never").bandwidth == 10e9
-    same = Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=4, checkpoint="never",
+    assert partition(base, stages=3, chunks=4, recompute="never").bandwidth == 10e9
+    same = Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=4, recompute="never",
                             bandwidth=1e8)
     assert same.stage_times == pytest.approx(plan.stage_times)
     assert simulate(plan, prof).iteration_time == pytest.approx(plan.iteration_time)
-    free = Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=4, checkpoint="never",
+    free = Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=4, recompute="never",
                             bandwidth=None)
     assert all(b.transfer_ms == 0 for b in free.breakdown)
 
@@ -66,14 +66,14 @@ def test_the_measured_link_flows_into_plans_and_the_simulator() -> None:
 @pytest.mark.parametrize("method", ["dp", "ilp"])
 def test_the_solvers_charge_what_the_plan_reports(method: str) -> None:
     prof = _with(random_chain(9, 5), {**COMM, "comm_receive_share": 0.7})  # the receiver pays too
-    plan = partition(prof, stages=3, chunks=4, checkpoint="except_last", method=method)
+    plan = partition(prof, stages=3, chunks=4, recompute="except_last", method=method)
     assert plan.bottleneck == pytest.approx(max(plan.stage_times))
     if method == "dp":  # exact over the order: no other 3-way split beats it under the same model
         layers = prof.layers
         for i in range(1, 8):
             for j in range(i + 1, 9):
                 alt = Plan.from_stages(prof, [layers[:i], layers[i:j], layers[j:]], devices=plan.devices,
-                                       chunks=4, checkpoint="except_last", bandwidth=1e8)
+                                       chunks=4, recompute="except_last", bandwidth=1e8)
                 assert plan.bottleneck <= alt.bottleneck + 1e-9
 
 
@@ -83,7 +83,7 @@ def test_the_receiver_pays_its_share_right_before_the_work_that_reads_it() -> No
     costs = LayerCosts.from_profile(prof)
     assert costs.comm_receive_share == 0.5
     plan = Plan.from_stages(prof, [prof.layers[:2], prof.layers[2:]], devices=["a", "b"], chunks=1,
-                            checkpoint="never", bandwidth=1e6)
+                            recompute="never", bandwidth=1e6)
     first, second = plan.breakdown
     nbytes = first.output_bytes
     assert nbytes == second.input_bytes > 0 and first.receive_share == second.receive_share == 0.5
@@ -102,5 +102,5 @@ def test_the_receiver_pays_its_share_right_before_the_work_that_reads_it() -> No
     assert spans[0, "backward"][0] == pytest.approx(receives[0][2])
     assert sim.iteration_time == pytest.approx(spans[0, "backward"][1])
     # the DP prices the same stages as the plan
-    best = partition(prof, stages=2, chunks=1, checkpoint="never", method="dp")
+    best = partition(prof, stages=2, chunks=1, recompute="never", method="dp")
     assert best.bottleneck == pytest.approx(max(best.stage_times))

@@ -68,11 +68,11 @@ def test_activations_stay_until_w_with_what_w_starts_from() -> None:
     assert torch_rank_order("interleaved_zb", 0, 2, 2) == [(0, "F", 0), (0, "F", 1), (0, "I", 0), (0, "W", 0),
                                                            (0, "I", 1), (0, "W", 1)]
     assert stage_terms("interleaved_zb", 0, 2, 2, 0) == ((0, 2, 0),)
-    sim = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, checkpoint="never", ms_per_byte=0.0,
+    sim = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, recompute="never", ms_per_byte=0.0,
                           schedule="interleaved_zb")
     assert sim.peak_memory == [2 * 100, 2 * 100 + 2 * 10]
     # 1F1B frees each micro-batch at its backward: stage 1 holds one
-    one = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, checkpoint="never", ms_per_byte=0.0,
+    one = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, recompute="never", ms_per_byte=0.0,
                           schedule="1f1b")
     assert one.peak_memory == [200, 100]
     # a checkpointed micro-batch recomputes in I and keeps the recomputed forward until W
@@ -91,7 +91,7 @@ def test_split_stage_costs_from_a_profile() -> None:
     # held from I to W: the layers' weight-gradient inputs (none on the first stage) and the
     # received output gradient (none on the last)
     assert [s.weight_held_bytes for s in stages] == [64, 5 + 64, 6 + 64, 7]
-    sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    sim = simulate_stages(stages, chunks=4, recompute="never", ms_per_byte=0.0, schedule="zbv", devices=V)
     # rank 0 runs every I with its W at once: the first stage's backward, whole
     first = [(e.phase, round(e.duration_ms, 6)) for e in sim.timeline if e.stage == 0 and e.microbatch == 0]
     assert first == [("forward", 1.0), ("backward", 2.0)]
@@ -113,13 +113,13 @@ def test_the_split_costs_what_the_profile_measured_and_two_stages_do_not_split()
     stages = stage_costs(costs, [0, 1, 2, 3], devices, options)
     # the two halves cost 1.25x the whole on a stage that splits ([Note: split backward time]);
     # the first stage runs its backward whole at the W, the stage of a recomputed layer segment
-    # whole at the I (torch's reentrant checkpoint: executor/ranks/split_backward.py), holding nothing
+    # whole at the I (torch's reentrant recompute: executor/ranks/split_backward.py), holding nothing
     parts = [(s.bwd_input_ms, s.bwd_weight_ms) for s in stages]
     assert parts[0] == (0.0, 2.0) and parts[2] == (0.5 * 1.25, 1.5 * 1.25) and parts[3] == (1.5 * 1.25, 0.5 * 1.25)
     assert parts[1][1] == 0.0 and parts[1][0] == pytest.approx(stages[1].bwd_ms) and stages[1].bwd_ms > 2.0
     assert stages[1].weight_held_bytes == 0 and stages[2].weight_held_bytes == 6 + 64
     assert [s.time_ms - s.fwd_ms for s in stages] == pytest.approx([2.0, stages[1].bwd_ms, 2.5, 2.5])
-    sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    sim = simulate_stages(stages, chunks=4, recompute="never", ms_per_byte=0.0, schedule="zbv", devices=V)
 
     def ops(s: int, i: int) -> dict[str, float]:
         return {e.phase: round(e.duration_ms, 6) for e in sim.timeline if (e.stage, e.microbatch) == (s, i)}
@@ -136,7 +136,7 @@ def test_peak_memory_matches_cost_model(schedule: str) -> None:
     split = [prof.layers[:3], prof.layers[3:5], prof.layers[5:9], prof.layers[9:]]
     devices = V if schedule != "interleaved_zb" else ["r0", "r1", "r0", "r1"]
     for checkpoint in ("always", "except_last", "never", ["always", "never", "except_last", "never"]):
-        plan = Plan.from_stages(prof, split, chunks=4, checkpoint=checkpoint, schedule=schedule, devices=devices)
+        plan = Plan.from_stages(prof, split, chunks=4, recompute=checkpoint, schedule=schedule, devices=devices)
         assert plan.peak_memory == plan.stage_memory, checkpoint
         sim = simulate(plan, prof)
         assert sim.iteration_time == pytest.approx(plan.iteration_time)
@@ -148,7 +148,7 @@ def test_the_v_bottom_sends_nothing() -> None:
     stages = [_stage(out=10, inp=0), _stage(out=10, inp=10), _stage(out=10, inp=10), _stage(out=0, inp=10)]
 
     def sends(schedule: str, devices: list[str]) -> list[int]:  # per stage (receiving is free here)
-        sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.1, schedule=schedule,
+        sim = simulate_stages(stages, chunks=4, recompute="never", ms_per_byte=0.1, schedule=schedule,
                               devices=devices)
         return [sum(1 for e in sim.timeline if e.stage == s and e.phase == "transfer" and e.duration_ms > 0)
                 for s in range(4)]
@@ -160,7 +160,7 @@ def test_the_v_bottom_sends_nothing() -> None:
 
 def test_the_all_reduce_starts_after_the_last_weight_gradient() -> None:
     stages = [StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 10, bwd_input_ms=1.0, grad_sync_ms=3.0) for _ in V]
-    sim = simulate_stages(stages, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    sim = simulate_stages(stages, chunks=4, recompute="never", ms_per_byte=0.0, schedule="zbv", devices=V)
     def last_gradient(s: int) -> float:  # its last W, or its last whole backward
         return max(e.end_ms for e in sim.timeline if e.stage == s and e.phase in ("backward", "weight"))
 
@@ -179,7 +179,7 @@ def test_a_profile_without_the_split_plans_everything_else(tmp_path: Path) -> No
     old = Profile.load(tmp_path / "old")
     assert LayerCosts.from_profile(old).bwd_input is None
     with pytest.raises(PlanError, match=r"^profile again: schedule='zbv' splits each backward"):
-        simulate_stages([StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 1)] * 2, chunks=2, checkpoint="never",
+        simulate_stages([StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 1)] * 2, chunks=2, recompute="never",
                         ms_per_byte=0.0, schedule="zbv", devices=["a", "a"])
     with pytest.raises(ProfileError, match=r"has \['bwd_input_ms'\] but not"):
         Profile.from_frame(prof.df.assign(bwd_input_ms=1.0))
@@ -208,7 +208,7 @@ def test_zero_bubble_calls_pay_interleaved_1f1bs() -> None:
     assert Corrections(stage_calls={"gpipe": {"gpipe": Phases(0.1, 0.2)}}).call_for("gpipe", "zbv") == Phases(0.1, 0.2)
     # a split backward's two calls share the backward's call cost; a whole one pays it once
     stage = StageCost(1.0, 2.0, 0.0, 0.0, 0, 0, 0, 0, 1, call_bwd_ms=0.4, bwd_input_ms=0.5)
-    sim = simulate_stages([stage] * 4, chunks=4, checkpoint="never", ms_per_byte=0.0, schedule="zbv", devices=V)
+    sim = simulate_stages([stage] * 4, chunks=4, recompute="never", ms_per_byte=0.0, schedule="zbv", devices=V)
 
     def durations(s: int, i: int) -> list[float]:
         return sorted(round(e.duration_ms, 6) for e in sim.timeline
@@ -222,9 +222,9 @@ def test_zero_bubble_calls_pay_interleaved_1f1bs() -> None:
 def test_a_plan_of_another_schedule_simulates_under_a_zero_bubble_one() -> None:
     prof = random_chain(8, 4, split=True)
     split = [prof.layers[:2], prof.layers[2:4], prof.layers[4:6], prof.layers[6:]]
-    plan = Plan.from_stages(prof, split, chunks=4, checkpoint="never", schedule="interleaved1f1b",
+    plan = Plan.from_stages(prof, split, chunks=4, recompute="never", schedule="interleaved1f1b",
                             devices=["r0", "r1", "r0", "r1"])
-    zb = Plan.from_stages(prof, split, chunks=4, checkpoint="never", schedule="interleaved_zb",
+    zb = Plan.from_stages(prof, split, chunks=4, recompute="never", schedule="interleaved_zb",
                           devices=["r0", "r1", "r0", "r1"])
     assert simulate(plan, prof, schedule="interleaved_zb").iteration_time == pytest.approx(zb.iteration_time)
     with pytest.raises(PlanError, match=r"^profile again: .*simulate\(plan, profile, schedule=\.\.\.\)"):
@@ -241,7 +241,7 @@ def test_the_plan_keeps_the_faster_merge_rule() -> None:
         prof = Profile.from_frame(base.df, meta={**base.meta, "bwd_split_ratio": ratio})
 
         def plan(rule: str | None, prof: Profile = prof) -> Plan:
-            return Plan.from_stages(prof, stages, chunks=8, checkpoint="never", schedule="zbv", devices=V,
+            return Plan.from_stages(prof, stages, chunks=8, recompute="never", schedule="zbv", devices=V,
                                     bandwidth=None, merge_backward=rule)
 
         each = {rule: plan(rule).iteration_time for rule in ("unwaited", "adjacent")}
@@ -260,5 +260,5 @@ def test_the_plan_keeps_the_faster_merge_rule() -> None:
                                         r"\['unwaited', 'adjacent'\], got 'all'"):
         Plan.from_dict({**old, "merge_backward": "all"})
     with pytest.raises(PlanError, match=r"merge_backward='all': choose one of"):
-        simulate_stages(chosen.breakdown, chunks=8, checkpoint="never", ms_per_byte=0.0, schedule="zbv",
+        simulate_stages(chosen.breakdown, chunks=8, recompute="never", ms_per_byte=0.0, schedule="zbv",
                         devices=V, merge="all")

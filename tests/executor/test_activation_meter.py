@@ -15,7 +15,7 @@ F32 = 4
 def _run(mode: str) -> ActivationMeter:
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 8), nn.ReLU())]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, checkpoint=mode)
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, recompute=mode)
     x = torch.randn(4, 8)
     meter = ActivationMeter(pipe.stages, inputs=(x,))
     with meter:
@@ -43,7 +43,7 @@ def test_exact_bytes_per_stage(mode: str, peaks: list[int]) -> None:
 
 def test_without_outside_the_loss_counts_on_the_last_stage() -> None:
     stages = [nn.Linear(8, 8), nn.Linear(8, 8)]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=1, checkpoint="never")
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=1, recompute="never")
     x = torch.randn(2, 8)
     meter = ActivationMeter(pipe.stages, inputs=(x,))
     with meter:

@@ -93,7 +93,7 @@ def _compare(pipe_stages: list[nn.Module], ref_stages: list[nn.Module], out: Ten
 def test_callers_autocast_on_threads_and_in_recomputation(mode: str, threads: bool) -> None:
     stages, ref_stages = _stages(), _stages()
     x = torch.randn(8, 8)
-    pipe = GPipe(stages, ["cpu"] * 3, CHUNKS, checkpoint=mode, threads=threads)
+    pipe = GPipe(stages, ["cpu"] * 3, CHUNKS, recompute=mode, threads=threads)
     with torch.autocast("cpu", dtype=BF16):
         out = pipe(x)
         ref = _plain(ref_stages, x)
@@ -112,7 +112,7 @@ def test_callers_autocast_on_threads_and_in_recomputation(mode: str, threads: bo
 def test_precision_bf16_equals_the_plain_model_under_autocast(mode: str) -> None:
     stages, ref_stages = _stages(), _stages()
     x = torch.randn(8, 8)
-    pipe = GPipe(stages, ["cpu"] * 3, CHUNKS, checkpoint=mode, threads=True, precision="bf16")
+    pipe = GPipe(stages, ["cpu"] * 3, CHUNKS, recompute=mode, threads=True, precision="bf16")
     assert pipe.precision == "bf16"
     out = pipe(x)  # no autocast here: the pipeline's own, in every stage
     assert not torch.is_autocast_enabled("cpu")
@@ -127,7 +127,7 @@ def test_recomputation_replays_the_forwards_state_exactly() -> None:
     the forward did, not in the backward's autocast (both backwards run under it)."""
     stages, ref_stages = _stages(), _stages()
     x = torch.randn(8, 8)
-    out = GPipe(stages, ["cpu"] * 3, CHUNKS, checkpoint="always")(x)
+    out = GPipe(stages, ["cpu"] * 3, CHUNKS, recompute="always")(x)
     ref = _plain(ref_stages, x)
     with torch.autocast("cpu", dtype=BF16):
         _loss(out).backward()
@@ -164,7 +164,7 @@ def test_recomputed_layer_segments_keep_the_autocast() -> None:
     stages = [nn.Linear(8, 16), WithSegment(), nn.Linear(16, 4)]
     ref_stages = copy.deepcopy(stages)
     x = torch.randn(8, 8)
-    pipe = GPipe(stages, ["cpu"] * 3, CHUNKS, checkpoint="never", threads=True)
+    pipe = GPipe(stages, ["cpu"] * 3, CHUNKS, recompute="never", threads=True)
     with torch.autocast("cpu", dtype=BF16):
         out = pipe(x)
         ref = _plain(ref_stages, x)
@@ -203,7 +203,7 @@ def test_cuda_workers_and_recomputation_keep_the_callers_autocast(mode: str) -> 
         s.to(d)
         r.to(d)
     x = torch.randn(8, 8, device="cuda:0")
-    pipe = GPipe(stages, devices, CHUNKS, checkpoint=mode, precision="fp32")
+    pipe = GPipe(stages, devices, CHUNKS, recompute=mode, precision="fp32")
     with torch.autocast("cuda", dtype=BF16), torch.autocast("cpu", dtype=BF16):
         out = pipe(x)
         ref = torch.cat([ref_stages[2](ref_stages[1](ref_stages[0](xi).to(devices[1])).to(devices[2]))

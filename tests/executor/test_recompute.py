@@ -8,26 +8,26 @@ from executor.errors import ExecutorError
 from executor.microbatch import Batch
 from executor.recompute import (
     Checkpointing,
-    checkpoint_stop,
     depend,
     fork,
     get_phony,
     is_checkpointing,
     is_recomputing,
     join,
+    recompute_stop,
 )
 
 
 def test_checkpoint_stop_per_mode() -> None:
-    assert checkpoint_stop("always", 4) == 4
-    assert checkpoint_stop("except_last", 4) == 3
-    assert checkpoint_stop("never", 4) == 0
-    assert checkpoint_stop("always", 4, enabled=False) == 0
+    assert recompute_stop("always", 4) == 4
+    assert recompute_stop("except_last", 4) == 3
+    assert recompute_stop("never", 4) == 0
+    assert recompute_stop("always", 4, enabled=False) == 0
 
 
 def test_unknown_mode() -> None:
-    with pytest.raises(ExecutorError, match=r"checkpoint='all' is not a checkpoint mode; use one"):
-        checkpoint_stop("all", 2)
+    with pytest.raises(ExecutorError, match=r"recompute='all' is not a recompute mode; use one"):
+        recompute_stop("all", 2)
 
 
 def _checkpointed(fn: nn.Module, *inputs: Tensor) -> Batch:
@@ -171,7 +171,7 @@ def test_output_the_loss_ignores_gets_no_gradient(mode: str) -> None:
     from executor import GPipe
 
     model = _TwoHeads()
-    pipe = GPipe([model], ["cpu"], chunks=2, checkpoint=mode)
+    pipe = GPipe([model], ["cpu"], chunks=2, recompute=mode)
     used, _unused = pipe(torch.randn(4, 4))
     used.sum().backward()
     assert model.used.weight.grad is not None
@@ -186,12 +186,12 @@ def test_the_micro_batches_back_propagated_last_are_the_recomputed_ones() -> Non
     assert [i for i in range(4) if is_recomputed(i, 4, 3)] == [1, 2, 3]
     assert not any(is_recomputed(i, 4, 0) for i in range(4))
     assert all(is_recomputed(i, 4, 4) for i in range(4))
-    assert checkpoint_stop("except_last", 4) == 3  # GPipe: micro-batches 0 .. 2
+    assert recompute_stop("except_last", 4) == 3  # GPipe: micro-batches 0 .. 2
 
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_checkpointed_steps_leave_no_tensor_behind(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["always", "except_last"])
+def test_checkpointed_steps_leave_no_tensor_behind(recompute: str) -> None:
     # The checkpoint's state once held a micro-batch's outputs while their grad_fn held the
     # state: a cycle through C++ autograd nodes that gc cannot collect, so every step leaked
     # each checkpointed stage's outputs (the U-Net example grew 15 MB a step).
@@ -200,7 +200,7 @@ def test_checkpointed_steps_leave_no_tensor_behind(checkpoint: str) -> None:
     from executor.local.gpipe import GPipe
 
     stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 2))]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=4, recompute=recompute)
     x = torch.randn(16, 8)
 
     def live() -> int:
@@ -229,14 +229,14 @@ class _Scale(nn.Module):
 
 
 @pytest.mark.timeout(60, method="thread")  # it hung in C++, where a signal cannot end it
-@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_a_checkpointed_stage_that_returns_a_parameter_leaves_it_a_leaf(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["always", "except_last"])
+def test_a_checkpointed_stage_that_returns_a_parameter_leaves_it_a_leaf(recompute: str) -> None:
     # As the checkpoint's output the parameter itself got the checkpoint's grad_fn: it stopped
     # being a leaf, and the next step hung in backward.
     from executor.local.gpipe import GPipe
 
     first = _ReturnsItsWeight()
-    pipe = GPipe([first, _Scale()], ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    pipe = GPipe([first, _Scale()], ["cpu", "cpu"], chunks=2, recompute=recompute)
     x = torch.randn(4, 3)
     for _ in range(2):
         first.w.grad = None

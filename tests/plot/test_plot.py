@@ -183,7 +183,7 @@ def measured() -> list[TimelineEvent]:
     """A real trace of a 2-stage pipeline on CPU."""
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(8, 32), nn.ReLU()), nn.Linear(32, 4)]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=4, checkpoint="except_last")
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=4, recompute="except_last")
     with pipe.record_timeline() as events:
         pipe(torch.randn(16, 8)).sum().backward()
     assert events
@@ -414,7 +414,7 @@ def test_readme_images(tmp_path: Path) -> None:
 def test_timeline_draws_the_data_parallel_collectives() -> None:
     # [Note: pipeline x data parallel]: 2 FSDP replicas; gathers and reduce-scatters as strips
     prof = chain_profile([1.0, 1.0], param_bytes=[1 << 20, 5 << 20])
-    plan = Plan.from_stages(prof, [["l0"], ["l1"]], chunks=2, checkpoint="never", bandwidth=1e9,
+    plan = Plan.from_stages(prof, [["l0"], ["l1"]], chunks=2, recompute="never", bandwidth=1e9,
                             data_parallel=2, dp_mode="fsdp")
     result = simulate(plan)
     ax = plot_timeline(result).axes[0]

@@ -15,7 +15,7 @@ from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import chain_profile, random_chain
 
 MiB = 1 << 20
-AUTO = dict(chunks="auto", checkpoint="auto", schedule="auto", progress=False)
+AUTO = dict(chunks="auto", recompute="auto", schedule="auto", progress=False)
 
 
 def _chain(param_bytes: int, fwd_ms: float = 1.0) -> Profile:

@@ -54,7 +54,7 @@ def test_dp_matches_brute_force(seed: int) -> None:
         prof.df["saved_shared_bytes"] = (prof.df["saved_bytes"] * rng.uniform(0, 1, n)).astype("int64")
     lc = LayerCosts.from_profile(prof)
     checkpoint = ["always", "except_last", "never"][seed % 3]
-    opts = CostOptions(chunks=int(rng.integers(1, 6)), checkpoint=checkpoint,
+    opts = CostOptions(chunks=int(rng.integers(1, 6)), recompute=checkpoint,
                        bandwidth=[None, 1e9, 1e8][seed % 3])
     # memory limit somewhere between the tightest and a loose split, speeds 0.5..2
     total = stage_costs(lc, [0] * n, [DeviceSpec("x")], opts)[0].memory_bytes
@@ -88,7 +88,7 @@ def test_dp_colocate_inside_span() -> None:
 def test_memory_limit_binds() -> None:
     prof = chain_profile([1.0] * 8, param_bytes=[100, 1000, 100, 100, 100, 100, 100, 100])
     lc = LayerCosts.from_profile(prof)
-    opts = CostOptions(optimizer="none", checkpoint="never", bandwidth=None)
+    opts = CostOptions(optimizer="none", recompute="never", bandwidth=None)
     free = solve_dp(lc, [DeviceSpec("a"), DeviceSpec("b")], opts)
     assert free.assignment == [0, 0, 0, 0, 1, 1, 1, 1]
     tight = solve_dp(lc, [DeviceSpec("a", 1250), DeviceSpec("b", 1250)], opts)
@@ -107,11 +107,11 @@ def test_faster_device_gets_more_layers() -> None:
 def test_infeasible_memory_message() -> None:
     prof = chain_profile([1.0] * 4, param_bytes=[1 << 30] * 4, saved_bytes=1 << 28)
     lc = LayerCosts.from_profile(prof)
-    opts = CostOptions(optimizer="adam", checkpoint="never", chunks=8)
+    opts = CostOptions(optimizer="adam", recompute="never", chunks=8)
     devs = [DeviceSpec("a", 8 << 30), DeviceSpec("b", 8 << 30)]
     # best split: 2 layers per stage = 2 x 4 GiB states + 8 x 2 x 256 MiB activations = 12 GiB;
     # one layer per stage = 4 GiB + 8 x 256 MiB = 6 GiB fits: 4 stages, not "3 stages"
-    with pytest.raises(PartitionError, match=r"^stage memory needs at least 12.0 GiB with checkpoint='never', "
+    with pytest.raises(PartitionError, match=r"^stage memory needs at least 12.0 GiB with recompute='never', "
                        r"optimizer='adam' and 2 stages; limit is 8.0 GiB; 4 stages are the fewest that fit "
                        r"\(--stages 4 / stages=4\)$"):
         solve_dp(lc, devs, opts)
@@ -121,11 +121,11 @@ def test_a_layer_too_big_for_the_limit_is_named_with_the_least_memory_any_split_
     prof = chain_profile([1.0] * 4, param_bytes=[1 << 20, 3 << 30, 1 << 20, 1 << 20],
                          saved_bytes=1 << 20)
     lc = LayerCosts.from_profile(prof)
-    opts = CostOptions(optimizer="adam", checkpoint="never", chunks=4)
+    opts = CostOptions(optimizer="adam", recompute="never", chunks=4)
     for k in (2, 4):  # no stage count helps, and the message says so at every count
         with pytest.raises(PartitionError, match=r"^layer 'l1' alone needs 12.0 GiB for its parameters "
                            r"\(3.0 GiB\) with 'adam' optimizer state, more than the 8.0 GiB limit, so no "
-                           r"split fits; the least memory any split needs is 12.0 GiB with checkpoint='never', "
+                           r"split fits; the least memory any split needs is 12.0 GiB with recompute='never', "
                            r"optimizer='adam': raise the limit to that \(--memory / memory_limit=\) or split "
                            r"that layer into smaller modules$"):
             solve_dp(lc, [DeviceSpec(str(s), 8 << 30) for s in range(k)], opts)
@@ -138,21 +138,21 @@ def test_memory_message_offers_recomputation_when_it_fits() -> None:
     devs = [DeviceSpec(str(s), 300 << 20) for s in range(2)]
     # never: 8 micro-batches x 2 layers x 64 MiB = 1 GiB a stage; except_last keeps the inputs of
     # the 7 checkpointed micro-batches and the activations of the one back-propagated first
-    with pytest.raises(PartitionError, match=r"with checkpoint='never', .*; 2 stages fit with "
-                       r"checkpoint='except_last' \(--checkpoint except_last / checkpoint='except_last'\)$"):
-        solve_dp(lc, devs, CostOptions(checkpoint="never", chunks=8))
+    with pytest.raises(PartitionError, match=r"with recompute='never', .*; 2 stages fit with "
+                       r"recompute='except_last' \(--recompute except_last / recompute='except_last'\)$"):
+        solve_dp(lc, devs, CostOptions(recompute="never", chunks=8))
     # below 2 layers' except_last 143 MiB, above one layer's 4 + 7 + 64 MiB: more stages
     tiny = [DeviceSpec(str(s), 100 << 20) for s in range(2)]
-    with pytest.raises(PartitionError, match=r"; 4 stages fit with checkpoint='except_last' \(--stages 4 "
-                       r"--checkpoint except_last / stages=4, checkpoint='except_last'\)$"):
-        solve_dp(lc, tiny, CostOptions(checkpoint="never", chunks=8))
+    with pytest.raises(PartitionError, match=r"; 4 stages fit with recompute='except_last' \(--stages 4 "
+                       r"--recompute except_last / stages=4, recompute='except_last'\)$"):
+        solve_dp(lc, tiny, CostOptions(recompute="never", chunks=8))
     with pytest.raises(PartitionError, match=r"; no number of stages fits: the least memory any split needs "
                        r"is 75.0 MiB; raise the limit to that \(--memory / memory_limit=\)$"):
-        solve_dp(lc, [DeviceSpec(str(s), 70 << 20) for s in range(2)], CostOptions(checkpoint="except_last", chunks=8))
+        solve_dp(lc, [DeviceSpec(str(s), 70 << 20) for s in range(2)], CostOptions(recompute="except_last", chunks=8))
     with pytest.raises(PartitionError, match=r"exceeds some device's limit by at least .* and these 2 devices; "
-                       r"give them more memory or use checkpoint='except_last'$"):
+                       r"give them more memory or use recompute='except_last'$"):
         solve_dp(lc, [DeviceSpec("a", 100 << 20), DeviceSpec("b", 90 << 20)],
-                 CostOptions(checkpoint="never", chunks=8))
+                 CostOptions(recompute="never", chunks=8))
 
 
 def test_stage_count_errors() -> None:

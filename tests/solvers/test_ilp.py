@@ -58,7 +58,7 @@ def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) ->
 def test_ilp_beats_dp_by_cutting_thin_values() -> None:
     lc = LayerCosts.from_profile(_two_branches())
     devices = [DeviceSpec("a"), DeviceSpec("b")]
-    opts = CostOptions(chunks=2, checkpoint="never", bandwidth=1e9)  # 1 MB = 1 ms
+    opts = CostOptions(chunks=2, recompute="never", bandwidth=1e9)  # 1 MB = 1 ms
     dp = solve_dp(lc, devices, opts)
     ilp = solve_ilp(lc, devices, opts, warm_start=dp.assignment, time_limit=20)
     assert ilp.status == "optimal" and ilp.gap <= 0.005
@@ -70,7 +70,7 @@ def test_ilp_beats_dp_by_cutting_thin_values() -> None:
 @pytest.mark.parametrize("ties", ["share", "colocate"])
 def test_ilp_matches_brute_force_with_ties_and_memory(ties: str) -> None:
     lc = LayerCosts.from_profile(_two_branches(tie=True))
-    opts = CostOptions(chunks=2, checkpoint="never", optimizer="none", bandwidth=1e9, ties=ties)
+    opts = CostOptions(chunks=2, recompute="never", optimizer="none", bandwidth=1e9, ties=ties)
     devices = [DeviceSpec("a", 900), DeviceSpec("b", 900), DeviceSpec("c", 900)]
     expected = brute_force(lc, devices, opts)
     ilp = solve_ilp(lc, devices, opts, time_limit=20)

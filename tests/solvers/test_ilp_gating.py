@@ -70,9 +70,9 @@ def test_a_dag_the_bound_proves_skips_the_ilp(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_dag_where_the_ilp_gains_gets_its_split() -> None:
     prof = _branches(1)
-    exact = partition(prof, stages=2, chunks=4, checkpoint="never", method="exact")
+    exact = partition(prof, stages=2, chunks=4, recompute="never", method="exact")
     assert exact.solver.status == "optimal over the topological order" and exact.solver.bound is None
-    auto = partition(prof, stages=2, chunks=4, checkpoint="never", time_limit=20, progress=False)
+    auto = partition(prof, stages=2, chunks=4, recompute="never", time_limit=20, progress=False)
     assert auto.method == "ilp" and auto.bottleneck < exact.bottleneck * (1 - 1e-3)
     assert auto.solver.status == "optimal" and auto.solver.gap is not None and auto.solver.gap <= 0.005
 
@@ -87,11 +87,11 @@ def _brute(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> floa
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
-def test_dag_bound_is_below_every_split(seed: int, checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["except_last", "never"])
+def test_dag_bound_is_below_every_split(seed: int, recompute: str) -> None:
     lc = LayerCosts.from_profile(_branches(1, seed=seed))
     devices = [DeviceSpec("a"), DeviceSpec("b", speed=2.0), DeviceSpec("c")]
-    opts = CostOptions(4, checkpoint, bandwidth=1e6)
+    opts = CostOptions(4, recompute, bandwidth=1e6)
     bound = dag_bound(lc, devices, opts)
     assert bound is not None and 0 < bound <= _brute(lc, devices, opts) + 1e-9
 
@@ -99,7 +99,7 @@ def test_dag_bound_is_below_every_split(seed: int, checkpoint: str) -> None:
 def test_the_time_budget_is_kept_shown_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     err = io.StringIO()
     monkeypatch.setattr("sys.stderr", err)
-    plan = partition(_branches(1), stages=2, chunks=4, checkpoint="never", method="ilp", progress=True)
+    plan = partition(_branches(1), stages=2, chunks=4, recompute="never", method="ilp", progress=True)
     assert "/5 s" in err.getvalue()  # the default budget, on the progress line
     assert plan.solver.seconds < 60  # generous: the budget is 5 s of CBC
     slow = partition(_branches(12), stages=4, chunks=4, bandwidth=1e5, method="ilp", time_limit=1,

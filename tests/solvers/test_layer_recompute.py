@@ -25,24 +25,24 @@ def _fits(plan: Plan) -> bool:
 
 def test_where_memory_binds_a_few_layers_beat_whole_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     prof = _dag()
-    free = partition(prof, devices=POOL, chunks=8, checkpoint="never", method="dp")
+    free = partition(prof, devices=POOL, chunks=8, recompute="never", method="dp")
     limit = int(max(free.stage_memory) * 0.85)
-    kw = dict(devices=POOL, memory_limit=limit, chunks=8, checkpoint="auto", schedule="gpipe")
+    kw = dict(devices=POOL, memory_limit=limit, chunks=8, recompute="auto", schedule="gpipe")
     auto = partition(prof, **kw)
     monkeypatch.setattr(search_module, "recompute_layers_where_faster", lambda plan, _: plan)
     stages_only = partition(prof, **kw)
-    assert any(m != "never" for m in stages_only.stage_checkpoints)  # memory binds
+    assert any(m != "never" for m in stages_only.stage_recompute)  # memory binds
     assert auto.recompute_layers and _fits(auto) and _fits(stages_only)
     assert auto.iteration_time < stages_only.iteration_time
-    for s, mode in enumerate(auto.stage_checkpoints):  # only stages that recompute nothing whole
+    for s, mode in enumerate(auto.stage_recompute):  # only stages that recompute nothing whole
         assert mode == "never" or not set(auto.recompute_layers) & set(auto.stages[s])
 
 
 def test_without_a_memory_limit_or_recomputation_the_plan_is_kept() -> None:
     prof = _dag()
-    never = partition(prof, devices=POOL, chunks=8, checkpoint="never", method="dp")
+    never = partition(prof, devices=POOL, chunks=8, recompute="never", method="dp")
     assert recompute_layers_where_faster(never, prof) is never
-    forced = partition(prof, devices=POOL, chunks=8, checkpoint="always", method="dp")  # no limit
+    forced = partition(prof, devices=POOL, chunks=8, recompute="always", method="dp")  # no limit
     assert recompute_layers_where_faster(forced, prof) is forced
 
 
@@ -50,9 +50,9 @@ def test_without_a_memory_limit_or_recomputation_the_plan_is_kept() -> None:
 def test_at_any_limit_the_pass_never_makes_a_plan_slower_or_too_big(fraction: float,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     prof = _dag()
-    free = partition(prof, devices=POOL, chunks=8, checkpoint="never", method="dp")
+    free = partition(prof, devices=POOL, chunks=8, recompute="never", method="dp")
     kw = dict(devices=POOL, memory_limit=int(max(free.stage_memory) * fraction), chunks=8,
-              checkpoint="auto", schedule="gpipe")
+              recompute="auto", schedule="gpipe")
     auto = partition(prof, **kw)
     monkeypatch.setattr(search_module, "recompute_layers_where_faster", lambda plan, _: plan)
     stages_only = partition(prof, **kw)

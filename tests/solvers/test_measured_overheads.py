@@ -55,30 +55,30 @@ def test_a_profile_without_them_reads_as_before() -> None:
         _with(prof, {"recompute_ratio": -1})
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_stage_costs_add_the_call_and_scale_the_recompute(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_stage_costs_add_the_call_and_scale_the_recompute(recompute: str) -> None:
     prof = random_chain(12, 3)
     devices = [DeviceSpec("a"), DeviceSpec("b", speed=2.0)]
-    options = CostOptions(chunks=4, checkpoint=checkpoint, bandwidth=None)
+    options = CostOptions(chunks=4, recompute=recompute, bandwidth=None)
     split = [0] * 6 + [1] * 6
     before = stage_costs(LayerCosts.from_profile(prof), split, devices, options)
     after = stage_costs(LayerCosts.from_profile(_with(prof, OVERHEADS)), split, devices, options)
-    share = {"never": 0, "except_last": 3, "always": 4}[checkpoint] / 4  # R / M
+    share = {"never": 0, "except_last": 3, "always": 4}[recompute] / 4  # R / M
     for b, a in zip(before, after, strict=True):
         assert a.recompute_ms == pytest.approx(1.5 * b.recompute_ms + 0.4 * share)
         assert a.time_ms == pytest.approx(b.time_ms + 0.5 * b.recompute_ms + 0.4 * share + 0.5)
 
 
 @pytest.mark.parametrize("method", ["dp", "ilp"])
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_solvers_plan_and_simulator_agree_on_the_new_times(method: str, checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_solvers_plan_and_simulator_agree_on_the_new_times(method: str, recompute: str) -> None:
     prof = _with(random_chain(10, 1), OVERHEADS)
-    plan = partition(prof, devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint,
+    plan = partition(prof, devices=["cpu", "cpu"], chunks=4, recompute=recompute,
                      method=method, bandwidth=None)
     costs = LayerCosts.from_profile(prof)
     where = {n: s for s, names in enumerate(plan.stages) for n in names}
     expect = stage_costs(costs, [where[n] for n in prof.layers], plan.devices,
-                         CostOptions(chunks=4, checkpoint=checkpoint, bandwidth=None))
+                         CostOptions(chunks=4, recompute=recompute, bandwidth=None))
     assert plan.stage_times == pytest.approx([c.time_ms for c in expect])
     # one shared device serialises the stages: the iteration is M x the sum of stage times
     assert plan.iteration_time == pytest.approx(4 * sum(plan.stage_times))
@@ -87,7 +87,7 @@ def test_solvers_plan_and_simulator_agree_on_the_new_times(method: str, checkpoi
     if method == "dp":
         for cut in range(1, 10):
             alt = Plan.from_stages(prof, [prof.layers[:cut], prof.layers[cut:]],
-                                   devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint,
+                                   devices=["cpu", "cpu"], chunks=4, recompute=recompute,
                                    bandwidth=None)
             assert plan.bottleneck <= alt.bottleneck + 1e-9
 

@@ -44,13 +44,13 @@ def test_heterogeneous_speeds_shift_layers_to_faster_device() -> None:
 
 def test_memory_limit_binds_and_is_reported() -> None:
     prof = chain_profile([1.0] * 8, param_bytes=[1 << 20] * 8)
-    free = partition(prof, stages=2, optimizer="none", checkpoint="never")
+    free = partition(prof, stages=2, optimizer="none", recompute="never")
     assert [len(s) for s in free.stages] == [4, 4]
     first_small = partition(prof, devices=[DeviceSpec("a", 3 << 20), DeviceSpec("b")],
-                            optimizer="none", checkpoint="never")
+                            optimizer="none", recompute="never")
     assert [len(s) for s in first_small.stages] == [3, 5]
     with pytest.raises(PartitionError, match=r"needs at least 4.0 MiB.*limit is 2.0 MiB; 4 stages are the fewest that fit \(--stages 4 / stages=4\)$"):
-        partition(prof, stages=2, memory_limit="2MiB", optimizer="none", checkpoint="never")
+        partition(prof, stages=2, memory_limit="2MiB", optimizer="none", recompute="never")
 
 
 @pytest.mark.parametrize("ties", ["share", "colocate"])
@@ -58,7 +58,7 @@ def test_ties(ties: str) -> None:
     # l1 and l3 share 4 MiB; with 'share' both stages pay it, with 'colocate' one stage holds both
     prof = chain_profile([1.0] * 6, param_bytes=[0, 4 << 20, 0, 4 << 20, 0, 0],
                          tie_group=["", "w", "", "w", "", ""])
-    plan = partition(prof, stages=2, ties=ties, optimizer="none", checkpoint="never")
+    plan = partition(prof, stages=2, ties=ties, optimizer="none", recompute="never")
     holders = [s for s, names in enumerate(plan.stages) if {"l1", "l3"} & set(names)]
     if ties == "colocate":
         assert len(holders) == 1 and sorted(plan.stage_memory)[0] == 0
@@ -75,7 +75,7 @@ def test_ties(ties: str) -> None:
         ({}, "give stages=K or devices"),
         ({"stages": 2, "method": "magic"}, "method='magic' is unknown"),
         ({"stages": 2, "chunks": 0}, "chunks=0"),
-        ({"stages": 2, "checkpoint": "maybe"}, "checkpoint='maybe'"),
+        ({"stages": 2, "recompute": "maybe"}, "recompute='maybe'"),
         ({"stages": 2, "memory_limit": "lots"}, "cannot read memory size 'lots'"),
         ({"stages": 2, "ties": "glue"}, "ties='glue'"),
         ({"devices": []}, r"devices=\[\] is empty"),
@@ -131,3 +131,16 @@ def test_stages_are_named_after_the_profiled_device_kind() -> None:
     assert [d.name for d in partition(prof, devices=["cpu", "cpu"]).devices] == ["cpu", "cpu"]
     with pytest.raises(PartitionError, match="stages=0: need an integer K >= 1"):
         partition(prof, stages=0)
+
+
+def test_checkpoint_is_recomputes_old_name_for_one_release() -> None:
+    """[Note: recompute, not checkpoint]: the old keyword still plans the same, with one warning."""
+    prof = random_chain(10, 3)
+    with pytest.warns(DeprecationWarning, match=r"^partition\(checkpoint='always'\) is now "
+                                                 r"partition\(recompute='always'\); checkpoint= will be "
+                                                 r"removed in the next release$"):
+        old = partition(prof, stages=3, checkpoint="always")
+    new = partition(prof, stages=3, recompute="always")
+    assert old.recompute == new.recompute == "always"
+    assert (old.stages, old.stage_times, old.iteration_time) == (new.stages, new.stage_times,
+                                                                 new.iteration_time)

@@ -16,9 +16,9 @@ from autopipe.solvers.partitioner import partition
 from autopipe.solvers.search import chunk_candidates
 from autopipe.solvers.search_space import plan_devices, stages_per_rank
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
-from executor.spec import CHECKPOINT_MODES, SCHEDULES, check_schedule
+from executor.spec import RECOMPUTE_MODES, SCHEDULES, check_schedule
 
-AUTO = dict(stages="auto", chunks="auto", checkpoint="auto", schedule="auto", progress=False)
+AUTO = dict(stages="auto", chunks="auto", recompute="auto", schedule="auto", progress=False)
 
 
 def _sized(prof: Profile, micro: int = 4, batch: int = 16) -> Profile:
@@ -49,10 +49,10 @@ def test_auto_is_never_slower_than_any_fixed_choice_it_searched() -> None:
                     continue
                 if stages_per_rank(schedule) > 1 and k < 2:
                     continue
-                for checkpoint in (*CHECKPOINT_MODES, "auto"):
+                for checkpoint in (*RECOMPUTE_MODES, "auto"):
                     try:
                         fixed = partition(prof, devices=devices, chunks=m, batch_size=8, schedule=schedule,
-                                          checkpoint=checkpoint, memory_limit="40MiB", method="dp", progress=False)
+                                          recompute=checkpoint, memory_limit="40MiB", method="dp", progress=False)
                     except PartitionError:
                         continue  # does not fit
                     compared += 1
@@ -105,7 +105,7 @@ def test_heterogeneous_devices_are_respected() -> None:
     # a small memory on the fast device pushes layers to the roomy slow ones
     pool[1] = DeviceSpec("fast", 3 << 20, 4.0)
     prof = chain_profile([1.0] * 12, param_bytes=[1 << 20] * 12)
-    plan = partition(prof, devices=pool, chunks=4, bandwidth=None, optimizer="none", checkpoint="auto",
+    plan = partition(prof, devices=pool, chunks=4, bandwidth=None, optimizer="none", recompute="auto",
                      progress=False)
     assert [len(s) for s in plan.stages][1] <= 3 and _fits(plan)
 
@@ -127,10 +127,10 @@ def test_1f1b_memory_instead_of_recomputation() -> None:
     # 8 micro-batches of 64 MiB a stage do not fit 200 MiB under GPipe; 1F1B keeps 2 or 1
     prof = chain_profile([1.0] * 8, saved_bytes=[32 << 20] * 8, output_bytes=1 << 10)
     kw = dict(stages=2, chunks=8, memory_limit="200MiB", optimizer="none", bandwidth=None, progress=False)
-    gpipe = partition(prof, schedule="gpipe", checkpoint="auto", **kw)  # type: ignore[arg-type]
-    assert "never" not in gpipe.stage_checkpoints[:1]
-    best = partition(prof, schedule="auto", checkpoint="auto", **kw)  # type: ignore[arg-type]
-    assert best.schedule != "gpipe" and best.checkpoint == "never"
+    gpipe = partition(prof, schedule="gpipe", recompute="auto", **kw)  # type: ignore[arg-type]
+    assert "never" not in gpipe.stage_recompute[:1]
+    best = partition(prof, schedule="auto", recompute="auto", **kw)  # type: ignore[arg-type]
+    assert best.schedule != "gpipe" and best.recompute == "never"
     assert best.iteration_time < gpipe.iteration_time
     text = best.explain()
     assert "Next best alternatives searched" in text and "| 1f1b | never |" in text and "| chosen |" in text
@@ -153,8 +153,8 @@ def test_the_ilp_refines_only_the_winner_of_a_dag() -> None:
         ({"stages": "many"}, r"^stages='many': need an integer K >= 1 or 'auto'$"),
         ({"stages": 2, "chunks": "lots"}, r"^chunks='lots': need an integer"),
         ({"stages": 2, "schedule": "zigzag"}, r"^schedule='zigzag': choose one of"),
-        ({"stages": 2, "checkpoint": ["never", "maybe"]}, r"^checkpoint=\['never', 'maybe'\]: choose one of"),
-        ({"stages": 2, "checkpoint": ["never"] * 3}, r"^checkpoint lists 3 mode\(s\) for 2 stage\(s\)"),
+        ({"stages": 2, "recompute": ["never", "maybe"]}, r"^recompute=\['never', 'maybe'\]: choose one of"),
+        ({"stages": 2, "recompute": ["never"] * 3}, r"^recompute lists 3 mode\(s\) for 2 stage\(s\)"),
         ({"stages": 2, "chunks": 1, "schedule": "1f1b"}, r"^schedule='1f1b' needs chunks >= stages \(2\)"),
         ({"stages": 2, "chunks": 4, "batch_size": 2}, r"^chunks=4 > batch_size=2"),
         ({"stages": 3, "devices": ["a", "b"], "schedule": "auto"}, r"^stages=3 but only 2 devices given"),
@@ -187,9 +187,9 @@ def test_interleaved_with_a_stage_count_puts_two_stages_on_each_rank() -> None:
     with pytest.raises(PartitionError, match=r"runs 2 stages on each rank: give an even stages \(not 3\)"):
         partition(prof, stages=3, chunks=4, schedule="interleaved1f1b")
     # in a search, stages=4 is four stages under every schedule: two ranks of two when interleaved
-    both = partition(prof, stages=4, chunks=4, schedule="interleaved1f1b", checkpoint="auto",
+    both = partition(prof, stages=4, chunks=4, schedule="interleaved1f1b", recompute="auto",
                      devices=["a", "b", "c", "d"], progress=False)
     assert both.num_stages == 4 and len(both.device_memory) == 2
     with pytest.raises(PartitionError, match="each listed once"):
-        partition(prof, stages=4, chunks=4, schedule="interleaved1f1b", checkpoint="auto",
+        partition(prof, stages=4, chunks=4, schedule="interleaved1f1b", recompute="auto",
                   devices=["a", "b", "a", "b"], progress=False)

@@ -1,4 +1,4 @@
-"""[Note: per-stage mode DP]: a checkpoint mode per stage, every stage count in one pass."""
+"""[Note: per-stage mode DP]: a recompute mode per stage, every stage count in one pass."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
 from autopipe.core.profile_table import Profile
 from autopipe.solvers.stage_dp import StageBlocks, budget_devices, solve_counts, solve_split
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
-from executor.spec import CHECKPOINT_MODES
+from executor.spec import RECOMPUTE_MODES
 
-MODES = tuple(CHECKPOINT_MODES)
+MODES = tuple(RECOMPUTE_MODES)
 
 
 def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions,

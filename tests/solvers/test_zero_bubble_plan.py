@@ -19,7 +19,7 @@ from autopipe.solvers.stage_dp import budget_devices
 from autopipe.solvers.synthetic import random_chain, transformer_dag
 from executor.spec import ZERO_BUBBLE_SCHEDULES
 
-AUTO = dict(stages="auto", chunks="auto", checkpoint="auto", schedule="auto", progress=False)
+AUTO = dict(stages="auto", chunks="auto", recompute="auto", schedule="auto", progress=False)
 
 
 def _sized(prof: Profile, micro: int, batch: int) -> Profile:
@@ -51,7 +51,7 @@ def test_stage_counts_lay_out_as_torch_places_them() -> None:
         assert v.num_stages == 4 and v.devices[0].memory == v.devices[3].memory
     replicas = partition(prof, devices=4, chunks=4, schedule="zbv", data_parallel=2, progress=False)
     assert (replicas.num_stages, replicas.data_parallel) == (4, 2)
-    searched = partition(prof, devices=2, chunks=4, checkpoint="auto", schedule="zbv", progress=False)
+    searched = partition(prof, devices=2, chunks=4, recompute="auto", schedule="zbv", progress=False)
     assert [d.name for d in searched.devices] == ["cuda:0", "cuda:1", "cuda:1", "cuda:0"]  # the search's own V
     with pytest.raises(PartitionError, match=r"zbv runs exactly 2 stages per rank, but 2 stages' devices"):
         partition(prof, stages=2, devices=2, chunks=4, schedule="zbv", progress=False)  # stages given: as given
@@ -72,7 +72,7 @@ def test_a_profile_without_the_split_says_profile_again() -> None:
 def test_the_split_memory_binds_in_the_dp_and_the_ilp() -> None:
     prof = random_chain(10, 5, split=True)
     costs = LayerCosts.from_profile(prof)
-    free = partition(prof, devices=["a", "b", "b", "a"], chunks=4, checkpoint="never", schedule="zbv", progress=False)
+    free = partition(prof, devices=["a", "b", "b", "a"], chunks=4, recompute="never", schedule="zbv", progress=False)
     need = max(free.stage_memory)
     limit = int(need * 0.8)
     devices = [DeviceSpec(n, 2 * limit) for n in ("a", "b", "b", "a")]  # 1/2 of a rank each
@@ -104,7 +104,7 @@ def test_auto_weighs_all_six_and_is_never_slower_than_a_zero_bubble_plan() -> No
         for chunks, checkpoint in ((4, "never"), (8, "never"), (8, "except_last"), (16, "always")):
             try:
                 fixed = partition(prof, devices=[pool[0], pool[1], pool[1], pool[0]] if schedule != "interleaved_zb"
-                                  else pool[:2] * 2, chunks=chunks, batch_size=16, checkpoint=checkpoint,
+                                  else pool[:2] * 2, chunks=chunks, batch_size=16, recompute=checkpoint,
                                   schedule=schedule, memory_limit="2GiB", method="dp", progress=False)
             except PartitionError:
                 continue  # does not fit
@@ -120,10 +120,10 @@ def test_the_search_times_each_zero_bubble_plan_under_its_faster_merge_rule() ->
     # adjacent I and W]); under DualPipeV on 2 ranks the rules run the same order
     base = random_chain(16, 7, split=True)
     prof = Profile.from_frame(base.df, meta={**base.meta, "bwd_split_ratio": 1.3})
-    plans = {schedule: partition(prof, devices=["cpu:0", "cpu:1"], stages="auto", chunks=8, checkpoint="never",
+    plans = {schedule: partition(prof, devices=["cpu:0", "cpu:1"], stages="auto", chunks=8, recompute="never",
                                  schedule=schedule, progress=False) for schedule in ("zbv", "auto")}
     zbv = plans["zbv"]
-    other = Plan.from_stages(prof, zbv.stages, devices=zbv.devices, chunks=8, checkpoint="never", schedule="zbv",
+    other = Plan.from_stages(prof, zbv.stages, devices=zbv.devices, chunks=8, recompute="never", schedule="zbv",
                              merge_backward="unwaited")
     assert zbv.merge_backward == "adjacent" and zbv.iteration_time < other.iteration_time
     # the automatic search weighed ZB-V at its faster rule, and chose no slower

@@ -165,7 +165,7 @@ class RecomputedLayer(nn.Module):
         # in-place ReLU: the recompute then failed); and the checkpoint keeps a copy of its own,
         # so that a later in-place op on an original cannot change what the backward recomputes
         # from. The kept copy is what the cost model charges ([Note: recomputed layers]).
-        # torch's reentrant checkpoint: a forward without autograd, recomputed with it, as
+        # torch's reentrant recompute: a forward without autograd, recomputed with it, as
         # executor.GPipe's own (what the profile's recompute ratio measures); the non-reentrant
         # one hooks every saved tensor in Python, which the profile does not measure. It needs an
         # input with a gradient to reach the parameters inside, which a segment on the raw batch

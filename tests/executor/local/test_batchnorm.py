@@ -47,7 +47,7 @@ def _bn_pipe(deferred: bool, mode: str = "always") -> tuple[GPipe, BNNet]:
         [BNFront(model), BNBack(model)],
         ["cpu", "cpu"],
         chunks=4,
-        checkpoint=mode,
+        recompute=mode,
         deferred_batch_norm=deferred,
     )
     return pipe, ref

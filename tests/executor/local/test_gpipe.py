@@ -114,7 +114,7 @@ def test_chain_matches_unpipelined(k: int, mode: str) -> None:
     model = Chain()
     ref = copy.deepcopy(model)
     pipe = GPipe(
-        chain_stages(model, k), ["cpu"] * k, chunks=3, checkpoint=mode, key_prefixes=["net."] * k
+        chain_stages(model, k), ["cpu"] * k, chunks=3, recompute=mode, key_prefixes=["net."] * k
     )
     _run(pipe, ref, torch.randn(7, 8))  # 7 = 3 + 2 + 2: uneven micro-batches
 
@@ -125,7 +125,7 @@ def test_chain_matches_unpipelined(k: int, mode: str) -> None:
 def test_skip_and_int_passed_through_middle_stages(k: int, mode: str) -> None:
     model = Skip()
     ref = copy.deepcopy(model)
-    pipe = GPipe(skip_stages(model, k), ["cpu"] * k, chunks=4, checkpoint=mode)
+    pipe = GPipe(skip_stages(model, k), ["cpu"] * k, chunks=4, recompute=mode)
     _run(pipe, ref, torch.randn(10, 8))
 
 
@@ -133,7 +133,7 @@ def test_skip_and_int_passed_through_middle_stages(k: int, mode: str) -> None:
 def test_worker_threads_match_inline(mode: str) -> None:
     model = Skip()
     ref = copy.deepcopy(model)
-    pipe = GPipe(skip_stages(model, 3), ["cpu"] * 3, chunks=4, checkpoint=mode, threads=True)
+    pipe = GPipe(skip_stages(model, 3), ["cpu"] * 3, chunks=4, recompute=mode, threads=True)
     _run(pipe, ref, torch.randn(8, 8))
 
 
@@ -149,7 +149,7 @@ def test_two_inputs_and_dict_output() -> None:
         return {"logits": m.out(h), "hidden": h}
 
     stages = [Steps(model, ["x_proj", "y_proj"], [first]), Steps(model, ["out"], [second])]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=3, checkpoint="always")
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=3, recompute="always")
     x, y = torch.randn(6, 8), torch.randn(6, 8)
     out, want = pipe(x, y), ref(x, y)
     assert set(out) == {"logits", "hidden"}
@@ -193,7 +193,7 @@ def _dropouty_stages(model: Dropouty, k: int) -> list[nn.Module]:
 def _dropout_run(mode: str, k: int, chunks: int) -> tuple[Tensor, list[Tensor]]:
     torch.manual_seed(0)
     model = Dropouty()
-    pipe = GPipe(_dropouty_stages(model, k), ["cpu"] * k, chunks=chunks, checkpoint=mode)
+    pipe = GPipe(_dropouty_stages(model, k), ["cpu"] * k, chunks=chunks, recompute=mode)
     x = torch.randn(12, 16)
     torch.manual_seed(123)
     out = pipe(x)
@@ -242,7 +242,7 @@ class Counting(nn.Module):
 
 def _counting_pipe(mode: str) -> tuple[GPipe, list[Counting]]:
     stages = [Counting(nn.Linear(4, 4)), Counting(nn.Linear(4, 4))]
-    return GPipe(stages, ["cpu", "cpu"], chunks=4, checkpoint=mode), stages
+    return GPipe(stages, ["cpu", "cpu"], chunks=4, recompute=mode), stages
 
 
 def test_recomputation_counts_per_mode() -> None:
@@ -270,7 +270,7 @@ def test_no_recomputation_in_eval_or_no_grad() -> None:
 def _saved_bytes(mode: str) -> int:
     torch.manual_seed(0)
     model = Chain((64, 256, 256, 256, 256, 8))
-    pipe = GPipe(chain_stages(model, 2), ["cpu", "cpu"], chunks=4, checkpoint=mode)
+    pipe = GPipe(chain_stages(model, 2), ["cpu", "cpu"], chunks=4, recompute=mode)
     total = 0
 
     def pack(t: Tensor) -> Tensor:
@@ -363,9 +363,9 @@ def test_parameters_keep_identity_when_already_placed() -> None:
         ({"devices": ["cpu"]}, PlacementError, r"got 1 devices for 2 stages"),
         ({"chunks": 0}, ExecutorError, r"chunks=0 < 1"),
         (
-            {"checkpoint": "sometimes"},
+            {"recompute": "sometimes"},
             ExecutorError,
-            r"checkpoint='sometimes' is not a checkpoint mode",
+            r"recompute='sometimes' is not a recompute mode",
         ),
         ({"key_prefixes": ["x."]}, ExecutorError, r"got 1 key_prefixes for 2 stages"),
     ],
@@ -419,7 +419,7 @@ def test_stage_exception_propagates_and_resets() -> None:
 def test_cuda_two_stages_match_unpipelined(mode: str) -> None:
     model = Skip()
     ref = copy.deepcopy(model).cuda()
-    pipe = GPipe(skip_stages(model, 2), ["cuda:0", "cuda:0"], chunks=4, checkpoint=mode)
+    pipe = GPipe(skip_stages(model, 2), ["cuda:0", "cuda:0"], chunks=4, recompute=mode)
     _run(pipe, ref, torch.randn(8, 8, device="cuda"))
 
 
@@ -428,7 +428,7 @@ def test_cuda_two_stages_match_unpipelined(mode: str) -> None:
 def test_cuda_two_devices_copy_streams() -> None:
     model = Skip()
     ref = copy.deepcopy(model).cuda(0)
-    pipe = GPipe(skip_stages(model, 2), ["cuda:0", "cuda:1"], chunks=4, checkpoint="except_last")
+    pipe = GPipe(skip_stages(model, 2), ["cuda:0", "cuda:1"], chunks=4, recompute="except_last")
     x = torch.randn(8, 8, device="cuda:0")
     out = pipe(x)
     assert out.device == torch.device("cuda:1")
@@ -461,7 +461,7 @@ def test_benchmark_against_torchgpipe_smoke() -> None:
             "1",
         ]
     )
-    assert (row.model, row.batch, row.chunks, row.checkpoint) == ("mlp", 8, 2, "except_last")
+    assert (row.model, row.batch, row.chunks, row.recompute) == ("mlp", 8, 2, "except_last")
     assert row.max_grad_diff < 1e-5  # both pipelines computed the same gradients
     assert row.ratio == pytest.approx(row.executor_ms / row.torchgpipe_ms)
     assert all(math.isfinite(t) and t > 0 for t in (row.executor_ms, row.threaded_ms, row.torchgpipe_ms))
@@ -476,3 +476,12 @@ def test_state_dict_round_trip_when_nested_in_a_parent_module() -> None:
     del state["pipe.d.bias"]
     result = parent.load_state_dict(state, strict=False)
     assert result.missing_keys == ["pipe.d.bias"] and result.unexpected_keys == []
+
+
+def test_checkpoint_is_recomputes_old_name_for_one_release() -> None:
+    """[Note: recompute, not checkpoint]: GPipe(checkpoint=) runs as GPipe(recompute=), warned."""
+    stages = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with pytest.warns(DeprecationWarning, match=r"^GPipe\(checkpoint='never'\) is now "
+                                                 r"GPipe\(recompute='never'\)"):
+        pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, checkpoint="never")
+    assert pipe.recompute == "never" and pipe.recompute_modes == ["never", "never"]

@@ -47,7 +47,7 @@ def test_parameter_tied_across_devices_is_fetched_not_copied(
         Steps(model, ["emb", "mid"], [lambda m, x: torch.tanh(m.mid(m.emb(x)))]),
         Steps(model, ["head"], [lambda m, x: m.head(x)]),
     ]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, checkpoint="always")
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, recompute="always")
     weight = model.emb.weight
     head = pipe.stages[1].head
     assert "weight" not in head._parameters  # only the first stage holds it

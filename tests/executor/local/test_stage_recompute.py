@@ -1,4 +1,4 @@
-"""executor.GPipe with one checkpoint mode per stage ([Note: per-stage recomputation]).
+"""executor.GPipe with one recompute mode per stage ([Note: per-stage recomputation]).
 
 Each stage recomputes exactly the micro-batches executor.spec.recomputed_microbatches gives its
 own mode, whatever its neighbours do, and any mix of modes leaves the plain model's loss and
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from executor.errors import ExecutorError
 from executor.local.gpipe import GPipe
 from executor.recompute import is_checkpointing, is_recomputing
-from executor.spec import check_stage_checkpoints, recomputed_microbatches
+from executor.spec import check_stage_recompute, recomputed_microbatches
 from tests.executor.local.test_batchnorm import BNBack, BNFront
 from tests.executor.local.test_gpipe import _run, skip_stages
 from tests.models import BNNet, Skip
@@ -42,8 +42,8 @@ def test_skip_model_with_per_stage_modes_matches_unpipelined(modes: list[str]) -
     torch.manual_seed(0)
     model = Skip()
     ref = copy.deepcopy(model)
-    pipe = GPipe(skip_stages(model, 3), ["cpu"] * 3, chunks=CHUNKS, checkpoint=modes)
-    assert pipe.checkpoints == modes
+    pipe = GPipe(skip_stages(model, 3), ["cpu"] * 3, chunks=CHUNKS, recompute=modes)
+    assert pipe.recompute_modes == modes
     x = torch.randn(10, 8)  # 3 + 3 + 2 + 2: uneven micro-batches
     _run(pipe, ref, x)  # output, loss and every gradient against the deep copy
 
@@ -68,7 +68,7 @@ class Tagged(nn.Module):
 def _tagged(modes: list[str]) -> tuple[GPipe, list[Tagged], Tensor]:
     stages = [Tagged(rows=2) for _ in modes]
     x = torch.cat([torch.randn(2 * CHUNKS, 4), torch.arange(2.0 * CHUNKS)[:, None]], dim=1)
-    return GPipe(stages, ["cpu"] * len(modes), chunks=CHUNKS, checkpoint=modes), stages, x
+    return GPipe(stages, ["cpu"] * len(modes), chunks=CHUNKS, recompute=modes), stages, x
 
 
 def _by_phase(stage: Tagged) -> dict[str, list[int]]:
@@ -117,7 +117,7 @@ def test_deferred_batch_norm_per_stage(modes: list[str]) -> None:
     per_microbatch, plain = copy.deepcopy(model), copy.deepcopy(model)
     plain_bn2 = copy.deepcopy(model.bn2)
     pipe = GPipe([BNFront(model), BNBack(model)], ["cpu", "cpu"], chunks=CHUNKS,
-                 checkpoint=modes, deferred_batch_norm=True)
+                 recompute=modes, deferred_batch_norm=True)
     seen: dict[str, list[Tensor]] = {"bn1": [], "bn2": []}
     for j, name in enumerate(seen):
         bn = getattr(pipe.stages[j], name)
@@ -141,25 +141,25 @@ def test_deferred_batch_norm_per_stage(modes: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "match"),
+    ("recompute", "match"),
     [
-        (["always", "never"], r"checkpoint lists 2 mode\(s\) for 3 stage\(s\); give one mode per "
+        (["always", "never"], r"recompute lists 2 mode\(s\) for 3 stage\(s\); give one mode per "
                               r"stage, or one mode for all of them"),
-        (["always", "sometimes", "never"], r"checkpoint\[1\]='sometimes' is not a checkpoint "
+        (["always", "sometimes", "never"], r"recompute\[1\]='sometimes' is not a recompute "
                                            r"mode; use one of always, except_last, never"),
-        ([None, "never", "never"], r"checkpoint\[0\]=None is not a checkpoint mode"),
-        (3, r"checkpoint=3 is neither a mode nor a list of modes"),
-        ("sometimes", r"checkpoint='sometimes' is not a checkpoint mode"),
+        ([None, "never", "never"], r"recompute\[0\]=None is not a recompute mode"),
+        (3, r"recompute=3 is neither a mode nor a list of modes"),
+        ("sometimes", r"recompute='sometimes' is not a recompute mode"),
     ],
 )
-def test_bad_per_stage_modes_end_in_one_line(checkpoint: Any, match: str) -> None:
+def test_bad_per_stage_modes_end_in_one_line(recompute: Any, match: str) -> None:
     with pytest.raises(ExecutorError, match=match) as err:
-        GPipe([nn.Linear(2, 2) for _ in range(3)], ["cpu"] * 3, chunks=2, checkpoint=checkpoint)
+        GPipe([nn.Linear(2, 2) for _ in range(3)], ["cpu"] * 3, chunks=2, recompute=recompute)
     assert "\n" not in str(err.value)
 
 
 def test_check_stage_checkpoints_expands_one_mode() -> None:
-    assert check_stage_checkpoints("never", 3) == ["never"] * 3
-    assert check_stage_checkpoints(("always", "never"), 2) == ["always", "never"]
-    pipe = GPipe([nn.Linear(2, 2)] * 1, ["cpu"], chunks=2, checkpoint="always")
-    assert pipe.checkpoint == "always" and pipe.checkpoints == ["always"]
+    assert check_stage_recompute("never", 3) == ["never"] * 3
+    assert check_stage_recompute(("always", "never"), 2) == ["always", "never"]
+    pipe = GPipe([nn.Linear(2, 2)] * 1, ["cpu"], chunks=2, recompute="always")
+    assert pipe.recompute == "always" and pipe.recompute_modes == ["always"]

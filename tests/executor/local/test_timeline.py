@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 def _pipe(mode: str, **kwargs: object) -> GPipe:
     stages = [nn.Sequential(nn.Linear(8, 32), nn.ReLU()), nn.Linear(32, 32), nn.Linear(32, 4)]
-    return GPipe(stages, ["cpu"] * 3, chunks=4, checkpoint=mode, **kwargs)  # type: ignore[arg-type]
+    return GPipe(stages, ["cpu"] * 3, chunks=4, recompute=mode, **kwargs)  # type: ignore[arg-type]
 
 
 def _iteration(pipe: GPipe) -> None:
@@ -71,7 +71,7 @@ def test_context_manager_and_off_by_default() -> None:
 
 def test_stage_without_float_input_still_closes_backward() -> None:
     stages = [nn.Embedding(10, 8), nn.Linear(8, 2)]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, checkpoint="never", record_timeline=True)
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, recompute="never", record_timeline=True)
     pipe(torch.randint(0, 10, (4, 3))).sum().backward()
     back = {(e.stage, e.microbatch): e for e in pipe.last_timeline or [] if e.phase == "backward"}
     assert set(back) == {(0, 0), (0, 1), (1, 0), (1, 1)}

@@ -60,7 +60,7 @@ def test_recomputed_layers_give_the_plain_models_gradients_and_keep_the_predicte
     model, x, y = Net(), torch.randn(32, 8), torch.randn(32, 4)
     reference = copy.deepcopy(model)
     prof = autopipe.profile(model, (x,), chunks=4, repeats=1, warmup=0, progress=False, leaf_modules=[Wide])
-    on = dict(devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    on = dict(devices=["cpu", "cpu"], chunks=4, recompute="never")
     plain = autopipe.Plan.from_stages(prof, SPLIT, **on)
     plan = autopipe.Plan.from_stages(prof, SPLIT, **on, recompute_layers=["b1", "b3"])
     pipe, counted = _train(model, plan, x, y, leaf_modules=[Wide])
@@ -86,7 +86,7 @@ def test_consecutive_op_layers_recompute_as_one_segment() -> None:
     assert set(block) <= set(prof.layers)
     cut = prof.layers.index("b2.fc2") + 1
     split = [prof.layers[:cut], prof.layers[cut:]]
-    on = dict(devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    on = dict(devices=["cpu", "cpu"], chunks=4, recompute="never")
     plain = autopipe.Plan.from_stages(prof, split, **on)
     one = autopipe.Plan.from_stages(prof, split, **on, recompute_layers=block[1:2])
     assert one.breakdown[0].saved_bytes == plain.breakdown[0].saved_bytes  # gelu alone: nothing
@@ -106,9 +106,9 @@ def test_a_model_with_in_place_ops_recomputes_any_layer() -> None:
     ex = get_example("cnn", batch_size=8)
     reference = copy.deepcopy(ex.model)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=2, repeats=1, warmup=0, progress=False)
-    plan = autopipe.partition(prof, devices=["cpu", "cpu"], chunks=2, checkpoint="never", method="uniform")
+    plan = autopipe.partition(prof, devices=["cpu", "cpu"], chunks=2, recompute="never", method="uniform")
     layers = [name for stage in plan.stages for name in stage][::2]  # one-layer segments, ops between
-    plan = autopipe.Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=2, checkpoint="never",
+    plan = autopipe.Plan.from_stages(prof, plan.stages, devices=plan.devices, chunks=2, recompute="never",
                                      recompute_layers=layers)
     pipe = autopipe.pipeline(ex.model, ex.inputs, plan=plan, devices=["cpu", "cpu"])
     ex.loss_fn(pipe(*ex.inputs), ex.target).backward()
@@ -146,8 +146,8 @@ def test_a_segment_fed_by_the_callers_batch_recomputes_as_the_profile_measured(
     ex = get_example("gpt", batch_size=4)
     reference = copy.deepcopy(ex.model)
     prof = autopipe.profile(ex.model, ex.inputs, chunks=2, repeats=1, warmup=0, progress=False)
-    split = autopipe.partition(prof, devices=["cpu", "cpu"], chunks=2, checkpoint="never", method="uniform")
-    plan = autopipe.Plan.from_stages(prof, split.stages, devices=split.devices, chunks=2, checkpoint="never",
+    split = autopipe.partition(prof, devices=["cpu", "cpu"], chunks=2, recompute="never", method="uniform")
+    plan = autopipe.Plan.from_stages(prof, split.stages, devices=split.devices, chunks=2, recompute="never",
                                      recompute_layers=split.stages[0][:3])
     reentrant: list[bool] = []
     real = stages.checkpoint

@@ -59,7 +59,7 @@ def test_a_grouped_pipeline_computes_the_plain_model_gradients() -> None:
     plain = copy.deepcopy(model)
     g = autopipe.trace(model, (x[:2],))
     prof = autopipe.profile(model, (x,), chunks=2, graph=g, repeats=1, warmup=0)
-    pipe = autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, checkpoint="always",
+    pipe = autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, recompute="always",
                              graph=g, profile=prof)
     assert len(pipe.plan.stages) == 2 and sum(len(s) for s in pipe.plan.stages) == len(g.layers) < 4 * 40
     loss = pipe(x).square().mean()

@@ -20,7 +20,7 @@ below and gives each layer's share ([Note: layer shares in sequence] in layer_st
 the stamps cannot run keeps the shares measured alone (one scale for every layer).
 
 It then runs the same graph as ONE stage of executor.GPipe (one micro-batch) with
-``checkpoint="never"`` and ``"always"``: the extra time of the second, less what checkpointing
+``recompute="never"`` and ``"always"``: the extra time of the second, less what checkpointing
 costs any stage call (``recompute_call_ms``, paid per stage), over the whole forward is
 ``recompute_ratio`` ([Note: measured overheads] in autopipe/frontend/profiling/corrections/overheads.py), which
 replaces the ratio sampled on layers alone. The three runs take turns in every round: this
@@ -111,8 +111,8 @@ def _pipes(gm: fx.GraphModule, device: torch.device, precision: str) -> tuple[GP
     GPipe cannot run it (outputs it cannot gather, ...): the sampled ratio stays."""
     stage = as_stage(gm, precision, device)  # [Note: profiling under a precision]
     try:
-        return (GPipe([stage], [device], chunks=1, checkpoint="never"),
-                GPipe([stage], [device], chunks=1, checkpoint="always"))
+        return (GPipe([stage], [device], chunks=1, recompute="never"),
+                GPipe([stage], [device], chunks=1, recompute="always"))
     except (RuntimeError, TypeError, ValueError):
         return None
 

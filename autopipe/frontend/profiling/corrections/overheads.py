@@ -67,10 +67,10 @@ def _empty_stage() -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), graph)
 
 
-def _empty_calls_ms(timer: Timer, device: torch.device, chunks: int, checkpoint: str,
+def _empty_calls_ms(timer: Timer, device: torch.device, chunks: int, recompute: str,
                     precision: str) -> tuple[float, float]:
     stages = [as_stage(_empty_stage(), precision, device) for _ in range(CALL_STAGES)]
-    pipe = GPipe(stages, [device] * CALL_STAGES, chunks=chunks, checkpoint=checkpoint)
+    pipe = GPipe(stages, [device] * CALL_STAGES, chunks=chunks, recompute=recompute)
     x = torch.zeros(chunks, 1, device=device)
 
     def make_forward() -> Callable[[], Any]:

@@ -189,7 +189,7 @@ def _empty_pipeline_ms(rank: int, device: torch.device, chunks: int, steps: int)
         k = empty_stages(schedule)
         mine = [s for s in range(k) if stage_rank(schedule, s, 2) == rank]
         return DistributedPipeline([stages[i] for i in mine], mine, k, loss_fn=lambda out, _: out.sum(),
-                                   chunks=chunks, checkpoint="never", wires=wires[k], device=device,
+                                   chunks=chunks, recompute="never", wires=wires[k], device=device,
                                    schedule=schedule)
 
     pipes = {s: pipeline(s) for s in ("gpipe", *timed_schedules(chunks))}
@@ -367,7 +367,7 @@ def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, m
                           call_fwd_ms=call * fwd_share, call_bwd_ms=call * (1 - fwd_share),
                           latency_ms=latency_ms, bwd_input_ms=0.0 if schedule in ZERO_BUBBLE_SCHEDULES else None)
         k = empty_stages(schedule)
-        return simulate_stages([stage] * k, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+        return simulate_stages([stage] * k, chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                                schedule=schedule,
                                devices=[f"rank{stage_rank(schedule, s, 2)}" for s in range(k)]).iteration_time
 

@@ -49,8 +49,8 @@ def test_the_last_layer_and_so_the_last_stage_pays_it() -> None:
     assert list(base.df["bwd_ms"]) == list(prof.df["bwd_ms"])  # the table itself is not touched
     layers = base.layers
     for checkpoint in ("never", "always"):  # a backward is never recomputed
-        a = Plan.from_stages(base, [layers[:3], layers[3:]], devices=["a", "b"], chunks=2, checkpoint=checkpoint)
-        b = Plan.from_stages(prof, [layers[:3], layers[3:]], devices=["a", "b"], chunks=2, checkpoint=checkpoint)
+        a = Plan.from_stages(base, [layers[:3], layers[3:]], devices=["a", "b"], chunks=2, recompute=checkpoint)
+        b = Plan.from_stages(prof, [layers[:3], layers[3:]], devices=["a", "b"], chunks=2, recompute=checkpoint)
         assert b.stage_times[0] == pytest.approx(a.stage_times[0])
         assert b.stage_times[1] == pytest.approx(a.stage_times[1] + 0.75)
 

@@ -26,7 +26,7 @@ def test_profile_records_the_overheads_in_both_modes(mode: str) -> None:
     assert low <= prof.corrections.recompute_ratio <= high
     costs = LayerCosts.from_profile(prof)
     assert costs.runtime == "gpipe" and costs.call_ms() == pytest.approx(call.fwd_ms + call.bwd_ms)
-    plan = autopipe.partition(prof, stages=2, chunks=2, checkpoint="never", bandwidth=None)
+    plan = autopipe.partition(prof, stages=2, chunks=2, recompute="never", bandwidth=None)
     layers = sum(prof.df.loc[prof.df["layer"].isin(s), ["fwd_ms", "bwd_ms"]].to_numpy().sum()
                  for s in plan.stages[:1])
     assert plan.stage_times[0] == pytest.approx(layers + costs.call_ms(), abs=1e-6)

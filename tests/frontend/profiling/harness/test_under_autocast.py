@@ -90,10 +90,10 @@ def test_an_unknown_precision_is_refused_in_one_line() -> None:
 def test_activation_meter_agrees_with_the_bf16_prediction(profiles: Any, mode: str) -> None:
     model, x, _, bf16 = profiles
     plan = autopipe.Plan.from_stages(bf16, [bf16.layers[:2], bf16.layers[2:]], devices=["cpu", "cpu"],
-                                     chunks=CHUNKS, checkpoint=mode)
+                                     chunks=CHUNKS, recompute=mode)
     graph = autopipe.trace(model, micro_batch((x,), CHUNKS)[0], leaf_modules=[Seen])
     stages = [AutocastStage(s, "bf16", torch.device("cpu")) for s in build(model, plan, graph)]
-    pipe = GPipe(stages, ["cpu", "cpu"], chunks=CHUNKS, checkpoint=mode)
+    pipe = GPipe(stages, ["cpu", "cpu"], chunks=CHUNKS, recompute=mode)
     meter = ActivationMeter(pipe.stages, inputs=(x,))
     with meter:
         out = pipe(x)

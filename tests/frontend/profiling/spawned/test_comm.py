@@ -16,7 +16,7 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.core.stage_cost import StageCost
-from autopipe.frontend.profiling import comm
+from autopipe.frontend.profiling.spawned import comm
 from autopipe.solvers.synthetic import random_chain
 
 
@@ -119,21 +119,21 @@ def test_the_call_cost_fit_inverts_the_simulator(chunks: int) -> None:
     one_f = comm.fit_call_ms(2 * gpipe, "1f1b", chunks, latency, ms_per_byte, fwd_share=0.4)
     stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
                       call_fwd_ms=0.4 * one_f, call_bwd_ms=0.6 * one_f, latency_ms=latency)
-    again = simulate_stages([stage, stage], chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+    again = simulate_stages([stage, stage], chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                             schedule="1f1b").iteration_time
     assert one_f > 0.3 and again == pytest.approx(2 * gpipe, rel=1e-6)
     # interleaved: 4 stages, 2 per rank, in torch's interleaved order
     looped = comm.fit_call_ms(3 * gpipe, "interleaved1f1b", chunks, latency, ms_per_byte)
     stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
                       call_fwd_ms=0.5 * looped, call_bwd_ms=0.5 * looped, latency_ms=latency)
-    again = simulate_stages([stage] * 4, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+    again = simulate_stages([stage] * 4, chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                             schedule="interleaved1f1b", devices=["a", "b", "a", "b"]).iteration_time
     assert looped > 0 and again == pytest.approx(3 * gpipe, rel=1e-6)
     # ZB-V: 4 stages in a V (rank 0 stages 0 and 3), each backward split in two calls
     v = comm.fit_call_ms(4 * gpipe, "zbv", chunks, latency, ms_per_byte)
     stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
                       call_fwd_ms=0.5 * v, call_bwd_ms=0.5 * v, latency_ms=latency, bwd_input_ms=0.0)
-    again = simulate_stages([stage] * 4, chunks=chunks, checkpoint="never", ms_per_byte=ms_per_byte,
+    again = simulate_stages([stage] * 4, chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                             schedule="zbv", devices=["a", "b", "b", "a"]).iteration_time
     assert v > 0 and again == pytest.approx(4 * gpipe, rel=1e-6)
     assert comm.fit_call_ms(0.0, "1f1b", chunks, latency, ms_per_byte) == 0.0  # faster than free
