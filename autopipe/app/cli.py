@@ -126,7 +126,7 @@ def _partition(args: argparse.Namespace) -> int:
     chunks = None if config.chunks is None else _count_or_auto("--chunks", config.chunks)
     data_parallel = _count_or_auto("--data-parallel", config.data_parallel)
     modes = config.recompute.split(",") if "," in config.recompute else config.recompute
-    if os.path.exists(config.out) and not config.force:  # fail before solving, not after
+    if config.out is not None and os.path.exists(config.out) and not config.force:  # fail before solving
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
     profile = Profile.load(config.profile)
     devices: list[str] | None = config.devices
@@ -145,11 +145,13 @@ def _partition(args: argparse.Namespace) -> int:
         progress=False if config.no_progress else None, data_parallel=data_parallel,
         dp_mode=config.dp_mode,
     )
-    plan.save(config.out, overwrite=config.force)
+    if config.out is not None:
+        plan.save(config.out, overwrite=config.force)
     print(plan.table())
     print()
     print(plan.explain())
-    print(f"wrote {config.out}")
+    print(f"wrote {config.out}" if config.out is not None else
+          "not saved: pass --out plans/NAME.json to keep this plan")
     return 0
 
 

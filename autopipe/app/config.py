@@ -173,7 +173,7 @@ class PartitionConfig:
                                          "profile's measured by `profile --comm`, else 1e10)")
     time_limit: float | None = _opt(None, "ILP time limit in seconds, shown on its progress line "
                                           "(default 5; 2 in a search with an auto choice)")
-    out: str = _opt(None, "plans/NAME.json", required=True)
+    out: str | None = _opt(None, "plans/NAME.json to save the plan in (default: print it, save nothing)")
     force: bool = _opt(False, "overwrite --out if it exists")
     no_progress: bool = _opt(False, "no search or ILP progress on stderr (default: shown when "
                                     "stderr is a terminal)")

@@ -27,6 +27,18 @@ def test_partition_then_simulate(profile_csv: Path, tmp_path: Path, capsys: pyte
     assert "schedule 1f1b" in text and "stage 2" in text
 
 
+def test_partition_without_out_prints_the_plan_and_saves_nothing(
+        profile_csv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    assert main(["partition", str(profile_csv), "--stages", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "bottleneck" in text and "share" in text
+    assert text.rstrip().endswith("not saved: pass --out plans/NAME.json to keep this plan")
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+
+
 def test_the_old_checkpoint_flag_still_sets_recompute_with_one_line(
         profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     old, new = tmp_path / "old.json", tmp_path / "new.json"
