@@ -10,6 +10,7 @@ Modules:
     mesh        replicas of the rank pipeline on a (dp, pp) mesh -> executor.ReplicatedPipeline
     rank_parts  merge_state_dicts(): the ranks' state_dict parts as the plain model's
     setup       the setup the two pipelines share, written once
+    from_rank0  what rank 0 works out and every rank receives: the plan, weights and wires
 
 Entry points resolve on first use, as autopipe's own do ([Note: lazy package] in autopipe/__init__.py).
 """

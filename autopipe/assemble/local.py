@@ -35,14 +35,15 @@ from autopipe.assemble.setup import (
     check_device_memory,
     check_profile_allocator,
     device_names,
+    example_batch,
     graph_model_loss,
     graph_signature,
-    microbatch_inputs,
-    partition_recompute,
     pipeline_precision,
     placement_warning,
     plan_for_devices,
+    recompute_asked,
     runtime_recompute,
+    traced,
     warn_precision_mismatch,
 )
 from autopipe.core.plan import Plan
@@ -52,8 +53,7 @@ from autopipe.errors import BuildError, ProfileError
 from autopipe.frontend.building.materialize import materialize_stages
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
-from autopipe.frontend.tracing.graph import LayerGraph, trace
-from autopipe.frontend.tracing.keyword_inputs import split_keywords
+from autopipe.frontend.tracing.graph import LayerGraph
 from executor import GPipe
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.spec import renamed_recompute
@@ -150,55 +150,23 @@ def pipeline(
         BuildError, PlanError, ProfileError, PartitionError, TraceError: one-line messages.
     """
     recompute = renamed_recompute(recompute, checkpoint, "pipeline")
-    from autopipe.frontend.profiling.profiler import profile as measure  # not on a rank's path
-    from autopipe.solvers.partitioner import partition
-
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     precision = pipeline_precision(precision)  # refused before tracing
-    batched, constants = split_keywords(model, example_kwargs, None)
-    inputs = (*inputs, *batched.values())  # keyword inputs after positional ones, all split
-    n_positional = len(inputs) - len(batched)
     devices = list(devices)
     if not devices:
         raise BuildError("devices is empty: pass one device per stage, e.g. ['cpu', 'cpu']")
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
-    micro = microbatch_inputs(inputs, chunks)
-    micro_kwargs = {**dict(zip(batched, micro[n_positional:], strict=True)), **constants}
-    given = recompute if plan is not None else None  # else the plan is made with it
-    # refused before tracing and profiling; unused with a plan
-    mode = partition_recompute(recompute, len(devices)) if plan is None else ""
+    batch = example_batch(model, example_inputs, example_kwargs, chunks)
+    given, mode = recompute_asked(recompute, plan, len(devices))  # refused before tracing
     on_cpu = any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int))
     check_host_allocator(host_allocator)  # on any device: a typo is refused, not ignored
     in_use = use_host_allocator(host_allocator) if on_cpu else host_allocator_in_use()
     if graph is None:
-        graph = trace(model, micro[:n_positional], example_kwargs=micro_kwargs, **trace_kwargs)
+        graph = traced(model, batch, trace_kwargs)
     if plan is None:
-        if profile is None:
-            profile = measure(model, micro, device=str(devices[0]), graph=graph,
-                              precision=precision)
-        else:
-            profile.check_fingerprint(graph.fingerprint)
-            check_profile_allocator(profile, in_use)
-            warn_precision_mismatch(precision_of(profile.meta), precision, "profile")
-            measured_on = profile.meta.get("device_type")
-            target = torch.device(devices[0]).type
-            if measured_on and measured_on != target:
-                raise ProfileError(
-                    f"the profile was measured on {measured_on} ({profile.meta.get('device')}) "
-                    f"but the pipeline runs on {target}: its timings would misplace the cuts; "
-                    f"re-run `autopipe profile ... --device {devices[0]}`"
-                )
-        plan = partition(
-            profile,
-            devices=device_names(devices),  # the runtime's names: shared devices take turns
-            method=method,
-            chunks=chunks,
-            recompute=mode,
-            memory_limit=memory_limit,
-            optimizer=optimizer,
-            runtime="gpipe",  # executor.GPipe in this process: its own call cost, no ranks
-        )
+        plan = _plan(model, batch.micro, graph, profile, devices, in_use, precision,
+                     method=method, chunks=chunks, recompute=mode, memory_limit=memory_limit,
+                     optimizer=optimizer)
     elif len(plan.stages) != len(devices):
         raise BuildError(
             f"the plan has {len(plan.stages)} stages but {len(devices)} devices were given; "
@@ -221,3 +189,31 @@ def pipeline(
     if pipe.plan is not plan:
         warnings.warn(placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe
+
+
+def _plan(model: nn.Module, micro: tuple[Any, ...], graph: LayerGraph, profile: Profile | None,
+          devices: Sequence[str | torch.device], in_use: str, precision: str,
+          **partition_kwargs: Any) -> Plan:
+    """pipeline()'s plan when none is given: ``profile`` (checked against the graph, the
+    allocator, the precision and the device) or one measured now, partitioned for the runtime
+    that runs it."""
+    from autopipe.frontend.profiling.profiler import profile as measure  # not on a rank's path
+    from autopipe.solvers.partitioner import partition
+
+    if profile is None:
+        profile = measure(model, micro, device=str(devices[0]), graph=graph, precision=precision)
+    else:
+        profile.check_fingerprint(graph.fingerprint)
+        check_profile_allocator(profile, in_use)
+        warn_precision_mismatch(precision_of(profile.meta), precision, "profile")
+        measured_on = profile.meta.get("device_type")
+        target = torch.device(devices[0]).type
+        if measured_on and measured_on != target:
+            raise ProfileError(
+                f"the profile was measured on {measured_on} ({profile.meta.get('device')}) "
+                f"but the pipeline runs on {target}: its timings would misplace the cuts; "
+                f"re-run `autopipe profile ... --device {devices[0]}`"
+            )
+    return partition(profile, devices=device_names(devices),  # the runtime's names: shared
+                     runtime="gpipe",  # devices take turns; executor.GPipe: its own call cost
+                     **partition_kwargs)

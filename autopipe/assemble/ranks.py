@@ -34,38 +34,40 @@ reference is ``mean(loss_fn(model(x_i), y_i) over the micro-batches x_i of x)``,
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autopipe.assemble import from_rank0
 from autopipe.assemble.mesh import replicas_of, replicated_pipeline
 from autopipe.assemble.rank_parts import (
     merge_state_dicts,  # re-exported: the parts this module's pipelines save
 )
 from autopipe.assemble.setup import (
     DEFAULT_PIPELINE_CHUNKS,
+    example_batch,
     graph_model_loss,
     graph_signature,
     microbatch_inputs,
-    partition_recompute,
     pipeline_precision,
+    recompute_asked,
     runtime_recompute,
+    traced,
     warn_precision_mismatch,
 )
 from autopipe.core.plan import Plan
-from autopipe.errors import BuildError, first_line
+from autopipe.errors import BuildError
 from autopipe.frontend.building.materialize import has_meta_tensors, materialize_stages
 from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
-from autopipe.frontend.tracing.graph import LayerGraph, trace
-from autopipe.frontend.tracing.keyword_inputs import split_keywords
+from autopipe.frontend.tracing.graph import LayerGraph
 from executor.host_allocator import check_host_allocator, use_host_allocator
-from executor.ranks.distributed import DistributedError, DistributedPipeline, Wire, infer_wires
-from executor.ranks.replicated import check_fsdp_ties
+from executor.ranks.distributed import DistributedError, DistributedPipeline
+from executor.ranks.ties import check_fsdp_layout, rank_ties
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
@@ -90,93 +92,6 @@ def _comm_device(here: torch.device) -> torch.device:
     """Where this rank's own collectives of build time run: its GPU under NCCL (which carries no
     CPU tensors, and whose current device need not be this rank's), else the CPU."""
     return here if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _decide_plan(model: nn.Module, micro: tuple[Any, ...], graph: Any, stages: int, *,
-                 method: str, chunks: int, recompute: str, loss_fn: Callable[[Any, Any], Tensor] | None,
-                 target: Any = None, precision: str = "fp32", schedule: str = "gpipe", ranks: int = 1,
-                 device: torch.device | None = None) -> Plan:
-    """Rank 0 profiles (the loss too, given the micro-batch's ``target``) and partitions for the
-    distributed runtime and ``schedule``, its stages laid out on the ``ranks`` pipeline ranks as
-    the schedule places them; every rank receives its plan (see [Note: one plan...]) through
-    ``device`` (:func:`_comm_device`)."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        from autopipe.frontend.profiling.profiler import profile
-        from autopipe.solvers.partitioner import partition
-
-        try:
-            prof = profile(model, micro, graph=graph, loss_fn=None if target is None else loss_fn,
-                           target=target, precision=precision)
-            devices = [f"rank:{stage_rank(schedule, i, ranks)}" for i in range(stages)]
-            box[0] = partition(prof, devices=devices, method=method, chunks=chunks, recompute=recompute,
-                               runtime="distributed", schedule=schedule).to_dict()
-        except ValueError as err:
-            box[0] = err  # every rank raises it, instead of the others waiting forever
-    dist.broadcast_object_list(box, src=0, device=device)
-    if isinstance(box[0], ValueError):
-        raise box[0]
-    return Plan.from_dict(box[0])
-
-
-def _wires_of_rank0(stages: Sequence[nn.Module], probe: tuple[Any, ...], precision: str,
-                    device: torch.device) -> list[tuple[Wire, ...]]:
-    """The wires of every cut as rank 0 infers them (see [Note: one plan on every rank])."""
-    box: list[Any] = [None]
-    wires = None
-    if dist.get_rank() == 0:
-        try:
-            wires = infer_wires(stages, probe, precision)
-            box[0] = wires if _picklable(wires) else None  # None: every other rank infers its own
-        except Exception as err:  # noqa: BLE001 - every rank raises it, instead of waiting for its wires
-            box[0] = err if isinstance(err, DistributedError) else DistributedError(
-                f"rank 0 could not run the stages on the example micro-batch: {first_line(err)}")
-    dist.broadcast_object_list(box, src=0, device=device)
-    if isinstance(box[0], DistributedError):
-        raise box[0]
-    if wires is None:
-        wires = box[0] if box[0] is not None else infer_wires(stages, probe, precision)
-    return wires
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        return False
-    return True
-
-
-SYNC_BUCKET_BYTES = 32 << 20  # rank 0's weights go out in flat buckets of about this size
-
-
-def _sync_weights(model: nn.Module, device: torch.device) -> None:
-    """Every rank's weights and buffers := rank 0's, one broadcast per bucket of tensors of one
-    dtype (not one per tensor), each bucket crossing on ``device`` (:func:`_comm_device`) and
-    copied back into the tensors where they live."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    seen: set[int] = set()
-    for t in model.state_dict(keep_vars=True).values():
-        if isinstance(t, Tensor) and id(t) not in seen and t.numel():
-            seen.add(id(t))
-            by_dtype.setdefault(t.dtype, []).append(t)
-    buckets: list[list[Tensor]] = []
-    for tensors in by_dtype.values():
-        first, size = len(buckets), 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            if len(buckets) == first or size + nbytes > SYNC_BUCKET_BYTES:  # a larger tensor: alone
-                buckets.append([])
-                size = 0
-            buckets[-1].append(t)
-            size += nbytes
-    with torch.no_grad():
-        for bucket in buckets:
-            flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
-            dist.broadcast(flat, src=0)
-            if dist.get_rank() != 0:
-                for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-                    t.copy_(part.view_as(t))
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -296,9 +211,79 @@ def distributed_pipeline(
         schedule = plan.schedule if plan is not None else "gpipe"
     if schedule not in SCHEDULES:
         raise BuildError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
-    rank, everyone = dist.get_rank(), dist.get_world_size()
-    replicas, dp = replicas_of(plan, data_parallel, dp_mode, everyone)
-    world = everyone // replicas  # ranks of one pipeline
+    layout = _layout(plan, schedule, data_parallel, dp_mode, stages_per_rank)
+    k, world = layout.stages, layout.ranks
+    if chunks is None:
+        chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
+    batch = example_batch(model, example_inputs, example_kwargs, chunks)
+    given, mode = recompute_asked(recompute, plan, k)
+    try:  # what the schedule accepts, before any rank profiles
+        check_schedule(schedule, k, world, chunks)
+    except ValueError as err:
+        raise BuildError(str(err)) from None
+    here = _device(device)
+    check_host_allocator(host_allocator)
+    if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
+        use_host_allocator(host_allocator)
+    if graph is None:
+        graph = traced(model, batch, trace_kwargs)
+    else:
+        _check_graph(graph, model, batch.micro, batch.keywords)
+    model_loss = graph_model_loss(graph, loss_fn)
+    if loss_fn is None and model_loss is None:
+        raise BuildError("no loss_fn= and the model returns no loss autopipe can weight (a mean "
+                         "cross_entropy / nll_loss of its labels): pass loss_fn=, or labels= in "
+                         "example_kwargs")
+    on_meta = has_meta_tensors(model)
+    if weights is None and not on_meta:
+        from_rank0.weights_of_rank0(model, _comm_device(here))  # every rank reads the same weights file otherwise
+    if plan is None:
+        plan = from_rank0.plan_of_rank0(model, batch.micro, graph, k, method=method, chunks=chunks, recompute=mode,
+                            loss_fn=loss_fn, target=_first_micro_batch(example_target, chunks),
+                            precision=precision, schedule=schedule, ranks=world, device=_comm_device(here))
+    else:
+        warn_precision_mismatch(plan.precision, precision, "plan")
+    modes = runtime_recompute(plan, given)
+    stages = build(model, plan, graph)
+    if layout.replicas > 1 and layout.dp_mode == "fsdp":  # on every rank, before any builds its replica
+        try:
+            check_fsdp_layout(stages, schedule, world)
+        except DistributedError as err:
+            raise BuildError(str(err)) from None
+    probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in batch.micro) if on_meta else batch.micro
+    # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
+    wires = from_rank0.wires_of_rank0(stages, probe, precision, _comm_device(here))
+    # [Note: replicas on a mesh]: rank = dp x K + pp; [Note: stage to rank]
+    mine = [i for i in range(k) if stage_rank(schedule, i, world) == dist.get_rank() % world]
+    materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
+    ties = rank_ties(stages, mine, schedule, world)
+    aliases = _aliases(model)
+    _free_others(model, [stages[i] for i in mine])
+    return replicated_pipeline(
+        [stages[i] for i in mine], mine, k, replicas=layout.replicas, dp_mode=layout.dp_mode,
+        loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
+        chunks=chunks, recompute=modes, schedule=schedule, wires=wires, ties=ties,
+        key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
+        precision=precision,  # the plan's merge rule is for its own schedule ([Note: adjacent I and W])
+        merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited",
+    )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the stages run: ``stages`` in all over ``ranks`` ranks of each of ``replicas``."""
+
+    stages: int
+    ranks: int
+    replicas: int
+    dp_mode: str
+
+
+def _layout(plan: Plan | None, schedule: str, data_parallel: int | str | None, dp_mode: str | None,
+            stages_per_rank: int | None) -> _Layout:
+    """The pipeline's layout over the world's ranks, or a one-line BuildError naming the fix."""
+    replicas, dp = replicas_of(plan, data_parallel, dp_mode, dist.get_world_size())
+    world = dist.get_world_size() // replicas  # ranks of one pipeline
     per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
                                    else 2 if schedule in MULTI_STAGE_SCHEDULES else 1)
     k = max(per_rank, 1) * world
@@ -309,81 +294,14 @@ def distributed_pipeline(
         raise BuildError(f"the plan has {n} stages but {world} ranks{per} need {each} ({k} in all); "
                          f"start {n * replicas} ranks (torchrun --nproc_per_node {n * replicas}) or make "
                          f"a plan of {k} stages (`autopipe partition --stages {k}`)")
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    batched, constants = split_keywords(model, example_kwargs, None)
-    positional = len(inputs)
-    inputs = (*inputs, *batched.values())  # keyword inputs after positional ones, all split
-    if chunks is None:
-        chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
-    micro = microbatch_inputs(inputs, chunks)
-    micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
-    given = recompute if plan is not None else None  # else the plan is made with it
-    mode = partition_recompute(recompute, k) if plan is None else ""
-    try:  # what the schedule accepts, before any rank profiles
-        check_schedule(schedule, k, world, chunks)
-    except ValueError as err:
-        raise BuildError(str(err)) from None
-    here = _device(device)
-    check_host_allocator(host_allocator)
-    if here.type == "cpu":  # before rank 0 profiles: [Note: freed memory stays in the process]
-        use_host_allocator(host_allocator)
-    if graph is None:
-        graph = trace(model, micro[:positional], example_kwargs=micro_kwargs, **trace_kwargs)
-    else:
-        _check_graph(graph, model, micro, tuple(batched))
-    model_loss = graph_model_loss(graph, loss_fn)
-    if loss_fn is None and model_loss is None:
-        raise BuildError("no loss_fn= and the model returns no loss autopipe can weight (a mean "
-                         "cross_entropy / nll_loss of its labels): pass loss_fn=, or labels= in "
-                         "example_kwargs")
-    on_meta = has_meta_tensors(model)
-    if weights is None and not on_meta:
-        _sync_weights(model, _comm_device(here))  # every rank reads the same weights file otherwise
-    if plan is None:
-        target = example_target  # its first micro-batch, as ``micro`` is of the inputs
-        if isinstance(target, tuple):
-            target = microbatch_inputs(target, chunks)
-        elif target is not None:
-            target = microbatch_inputs((target,), chunks)[0]
-        plan = _decide_plan(model, micro, graph, k, method=method, chunks=chunks, recompute=mode,
-                            loss_fn=loss_fn, target=target, precision=precision, schedule=schedule, ranks=world,
-                            device=_comm_device(here))
-    else:
-        warn_precision_mismatch(plan.precision, precision, "plan")
-    modes = runtime_recompute(plan, given)
-    stages = build(model, plan, graph)
-    if replicas > 1 and dp == "fsdp":  # on every rank, before any builds its replica
-        for r in range(world):
-            held = [i for i in range(k) if stage_rank(schedule, i, world) == r]
-            try:
-                check_fsdp_ties([stages[i] for i in held], held, schedule)
-            except DistributedError as err:
-                raise BuildError(str(err)) from None
-    probe = tuple(x.to("meta") if isinstance(x, Tensor) else x for x in micro) if on_meta else micro
-    # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
-    wires = _wires_of_rank0(stages, probe, precision, _comm_device(here))
-    # [Note: replicas on a mesh]: rank = dp x K + pp; [Note: stage to rank]
-    mine = [i for i in range(k) if stage_rank(schedule, i, world) == rank % world]
-    materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
-    owners: dict[int, list[int]] = {}
-    for i, s in enumerate(stages):
-        held_by = stage_rank(schedule, i, world)
-        for p in s.parameters():
-            held = owners.setdefault(id(p), [])
-            if held_by not in held:  # a tie within one rank (the V's first and last) is no tie
-                held.append(held_by)
-    local = {id(p): p for i in mine for p in stages[i].parameters()}
-    ties = [(ranks, local.get(pid)) for pid, ranks in owners.items() if len(ranks) > 1]
-    aliases = _aliases(model)
-    _free_others(model, [stages[i] for i in mine])
-    return replicated_pipeline(
-        [stages[i] for i in mine], mine, k, replicas=replicas, dp_mode=dp,
-        loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
-        chunks=chunks, recompute=modes, schedule=schedule, wires=wires, ties=ties,
-        key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
-        precision=precision,  # the plan's merge rule is for its own schedule ([Note: adjacent I and W])
-        merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited",
-    )
+    return _Layout(k, world, replicas, dp)
+
+
+def _first_micro_batch(target: Any, chunks: int) -> Any:
+    """The example target's first micro-batch, as the inputs' (None: no target)."""
+    if isinstance(target, tuple):
+        return microbatch_inputs(target, chunks)
+    return None if target is None else microbatch_inputs((target,), chunks)[0]
 
 
 def _check_graph(graph: LayerGraph, model: nn.Module, micro: tuple[Any, ...],

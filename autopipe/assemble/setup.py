@@ -1,10 +1,11 @@
 """The setup both pipelines share, written once: pipeline() (local.py) and distributed_pipeline()
 (ranks.py) each call these in the same order.
 
-    micro = microbatch_inputs(inputs, chunks)            # the micro-batch graphs are keyed to
-    mode = partition_recompute(recompute, stages)      # one mode to partition with
-    modes = runtime_recompute(plan, recompute)         # what the runtime runs, plan first
-    check_device_memory(plan, devices)                   # refused before anything is built
+    batch = example_batch(model, inputs, kwargs, chunks)  # the micro-batch graphs are keyed to
+    graph = traced(model, batch, trace_kwargs)            # traced on that micro-batch
+    given, mode = recompute_asked(recompute, plan, stages)  # to partition with, or to override
+    modes = runtime_recompute(plan, given)                # what the runtime runs, plan first
+    check_device_memory(plan, devices)                    # refused before anything is built
 
 See [Note: graphs are keyed to the micro-batch] and [Note: a plan is a prediction for a
 placement] in local.py.
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from autopipe.core.plan import Plan
 from autopipe.core.planned_precision import precision_mismatch
@@ -27,13 +30,15 @@ from autopipe.core.units import format_bytes
 from autopipe.errors import BuildError
 from autopipe.frontend.profiling.harness.inputs import micro_batch
 from autopipe.frontend.tracing.counted_loss import uncounted_loss
-from autopipe.frontend.tracing.graph import LayerGraph
+from autopipe.frontend.tracing.graph import LayerGraph, trace
+from autopipe.frontend.tracing.keyword_inputs import split_keywords
 from executor.keywords import InputSignature
 from executor.local.worker import normalize_device
 from executor.model_loss import ModelLoss
 from executor.spec import check_precision, check_stage_recompute
 
-__all__ = ["DEFAULT_PIPELINE_CHUNKS", "graph_signature", "graph_model_loss", "microbatch_inputs",
+__all__ = ["DEFAULT_PIPELINE_CHUNKS", "ExampleBatch", "example_batch", "traced", "recompute_asked",
+           "graph_signature", "graph_model_loss", "microbatch_inputs",
            "check_device_memory", "free_memory", "device_names", "plan_for_devices", "placement_warning",
            "partition_recompute", "runtime_recompute", "pipeline_precision", "warn_precision_mismatch",
            "check_profile_allocator"]
@@ -141,6 +146,48 @@ def runtime_recompute(plan: Plan, recompute: str | Sequence[str] | None) -> str 
                       "for which its times and memory were predicted; drop recompute= to run the "
                       "plan's, or partition with this recompute", UserWarning, stacklevel=3)
     return recompute if isinstance(recompute, str) else asked
+
+
+@dataclass(frozen=True)
+class ExampleBatch:
+    """The example inputs as a pipeline takes them: the positional inputs, then the keyword inputs
+    that have a batch dimension ([Note: keyword inputs are positional inside] in
+    executor/keywords.py), and their first micro-batch, which the graph, the profile and the plan
+    describe ([Note: graphs are keyed to the micro-batch] in local.py)."""
+
+    inputs: tuple[Any, ...]  # positional, then batched keyword inputs: all split
+    positional: int  # how many of ``inputs`` are positional
+    keywords: tuple[str, ...]  # the batched keyword inputs' names, in order
+    micro: tuple[Any, ...]  # the first micro-batch of every input
+    micro_kwargs: dict[str, Any]  # its keyword inputs, then the constant keywords
+
+
+def example_batch(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,
+                  example_kwargs: Mapping[str, Any] | None, chunks: int) -> ExampleBatch:
+    """``example_inputs`` and ``example_kwargs`` split as both pipelines split them."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    batched, constants = split_keywords(model, example_kwargs, None)
+    positional = len(inputs)
+    inputs = (*inputs, *batched.values())
+    micro = microbatch_inputs(inputs, chunks)
+    micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
+    return ExampleBatch(inputs, positional, tuple(batched), micro, micro_kwargs)
+
+
+def traced(model: nn.Module, batch: ExampleBatch, trace_kwargs: Mapping[str, Any]) -> LayerGraph:
+    """``model`` traced on the batch's first micro-batch."""
+    return trace(model, batch.micro[:batch.positional], example_kwargs=batch.micro_kwargs,
+                 **trace_kwargs)
+
+
+def recompute_asked(recompute: str | Sequence[str] | None, plan: Plan | None,
+                    stages: int) -> tuple[str | Sequence[str] | None, str]:
+    """What ``recompute=`` asks of a pipeline: with a plan, to override the plan's modes (None:
+    keep them; :func:`runtime_recompute`); without one, the mode to partition with
+    (:func:`partition_recompute`, refused before anything is traced or profiled)."""
+    if plan is not None:
+        return recompute, ""
+    return None, partition_recompute(recompute, stages)
 
 
 def microbatch_inputs(example_inputs: tuple[Any, ...], chunks: int) -> tuple[Any, ...]:

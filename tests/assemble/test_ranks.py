@@ -369,11 +369,11 @@ def test_gpipe_on_torchs_own_schedule_matches_one_process() -> None:
 def _wires_from_rank0(rank: int, plan: dict[str, Any]) -> dict[bool, dict[str, Any]]:
     """Build ``plan`` twice, the second time with rank 0's wires refused as unpicklable: how
     often this rank ran infer_wires, and the wires it built with."""
-    import autopipe.assemble.ranks as built
+    import autopipe.assemble.from_rank0 as built
 
     calls: list[int] = []
     got: list[Any] = []
-    infer, of_rank0, picklable = built.infer_wires, built._wires_of_rank0, built._picklable
+    infer, of_rank0, picklable = built.infer_wires, built.wires_of_rank0, built._picklable
 
     def counted(*args: Any) -> Any:
         calls.append(rank)
@@ -383,7 +383,7 @@ def _wires_from_rank0(rank: int, plan: dict[str, Any]) -> dict[bool, dict[str, A
         got.append(of_rank0(*args))
         return got[-1]
 
-    built.infer_wires, built._wires_of_rank0 = counted, recorded  # type: ignore[assignment]
+    built.infer_wires, built.wires_of_rank0 = counted, recorded  # type: ignore[assignment]
     out = {}
     try:
         for refused in (False, True):
@@ -394,7 +394,7 @@ def _wires_from_rank0(rank: int, plan: dict[str, Any]) -> dict[bool, dict[str, A
                                         plan=autopipe.Plan.from_dict(plan), timeout=20)
             out[refused] = {"calls": len(calls), "wires": got[-1], "loss": pipe.step(*inputs, target=target)}
     finally:
-        built.infer_wires, built._wires_of_rank0, built._picklable = infer, of_rank0, picklable  # type: ignore[assignment]
+        built.infer_wires, built.wires_of_rank0, built._picklable = infer, of_rank0, picklable  # type: ignore[assignment]
     return out
 
 
@@ -427,7 +427,7 @@ def test_rank0_infers_the_wires_for_every_rank() -> None:
 def _other_seed_each(rank: int) -> dict[str, Any]:
     """The mlp built with this rank's own seed: the pipeline trains rank 0's weights. Buckets of
     one tensor's size at most, so the broadcast is cut into several."""
-    import autopipe.assemble.ranks as built
+    import autopipe.assemble.from_rank0 as built
 
     model, inputs, target, loss_fn = _case("mlp")
     if rank:
