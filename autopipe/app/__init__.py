@@ -1,6 +1,7 @@
 """The application: the ``autopipe`` command line and the jobs it starts. No library logic.
 
     config.py            the config dataclasses: every CLI choice and default, in one place
+    flag_groups.py       flag groups commands share: PrecisionFlags, LoopFlags, one check each
     checkpoint_flags.py  the checkpoint and restart flags that TrainConfig and RunConfig inherit
     flags.py             argparse from the config dataclasses: one flag per field
     cli.py               argv -> config -> one library call; AutopipeError -> one line, exit 2

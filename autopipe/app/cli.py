@@ -122,18 +122,12 @@ def _partition(args: argparse.Namespace) -> int:
     from autopipe.solvers.partitioner import partition
 
     config: PartitionConfig = from_namespace(PartitionConfig, args)
-    stages = None if config.stages is None else _count_or_auto("--stages", config.stages)
-    chunks = None if config.chunks is None else _count_or_auto("--chunks", config.chunks)
-    data_parallel = _count_or_auto("--data-parallel", config.data_parallel)
-    modes = config.recompute.split(",") if "," in config.recompute else config.recompute
+    stages, chunks, data_parallel = config.counts()
+    modes = config.recompute_modes()
     if config.out is not None and os.path.exists(config.out) and not config.force:  # fail before solving
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
     profile = Profile.load(config.profile)
-    devices: list[str] | None = config.devices
-    if devices is not None and len(devices) == 1 and devices[0].isdigit():  # --devices N
-        kind = profile.meta.get("device_type") or "stage"
-        count = _count_or_auto("--devices", devices[0])
-        devices = [f"{kind}:{s}" for s in range(count if isinstance(count, int) else 0)]
+    devices = config.device_names(profile.meta.get("device_type"))
     if chunks is None:
         chunks = resolve(None, profile.meta.get("chunks"), default=DEFAULT_CHUNKS)
     plan: Plan = partition(
@@ -153,17 +147,6 @@ def _partition(args: argparse.Namespace) -> int:
     print(f"wrote {config.out}" if config.out is not None else
           "not saved: pass --out plans/NAME.json to keep this plan")
     return 0
-
-
-def _count_or_auto(flag: str, value: str) -> int | str:
-    """``auto`` or a whole number >= 1, else one line naming the flag."""
-    from autopipe.errors import PartitionError
-
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise PartitionError(f"{flag} {value!r}: give a whole number >= 1 or auto")
-    return int(value)
 
 
 @_register

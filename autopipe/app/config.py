@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
-from autopipe.errors import BuildError
-from executor.spec import PRECISIONS, SCHEDULES
+from autopipe.app.flag_groups import LoopFlags, PrecisionFlags, check_choice
+from autopipe.errors import BuildError, PartitionError
+from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
+from executor.spec import SCHEDULES
 
 __all__ = [
     "ProfileConfig",
@@ -39,7 +41,6 @@ __all__ = [
     "DEFAULT_BATCH",
     "DEFAULT_STAGES",
     "resolve",
-    "check_clip_grad",
 ]
 
 Recompute = Literal["always", "except_last", "never"]
@@ -50,14 +51,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", 
 ScheduleChoice = Literal["gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", "dualpipev", "auto"]
 Figure = Literal["balance", "timeline", "layers"]
 ProfileMode = Literal["auto", "whole", "layers"]
-HostAllocator = Literal["retain", "system"]
-Precision = Literal["fp32", "bf16", "fp16"]
-assert typing.get_args(Precision) == PRECISIONS, "--precision's choices are executor.spec.PRECISIONS"
 assert typing.get_args(Schedule) == SCHEDULES, "--schedule's choices are executor.spec.SCHEDULES"
-_PRECISION = ("fp32, or bf16 / fp16: autocast in every stage over fp32 parameters, gradients and "
-              "optimizer state")
-_HOST_ALLOCATOR = ("on a CPU, retain: glibc keeps freed memory for reuse, as a training loop "
-                   "reuses it (default); system: the allocator as it is. The profile records it")
 
 _EXAMPLE_MODEL = "bundled example (mlp, cnn, gpt, unet) or package.module:factory"
 _TRAIN_MODEL = ("bundled example (mlp, cnn, gpt, unet) or package.module:factory returning "
@@ -100,7 +94,7 @@ def _pos(help: str, **meta: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ProfileConfig:
+class ProfileConfig(PrecisionFlags):
     model: str = _pos(_EXAMPLE_MODEL, metavar="MODEL")
     batch_size: int | None = _opt(None, f"mini-batch size B (default {DEFAULT_BATCH}; a factory without a "
                                         f"batch_size parameter: its own inputs' batch)")
@@ -110,8 +104,8 @@ class ProfileConfig:
     device: str = _opt("cpu", "cpu | cuda | cuda:N (default cpu)")
     out: str | None = _opt(None, "profiles/NAME.csv (default: from MODEL)")
     force: bool = _opt(False, "overwrite --out if it exists")
-    repeats: int | None = _opt(None, "timed runs per layer (default 10)")
-    warmup: int | None = _opt(None, "untimed runs first (default 2)")
+    repeats: int | None = _opt(None, f"timed runs per layer (default {DEFAULT_REPEATS})")
+    warmup: int | None = _opt(None, f"untimed runs first (default {DEFAULT_WARMUP})")
     max_depth: int | None = _opt(None, "keep submodules at this depth whole")
     leaf: list[str] | None = _opt(None, "submodule name or class to keep whole as one layer (repeatable)",
                                   metavar="NAME", action="append")
@@ -134,13 +128,10 @@ class ProfileConfig:
     comm_from: str | None = _opt(None, "the link between two hosts as `autopipe comm` measured it "
                                        "(its --out FILE.json): its latency, bandwidth and call costs "
                                        "go into the profile instead of measuring this host's", metavar="FILE")
-    host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
-    precision: Precision = _opt("fp32", _PRECISION + "; measured under that autocast, recorded in "
-                                        "the profile, planned for by partition (default fp32)")
 
     def check(self) -> None:
         """The flags alone, before the model is loaded: one line per bad value."""
-        _check_choice("--precision", self.precision, Precision)
+        self.check_precision()
 
 
 @dataclass(frozen=True)
@@ -183,6 +174,33 @@ class PartitionConfig:
     dp_mode: Literal["ddp", "fsdp"] = _opt("ddp", "how replicas sync: ddp (gradient all-reduce) "
                                                   "or fsdp (sharded state) (default ddp)")
 
+    def counts(self) -> tuple[int | str | None, int | str | None, int | str]:
+        """--stages, --chunks and --data-parallel as numbers, "auto" or None (not given)."""
+        return (None if self.stages is None else _count_or_auto("--stages", self.stages),
+                None if self.chunks is None else _count_or_auto("--chunks", self.chunks),
+                _count_or_auto("--data-parallel", self.data_parallel))
+
+    def recompute_modes(self) -> str | list[str]:
+        """--recompute as one mode (or auto) or, comma-separated, a list of one per stage."""
+        return self.recompute.split(",") if "," in self.recompute else self.recompute
+
+    def device_names(self, profiled_kind: str | None) -> list[str] | None:
+        """--devices: the names given, or ``--devices N`` as N devices of the profiled kind."""
+        devices = self.devices
+        if devices is not None and len(devices) == 1 and devices[0].isdigit():
+            count = _count_or_auto("--devices", devices[0])
+            return [f"{profiled_kind or 'stage'}:{s}" for s in range(count if isinstance(count, int) else 0)]
+        return devices
+
+
+def _count_or_auto(flag: str, value: str) -> int | str:
+    """``auto`` or a whole number >= 1, else one line naming the flag."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise PartitionError(f"{flag} {value!r}: give a whole number >= 1 or auto")
+    return int(value)
+
 
 @dataclass(frozen=True)
 class SimulateConfig:
@@ -206,29 +224,23 @@ class PlotConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig(CheckpointFlags):
+class TrainConfig(CheckpointFlags, PrecisionFlags, LoopFlags):
     model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
     stages: int | None = _opt(None, f"pipeline stages K (default: the plan's, else one per --devices, "
                                     f"else {DEFAULT_STAGES})")
     chunks: int | None = _opt(None, _chunks("the --plan's, else the --profile's"))
     batch_size: int | None = _opt(None, _batch("the --plan's, else the --profile's"))
-    steps: int = _opt(10, "training steps (default 10; the summary times steps 2..10)")
     recompute: Recompute | None = _opt(None, "recomputation (default: the plan's, per stage, "
                                                "else except_last)", renamed_from="--checkpoint")
     devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")
     method: Method = _opt("auto", "partition method (default auto)")
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")
     profile: str | None = _opt(None, "use this saved profile instead of measuring")
-    lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
-    clip_grad: float | None = _opt(None, "clip the gradient norm of the whole model (every stage, "
-                                         "each parameter once) to this before each step (default: "
-                                         "no clipping)", metavar="MAX_NORM")
-    host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
-    precision: Precision = _opt("fp32", _PRECISION + "; fp16 with torch.amp.GradScaler (default fp32)")
 
     def check(self) -> None:
         """The flags alone, before the model is loaded: one line per bad value."""
-        _check_choice("--precision", self.precision, Precision)
+        self.check_precision()
+        self.check_loop()
         self.check_checkpoints()
 
 
@@ -267,28 +279,22 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class RunConfig(Launch, RestartFlags):
+class RunConfig(Launch, RestartFlags, PrecisionFlags, LoopFlags):
     """What every rank of ``autopipe run`` trains: a model, a plan (the launcher makes one when
     none is given) and the loop. Travels to the ranks as JSON (:meth:`to_json`), resolved."""
 
     model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
     plan: str | None = _opt(None, "plans/NAME.json (default: profile and partition before starting the ranks)")
     nproc: int = _opt(2, "processes = replicas x pipeline ranks (default 2)")
-    steps: int = _opt(10, "training steps (default 10)")
     batch_size: int | None = _opt(None, _batch("the --plan's"))
     chunks: int | None = _opt(None, _chunks("the --plan's"))
     schedule: Schedule | None = _opt(None, "pipeline schedule (default: the plan's, else gpipe)")
     recompute: Recompute | None = _opt(None, "recomputation (default: the plan's, else except_last)",
                                        renamed_from="--checkpoint")
-    lr: float = _opt(1e-3, "AdamW learning rate (default 0.001)")
-    clip_grad: float | None = _opt(None, "clip the gradient norm of the whole model (every stage, "
-                                         "each parameter once) to this before each step (default: "
-                                         "no clipping)", metavar="MAX_NORM")
     timeout: float = _opt(60.0, "seconds a step may take before a silent rank is an error and the "
                                 "watchdog ends the rank (exit 3) (default 60)")
     first_step_timeout: float = _opt(600.0, "the same for the first step, which builds, warms up "
                                             "and may compile (default 600)")
-    host_allocator: HostAllocator = _opt("retain", _HOST_ALLOCATOR)
     threads: int = _opt(1, "torch threads per rank (default 1)")
     no_pin_cores: bool = _opt(False, "on a CPU, leave the ranks to the OS scheduler (default: local rank r "
                                      "of n runs on the r-th n-th of this process's cores)")
@@ -299,7 +305,6 @@ class RunConfig(Launch, RestartFlags):
     dp_mode: Literal["ddp", "fsdp"] | None = _opt(None, "how replicas sync: ddp (gradient all-reduce) "
                                                         "or fsdp (sharded state) (default: the "
                                                         "--plan's, else ddp)")
-    precision: Precision = _opt("fp32", _PRECISION + ", gradients reduced in fp32 (default fp32)")
 
     def replicas(self) -> int | str | None:
         """--data-parallel as a number, "auto" or None (the plan's); one line when malformed."""
@@ -321,27 +326,25 @@ class RunConfig(Launch, RestartFlags):
                                  f"{sorted(EXAMPLES)} or a 'package.module:factory'")
         if self.nproc < 1:
             raise BuildError(f"--nproc {self.nproc} < 1: a pipeline needs at least one process")
-        if self.steps < 1:
-            raise BuildError(f"--steps {self.steps} < 1: pass --steps 1 or more")
+        self.check_loop()
         if self.batch_size is not None and self.batch_size < 1:
             raise BuildError(f"--batch-size {self.batch_size} < 1: pass --batch-size 1 or more")
         if self.chunks is not None and self.chunks < 1:
             raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
         if self.threads < 1:
             raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
-        check_clip_grad(self.clip_grad)
         if not self.timeout > 0:
             raise BuildError(f"--timeout {self.timeout} must be > 0 seconds, e.g. --timeout 60")
         if not self.first_step_timeout > 0:
             raise BuildError(f"--first-step-timeout {self.first_step_timeout} must be > 0 seconds, "
                              "e.g. --first-step-timeout 600")
         if self.schedule is not None:
-            _check_choice("--schedule", self.schedule, Schedule)
+            check_choice("--schedule", self.schedule, Schedule)
         if self.recompute is not None:
-            _check_choice("--recompute", self.recompute, Recompute)
+            check_choice("--recompute", self.recompute, Recompute)
         if self.dp_mode is not None:
-            _check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
-        _check_choice("--precision", self.precision, Precision)
+            check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
+        self.check_precision()
         self.check_checkpoints()
         self.check_nodes(self.nproc)
         if self.nnodes > 1 and self.plan is None:
@@ -388,14 +391,4 @@ class CommConfig(Launch):
             raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
 
 
-def check_clip_grad(clip_grad: float | None) -> None:
-    """--clip-grad is a positive norm (or absent): one line otherwise."""
-    if clip_grad is not None and not clip_grad > 0:
-        raise BuildError(f"--clip-grad {clip_grad} must be > 0 (the largest gradient norm a step "
-                         "keeps), e.g. --clip-grad 1.0")
 
-
-def _check_choice(flag: str, value: Any, kind: Any) -> None:
-    choices = typing.get_args(kind)
-    if value not in choices:
-        raise BuildError(f"{flag} {value!r} is unknown; use one of {list(choices)}")

@@ -36,14 +36,14 @@ from autopipe.app.config import (
     DEFAULT_BATCH,
     DEFAULT_CHUNKS,
     DEFAULT_STAGES,
-    check_clip_grad,
     resolve,
 )
+from autopipe.app.flag_groups import check_clip_grad
 from autopipe.app.model_spec import LoadedModel, load_model
 from autopipe.app.run_checkpoints import RunCheckpoints, check_before_start, nothing_left
 from autopipe.assemble.local import pipeline
 from autopipe.assemble.setup import microbatch_inputs, pipeline_precision
-from autopipe.core.cost import CostOptions
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages

@@ -7,6 +7,7 @@ Modules:
     steps             the measurement steps in order, each filling one field of Corrections
     layer_rows        every layer measured into its profile row
     _whole_or_layers  the choice between one real run of the whole model and each layer alone
+    defaults          DEFAULT_REPEATS, DEFAULT_WARMUP: the runs it times, for the CLI's help
     harness/          the per-layer measuring harness: a layer alone, timed and measured
     corrections/      what layers alone miss, measured on the whole model
     spawned/          experiments that start processes: ranks and neighbours

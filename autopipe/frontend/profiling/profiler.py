@@ -45,6 +45,7 @@ from autopipe.frontend.profiling.corrections.in_sequence import (
     sequence_budget_s,
 )
 from autopipe.frontend.profiling.corrections.overheads import stage_call_ms
+from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
 from autopipe.frontend.profiling.harness.backward_split import split_columns, split_ratio
 from autopipe.frontend.profiling.harness.inputs import (
     micro_batch,
@@ -70,8 +71,6 @@ from executor.spec import check_precision
 
 __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
-DEFAULT_REPEATS = 10
-DEFAULT_WARMUP = 2
 RSS_INTERVAL_S = 0.005  # how often profile() samples the process's RssAnon (CPU)
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
 

@@ -1,0 +1,73 @@
+"""Flag groups that several commands share: one keyword-only dataclass per component, composed
+into each command's config (config.py), after torchtitan's config/configs.py. Each field's
+default and help are written once, each group's values checked once by its own method
+([Note: one place for defaults] in config.py). Imports no torch.
+
+    PrecisionFlags  --precision, --host-allocator: what the stages compute in, host memory
+                    (profile, train, run)
+    LoopFlags       --steps, --lr, --clip-grad: the training loop (train, run)
+    CheckpointFlags, RestartFlags (checkpoint_flags.py): saved training state and restarts
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autopipe.errors import BuildError
+from executor.spec import PRECISIONS
+
+__all__ = ["PrecisionFlags", "LoopFlags", "Precision", "HostAllocator", "check_choice",
+           "check_clip_grad"]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+HostAllocator = Literal["retain", "system"]
+assert typing.get_args(Precision) == PRECISIONS, "--precision's choices are executor.spec.PRECISIONS"
+
+
+def _flag(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def check_choice(flag: str, value: Any, kind: Any) -> None:
+    """``value`` is one of the Literal ``kind``'s choices: one line naming them otherwise."""
+    choices = typing.get_args(kind)
+    if value not in choices:
+        raise BuildError(f"{flag} {value!r} is unknown; use one of {list(choices)}")
+
+
+def check_clip_grad(clip_grad: float | None) -> None:
+    """--clip-grad is a positive norm (or absent): one line otherwise."""
+    if clip_grad is not None and not clip_grad > 0:
+        raise BuildError(f"--clip-grad {clip_grad} must be > 0 (the largest gradient norm a step "
+                         "keeps), e.g. --clip-grad 1.0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionFlags:
+    precision: Precision = _flag(
+        "fp32", "fp32, or bf16 / fp16: autocast in every stage over fp32 parameters, gradients and "
+                "optimizer state; a profile is measured under it and records it, partition plans "
+                "for it, fp16 trains through torch.amp.GradScaler and ranks reduce gradients in "
+                "fp32 (default fp32)")
+    host_allocator: HostAllocator = _flag(
+        "retain", "on a CPU, retain: glibc keeps freed memory for reuse, as a training loop reuses "
+                  "it (default); system: the allocator as it is. The profile records it")
+
+    def check_precision(self) -> None:  # --host-allocator: the library's own one-line check
+        check_choice("--precision", self.precision, Precision)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopFlags:
+    steps: int = _flag(10, "training steps (default 10; the summary times steps 2 on)")
+    lr: float = _flag(1e-3, "AdamW learning rate (default 0.001)")
+    clip_grad: float | None = _flag(
+        None, "clip the gradient norm of the whole model (every stage, each parameter once) to "
+              "this before each step (default: no clipping)", metavar="MAX_NORM")
+
+    def check_loop(self) -> None:
+        if self.steps < 1:
+            raise BuildError(f"--steps {self.steps} < 1: pass --steps 1 or more")
+        check_clip_grad(self.clip_grad)
