@@ -13,7 +13,8 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts
+from autopipe.core.cost import DeviceSpec, LayerCosts
+from autopipe.core.cost_options import CostOptions
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import solve_ilp
 from autopipe.solvers.synthetic import random_chain, transformer_dag

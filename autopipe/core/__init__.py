@@ -10,6 +10,7 @@
     scaling.py            a Profile at another micro-batch size
     layer_costs.py        a Profile as numpy arrays in layer order, saved tensors counted once
     cost.py               [Note: cost model] every formula of stage time and memory, written once
+    cost_options.py       CostOptions: how stages run (chunks, recompute, optimizer, schedule...), checked
     stage_memory.py       a stage's activation memory: the walk over its schedule's order
     transfer.py           what crossing a cut costs: the one place a transfer is priced
     recomputed_layers.py  chosen layers recomputed inside a stage: what they free, what they cost
@@ -17,6 +18,7 @@
     stage_cost.py         StageCost: one stage's predicted time and memory, the parts kept apart
     plan.py               Plan: stages, devices and predicted cost; JSON
     plan_checks.py        a loaded Plan's fields checked, each bad one a PlanError line
+    plan_fit.py           a split against a graph: each layer in one stage, no edge back, the fingerprint
     plan_text.py          a Plan in words: table, explain()
     simulator.py          simulate(): event simulation of a schedule (timeline, bubble, peaks)
     atomic_files.py       atomic writes that never leave a half-written profile, plan or image

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,6 @@ import numpy as np
 from autopipe.core import plan_text
 from autopipe.core.atomic_files import atomic_write_text
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     StageCost,
@@ -51,13 +50,15 @@ from autopipe.core.cost import (
     resolve_devices,
     stage_costs,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan_checks import check_types
-from autopipe.core.profile_table import Profile, fingerprint_mismatch, micro_batch_text
+from autopipe.core.plan_fit import assign_stages, check_plan
+from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
-from autopipe.errors import AutopipeError, PlanError
+from autopipe.errors import PlanError
 from executor.spec import merge_rules, recomputed_microbatches
 
-__all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT", "assign_stages"]
+__all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT"]
 
 PLAN_FORMAT = "autopipe-plan/1"
 
@@ -261,32 +262,7 @@ class Plan:
         """Raise PlanError unless this plan was made for a graph with these layers; a fingerprint
         mismatch says whether the model or the micro-batch shape differs (``micro_batch_size``:
         the rows of the graph's micro-batch, named in the message when given)."""
-        differs = fingerprint_mismatch(self.fingerprint, fingerprint)
-        if self.fingerprint is not None and self.fingerprint.startswith("*.") and fingerprint:
-            mine, theirs = self.fingerprint[2:], fingerprint.partition(".")[2]  # structure only
-            differs = None if not theirs or theirs == mine else "model"
-            if differs is None and micro_batch_size not in (None, self.micro_batch_size):
-                differs = "shape"
-        head = f"plan was made for graph fingerprint {self.fingerprint} but this graph has {fingerprint}"
-        if differs == "model":
-            raise PlanError(f"{head}: the plan is for another model (its layers or parameter shapes "
-                            f"differ); re-run autopipe profile and autopipe partition for this model")
-        mine = micro_batch_text({"micro_batch_size": self.micro_batch_size,
-                                 "batch_size": self.batch_size, "chunks": self.chunks})
-        this = f", this one's {micro_batch_size} rows" if micro_batch_size is not None else ""
-        if differs == "shape":
-            raise PlanError(
-                f"{head}: same model, another micro-batch shape (the plan's micro-batch is "
-                f"{mine}{this}; a micro-batch is the first ceil(batch / chunks) rows); use the "
-                f"plan's batch size and chunks, or re-run autopipe profile and autopipe partition "
-                f"for this batch and chunks"
-            )
-        if differs == "graph":
-            known = f"; the plan's micro-batch is {mine}{this}" if self.micro_batch_size else ""
-            fix = "use the plan's batch size and chunks, or " if self.micro_batch_size else ""
-            raise PlanError(f"{head} (another model or micro-batch shape{known}); {fix}re-run "
-                            f"autopipe profile and autopipe partition for this model/batch")
-        _check_layers({n for names in self.stages for n in names}, list(layers), "the graph")
+        check_plan(self, layers, fingerprint, micro_batch_size=micro_batch_size)
 
     def explain(self) -> str:
         """What was chosen, the bottleneck against the lower bound, what limits the plan (memory
@@ -380,45 +356,3 @@ def _int_or_none(value: Any) -> int | None:
         return None if value is None else int(value)
     except (TypeError, ValueError):
         return None
-
-
-def _check_layers(
-    have: set[str], layers: Sequence[str], what: str, error: type[AutopipeError] = PlanError
-) -> None:
-    unknown = sorted(have - set(layers))
-    missing = [n for n in layers if n not in have]
-    if unknown:
-        raise error(f"plan names {len(unknown)} layer(s) not in {what}, e.g. {unknown[:3]}; "
-                    f"the plan is for another model: re-run autopipe partition")
-    if missing:
-        raise error(f"plan leaves {len(missing)} layer(s) of {what} unassigned, e.g. {missing[:3]}; "
-                    f"the plan is for another model: re-run autopipe partition")
-
-
-def assign_stages(
-    stages: Sequence[Sequence[str]],
-    layers: Sequence[str],
-    edges: Iterable[tuple[str, str, Any]],
-    what: str,
-    error: type[AutopipeError] = PlanError,
-) -> dict[str, int]:
-    """Layer -> stage index, after checking that ``stages`` lists every layer exactly once, in
-    non-empty stages, with no edge running from a later stage back to an earlier one."""
-    if not stages:
-        raise error("a plan needs at least one stage; got an empty stage list")
-    where: dict[str, int] = {}
-    for s, names in enumerate(stages):
-        if not names:
-            raise error(f"stage {s} of {len(stages)} is empty; every stage needs a layer")
-        for name in names:
-            if name in where:
-                raise error(f"layer {name!r} is in stage {where[name]} and stage {s}; list it once")
-            where[name] = s
-    _check_layers(set(where), layers, what, error)
-    for src, dst, _ in edges:
-        if where[src] > where[dst]:
-            raise error(
-                f"edge {src!r} (stage {where[src]}) -> {dst!r} (stage {where[dst]}) runs backwards: "
-                f"stages must follow the graph's order; move {dst!r} to stage >= {where[src]}"
-            )
-    return where

@@ -6,6 +6,7 @@
     search_space.py     what the search chooses from: ranks, micro-batches, schedules, layouts
     bounds.py           lower bounds on a simulated iteration, for the search's pruning
     stage_dp.py         exact min-max split with a recompute mode per stage, all stage counts
+    fixed_config.py     one given configuration: the exact DP, the ILP where it can gain, a baseline
     dp.py               the DP for one configuration, and why nothing fits
     layer_recompute.py  after the split: recompute a few layers instead of a whole stage
     dag_bound.py        when the ILP can beat the DP: a lower bound over every DAG split

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, layer_work, stage_fixed_ms
+from autopipe.core.cost import DeviceSpec, LayerCosts, layer_work, stage_fixed_ms
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
 
 __all__ = ["MAX_BOUNDARIES", "forced_order", "dag_bound"]

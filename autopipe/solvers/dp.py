@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     Terms,
@@ -34,6 +33,7 @@ from autopipe.core.cost import (
     state_bytes,
     weight_held_bytes,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError

@@ -31,7 +31,6 @@ import numpy.typing as npt
 import pulp
 
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     activation_bytes,
@@ -45,6 +44,7 @@ from autopipe.core.cost import (
     state_bytes,
     weight_held_bytes,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 from executor.spec import ZERO_BUBBLE_SCHEDULES

@@ -44,7 +44,8 @@ from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, lower_bound, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts, lower_bound, stage_costs
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Alternative, Plan, SolverInfo
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at, rows_for

@@ -29,7 +29,6 @@ import numpy as np
 import numpy.typing as npt
 
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     Terms,
@@ -43,6 +42,7 @@ from autopipe.core.cost import (
     state_bytes,
     weight_held_bytes,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
 from executor.spec import RECOMPUTE_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 

@@ -6,6 +6,7 @@
 Modules:
     gpipe        GPipe: stages on devices, micro-batches in fill-drain order, gradients
                  accumulated over the mini-batch
+    stage_task   one (stage, micro-batch) forward as a task for its device's worker, and the loss
     fill_drain   the fill-drain clock cycles, a pure function of (micro-batches, stages)
     worker       one worker thread per device: where the stages' forwards run
     stream       CUDA streams behind one interface (a no-op on the CPU), stream-aware copies

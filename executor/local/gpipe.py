@@ -43,6 +43,7 @@ from executor.keywords import InputSignature
 from executor.local.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from executor.local.fill_drain import clock_cycles
 from executor.local.placement import check_devices, place
+from executor.local.stage_task import MicroBatchLoss, StageTask
 from executor.local.state_keys import (
     original_keys,
     prefix_state_dict,
@@ -62,7 +63,6 @@ from executor.local.timeline import TimelineRecorder
 from executor.local.worker import WorkerPool
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
-from executor.precision import precision_autocast
 from executor.recompute import Checkpointing, depend, recompute_stop
 from executor.spec import TimelineEvent, check_precision, check_stage_recompute, renamed_recompute
 
@@ -319,8 +319,8 @@ class GPipe(Checkpointable, nn.Module):
             batch = batches[i]
             if self._crosses(j):  # compute only after the copy has landed
                 batch = wait(batch, self._copy_stream(j, i), streams[j])
-            loss = None if targets is None or j != last else _Loss(self.loss_fn, targets[i])
-            task = _StageTask(
+            loss = None if targets is None or j != last else MicroBatchLoss(self.loss_fn, targets[i])
+            task = StageTask(
                 self.stages[j], j, i, self.devices[j], streams[j], batch, i < stops[j], recorder,
                 loss,
                 self.precision,
@@ -341,68 +341,6 @@ class GPipe(Checkpointable, nn.Module):
             batches[i] = out
         if error is not None:
             raise error
-
-
-class _StageTask:
-    """Forward of one (stage, micro-batch) on its worker: checkpointed or not, maybe traced."""
-
-    def __init__(
-        self,
-        stage: nn.Module,
-        j: int,
-        i: int,
-        device: torch.device,
-        stream: AbstractStream,
-        batch: Batch,
-        checkpointed: bool,
-        recorder: TimelineRecorder | None,
-        loss: _Loss | None = None,
-        precision: str = "fp32",
-    ) -> None:
-        self.loss = loss
-        self.stage, self.j, self.i, self.device, self.stream = stage, j, i, device, stream
-        self.batch, self.checkpointed, self.recorder = batch, checkpointed, recorder
-        self.precision = precision
-
-    def _call(self, batch: Batch) -> Batch:
-        # the stage's own autocast, inside the caller's; a recomputation replays it (it calls
-        # this again) under the forward's autocast state ([Note: autocast follows the stage]);
-        # the last stage's loss_fn runs under it too, as part of that stage's work
-        with precision_autocast(self.precision, self.device):
-            out = batch.call(self.stage)
-            return out if self.loss is None else Batch.from_output(self.loss(out.output()))
-
-    def __call__(self) -> tuple[Batch, Checkpointing | None]:
-        j, i, device, rec = self.j, self.i, self.device, self.recorder
-        batch = self.batch
-        with use_device(device), use_stream(self.stream):
-            has_end = False
-            if rec is not None:
-                tensors, has_end = rec.mark_backward_end(j, i, device, batch.tensors())
-                batch = batch.with_tensors(tensors)
-            with rec.span(j, i, "forward", device) if rec else nullcontext():
-                chk: Checkpointing | None = None
-                if self.checkpointed:
-                    span = (lambda: rec.span(j, i, "recompute", device)) if rec else nullcontext
-                    chk = Checkpointing(self._call, batch, device, span)
-                    out = chk.checkpoint()
-                else:
-                    out = self._call(batch)
-            if rec is not None:
-                out = out.with_tensors(
-                    rec.mark_backward_start(j, i, device, out.tensors(), has_end)
-                )
-        return out, chk
-
-
-class _Loss:
-    """``loss_fn(output, target)`` of one micro-batch, run by the last stage's task."""
-
-    def __init__(self, loss_fn: Any, target: Any) -> None:
-        self.loss_fn, self.target = loss_fn, target
-
-    def __call__(self, output: Any) -> Any:
-        return self.loss_fn(output, self.target)
 
 
 # --- state_dict in the original model's keys (see [Note: state_dict keys]) -----------------

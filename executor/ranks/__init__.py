@@ -5,6 +5,7 @@
 
 Modules:
     distributed      DistributedPipeline: this rank's stages under one of executor.spec.SCHEDULES
+    step_inputs      a step's inputs: bound, checked, their sizes agreed, and the schedule for them
     replicated       replicas on a 2-D DeviceMesh: data parallel across, pipeline along
     torch_schedules  the torch schedule class that runs each schedule, and how it is driven
     prefetch         GPipe with every receive posted ahead of time

@@ -61,7 +61,8 @@ from executor.model_loss import ModelLoss, weighted
 from executor.precision import precision_autocast
 from executor.ranks.peer_failures import PipelineFailure, peer_failures
 from executor.ranks.rank_state import PART_METADATA, rank_checkpoint_view, rank_state_dict
-from executor.ranks.sized import SizedSchedules, microbatch_sizes_of
+from executor.ranks.sized import SizedSchedules
+from executor.ranks.step_inputs import bind_inputs, schedule_for
 from executor.ranks.torch_schedules import build_schedule, check_layout, schedule_class
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.ranks.wire import Wire, WireStage, infer_wires
@@ -268,47 +269,12 @@ class DistributedPipeline(Checkpointable):
                 loss = self._loss_fn(self._last.unflatten(output), target)
         return loss if self._scaler is None else self._scaler.scale(loss)
 
-    def _bind(self, inputs: tuple[Any, ...], keywords: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], Any]:
-        """Keyword inputs in stage 0's order, and the target: the model's loss weights x chunks."""
-        if self.signature is not None and (inputs or keywords):
-            inputs = self.signature.bind(inputs, keywords)
-        elif keywords:
-            raise DistributedError(f"keyword input {next(iter(keywords))!r}: this pipeline takes "
-                                   "keyword inputs only with signature=InputSignature(...)")
-        if not isinstance(self._loss_fn, ModelLoss) or not self.is_last:
-            return inputs, target
-        if target is not None:
-            raise DistributedError("the model computes its own loss: call step(**batch) without target=")
-        if not inputs:
-            raise DistributedError("the model computes its own loss, which the last rank weights by "
-                                   "the items its micro-batches count: pass the batch on every rank")
-        self._check_batch(inputs, "inputs")
-        return inputs, self._loss_fn.schedule_targets(inputs, self.chunks, self.device)
-
-    def _prepare(self, inputs: tuple[Any, ...], target: Any, *, need_target: bool) -> Any:
-        """Check this step's inputs, agree on their sizes, and pick the schedule for them."""
-        problem, sizes = "", None
-        if self.is_first:
-            try:
-                self._check_batch(inputs, "inputs")
-                sizes = microbatch_sizes_of(inputs, self.chunks)
-            except DistributedError as err:
-                problem = str(err)
-            if not inputs:
-                problem = "rank 0 runs stage 0 and needs the inputs: step(*inputs, target=y) on every rank"
-        if self.is_last and need_target:
-            if target is None:
-                raise DistributedError("the last rank needs target=...: step(*inputs, target=y) on every rank")
-            self._check_batch((target,), "target")
-        self._schedule = self._sized.get(self._sized.agree(sizes, problem))
-        return self._schedule
-
     def step(self, *inputs: Any, target: Any = None, scaler: torch.amp.GradScaler | None = None,
              **keywords: Any) -> Tensor | None:
         """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank.
         ``scaler`` (a PipelineGradScaler) scales each micro-batch's loss in the schedule; the loss
         returned is unscaled ([Note: loss scaling on ranks] in executor/ranks/grad_scaler.py)."""
-        inputs, target = self._bind(inputs, keywords, target)
+        inputs, target = bind_inputs(self, inputs, keywords, target)
         self.steps += 1
         self._scaler = scaler  # read by _loss
         losses: list[Tensor] = []
@@ -316,7 +282,7 @@ class DistributedPipeline(Checkpointable):
             if wire.weight_grads is not None:  # [Note: split backward on ranks]
                 wire.weight_grads.clear()
         with self._watchdog(), self._peer_failures():
-            schedule = self._prepare(inputs, target, need_target=True)
+            schedule = self._schedule = schedule_for(self, inputs, target, need_target=True)
             schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
                           losses=losses if self.is_last else None, return_outputs=False)
             self._finish_grads()
@@ -349,8 +315,8 @@ class DistributedPipeline(Checkpointable):
         output for the whole batch (its own loss weighted as ``step`` weights it); None on the
         other ranks. Call it on every rank.
         """
-        inputs, target = self._bind(inputs, keywords, target)
-        counted = None  # the model's own loss: each micro-batch's weight x chunks, from _bind
+        inputs, target = bind_inputs(self, inputs, keywords, target)
+        counted = None  # the model's own loss: each micro-batch's weight x chunks, from bind_inputs
         if isinstance(self._loss_fn, ModelLoss) and self.is_last:
             counted, target = target, None
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
@@ -360,7 +326,7 @@ class DistributedPipeline(Checkpointable):
             self.eval()
             self._no_target, self._scaler = target is None, None
             with self._watchdog(), self._peer_failures(), torch.no_grad():
-                schedule = self._prepare(inputs, target, need_target=False)
+                schedule = self._schedule = schedule_for(self, inputs, target, need_target=False)
                 dummy = torch.zeros(self.chunks, device=self.device)  # split per micro-batch, unread
                 schedule.eval(*(inputs if self.is_first else ()),
                               target=(dummy if target is None else target) if self.is_last else None,
@@ -381,14 +347,6 @@ class DistributedPipeline(Checkpointable):
 
     def _peer_failures(self) -> AbstractContextManager[None]:
         return peer_failures(self._failure)
-
-    def _check_batch(self, values: Sequence[Any], what: str) -> None:
-        for v in values:
-            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] % self.chunks:
-                raise DistributedError(
-                    f"{what} batch size {v.shape[0]} is not a multiple of chunks={self.chunks}: "
-                    "PipelineStage needs equal micro-batches; use a batch divisible by chunks"
-                )
 
     def _finish_grads(self) -> None:
         """Mean over micro-batches (each parameter once), then sum tied copies across ranks."""

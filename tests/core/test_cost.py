@@ -4,7 +4,6 @@ import pandas as pd
 import pytest
 
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     activation_bytes,
@@ -14,6 +13,7 @@ from autopipe.core.cost import (
     stage_costs,
     stage_terms,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.core.schedules import stage_order
 from autopipe.errors import PartitionError

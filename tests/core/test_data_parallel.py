@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.core.cost import CostOptions, DeviceSpec, StageCost, state_bytes
+from autopipe.core.cost import DeviceSpec, StageCost, state_bytes
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.data_parallel import (
     allreduce_ms,
     grad_sync_ms,

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     crossing_ms,
@@ -15,6 +14,7 @@ from autopipe.core.cost import (
     stage_costs,
     transfer_ms,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate

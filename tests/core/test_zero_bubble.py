@@ -10,13 +10,13 @@ import pytest
 
 from autopipe.core.corrections import Corrections, Phases, call_fallbacks
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     StageCost,
     stage_costs,
     stage_terms,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at

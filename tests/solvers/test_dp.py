@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost_options import CostOptions
 from autopipe.errors import PartitionError
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import CbcLog, SolverProgress

@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import autopipe.solvers.partitioner as partitioner
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+import autopipe.solvers.fixed_config as fixed_config
+from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
@@ -46,7 +47,7 @@ def _branches(blocks: int, thin: bool = True, seed: int = 0) -> Profile:
 def _no_ilp(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the ILP ran")
-    monkeypatch.setattr(partitioner, "solve_ilp", refuse)
+    monkeypatch.setattr(fixed_config, "solve_ilp", refuse)
 
 
 @pytest.mark.parametrize("prof", [random_chain(40, 3), transformer_dag(4)], ids=["chain", "one-order dag"])

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from autopipe.core.cost import (
-    CostOptions,
     DeviceSpec,
     LayerCosts,
     StageCost,
@@ -20,6 +19,7 @@ from autopipe.core.cost import (
     stage_fixed_ms,
     stage_time,
 )
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.errors import ProfileError

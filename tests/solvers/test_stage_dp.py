@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.solvers.stage_dp import StageBlocks, budget_devices, solve_counts, solve_split
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag

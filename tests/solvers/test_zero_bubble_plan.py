@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from autopipe.core.cost import CostOptions, DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate

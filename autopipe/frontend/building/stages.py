@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from autopipe.core.plan import assign_stages
+from autopipe.core.plan_fit import assign_stages
 from autopipe.core.recomputed_layers import segments
 from autopipe.errors import BuildError, first_line
 from autopipe.frontend.tracing.fx_cut import GraphCut

@@ -4,6 +4,7 @@
     keyword_inputs.py  keyword inputs: batched tensors become graph inputs, the rest constants
     node_values.py     every node's output value (node.meta['val']), from a fake run
     diagnose.py        torch's logs silenced around the tracer; the user's line of an error
+    failures.py        why a trace failed: each tracer's failure, the fix the TraceError names
     modes.py           one graph for train() and eval()
     shapes.py          every input size dynamic unless the model fixes it
     counted_loss.py    a loss the model computes itself, and how to count the items it averages

@@ -14,7 +14,7 @@ ran.
 Either way the graph is then made to serve ``train()`` and ``eval()`` ([Note: train and eval in
 one graph], modes.py) and other input sizes ([Note: dynamic sizes], shapes.py), torch's own
 output is kept quiet ([Note: a quiet tracer], diagnose.py), and a failure is one TraceError
-line naming the user's line of code and the fix that applies.
+line naming the user's line of code and the fix that applies (failures.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,20 @@ from torch import fx, nn
 
 from autopipe.errors import TraceError, first_line
 from autopipe.frontend.tracing.diagnose import quiet, user_line
+from autopipe.frontend.tracing.failures import (
+    Failure,
+    advice,
+    graph_failure,
+    refuse_batched_kwargs,
+    untraceable,
+)
 from autopipe.frontend.tracing.keyword_inputs import (
     export_dynamic_by_name,
     order_placeholders,
     split_keywords,
 )
-from autopipe.frontend.tracing.modes import MODE_NAMES, ModeBinding, bind_modes
-from autopipe.frontend.tracing.node_values import GraphRunError, record_values
+from autopipe.frontend.tracing.modes import ModeBinding, bind_modes
+from autopipe.frontend.tracing.node_values import record_values
 from autopipe.frontend.tracing.shapes import (
     add_input_check,
     export_dynamic_shapes,
@@ -117,23 +124,6 @@ class _Tracer(fx.Tracer):
             raise
 
 
-@dataclass
-class _Failure:
-    """Why one tracer could not capture the model, for the one-line TraceError."""
-
-    tracer: str
-    cause: str  # first_line(err)
-    line: str = ""  # the user's line (see [Note: the user's line]), or ""
-    module: str | None = None  # torch.fx: the submodule it broke in ("" for the root)
-
-    def __str__(self) -> str:
-        where = ""
-        if self.module is not None:
-            where = f" in module '{self.module}'" if self.module else " in the model's own forward"
-        at = f" at {self.line}" if self.line else ""
-        return f"{self.tracer} failed{where}{at} ({self.cause})"
-
-
 @contextlib.contextmanager
 def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """Every module in ``training`` mode inside; each module's own flag restored after."""
@@ -163,19 +153,19 @@ def _buffers_kept(model: nn.Module) -> Iterator[None]:
 def _trace_fx(
     model: nn.Module, rule: _LeafRule, kwargs: Mapping[str, Any], positional: int = 0,
     keywords: tuple[str, ...] = (),
-) -> tuple[fx.GraphModule | None, _Failure | None]:
+) -> tuple[fx.GraphModule | None, Failure | None]:
     tracer = _Tracer(rule)
     tracer.record_stack_traces = True  # node.meta["stack_trace"]: the user's line of a node
     try:
         graph = tracer.trace(model, concrete_args=dict(kwargs) if kwargs else None)
     except Exception as err:  # torch.fx raises many types; all mean "could not trace"
-        return None, _Failure("torch.fx", first_line(err), user_line(err), tracer.failed_in)
+        return None, Failure("torch.fx", first_line(err), user_line(err), tracer.failed_in)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _default_to_constants(gm, kwargs)
     try:
         order_placeholders(gm, positional, keywords)
     except TraceError as err:
-        return None, _Failure("torch.fx", str(err), "")
+        return None, Failure("torch.fx", str(err), "")
     return gm, None
 
 
@@ -195,7 +185,7 @@ def _default_to_constants(gm: fx.GraphModule, kwargs: Mapping[str, Any]) -> None
 
 def _export(
     model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: Any
-) -> tuple[torch.export.ExportedProgram | None, _Failure | None]:
+) -> tuple[torch.export.ExportedProgram | None, Failure | None]:
     # A dynamic export with the fake dispatch cache off: at symbolic sizes its entries cost more
     # than the ops they save (GPT-2, Llama, BERT: 20-32% faster); a static one keeps it (faster
     # with it).
@@ -205,13 +195,13 @@ def _export(
             ep = torch.export.export(model, args, kwargs=dict(kwargs), strict=False,
                                      dynamic_shapes=dynamic)
     except Exception as err:
-        return None, _Failure("torch.export", first_line(err), user_line(err))
+        return None, Failure("torch.export", first_line(err), user_line(err))
     return ep, None
 
 
 def _trace_export(
     model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], batched: bool = False
-) -> tuple[torch.export.ExportedProgram | None, Any, _Failure | None]:
+) -> tuple[torch.export.ExportedProgram | None, Any, Failure | None]:
     # [Note: dynamic sizes] (shapes.py): every dimension dynamic where the model allows it;
     # retried fully static, should export refuse that outright.
     dynamic: Any = (export_dynamic_by_name(model, args, kwargs) if batched  # keyword inputs
@@ -237,13 +227,6 @@ def _leaf_key_export(
     return None
 
 
-def _graph_failure(err: Exception) -> _Failure:
-    line = err.line if isinstance(err, GraphRunError) else ""
-    cause = err.err if isinstance(err, GraphRunError) else err
-    return _Failure("torch.fx", f"its graph did not run on the example inputs: {first_line(cause)}",
-                    line)
-
-
 def _default_kwargs(model: nn.Module, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     out = dict(kwargs or {})
     config = getattr(model, "config", None)
@@ -251,47 +234,6 @@ def _default_kwargs(model: nn.Module, kwargs: Mapping[str, Any] | None) -> dict[
         if "use_cache" in inspect.signature(model.forward).parameters:
             out["use_cache"] = False  # HF caches are not training values
     return out
-
-
-_DATA_DEPENDENT = ("data-dependent", "control flow", "Proxy", "symbolically traced")
-
-
-def _refuse_batched_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    rows = {int(x.shape[0]) for x in tree_leaves(args) if isinstance(x, torch.Tensor) and x.dim()}
-    for key, value in kwargs.items():
-        for leaf in tree_leaves(value):
-            if isinstance(leaf, torch.Tensor) and leaf.dim() and int(leaf.shape[0]) in rows:
-                raise TraceError(_batched_kwarg(key, int(leaf.shape[0])))
-
-
-def _batched_kwarg(key: str, rows: int) -> str:
-    return (f"kwargs[{key!r}] is a tensor of {rows} rows, like the inputs' batch: kwargs are "
-            "constants of the graph; pass it in example_kwargs= to make it a keyword input that "
-            "the pipeline splits into micro-batches")
-
-
-def _advice(args: tuple[Any, ...], kwargs: Mapping[str, Any], fx_failure: _Failure,
-            ex_failure: _Failure) -> str:
-    rows = {int(x.shape[0]) for x in tree_leaves(args) if isinstance(x, torch.Tensor) and x.dim()}
-    for key, value in kwargs.items():  # a whole batch passed as a constant, traced on a micro-batch
-        for leaf in tree_leaves(value):
-            if isinstance(leaf, torch.Tensor) and leaf.dim() and rows and all(
-                int(leaf.shape[0]) % r == 0 for r in rows
-            ):
-                return _batched_kwarg(key, int(leaf.shape[0]))
-    line = ex_failure.line or fx_failure.line
-    dynamic = any(m in f"{fx_failure.cause} {ex_failure.cause}" for m in _DATA_DEPENDENT)
-    at = f" at {line}" if line else ""
-    if dynamic or not line:
-        fix = (f"remove the data-dependent Python control flow{at} (if/for on tensor values, "
-               ".item(), int(tensor)) or pass the values it depends on as constant kwargs=...")
-    else:
-        fix = (f"the model's code{at} fails on these example inputs: check their shapes and "
-               "dtypes against what that line expects")
-    if fx_failure.module:  # a submodule: keeping it whole may let torch.fx trace the rest
-        fix = (f"mark '{fx_failure.module}' a leaf (trace(..., leaf_modules=['{fx_failure.module}']"
-               f")) so torch.fx keeps it whole, or {fix}")
-    return fix[0].upper() + fix[1:]
 
 
 def _on_meta(model: nn.Module, args: tuple[Any, ...],
@@ -335,17 +277,17 @@ def capture(
     batched, concrete = split_keywords(model, example_kwargs, _default_kwargs(model, kwargs))
     keywords = tuple(batched)
     example_inputs = (*example_inputs, *batched.values())  # keyword inputs after positional ones
-    _refuse_batched_kwargs(example_inputs, concrete)
+    refuse_batched_kwargs(example_inputs, concrete)
     args, traced_kwargs = _on_meta(model, example_inputs, concrete)  # [Note: a meta model]
     with quiet(), _buffers_kept(model):  # [Note: a quiet tracer]
         cap = _capture_fx(model, rule, traced_kwargs, args, keywords)
-        if isinstance(cap, _Failure):
+        if isinstance(cap, Failure):
             fx_failure = cap
             cap = _capture_export(model, rule, traced_kwargs, args, keywords)
-            if isinstance(cap, _Failure):
+            if isinstance(cap, Failure):
                 raise TraceError(
                     f"cannot trace {type(model).__name__}: {fx_failure}; {cap}. "
-                    + _advice(example_inputs, concrete, fx_failure, cap)
+                    + advice(example_inputs, concrete, fx_failure, cap)
                 )
     cap.kwargs = concrete  # the caller's own values, which replay gives the graph
     cap.keywords = keywords
@@ -353,7 +295,7 @@ def capture(
 
 
 def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
-                args: tuple[Any, ...], keywords: tuple[str, ...]) -> Capture | _Failure:
+                args: tuple[Any, ...], keywords: tuple[str, ...]) -> Capture | Failure:
     traced = model.training
     positional = len(args) - len(keywords)
     gm, failure = _trace_fx(model, rule, kwargs, positional, keywords)
@@ -362,18 +304,18 @@ def _capture_fx(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
         return failure
     with _in_mode(model, not traced):  # [Note: train and eval in one graph]
         other, other_failure = _trace_fx(model, rule, kwargs, positional, keywords)
-    binding = bind_modes(gm, other, traced, _untraceable(traced, other_failure))
+    binding = bind_modes(gm, other, traced, untraceable(traced, other_failure))
     try:
         ran = record_values(gm, args)
     except Exception as err:  # traced, but the graph does not run on these inputs
-        return _graph_failure(err)
+        return graph_failure(err)
     add_input_check(gm, fx_rules(gm, args, ran), len(args))
     keys = {n.name: str(n.target) if n.op == "call_module" else None for n in gm.graph.nodes}
     return _finish(model, gm, "fx", keys, kwargs, binding)
 
 
 def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
-                    args: tuple[Any, ...], keywords: tuple[str, ...]) -> Capture | _Failure:
+                    args: tuple[Any, ...], keywords: tuple[str, ...]) -> Capture | Failure:
     traced = model.training
     inputs = args  # positional, then keyword inputs: export takes those first among its kwargs
     positional = len(args) - len(keywords)
@@ -388,18 +330,12 @@ def _capture_export(model: nn.Module, rule: _LeafRule, kwargs: dict[str, Any],
             other, other_failure = _export(model, args, kwargs, dynamic)
     gm = ep.module()
     binding = bind_modes(gm, other.module() if other is not None else None, traced,
-                         _untraceable(traced, other_failure))
+                         untraceable(traced, other_failure))
     record_values(gm, tuple(tree_leaves((args, kwargs))))  # concrete sizes of the example
     add_input_check(gm, export_rules(ep, inputs), len(inputs))
     modules = dict(model.named_modules())
     keys = {n.name: _leaf_key_export(n, modules, rule) for n in gm.graph.nodes}
     return _finish(model, gm, "export", keys, kwargs, binding)
-
-
-def _untraceable(traced: bool, failure: _Failure | None) -> str:
-    if failure is None:
-        return ""
-    return f"the model cannot be traced in {MODE_NAMES[not traced]} mode ({failure})"
 
 
 def _finish(model: nn.Module, gm: fx.GraphModule, source: str, keys: dict[str, str | None],

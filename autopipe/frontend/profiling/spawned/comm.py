@@ -10,9 +10,9 @@ cores: [Note: ranks pinned to cores] in executor/ranks/rank_cores.py), as the di
 ranks run:
 
 - A ping-pong at each of ``COMM_SIZES``: rank 0 sends, rank 1 sends the same bytes back; half
-  the median round trip is one crossing. :func:`fit_transfer` fits ``latency + bytes /
-  bandwidth`` to them, weighing relative errors alike (a least-squares line on absolute times
-  would let the largest size decide the latency too).
+  the median round trip is one crossing. :func:`fit_transfer` (comm_fit.py, with every fit
+  below) fits ``latency + bytes / bandwidth`` to them, weighing relative errors alike (a
+  least-squares line on absolute times would let the largest size decide the latency too).
 - A late receive of the largest size: rank 1 sends, rank 0 posts its receive ``_LATE_MS``
   later; what that receive takes beyond the latency, over the same bytes' time on the wire,
   is ``comm_receive_share``: the receiving stage's share of a crossing ([Note: transfer cost]
@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import socket
 import statistics
@@ -69,7 +68,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -77,23 +75,15 @@ from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
 from autopipe.errors import ProfileError, first_line
 from autopipe.frontend.profiling.harness.one_weight import OneWeight
+from autopipe.frontend.profiling.spawned.comm_fit import SCHEDULE_CALLS, empty_stages, fit_comm
 from executor.ranks.rank_cores import pin_local_rank
-from executor.spec import (
-    MULTI_STAGE_SCHEDULES,
-    SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
-    check_schedule,
-    stage_rank,
-)
-
-# timed beside GPipe, each on empty stages laid out as its plans are (empty_stages)
-SCHEDULE_CALLS = tuple(s for s in SCHEDULES if s != "gpipe")
+from executor.spec import check_schedule, stage_rank
 
 if TYPE_CHECKING:  # the spawned ranks never load pandas
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "empty_stages", "fit_call_ms", "fit_transfer", "load_comm",
-           "measure_comm", "measure_comm_on_ranks", "receive_share", "timed_schedules", "with_comm"]
+__all__ = ["COMM_LAUNCHES", "COMM_REPEATS", "COMM_SIZES", "load_comm", "measure_comm", "measure_comm_on_ranks",
+           "timed_schedules", "with_comm"]
 
 COMM_SIZES = (64, 64 << 10, 512 << 10, 4 << 20)  # bytes crossing one way
 COMM_REPEATS = 20
@@ -101,22 +91,6 @@ EMPTY_STEPS = 30
 COMM_LAUNCHES = 2  # the empty pipelines' steps are fitted from the slower launch
 _WARMUP = 3
 _LATE_MS = 5.0  # how long a receive is posted after its send
-
-
-def fit_transfer(nbytes: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
-    """``(latency ms, bandwidth bytes/s)`` of ``ms ~ latency + nbytes / bandwidth``, each point
-    weighted by ``1 / ms**2`` (relative errors); latency >= 0, bandwidth ``inf`` when the times
-    do not grow with the bytes."""
-    x, t = np.asarray(nbytes, dtype=np.float64), np.asarray(ms, dtype=np.float64)
-    if x.shape != t.shape or x.size < 2 or (t <= 0).any():
-        raise ProfileError(f"fit_transfer needs two or more (bytes, ms > 0) points, got {x.tolist()}, {t.tolist()}")
-    rows = np.stack([np.ones_like(x), x], axis=1) / t[:, None]  # relative errors: divide by t
-    latency, slope = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)[0]
-    if slope <= 1e-12:  # no growth with the bytes (over 1e15 bytes/s): a constant
-        return float(t.size / np.sum(1.0 / t)), math.inf
-    if latency < 0:  # through the origin
-        latency, slope = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
-    return float(latency), 1000.0 / float(slope)
 
 
 def _one_way_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
@@ -153,13 +127,6 @@ def _late_receive_ms(x: torch.Tensor, rank: int, repeats: int) -> float:
         if i >= _WARMUP:
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times) if times else 0.0
-
-
-
-def empty_stages(schedule: str) -> int:
-    """How many empty stages time ``schedule`` on 2 ranks: 4 (two per rank, in a V for the V
-    schedules: [Note: stage to rank]) where ranks hold several, else 2."""
-    return 4 if schedule in MULTI_STAGE_SCHEDULES else 2
 
 
 def timed_schedules(chunks: int) -> tuple[str, ...]:
@@ -265,7 +232,7 @@ def measure_comm(device: str | torch.device = "cpu", *, chunks: int = 8,
     dev = torch.device(device)
     backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     runs = [_launch(backend, sizes, repeats, chunks, steps) for _ in range(max(1, launches))]
-    return _fit(runs, backend, sizes, chunks)
+    return fit_comm(runs, backend, sizes, chunks)
 
 
 def measure_comm_on_ranks(*, chunks: int = 8, sizes: Sequence[int] = COMM_SIZES, repeats: int = COMM_REPEATS,
@@ -283,37 +250,7 @@ def measure_comm_on_ranks(*, chunks: int = 8, sizes: Sequence[int] = COMM_SIZES,
     mine = _measure(dist.get_rank(), device, sizes, repeats, chunks, steps)
     both: list[Any] = [None, None]
     dist.all_gather_object(both, mine)
-    return _fit([both], backend, sizes, chunks)
-
-
-def _fit(runs: list[list[dict[str, Any]]], backend: str, sizes: Sequence[int], chunks: int) -> dict[str, Any]:
-    """The profile metadata from each launch's two ranks' measurements."""
-    # a crossing: the slower rank's time, the median launch; each step: its slower launch
-    ms = [statistics.median(max(r[0]["ms"][i], r[1]["ms"][i]) for r in runs) for i in range(len(sizes))]
-    late = statistics.median(r[0]["late"] for r in runs)
-    step = {k: max(rank[k] for r in runs for rank in r) for k in runs[0][0] if k not in ("ms", "late")}
-    sent = [max(n // 4, 1) * 4 for n in sizes]  # whole float32s
-    latency, bandwidth = fit_transfer(sent, ms)
-    ms_per_byte = 0.0 if math.isinf(bandwidth) else 1000.0 / bandwidth
-    receive = receive_share(late, max(sent), latency, ms_per_byte)
-    call = fit_call_ms(step["gpipe"], "gpipe", chunks, latency, ms_per_byte)
-    # the forward-only step: M + 1 forward calls and M crossings in a row
-    call_fwd = min(max(step["fwd"] - chunks * (latency + 4 * ms_per_byte), 0.0) / (chunks + 1), call)
-    share = call_fwd / call if call > 0 else 0.5
-    meta: dict[str, Any] = {
-        "comm_backend": backend, "comm_latency_ms": round(latency, 6),
-        "comm_bandwidth": None if math.isinf(bandwidth) else round(bandwidth),
-        "comm_sizes": sent, "comm_ms": [round(t, 6) for t in ms],
-        "comm_late_receive_ms": round(late, 6), "comm_receive_share": round(receive, 4),
-        "comm_launches": len(runs),
-        "stage_call_fwd_ms": round(call_fwd, 6), "stage_call_bwd_ms": round(call - call_fwd, 6),
-        "stage_call_of": "DistributedPipeline"}
-    for schedule in SCHEDULE_CALLS:
-        if schedule in step:
-            fitted = fit_call_ms(step[schedule], schedule, chunks, latency, ms_per_byte, share)
-            meta[f"stage_call_{schedule}_fwd_ms"] = round(fitted * share, 6)
-            meta[f"stage_call_{schedule}_bwd_ms"] = round(fitted * (1 - share), 6)
-    return meta
+    return fit_comm([both], backend, sizes, chunks)
 
 
 _REQUIRED = ("comm_backend", "comm_latency_ms", "comm_bandwidth", "comm_receive_share", "stage_call_fwd_ms",
@@ -336,48 +273,6 @@ def load_comm(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ProfileError(f"{path} is not a link measurement of `autopipe comm`: it lacks {', '.join(missing)}; "
                            f"re-run `autopipe comm --out {path} --force`")
     return measured
-
-
-RECEIVE_SHARE_RANGE = (0.0, 2.0)  # outside it, a measurement is noise: clamp
-
-
-def receive_share(late_ms: float, nbytes: int, latency_ms: float, ms_per_byte: float) -> float:
-    """What a late receive of ``nbytes`` cost beyond the latency, over the bytes' time on the
-    wire: the receiving end's share of a crossing ([Note: transfer cost]); 0 where transfers
-    are free."""
-    if ms_per_byte <= 0 or nbytes <= 0:
-        return 0.0
-    share = max(late_ms - latency_ms, 0.0) / (nbytes * ms_per_byte)
-    return min(max(share, RECEIVE_SHARE_RANGE[0]), RECEIVE_SHARE_RANGE[1])
-
-
-def fit_call_ms(step_ms: float, schedule: str, chunks: int, latency_ms: float, ms_per_byte: float,
-                fwd_share: float = 0.5) -> float:
-    """The call cost per stage and micro-batch (forward + backward, split ``fwd_share``) whose
-    SIMULATED training step of empty stages on 2 ranks under ``schedule`` (:func:`empty_stages`;
-    one float crossing each way per micro-batch and cut; under the zero-bubble schedules each
-    backward call split in two, as the simulator splits it) takes ``step_ms``: the simulator's
-    own formula, inverted by bisection."""
-    from autopipe.core.simulator import simulate_stages  # not in the spawned ranks
-    from autopipe.core.stage_cost import StageCost
-
-    def simulated(call: float) -> float:
-        stage = StageCost(fwd_ms=0.0, bwd_ms=0.0, recompute_ms=0.0, transfer_ms=0.0, param_bytes=0,
-                          activation_bytes=0, input_bytes=4, output_bytes=4, saved_bytes=0,
-                          call_fwd_ms=call * fwd_share, call_bwd_ms=call * (1 - fwd_share),
-                          latency_ms=latency_ms, bwd_input_ms=0.0 if schedule in ZERO_BUBBLE_SCHEDULES else None)
-        k = empty_stages(schedule)
-        return simulate_stages([stage] * k, chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
-                               schedule=schedule,
-                               devices=[f"rank{stage_rank(schedule, s, 2)}" for s in range(k)]).iteration_time
-
-    low, high = 0.0, max(step_ms, 0.0)
-    if simulated(low) >= step_ms:
-        return 0.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if simulated(mid) < step_ms else (low, mid)
-    return (low + high) / 2
 
 
 def with_comm(profile: Profile, device: str | torch.device | None = None, *, model: nn.Module | None = None,

@@ -16,21 +16,21 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.core.stage_cost import StageCost
-from autopipe.frontend.profiling.spawned import comm
+from autopipe.frontend.profiling.spawned import comm, comm_fit
 from autopipe.solvers.synthetic import random_chain
 
 
 def test_the_fit_recovers_latency_and_bandwidth() -> None:
     sizes = [64, 64 << 10, 512 << 10, 4 << 20]
     exact = [0.05 + n / 4e6 for n in sizes]  # 0.05 ms + bytes at 4 GB/s
-    latency, bandwidth = comm.fit_transfer(sizes, exact)
+    latency, bandwidth = comm_fit.fit_transfer(sizes, exact)
     assert latency == pytest.approx(0.05) and bandwidth == pytest.approx(4e9)
     noisy = [t * f for t, f in zip(exact, [1.1, 0.9, 1.05, 0.95], strict=True)]
-    latency, bandwidth = comm.fit_transfer(sizes, noisy)
+    latency, bandwidth = comm_fit.fit_transfer(sizes, noisy)
     assert 0.04 < latency < 0.06 and 3e9 < bandwidth < 5e9  # relative errors: small sizes count
-    assert comm.fit_transfer([64, 1 << 20], [0.1, 0.1]) == (pytest.approx(0.1), math.inf)
-    assert comm.fit_transfer([64, 1 << 20], [0.1, 0.01])[1] == math.inf  # never below 0
-    assert comm.fit_transfer([64, 1 << 20], [0.0001, 1.0])[0] >= 0.0
+    assert comm_fit.fit_transfer([64, 1 << 20], [0.1, 0.1]) == (pytest.approx(0.1), math.inf)
+    assert comm_fit.fit_transfer([64, 1 << 20], [0.1, 0.01])[1] == math.inf  # never below 0
+    assert comm_fit.fit_transfer([64, 1 << 20], [0.0001, 1.0])[0] >= 0.0
 
 
 MEASURED = {"comm_backend": "gloo", "comm_latency_ms": 0.07, "comm_bandwidth": 3e9,
@@ -83,7 +83,7 @@ def test_crossings_from_the_median_launch_steps_from_the_slower(monkeypatch: pyt
     assert meta["comm_launches"] == 3
     assert meta["comm_ms"] == [0.06, 0.4]  # each launch's slower rank, then the median launch
     assert meta["comm_late_receive_ms"] == 2.0  # rank 0's late receive, the median launch
-    call = comm.fit_call_ms(3.0, "gpipe", 2, meta["comm_latency_ms"], 1000.0 / meta["comm_bandwidth"])
+    call = comm_fit.fit_call_ms(3.0, "gpipe", 2, meta["comm_latency_ms"], 1000.0 / meta["comm_bandwidth"])
     assert meta["stage_call_fwd_ms"] + meta["stage_call_bwd_ms"] == pytest.approx(call, abs=1e-5)
 
 
@@ -94,16 +94,16 @@ def test_two_real_ranks() -> None:
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
     assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
     assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
-    assert comm.RECEIVE_SHARE_RANGE[0] <= meta["comm_receive_share"] <= comm.RECEIVE_SHARE_RANGE[1]
+    assert comm_fit.RECEIVE_SHARE_RANGE[0] <= meta["comm_receive_share"] <= comm_fit.RECEIVE_SHARE_RANGE[1]
     assert meta["comm_late_receive_ms"] > 0
-    for schedule in comm.SCHEDULE_CALLS:  # 4 chunks: torch runs every schedule on them
+    for schedule in comm_fit.SCHEDULE_CALLS:  # 4 chunks: torch runs every schedule on them
         assert meta[f"stage_call_{schedule}_fwd_ms"] >= 0 and meta[f"stage_call_{schedule}_bwd_ms"] >= 0
     calls = Corrections.from_legacy_meta(meta).stage_calls["distributed"]
-    assert set(calls) == {"gpipe", *comm.SCHEDULE_CALLS}
+    assert set(calls) == {"gpipe", *comm_fit.SCHEDULE_CALLS}
     assert all("interleaved1f1b" in comm.timed_schedules(m) for m in (2, 3, 4))
     assert "interleaved1f1b" not in comm.timed_schedules(5)
     # dualpipev needs as many micro-batches as its 4 stages; interleaved ones a multiple of their rounds
-    assert comm.timed_schedules(4) == comm.SCHEDULE_CALLS
+    assert comm.timed_schedules(4) == comm_fit.SCHEDULE_CALLS
     assert "dualpipev" not in comm.timed_schedules(2) and "zbv" in comm.timed_schedules(2)
     assert {"interleaved1f1b", "interleaved_zb"}.isdisjoint(comm.timed_schedules(5))
 
@@ -114,29 +114,29 @@ def test_the_call_cost_fit_inverts_the_simulator(chunks: int) -> None:
     hop = latency + 4 * ms_per_byte
     # GPipe: the closed form of [Note: measured transfer], (M + 1) calls and 2 M crossings
     gpipe = (chunks + 1) * 0.3 + 2 * chunks * hop
-    assert comm.fit_call_ms(gpipe, "gpipe", chunks, latency, ms_per_byte) == pytest.approx(0.3, rel=1e-6)
+    assert comm_fit.fit_call_ms(gpipe, "gpipe", chunks, latency, ms_per_byte) == pytest.approx(0.3, rel=1e-6)
     # 1F1B: its own order, simulated with the fitted call, takes the measured step
-    one_f = comm.fit_call_ms(2 * gpipe, "1f1b", chunks, latency, ms_per_byte, fwd_share=0.4)
+    one_f = comm_fit.fit_call_ms(2 * gpipe, "1f1b", chunks, latency, ms_per_byte, fwd_share=0.4)
     stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
                       call_fwd_ms=0.4 * one_f, call_bwd_ms=0.6 * one_f, latency_ms=latency)
     again = simulate_stages([stage, stage], chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                             schedule="1f1b").iteration_time
     assert one_f > 0.3 and again == pytest.approx(2 * gpipe, rel=1e-6)
     # interleaved: 4 stages, 2 per rank, in torch's interleaved order
-    looped = comm.fit_call_ms(3 * gpipe, "interleaved1f1b", chunks, latency, ms_per_byte)
+    looped = comm_fit.fit_call_ms(3 * gpipe, "interleaved1f1b", chunks, latency, ms_per_byte)
     stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
                       call_fwd_ms=0.5 * looped, call_bwd_ms=0.5 * looped, latency_ms=latency)
     again = simulate_stages([stage] * 4, chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                             schedule="interleaved1f1b", devices=["a", "b", "a", "b"]).iteration_time
     assert looped > 0 and again == pytest.approx(3 * gpipe, rel=1e-6)
     # ZB-V: 4 stages in a V (rank 0 stages 0 and 3), each backward split in two calls
-    v = comm.fit_call_ms(4 * gpipe, "zbv", chunks, latency, ms_per_byte)
+    v = comm_fit.fit_call_ms(4 * gpipe, "zbv", chunks, latency, ms_per_byte)
     stage = StageCost(0.0, 0.0, 0.0, 0.0, 0, 0, input_bytes=4, output_bytes=4, saved_bytes=0,
                       call_fwd_ms=0.5 * v, call_bwd_ms=0.5 * v, latency_ms=latency, bwd_input_ms=0.0)
     again = simulate_stages([stage] * 4, chunks=chunks, recompute="never", ms_per_byte=ms_per_byte,
                             schedule="zbv", devices=["a", "b", "b", "a"]).iteration_time
     assert v > 0 and again == pytest.approx(4 * gpipe, rel=1e-6)
-    assert comm.fit_call_ms(0.0, "1f1b", chunks, latency, ms_per_byte) == 0.0  # faster than free
+    assert comm_fit.fit_call_ms(0.0, "1f1b", chunks, latency, ms_per_byte) == 0.0  # faster than free
 
 
 def test_1f1b_plans_pay_the_call_cost_measured_under_1f1b() -> None:
@@ -161,10 +161,10 @@ def test_1f1b_plans_pay_the_call_cost_measured_under_1f1b() -> None:
 
 def test_the_receive_share_is_the_late_receive_beyond_the_latency_over_the_bytes() -> None:
     # 4 MB at 4 GB/s is 1 ms on the wire; a late receive of 1.05 ms with 0.05 ms latency: 1.0
-    assert comm.receive_share(1.05, 4_000_000, 0.05, 1 / 4e6) == pytest.approx(1.0)
-    assert comm.receive_share(0.01, 4_000_000, 0.05, 1 / 4e6) == 0.0  # faster than the latency
-    assert comm.receive_share(50.0, 4_000_000, 0.05, 1 / 4e6) == comm.RECEIVE_SHARE_RANGE[1]  # noise
-    assert comm.receive_share(1.0, 4_000_000, 0.05, 0.0) == 0.0  # free transfers: nothing to share
+    assert comm_fit.receive_share(1.05, 4_000_000, 0.05, 1 / 4e6) == pytest.approx(1.0)
+    assert comm_fit.receive_share(0.01, 4_000_000, 0.05, 1 / 4e6) == 0.0  # faster than the latency
+    assert comm_fit.receive_share(50.0, 4_000_000, 0.05, 1 / 4e6) == comm_fit.RECEIVE_SHARE_RANGE[1]  # noise
+    assert comm_fit.receive_share(1.0, 4_000_000, 0.05, 0.0) == 0.0  # free transfers: nothing to share
 
 
 @pytest.mark.slow
