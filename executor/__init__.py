@@ -17,7 +17,7 @@ Sub-packages, one runtime each, and what they share:
     host_allocator  freed host memory kept in the process, as CUDA's allocator does
     activation_meter  the bytes autograd keeps for backward, per stage
     errors          one-line ValueError subclasses
-    _torch_compat   every private torch API, each checked before use
+    _torch_compat/  every private torch API, each checked before use (tensors, schedules, groups)
 
 [Note: lazy executor] Public names are resolved on first use (PEP 562 ``__getattr__``), so that
 ``import executor.spec`` (the torch-free rules the planner shares with the runtime) does not

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-import executor._torch_compat as compat
+import executor._torch_compat.schedules as compat
 import executor.ranks.distributed as distributed
 import executor.ranks.torch_schedules as torch_schedules
+from executor._torch_compat import groups
 from executor.errors import DistributedError
 from executor.ranks.prefetch import PrefetchGPipe
 
@@ -139,4 +140,4 @@ def test_gpipe_falls_back_to_torch_schedule_with_one_warning(monkeypatch: pytest
     (RuntimeError("expected a peer-to-peer friendly layout"), False),
 ])
 def test_communication_errors_are_told_from_a_ranks_own(error: BaseException, expected: bool) -> None:
-    assert compat.is_communication_error(error) is expected
+    assert groups.is_communication_error(error) is expected

@@ -5,7 +5,7 @@ the schedules do with it) After a layer's timed repeats, one more forward and it
 torch's two halves, each timed: torch.distributed.pipelining's own ``stage_backward_input``
 (``autograd.grad`` with ``inputs=`` the layer's inputs, the graph retained, the gradients that
 reach the weights' nodes kept) and ``stage_backward_weight`` (``autograd.grad`` from those to
-the parameters), as PipelineStage calls them (through executor/_torch_compat.py). A layer
+the parameters), as PipelineStage calls them (through executor/_torch_compat/). A layer
 whose inputs need no gradient (token ids) has no first half: torch's first stage then runs the
 whole backward in the second (``backward_weight_one_chunk``), and so is this layer timed. What
 the first half leaves for the second beyond the retained activations is

@@ -1,65 +1,10 @@
-"""Every private torch API autopipe uses, in one place, each checked before it is relied on.
+"""Private torch.distributed.pipelining API: the receive-ahead GPipe, split backward, merged orders.
 
-[Note: private torch API] pyproject admits torch 2.11 to 2.15 (the full suite runs on 2.13,
-.ci/compat's subset on 2.11 and 2.15), and private names change between releases without notice. So no module imports a private torch
-name directly: it imports it from here, where
-
-- ``torch.utils._pytree`` (tree_flatten & co.), ``torch.nn.modules.batchnorm._BatchNorm`` and
-  ``torch._subclasses.fake_tensor.FakeTensorMode`` are re-exported: they have kept their names
-  and signatures since torch 2.0 and are what torch's own public wrappers use; an ImportError
-  here names this module, not a deep frame of the tracer or the runtime;
-- the receive-ahead GPipe schedule ([Note: receive ahead] in executor/ranks/prefetch.py) overrides
-  ``ScheduleGPipe._step_microbatches`` and calls private schedule and stage methods.
-  :func:`prefetch_support` checks each of their signatures against the two APIs the override
-  was written for: torch 2.13's (``PREFETCH_SIGNATURES``, 2.15's too) and 2.11's, which
-  lacks ``loss_kwargs`` (:func:`initialize_stage` and :func:`maybe_compute_loss` pass it where
-  the schedule takes it); where torch's stage drops what a finished send held
-  (``release_fwd_send_outputs``, 2.15) the override does so too (:func:`release_fwd_send`).
-  On any other difference the executor runs torch's public ``ScheduleGPipe`` instead and
-  warns once, in one line, saying why;
-- :func:`without_self_sends` filters what ``PipelineStage._get_init_p2p_neighbors_ops`` gives,
-  which executor/ranks/sized.py's stage overrides: torch 2.11 and 2.12 warm up the links to both
-  neighbour stages at a schedule's first step, and under the V schedules (zbv, dualpipev) the
-  two middle stages share a rank, so half of that is a send to the rank itself, which gloo
-  refuses; torch 2.13 warms up another way and never calls the method for a PipelineStage
-  (nor does any torch without it);
-- :func:`symbol_source` names a symbolic size for fake tensors (``torch._dynamo.source``,
-  which torch.export itself uses): only where a fake run at symbolic sizes is tried, which
-  falls back to fixed sizes on any error;
-- :func:`fake_dispatch_cache_off` turns the fake-tensor dispatch cache off while a FakeTensorMode
-  is made inside a call that makes its own (torch.export's dynamic export): the mode reads
-  ``torch._dynamo.config.fake_tensor_cache_enabled`` when it is made (2.11 to 2.15); without
-  that switch it changes nothing;
-- :func:`is_communication_error` tells a dead or silent peer from this rank's own error:
-  by exception type where torch has the ``DistError`` classes, else by the messages gloo and
-  NCCL put on a plain RuntimeError;
-- :func:`mesh_group_options` gives a DeviceMesh dimension's process groups a timeout:
-  ``init_device_mesh(backend_override=...)`` takes backend options and reads their
-  ``_timeout`` (torch's own code does); for other backends than gloo and NCCL it gives None,
-  the default timeout, and the pipeline's watchdog still ends a hung step;
-- :func:`set_group_timeout` shortens a process group's timeout after a pipeline's first step
-  ([Note: the first step's own limit] in executor/ranks/watchdog.py) through
-  ``torch.distributed.distributed_c10d._set_pg_timeout``, as torchtitan does; where it is
-  missing or refuses, it says so and the watchdog alone bounds later steps;
-- :func:`found_inf_per_device` is ``torch.amp.GradScaler._found_inf_per_device``, the flags
-  ``unscale_`` leaves and ``step`` / ``update`` read (torch's fused optimizers read them too),
-  for executor/ranks/grad_scaler.py ([Note: loss scaling on ranks]); missing, it says so in one line;
-- :func:`split_backward_api` is ``torch.distributed.pipelining._backward``'s
-  ``stage_backward_input`` and ``stage_backward_weight``, the two halves of a backward that the
-  zero-bubble schedules run, checked by signature; the profiler times each layer's backward
-  with them ([Note: split backward measured] in autopipe/frontend/profiling/harness/backward_split.py),
-  and where they differ it measures no split (the planner then refuses those schedules);
-- :func:`merge_adjacent_backward` rewrites a zero-bubble schedule's compute order
-  (``pipeline_order``, its ``_Action`` tuples) with executor.spec.merged_backward's rule and
-  lowers it again with ``_prepare_schedule_with_comms``, as torch's own ``_load_csv`` does;
-  where either is missing (or the order holds what the rule does not know) it leaves torch's
-  order and says so once ([Note: adjacent I and W] in executor/spec.py).
+One part of executor._torch_compat: see [Note: private torch API] in its __init__.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import functools
 import inspect
 import warnings
@@ -67,62 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import (
-    TreeSpec,
-    tree_flatten,
-    tree_leaves,
-    tree_map_only,
-    tree_unflatten,
-)
 
-__all__ = [
-    "BatchNormBase",
-    "FakeTensorMode",
-    "TreeSpec",
-    "tree_flatten",
-    "tree_leaves",
-    "tree_map_only",
-    "tree_unflatten",
-    "prefetch_support",
-    "prefetch_api",
-    "initialize_stage",
-    "maybe_compute_loss",
-    "release_fwd_send",
-    "warn_no_prefetch",
-    "sorted_batch_p2p",
-    "wait_batch_p2p",
-    "without_self_sends",
-    "is_communication_error",
-    "symbol_source",
-    "fake_dispatch_cache_off",
-    "mesh_group_options",
-    "set_group_timeout",
-    "found_inf_per_device",
-    "split_backward_api",
-]
-
-BatchNormBase = _BatchNorm
-
-
-def symbol_source(name: str) -> Any:
-    """A name for a symbolic size (``torch._dynamo.source.ConstantSource``), as fake tensors with
-    symbolic sizes need one (executor/ranks/symbolic.py); imported here, lazily: dynamo is heavy."""
-    from torch._dynamo.source import ConstantSource
-
-    return ConstantSource(name)
-
-
-def fake_dispatch_cache_off() -> contextlib.AbstractContextManager[Any]:
-    """A context in which new FakeTensorModes have no dispatch cache (restored on exit)."""
-    import torch._dynamo.config as dynamo_config
-
-    if not hasattr(dynamo_config, "fake_tensor_cache_enabled"):
-        return contextlib.nullcontext()
-    return dynamo_config.patch(fake_tensor_cache_enabled=False)  # type: ignore[no-any-return]
-
+__all__ = ["PREFETCH_SIGNATURES", "PREFETCH_SIGNATURES_2_11", "PREFETCH_APIS", "prefetch_support", "prefetch_api", "initialize_stage", "maybe_compute_loss", "release_fwd_send", "warn_no_prefetch", "sorted_batch_p2p", "wait_batch_p2p", "without_self_sends", "split_backward_api", "merge_adjacent_backward"]
 
 # The parameters (after self) of each private method the receive-ahead schedule overrides or
 # calls, as in torch 2.13. Exact names and order: a renamed or inserted parameter means the
@@ -303,71 +194,6 @@ def without_self_sends(ops: list[Any], group_rank: int) -> list[Any]:
 
 
 # Messages gloo and NCCL put on a plain RuntimeError when a peer dies, hangs or drops.
-_COMMUNICATION_MARKERS = (
-    "gloo",
-    "nccl",
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "timed out",
-    "timeout caused pair closure",  # gloo, a send or receive waited past the group's timeout
-)
-
-
-def is_communication_error(err: BaseException) -> bool:
-    """True for a failure of the link to a peer (dead, silent or dropped); False for this
-    rank's own errors (a shape mismatch, out of memory), which must propagate unchanged."""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(err, dist_error):
-        return True
-    text = str(err).lower()
-    return any(marker in text for marker in _COMMUNICATION_MARKERS)
-
-
-def mesh_group_options(backend: str, timeout: datetime.timedelta) -> Any:
-    """Options giving a DeviceMesh dimension's groups ``timeout`` (see the module's docstring)."""
-    kinds = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available}
-    if backend not in kinds or not kinds[backend]():
-        return None
-    kind: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
-    try:
-        try:
-            options = kind.Options()
-        except TypeError:  # gloo's is torch's Backend.Options(backend, timeout=...)
-            options = kind.Options(backend)
-        options._timeout = timeout
-    except (AttributeError, TypeError):
-        return None
-    return options
-
-
-def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> bool:
-    """Set ``group``'s timeout for its later operations; False where this torch cannot."""
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-    except ImportError:
-        return False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "only supported for nccl or gloo": False below
-            _set_pg_timeout(timeout, group)
-    except (RuntimeError, ValueError, AssertionError, AttributeError, TypeError):
-        return False
-    return True
-
-
-def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
-                         ) -> dict[torch.device, torch.Tensor]:
-    """The scaler's found-inf flag per device for ``optimizer`` since its ``unscale_`` (the
-    dict itself: what is changed or added in it, ``step`` and ``update`` read)."""
-    method = getattr(scaler, "_found_inf_per_device", None)
-    if method is None:
-        raise RuntimeError(f"torch {torch.__version__}'s GradScaler has no _found_inf_per_device: "
-                           "executor.ranks.grad_scaler needs torch 2.11 to 2.15")
-    found: dict[torch.device, torch.Tensor] = method(optimizer)
-    return found
-
-
 # torch 2.13's parameters of the two halves of a split backward
 SPLIT_BACKWARD_SIGNATURES: dict[str, tuple[str, ...]] = {
     "stage_backward_input": ("stage_outputs_or_loss", "output_grads", "input_values", "weights"),
