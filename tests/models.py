@@ -114,6 +114,22 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def tiny_llama(meta: bool = False) -> nn.Module:
+    """HuggingFace Llama (2 layers, hidden 32, vocab 64, grouped-query attention) from a config,
+    built on the meta device with ``meta=True``. Skips the calling test without transformers."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    if meta:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 # --- factories for `autopipe profile package.module:factory` (tests/app/test_cli_profile.py) --------
 NOT_CALLABLE = 3
 

@@ -18,6 +18,7 @@ from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
 from autopipe.frontend.building.weights import WeightsError, save_sharded
+from tests.models import tiny_llama
 
 CHUNKS = 4
 DEVICES = ["cpu"] * 3  # the plans are made for where the tests run them: no placement warning
@@ -142,17 +143,11 @@ def test_weights_of_another_model_are_refused_in_one_line(
 def test_a_meta_hf_llama_from_its_weights_equals_the_plain_model(tmp_path: Path) -> None:
     """Stages of a meta-built HF Llama made real from a safetensors file, its nested graphs
     (transformers 5.17's rotary body: [Note: nested graphs]) moved to the device too."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
-    real = transformers.LlamaForCausalLM(cfg)
+    real = tiny_llama()
     save_file({k: v.detach().clone() for k, v in real.state_dict().items()},
               str(tmp_path / "model.safetensors"))
-    with torch.device("meta"):
-        meta = transformers.LlamaForCausalLM(cfg)
+    meta = tiny_llama(meta=True)
     ids = torch.randint(0, 64, (4, 8))
     with warnings.catch_warnings():
         # only rotary inv_freq, in no weights file, is initialised: no warning says "no weights"

@@ -11,7 +11,7 @@ from autopipe.errors import ProfileError
 from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.harness.process_memory import rss_anon
 from tests import forked
-from tests.models import Chain
+from tests.models import Chain, tiny_llama
 
 FAST = {"repeats": 1, "warmup": 0, "progress": False}
 
@@ -43,14 +43,7 @@ def test_a_meta_hf_llama_is_profiled_layer_by_layer_like_the_real_one_whole() ->
     """The GPU check's 70B step at a tiny size: each layer of a meta-built HF Llama measured
     alone on the CPU, under every transformers the compat jobs hold (5.17 puts its rotary
     embedding's body in a graph of its own: [Note: nested graphs])."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32)
-    with torch.device("meta"):
-        meta = transformers.LlamaForCausalLM(cfg)
-    real = transformers.LlamaForCausalLM(cfg)
+    meta, real = tiny_llama(meta=True), tiny_llama()
     ids = torch.randint(0, 64, (4, 8))
     layers = autopipe.profile(meta, (ids,), chunks=2, **FAST)
     whole = autopipe.profile(real, (ids,), chunks=2, mode="whole", **FAST)

@@ -10,7 +10,7 @@ from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.harness.layerwise import layer_by_layer
 from autopipe.frontend.profiling.harness.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.tracing.graph import trace
-from tests.models import Chain
+from tests.models import Chain, tiny_llama
 
 
 def _forward_backward(run: object) -> None:
@@ -71,13 +71,7 @@ def test_layers_of_other_shapes_are_not_twins() -> None:
 
 @pytest.mark.compat
 def test_a_meta_export_graph_runs_on_a_real_device() -> None:
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_llama(meta=True)
     ids = torch.randint(0, 64, (2, 8))
     g = trace(model, (ids,))
     assert g.source == "export"  # it bakes device=meta into factory calls: they must be moved
