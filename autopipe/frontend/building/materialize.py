@@ -248,7 +248,10 @@ def retarget_graph_module(gm: torch.fx.GraphModule, device: torch.device) -> Non
     if retarget_meta_devices(gm.graph, device):
         gm.recompile()
     for name, child in gm._modules.items():
-        if isinstance(child, torch.fx.GraphModule) and _holds_meta_device(child):
+        # a body holds no tensors of its own (torch.export passes them in as arguments); a child
+        # that does is the model's own module, never copied: its parameters are the model's
+        if (isinstance(child, torch.fx.GraphModule) and _holds_meta_device(child)
+                and next(iter((*child.parameters(), *child.buffers())), None) is None):
             body = copy.deepcopy(child)
             retarget_graph_module(body, device)
             gm._modules[name] = body
