@@ -60,6 +60,7 @@ from executor.spec import renamed_recompute
 
 __all__ = ["Pipeline", "pipeline"]
 
+
 class Pipeline(GPipe):
     """An executor.GPipe that also remembers its plan, re-evaluated for the devices it runs on
     ([Note: a plan is a prediction for a placement]), and the graph it was built from."""
