@@ -8,6 +8,7 @@ Sub-packages, one runtime each, and what they share:
                   ReplicatedPipeline)
     checkpoint/   saved training state (DCP) that loads under any plan
     spec            the torch-free rules the planner and both runtimes agree on
+    decision        what a plan decides, as one frozen value both runtimes take (torch-free)
     microbatch      scatter a mini-batch, gather the micro-batches' outputs
     recompute       activation recomputation and the autograd plumbing that orders it
     precision       autocast inside every stage
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from executor.spec import TimelineEvent
 
 if TYPE_CHECKING:
+    from executor.decision import Decision
     from executor.errors import DistributedError, ExecutorError, MicroBatchError, PlacementError
     from executor.local.batchnorm import DeferredBatchNorm
     from executor.local.fill_drain import clock_cycles
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__: list[str] = [
     "GPipe",
+    "Decision",
     "TimelineEvent",
     "save_chrome_trace",
     "to_chrome_trace",
@@ -70,6 +73,7 @@ __all__: list[str] = [
 # public name -> module that defines it (imported on first attribute access)
 _LAZY: dict[str, str] = {
     "GPipe": "executor.local.gpipe",
+    "Decision": "executor.decision",
     "save_chrome_trace": "executor.local.timeline",
     "to_chrome_trace": "executor.local.timeline",
     "DeferredBatchNorm": "executor.local.batchnorm",

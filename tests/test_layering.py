@@ -68,14 +68,16 @@ def test_what_the_runtimes_share_imports_neither_runtime() -> None:
 
 APPLICATION = ("autopipe.app", "autopipe.assemble")
 # the runtime's modules as a library: what every package may use of it
-RUNTIME_SHARED = ("executor.spec", "executor._torch_compat")
+RUNTIME_SHARED = ("executor.spec", "executor.decision", "executor._torch_compat")
+# the runtime's torch-free rules and values, which the planner shares ([Note: a plan's decision])
+TORCH_FREE = ("executor.spec", "executor.decision")
 
 
 @pytest.mark.parametrize("package", ["autopipe/core", "autopipe/solvers"])
 def test_the_planner_imports_no_torch_and_nothing_downstream(package: str) -> None:
     downstream = ("torch", "autopipe.frontend", "autopipe.plot", "autopipe.examples", "executor",
                   *APPLICATION)
-    assert _violations(package, downstream, allowed=("executor.spec",)) == []
+    assert _violations(package, downstream, allowed=TORCH_FREE) == []
 
 
 def test_solvers_are_not_imported_by_the_core() -> None:
@@ -139,6 +141,15 @@ def test_executor_spec_is_torch_free() -> None:
     assert _imports(ROOT / "executor" / "spec.py") <= {"__future__", "__future__.annotations",
                                                       "dataclasses", "dataclasses.dataclass",
                                                       "typing", "typing.Any", "warnings"}
+
+
+def test_a_decision_is_torch_free() -> None:
+    """executor/decision.py: the standard library and executor.spec, nothing else."""
+    names = _imports(ROOT / "executor" / "decision.py")
+    assert {n.split(".")[0] for n in names} <= {"__future__", "collections", "dataclasses", "typing",
+                                               "executor"}
+    assert {n for n in names if n.startswith("executor")} <= {"executor.spec"} | {
+        f"executor.spec.{x}" for x in dir(__import__("executor.spec", fromlist=["*"]))}
 
 
 def test_private_torch_names_come_only_from_the_compat_package() -> None:

@@ -55,6 +55,7 @@ from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.tracing.graph import LayerGraph
 from executor import GPipe
+from executor.decision import Decision
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.spec import renamed_recompute
 
@@ -66,14 +67,11 @@ class Pipeline(GPipe):
     ([Note: a plan is a prediction for a placement]), and the graph it was built from."""
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
-                 chunks: int, recompute: str | Sequence[str], deferred_batch_norm: bool, *,
-                 plan: Plan, graph: LayerGraph,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 precision: str = "fp32") -> None:
-        super().__init__(stages, devices, chunks=chunks, recompute=recompute,
-                         deferred_batch_norm=deferred_batch_norm, loss_fn=loss_fn,
-                         signature=graph_signature(graph),
-                         model_loss=graph_model_loss(graph, loss_fn), precision=precision)
+                 decision: Decision, deferred_batch_norm: bool, *, plan: Plan, graph: LayerGraph,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
+        super().__init__(stages, devices, decision=decision, deferred_batch_norm=deferred_batch_norm,
+                         loss_fn=loss_fn, signature=graph_signature(graph),
+                         model_loss=graph_model_loss(graph, loss_fn))
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
 
@@ -185,8 +183,10 @@ def pipeline(
                       f"{len(initialised)} module(s) were initialised ({initialised[-1]!r}, ...) "
                       "with init= or reset_parameters(); pass weights= to load trained weights",
                       UserWarning, stacklevel=2)
-    pipe = Pipeline(stages, devices, chunks, modes, deferred_batch_norm, plan=plan, graph=graph,
-                    loss_fn=loss_fn, precision=precision)
+    decision = plan.decision.replace(  # the call's overrides; one process runs GPipe's schedule
+        chunks=chunks, recompute=modes, precision=precision, devices=tuple(device_names(devices)),
+        schedule="gpipe", merge_backward="unwaited", data_parallel=1)
+    pipe = Pipeline(stages, devices, decision, deferred_batch_norm, plan=plan, graph=graph, loss_fn=loss_fn)
     if pipe.plan is not plan:
         warnings.warn(placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe

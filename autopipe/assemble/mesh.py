@@ -15,6 +15,7 @@ from torch import nn
 
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
+from executor.decision import Decision
 from executor.ranks.distributed import DistributedPipeline
 from executor.ranks.replicated import ReplicatedPipeline, pipeline_mesh
 from executor.ranks.watchdog import StepLimits
@@ -57,18 +58,18 @@ def replicas_of(plan: Plan | None, data_parallel: int | str | None, dp_mode: str
 
 
 def replicated_pipeline(
-    stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, *, replicas: int,
-    dp_mode: str, device: torch.device, timeout: float | None, first_step_timeout: float | None,
-    **kwargs: Any,
+    stages: Sequence[nn.Module], indices: Sequence[int], decision: Decision, *, device: torch.device,
+    timeout: float | None, first_step_timeout: float | None, **kwargs: Any,
 ) -> DistributedPipeline:
-    """This rank's pipeline: one of ``replicas`` on a mesh, or the only one."""
-    if replicas == 1:
-        return DistributedPipeline(stages, indices, num_stages, device=device, timeout=timeout,
+    """This rank's pipeline: one of ``decision.data_parallel`` replicas on a mesh, or the only one."""
+    if decision.data_parallel == 1:
+        return DistributedPipeline(stages, indices, decision=decision, device=device, timeout=timeout,
                                    first_step_timeout=first_step_timeout, **kwargs)
     from torch.distributed import get_world_size
 
+    replicas = decision.data_parallel
     group_timeout = StepLimits(timeout, first_step_timeout).group_timeout  # [Note: the first
     mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device,  # step's own limit]
                          timeout=None if group_timeout is None else group_timeout.total_seconds())
-    return ReplicatedPipeline(stages, indices, num_stages, mesh=mesh, dp_mode=dp_mode, device=device,
+    return ReplicatedPipeline(stages, indices, mesh=mesh, decision=decision, device=device,
                               timeout=timeout, first_step_timeout=first_step_timeout, **kwargs)

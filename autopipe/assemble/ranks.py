@@ -259,14 +259,14 @@ def distributed_pipeline(
     ties = rank_ties(stages, mine, schedule, world)
     aliases = _aliases(model)
     _free_others(model, [stages[i] for i in mine])
-    return replicated_pipeline(
-        [stages[i] for i in mine], mine, k, replicas=layout.replicas, dp_mode=layout.dp_mode,
-        loss_fn=loss_fn if loss_fn is not None else model_loss, signature=graph_signature(graph),
-        chunks=chunks, recompute=modes, schedule=schedule, wires=wires, ties=ties,
-        key_aliases=aliases, device=here, timeout=timeout, first_step_timeout=first_step_timeout,
-        precision=precision,  # the plan's merge rule is for its own schedule ([Note: adjacent I and W])
-        merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited",
-    )
+    decision = plan.decision.replace(  # with this call's overrides ([Note: a plan's decision])
+        chunks=chunks, recompute=modes, schedule=schedule, precision=precision,
+        data_parallel=layout.replicas, dp_mode=layout.dp_mode,  # the plan's merge rule is for
+        merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited")  # its own
+    return replicated_pipeline(  # schedule ([Note: adjacent I and W])
+        [stages[i] for i in mine], mine, decision, loss_fn=loss_fn if loss_fn is not None else model_loss,
+        signature=graph_signature(graph), wires=wires, ties=ties, key_aliases=aliases, device=here,
+        timeout=timeout, first_step_timeout=first_step_timeout)
 
 
 @dataclass(frozen=True)

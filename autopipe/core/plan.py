@@ -56,6 +56,7 @@ from autopipe.core.plan_fit import assign_stages, check_plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PlanError
+from executor.decision import Decision
 from executor.spec import merge_rules, recomputed_microbatches
 
 __all__ = ["Plan", "SolverInfo", "Alternative", "PLAN_FORMAT"]
@@ -100,6 +101,8 @@ class Plan:
     iteration (``iteration_time``, simulated GPipe); memory is bytes. ``breakdown[s]`` splits
     stage s's time into forward, backward, recompute and transfer (for stacked bar plots).
     ``recompute`` is one mode, or one per stage (``stage_recompute`` always gives the list).
+    What it decides, apart from what it predicts, is :attr:`decision`: the one value the runtimes
+    take ([Note: a plan's decision] in executor/decision.py).
     """
 
     stages: list[list[str]]
@@ -237,6 +240,16 @@ class Plan:
     def stage_recompute(self) -> list[str]:
         """Each stage's recompute mode ([Note: per-stage recomputation] in executor/spec.py)."""
         return [self.recompute] * self.num_stages if isinstance(self.recompute, str) else list(self.recompute)
+
+    @property
+    def decision(self) -> Decision:
+        """What this plan decides, as the one value the runtimes take ([Note: a plan's decision]
+        in executor/decision.py); the rest of the plan is its prediction."""
+        return Decision(tuple(tuple(s) for s in self.stages), self.chunks, tuple(self.stage_recompute),
+                        devices=tuple(d.name for d in self.devices), schedule=self.schedule,
+                        merge_backward=self.merge_backward, data_parallel=self.data_parallel,
+                        dp_mode=self.dp_mode, recompute_layers=tuple(self.recompute_layers),
+                        precision=self.precision)
 
     @property
     def cost_options(self) -> CostOptions:

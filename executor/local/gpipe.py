@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from executor.checkpoint import Checkpointable, CheckpointView
+from executor.decision import Decision, runtime_decision
 from executor.errors import ExecutorError
 from executor.grad_norm import clip_grads_
 from executor.keywords import InputSignature
@@ -64,7 +65,7 @@ from executor.local.worker import WorkerPool
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
 from executor.recompute import Checkpointing, depend, recompute_stop
-from executor.spec import TimelineEvent, check_precision, check_stage_recompute, renamed_recompute
+from executor.spec import TimelineEvent, renamed_recompute
 
 __all__ = ["GPipe"]
 
@@ -76,10 +77,14 @@ class GPipe(Checkpointable, nn.Module):
         stages: the chain of stage modules (see the module docstring for the convention).
         devices: one device per stage; stages on the same device share a worker.
         chunks: micro-batches per mini-batch (exactly ``chunks``; see executor.microbatch).
+            Required unless ``decision`` is given.
         recompute: ``"always"``, ``"except_last"`` (every micro-batch but the last is
             recomputed in backward) or ``"never"``, or a list with one of them per stage
             ([Note: per-stage recomputation] in executor/spec.py). No recomputation in eval
             or under no_grad.
+        decision: a plan's :class:`executor.Decision` (``plan.decision``) instead of ``chunks``,
+            ``recompute`` and ``precision``, which must then be left out ([Note: a plan's
+            decision] in executor/decision.py); its schedule must be ``gpipe``.
         deferred_batch_norm: convert BatchNorm layers so running statistics advance once per
             mini-batch, as in the unpipelined model.
         key_prefixes: per stage, a prefix mapping its local ``state_dict`` keys to the
@@ -110,10 +115,11 @@ class GPipe(Checkpointable, nn.Module):
         self,
         stages: Sequence[nn.Module],
         devices: Sequence[torch.device | str | int],
-        chunks: int,
+        chunks: int | None = None,
         recompute: str | Sequence[str] = "except_last",
         deferred_batch_norm: bool = False,
         *,
+        decision: Decision | None = None,
         key_prefixes: Sequence[str] | None = None,
         record_timeline: bool = False,
         threads: bool | None = None,
@@ -126,31 +132,29 @@ class GPipe(Checkpointable, nn.Module):
         recompute = renamed_recompute(recompute, checkpoint, "GPipe")
         super().__init__()
         self.loss_fn, self.signature, self.model_loss = loss_fn, signature, model_loss
-        try:
-            self.precision = check_precision(precision)
-        except ValueError as err:
-            raise ExecutorError(str(err)) from None
         stages = list(stages)
         if not stages:
             raise ExecutorError("stages is empty: a pipeline needs at least one stage module")
-        if chunks < 1:
-            raise ExecutorError(
-                f"chunks={chunks} < 1: need at least one micro-batch; use chunks >= 1"
-            )
         try:
-            checkpoints = check_stage_recompute(recompute, len(stages))
+            self.decision = runtime_decision(decision, len(stages), chunks=chunks, recompute=recompute,
+                                             precision=precision)
         except ValueError as err:
             raise ExecutorError(str(err)) from None
+        if self.decision.schedule != "gpipe":
+            raise ExecutorError(f"executor.GPipe runs schedule='gpipe' only, not {self.decision.schedule!r}; "
+                                "run that schedule on ranks: autopipe.distributed_pipeline(...)")
         if key_prefixes is not None and len(key_prefixes) != len(stages):
             raise ExecutorError(
                 f"got {len(key_prefixes)} key_prefixes for {len(stages)} stages: "
                 'pass one prefix per stage ("" for none)'
             )
         self.devices = check_devices(devices, len(stages))
-        self.chunks = chunks
+        self.chunks, self.precision = self.decision.chunks, self.decision.precision
         self.threads = threads
-        self.recompute = recompute if isinstance(recompute, str) else list(recompute)
-        self.recompute_modes = checkpoints  # one mode per stage
+        self.recompute_modes = list(self.decision.recompute)  # one mode per stage
+        # one mode when every stage shares it, else one per stage (as a plan stores it)
+        self.recompute: str | list[str] = (self.recompute_modes[0] if len(set(self.recompute_modes)) == 1
+                                           else self.recompute_modes)
         self.key_prefixes = list(key_prefixes) if key_prefixes is not None else [""] * len(stages)
         self._deferred: list[DeferredBatchNorm] = []
         if deferred_batch_norm:

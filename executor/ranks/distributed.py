@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import Checkpointable, CheckpointView
+from executor.decision import Decision, runtime_decision
 from executor.errors import DistributedError
 from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
@@ -67,14 +68,7 @@ from executor.ranks.torch_schedules import build_schedule, check_layout, schedul
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.ranks.wire import Wire, WireStage, infer_wires
 from executor.recompute import recompute_stop
-from executor.spec import (
-    MULTI_STAGE_SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
-    check_merge_rule,
-    check_precision,
-    check_stage_recompute,
-    renamed_recompute,
-)
+from executor.spec import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, renamed_recompute
 
 __all__ = [
     "schedule_class",
@@ -94,7 +88,11 @@ class DistributedPipeline(Checkpointable):
     Args:
         stages: this rank's stage modules (stage ``i`` takes cut ``i``'s values).
         indices: their global stage indices (rank ``r`` of ``W`` holds ``r, r + W, ...``).
-        num_stages: stages in the whole pipeline.
+        num_stages: stages in the whole pipeline (default: the decision's).
+        decision: a plan's :class:`executor.Decision` (``plan.decision``, with this run's
+            overrides) instead of ``chunks``, ``recompute``, ``schedule``, ``precision`` and
+            ``merge_backward``, which must then be left out ([Note: a plan's decision] in
+            executor/decision.py).
         loss_fn: ``loss_fn(output, target)`` on each micro-batch's output (last stage), or a
             :class:`executor.model_loss.ModelLoss`: the model returns its own loss, weighted
             per micro-batch by its counted items, known before the schedule runs ([Note: a loss
@@ -102,7 +100,7 @@ class DistributedPipeline(Checkpointable):
             inputs too (it counts the items from them).
         signature: the keyword inputs ``step`` and ``eval_step`` take ([Note: keyword inputs
             are positional inside] in executor/keywords.py).
-        chunks: micro-batches per mini-batch; the batch size must be a multiple of it.
+        chunks: micro-batches per mini-batch (default 8); the batch size must be a multiple of it.
         recompute: ``always``, ``except_last`` or ``never``, or a list with one of them for
             each of the ``num_stages`` stages (see [Note: distributed recomputation]).
         schedule: one of executor.spec.SCHEDULES.
@@ -133,11 +131,12 @@ class DistributedPipeline(Checkpointable):
         self,
         stages: Sequence[nn.Module],
         indices: Sequence[int],
-        num_stages: int,
+        num_stages: int | None = None,
         *,
+        decision: Decision | None = None,
         loss_fn: Callable[[Any, Any], Tensor] | ModelLoss,
         signature: InputSignature | None = None,
-        chunks: int = 8,
+        chunks: int | None = None,
         recompute: str | Sequence[str] = "except_last",
         schedule: str = "gpipe",
         wires: Sequence[Sequence[Wire]],
@@ -155,9 +154,19 @@ class DistributedPipeline(Checkpointable):
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized; call "
                                    "torch.distributed.init_process_group(...) on every rank first")
+        if num_stages is None:
+            if decision is None:
+                raise DistributedError("num_stages is missing: pass the pipeline's stage count, or "
+                                       "decision=plan.decision")
+            num_stages = decision.num_stages
+        try:  # checked once, as one value ([Note: a plan's decision] in executor/decision.py)
+            self.decision = runtime_decision(
+                decision, num_stages, chunks=chunks if chunks is not None or decision is not None else 8,
+                recompute=recompute, schedule=schedule, precision=precision, merge_backward=merge_backward)
+        except ValueError as err:
+            raise DistributedError(str(err)) from None
+        chunks, schedule = self.decision.chunks, self.decision.schedule
         kind = schedule_class(schedule)
-        if chunks < 1:
-            raise DistributedError(f"chunks={chunks} < 1: a pipeline needs at least one micro-batch")
         if len(stages) != len(indices) or not stages:
             raise DistributedError(f"got {len(stages)} stages for {len(indices)} indices; pass one index per stage")
         if len(stages) > 1 and schedule not in MULTI_STAGE_SCHEDULES:
@@ -166,12 +175,8 @@ class DistributedPipeline(Checkpointable):
         if len(wires) != num_stages + 1:
             raise DistributedError(f"got wires for {len(wires)} cuts but {num_stages} stages have "
                                    f"{num_stages + 1}; pass infer_wires(all_stages, micro_batch)")
-        try:
-            self.recompute_modes = check_stage_recompute(recompute, num_stages)  # every stage's
-            self.precision = check_precision(precision)
-            self.merge_backward = check_merge_rule(merge_backward)
-        except ValueError as err:
-            raise DistributedError(str(err)) from None
+        self.recompute_modes = list(self.decision.recompute)  # every stage's
+        self.precision, self.merge_backward = self.decision.precision, self.decision.merge_backward
         check_layout(schedule, num_stages, dist.get_world_size(group), chunks, dist.get_rank(group), indices)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)  # in the pipeline
         self.pp_rank, self.pp_size = self.rank, self.world

@@ -78,6 +78,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from executor._torch_compat import mesh_group_options
 from executor.checkpoint import CheckpointView
+from executor.decision import Decision
 from executor.errors import DistributedError
 from executor.precision import compute_dtype
 from executor.ranks.distributed import DistributedPipeline
@@ -156,10 +157,10 @@ class ReplicatedPipeline(DistributedPipeline):
         self,
         stages: Sequence[nn.Module],
         indices: Sequence[int],
-        num_stages: int,
+        num_stages: int | None = None,
         *,
         mesh: DeviceMesh,
-        dp_mode: str = "ddp",
+        dp_mode: str | None = None,
         ties: Sequence[tuple[Sequence[int], nn.Parameter | None]] = (),
         timeout: float | None = 60.0,
         first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
@@ -168,13 +169,25 @@ class ReplicatedPipeline(DistributedPipeline):
         if mesh.mesh_dim_names != ("dp", "pp"):
             raise DistributedError(f"mesh has dims {mesh.mesh_dim_names}, not ('dp', 'pp'); make it "
                                    "with executor.ranks.replicated.pipeline_mesh(data_parallel, pp_size)")
+        decision: Decision | None = kwargs.get("decision")
+        if decision is not None:  # the replicas' part of it ([Note: a plan's decision])
+            if dp_mode is not None and dp_mode != decision.dp_mode:
+                raise DistributedError(f"dp_mode={dp_mode!r} and a decision of dp_mode="
+                                       f"{decision.dp_mode!r} were both given; pass the decision alone")
+            if decision.data_parallel != mesh.size(0):
+                raise DistributedError(f"the decision is for data_parallel={decision.data_parallel} "
+                                       f"but the mesh has {mesh.size(0)} replicas; make the mesh with "
+                                       f"pipeline_mesh({decision.data_parallel}, pp_size)")
+            dp_mode = decision.dp_mode
+        dp_mode = dp_mode or DATA_PARALLEL_MODES[0]
         if dp_mode not in DATA_PARALLEL_MODES:
             raise DistributedError(f"dp_mode={dp_mode!r} is unknown; use one of {list(DATA_PARALLEL_MODES)}")
         self.mesh, self.dp_mode = mesh, dp_mode
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh.size(0)
         self._all_reduce: list[nn.Parameter] = []  # [Note: DDP under zero bubble]
         if dp_mode == "fsdp":
-            check_fsdp_ties(stages, indices, kwargs.get("schedule", "gpipe"))
+            check_fsdp_ties(stages, indices, decision.schedule if decision is not None
+                            else kwargs.get("schedule", "gpipe"))
         group_timeout = StepLimits(timeout, first_step_timeout).group_timeout
         groups = [_tie_group(mesh, ranks, group_timeout) for ranks, _ in ties]
         super().__init__(stages, indices, num_stages, group=mesh.get_group("pp"), timeout=timeout,

@@ -20,6 +20,7 @@ from autopipe.examples import Example, get_example
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from tests.assemble.test_local import cost_profile
+from tests.models import Chain
 
 MODES = ["always", "never", "except_last"]
 
@@ -152,3 +153,15 @@ def test_checkpoint_choice_and_its_errors() -> None:
                                          r"is not a recompute mode"):
         bad = dataclasses.replace(plan, recompute=["never", "sometimes"])
         pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=bad, graph=graph)
+
+
+def test_the_pipeline_runs_the_plans_decision_with_the_calls_overrides() -> None:
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], chunks=4, recompute="never")
+    d = pipe.decision
+    assert d.stages == tuple(tuple(s) for s in pipe.plan.stages)
+    assert (d.chunks, d.recompute, d.schedule, d.devices) == (4, ("never", "never"), "gpipe", ("cpu", "cpu"))

@@ -264,3 +264,20 @@ def test_explain_says_memory_binds_and_where() -> None:
     assert "recomputation always, never" in text
     assert ("Limited by memory: stage 0 recomputes (always) because without it it needs 12.0 MiB "
             "and stage0 has 6.0 MiB; stages that fit run without recomputation.") in text
+
+
+def _mixed_plan() -> Plan:
+    prof = random_chain(6, 2)
+    return Plan.from_stages(prof, [prof.layers[:2], prof.layers[2:]], chunks=4,
+                            recompute=["always", "never"])
+
+
+def test_a_plans_decision_is_what_it_says_to_run(tmp_path: Path) -> None:
+    plan = _mixed_plan()
+    d = plan.decision
+    assert d.stages == tuple(tuple(s) for s in plan.stages) and d.chunks == 4
+    assert d.recompute == ("always", "never") and d.devices == tuple(x.name for x in plan.devices)
+    assert (d.schedule, d.merge_backward, d.data_parallel, d.dp_mode, d.precision) == (
+        plan.schedule, plan.merge_backward, plan.data_parallel, plan.dp_mode, plan.precision)
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json").decision == d  # a saved plan decides the same
