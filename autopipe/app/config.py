@@ -26,6 +26,7 @@ from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
 from autopipe.app.flag_groups import LoopFlags, PrecisionFlags, check_choice
 from autopipe.errors import BuildError, PartitionError
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
+from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
 from executor.spec import SCHEDULES
 
 __all__ = [
@@ -162,8 +163,9 @@ class PartitionConfig:
     ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
     bandwidth: float | None = _opt(None, "bytes/s between stages, 0 = free (default: the "
                                          "profile's measured by `profile --comm`, else 1e10)")
-    time_limit: float | None = _opt(None, "ILP time limit in seconds, shown on its progress line "
-                                          "(default 5; 2 in a search with an auto choice)")
+    time_limit: float | None = _opt(None, f"ILP time limit in seconds, shown on its progress line "
+                                          f"(default {ILP_TIME_LIMIT:g}; {SEARCH_ILP_TIME_LIMIT:g} in a "
+                                          f"search with an auto choice)")
     out: str | None = _opt(None, "plans/NAME.json to save the plan in (default: print it, save nothing)")
     force: bool = _opt(False, "overwrite --out if it exists")
     no_progress: bool = _opt(False, "no search or ILP progress on stderr (default: shown when "

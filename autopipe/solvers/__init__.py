@@ -13,6 +13,7 @@
     ilp.py              PuLP/CBC over the whole DAG, warm-started from the DP
     cbc_log.py          CBC's log read as it is written: incumbent, bound and gap, progress
     baselines.py        equal layer counts, DeepSpeed's parameter split, torchgpipe's blockpartition
+    defaults.py         the ILP's default time limits (read by the command line's help)
     synthetic.py        deterministic chain and transformer-DAG profiles for tests and benchmarks
 
 Every solver reads stage costs from autopipe.core.cost; none writes a formula of its own.

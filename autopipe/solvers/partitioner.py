@@ -33,6 +33,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import measured_sizes, profile_at, rows_for
 from autopipe.errors import PartitionError
 from autopipe.solvers.data_parallel_search import global_batch, replica_counts, search_replicas
+from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
 from autopipe.solvers.fixed_config import solve_fixed
 from autopipe.solvers.search import search
 from autopipe.solvers.search_space import Setting, chunk_candidates, stages_per_rank
@@ -49,7 +50,6 @@ __all__ = ["METHODS", "partition", "is_chain"]
 
 METHODS: tuple[str, ...] = ("auto", "exact", "ilp", "uniform", "params", "blockpartition")
 METHOD_ALIASES = {"dp": "exact"}  # the exact solver's old name, in saved scripts and plans
-ILP_TIME_LIMIT = 5.0  # seconds of CBC for one configuration unless time_limit says otherwise
 MAX_AUTO_CHUNKS = 64  # chunks="auto" tries at most this many micro-batches
 
 
@@ -145,7 +145,7 @@ def partition(
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int | float)
                                    or not time_limit > 0):
         raise PartitionError(f"time_limit={time_limit!r}: need the ILP's seconds > 0 (None: "
-                             f"{ILP_TIME_LIMIT:g} s, in a search 2 s)")
+                             f"{ILP_TIME_LIMIT:g} s, in a search {SEARCH_ILP_TIME_LIMIT:g} s)")
     if progress is not None and not isinstance(progress, bool):
         raise PartitionError(f"progress must be True, False or None (shown when stderr is a "
                              f"terminal), got {progress!r}")

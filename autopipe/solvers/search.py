@@ -54,6 +54,7 @@ from autopipe.errors import PartitionError
 from autopipe.solvers.bounds import config_bound, split_bound
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dag_bound import dag_bound, forced_order
+from autopipe.solvers.defaults import SEARCH_ILP_TIME_LIMIT
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import GAP, solve_ilp
 from autopipe.solvers.layer_recompute import recompute_layers_where_faster
@@ -72,7 +73,6 @@ from executor.spec import RECOMPUTE_MODES, check_schedule, merge_rules
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
 ILP_MAX_VARIABLES = 1500  # layers x (stages - 1) the search's ILP may have
-ILP_SECONDS = 2.0  # the search's ILP budget unless time_limit is given
 ALTERNATIVES = 5
 
 
@@ -346,7 +346,7 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
         return None  # within the ILP's gap of a bound no split beats
     if method == "auto" and len(costs) * (k - 1) > ILP_MAX_VARIABLES:
         return None
-    budget = ILP_SECONDS if time_limit is None else time_limit
+    budget = SEARCH_ILP_TIME_LIMIT if time_limit is None else time_limit
     line = ProgressLine(budget, progress)
     try:
         ilp = solve_ilp(costs, budget_devices(devices, c.schedule), opts,
