@@ -5,10 +5,11 @@ library's malloc. glibc serves a large block (its threshold adapts, up to 32 MiB
 fresh pages and gives them back to the kernel when the block is freed, and trims the heap's
 top once 128 KiB or more are free there; the next tensor of that size then faults in and zeroes
 every 4 KiB page again. A training step allocates and frees the same activations every
-micro-batch, and a recomputed one twice, so on the bundled examples a step spent up to 40% of
-its time in page faults (unet's step 33 ms instead of 20 ms; with recomputation 1.7x), while a
-layer timed alone over and over reuses its block and pays none of it: predictions from the
-profile came out up to 1.4x short (benchmarks/executor_vs_prediction.py).
+micro-batch, and a recomputed one twice, so a step of the bundled examples could spend a large
+share of its time in page faults, while a layer timed alone over and over reuses its block and
+pays none of it: predictions from the profile came out short by all of that time
+(benchmarks/executor_vs_prediction.py; the figures: CHANGELOG.md, "Freed host memory stays in
+the process", and docs/benchmarks.md, "Figures behind the Notes").
 
 :func:`retain_freed_memory` sets glibc's ``M_MMAP_THRESHOLD`` to its maximum (32 MiB: blocks
 up to that come from the heap) and ``M_TRIM_THRESHOLD`` to 2 GiB (freed heap memory is kept

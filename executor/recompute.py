@@ -28,9 +28,10 @@ back-propagate after micro-batch ``i`` (the fill-drain order, reversed).
 executor.GPipe). It uses this module's own checkpoint (RNG replayed), so a recomputation costs
 what it costs in executor.GPipe and what the profile's ``recompute_ratio`` measured there
 ([Note: layers in sequence]): the forward keeps no graph at all, where torch.utils.checkpoint's
-non-reentrant forward still builds one (1.2-1.6x the recompute cost on the bundled examples). A
-PipelineStage receives a gradient before it starts a micro-batch's backward, so there is
-nothing to overlap the recomputation with: it runs when the gradient arrives, without
+non-reentrant forward still builds one, so its recomputation costs more than executor.GPipe's,
+which the profile measures (CHANGELOG.md, "Recomputation on 2 ranks used torch's non-reentrant
+checkpoint"). A PipelineStage receives a gradient before it starts a micro-batch's backward,
+so there is nothing to overlap the recomputation with: it runs when the gradient arrives, without
 executor.recompute's early-recompute lane. Under the zero-bubble schedules the recomputed graph
 is back-propagated in two halves, the inputs' gradients then and the weights' at the W
 (``split=``, [Note: split backward on ranks] in executor/ranks/split_backward.py).

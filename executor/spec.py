@@ -113,7 +113,8 @@ def merged_backward(ops: list[tuple[int, str, int]], schedule: str, ranks: int,
     rank waits for (the first stage, which sends none, or a stage whose previous stage shares its
     rank: the V's bottom), under "adjacent" on every stage. A split exists to run the W later,
     where the rank would idle; where nothing comes between the two, splitting only costs (the
-    halves take 1.2-2x the whole backward: [Note: split backward time] in autopipe/core/cost.py).
+    halves take more than the whole backward: [Note: split backward time] in
+    autopipe/core/cost.py).
     Where another rank waits for the I's gradient, merging sends it only after the W: whether
     that loses more than the split costs depends on the stages (simulated, it lost on the
     202-layer DAG of benchmarks/zero_bubble_plan.py and won on 2-rank chains at M = 8), so the

@@ -1,17 +1,17 @@
 """The start of a process that autopipe launches (a rank of ``autopipe run`` or ``autopipe comm``).
 
 [Note: a rank's imports without the collector] A rank is a new interpreter that imports torch,
-torch.distributed.pipelining (which imports torch._dynamo, FSDP and DTensor) and autopipe: about
-500,000 objects, over which CPython's cyclic collector keeps running while they are made, though
-almost none is garbage. So a rank imports them with the collector paused
+torch.distributed.pipelining (which imports torch._dynamo, FSDP and DTensor) and autopipe:
+hundreds of thousands of objects, over which CPython's cyclic collector keeps running while
+they are made, though almost none is garbage. So a rank imports them with the collector paused
 (:func:`collector_paused`), and, once they are imported, freezes them (``gc.freeze()``: they move
-to a permanent generation that later collections do not walk). Measured on the 2-core CI machine
-(torch 2.13, CPU), seven interleaved runs of importing ``autopipe.app.rank_main`` and exiting: a
-median 4.4 s of CPU as before, 4.3 s with the collector paused alone, 3.0 s paused and frozen
-(most of the saving is at exit, whose collections no longer walk the imports' objects). Every
-rank of every attempt pays it, a restart after a failed rank included. The imports leave about
-9,000 unreachable objects (under 10 MB) that are never freed, and a full collection during
-training walks only what training made (over the imports' objects it takes 0.3 s, on one rank
+to a permanent generation that later collections do not walk). Pausing alone saves little:
+most of the saving is at exit, whose collections no longer walk the imports' objects once they
+are frozen. Every rank of every attempt pays the imports, a restart after a failed rank
+included (measured: CHANGELOG.md, "Ranks that start sooner"; docs/benchmarks.md, "Figures
+behind the Notes"). The imports leave some thousands of unreachable objects (megabytes, no
+more) that are never freed, and a full collection during training walks only what training
+made (over the imports' objects it would take a sizeable fraction of a second, on one rank
 while the others wait at its next send). The suite's forked processes and its workers'
 collection do the same (tests/forked_preload.py, tests/conftest.py).
 

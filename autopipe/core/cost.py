@@ -25,7 +25,9 @@ the stage's busy time per iteration; the slowest stage (the bottleneck) sets the
   checkpoint saves and restores RNG state. ``recompute_ms`` scales by it.
 - ``recompute_call_ms``: the checkpoint's own fixed host cost per stage and recomputed
   micro-batch (its autograd nodes, the RNG state saved and restored, the nested backward),
-  whatever the stage's layers: ~0.1 ms on this machine, as much as a small stage's forward.
+  whatever the stage's layers: on a CPU about as much as a small stage's forward, so it is
+  not negligible where stages are small (measured: docs/benchmarks.md, "Measured vs predicted,
+  one process").
   ``recompute_ms(..., fixed_ms=)`` adds it per stage; a per-layer sum never carries it, so the
   DPs add it with the call cost (``stage_fixed_ms``).
 
@@ -40,8 +42,9 @@ autopipe/core/zero_bubble.py) a stage's backward of one micro-batch is its input
 the sum of its layers' ``bwd_input_ms`` (their share of ``bwd_ms``, however the profile's rows
 were scaled), and its weight-gradient part W, the rest, each times the profile's
 ``bwd_split_ratio``: the two halves cost more than the whole backward (two passes of autograd's
-engine, and a weight pass of its own per group of weights; 1.2-1.35x on a stage of
-Linear(512, 512) blocks, 1.30x over the TinyLlama profile's layers), and the runtime pays it.
+engine, and a weight pass of its own per group of weights), and the runtime pays it (measured:
+docs/benchmarks.md, "Split backward per stage" and "Zero bubble on two ranks"; the profiles'
+ratios: docs/limitations.md, "Zero-bubble schedules").
 Two stages do not split, as executor/ranks/split_backward.py runs them: the first stage's I is nothing
 and its W the whole backward, and a stage holding a segment of recomputed layers (torch's
 reentrant checkpoint) runs its whole backward, with the recomputation, at the I and holds

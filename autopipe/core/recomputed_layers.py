@@ -27,7 +27,8 @@ For a segment G, in the terms of [Note: saved once] (autopipe/core/layer_costs.p
   fixed cost of a checkpoint call ([Note: measured overheads] in cost.py). The copies are
   not charged as time: a plan run without them took the same time. Measured:
   docs/benchmarks.md, "The automatic plan, run" (cnn's plan recomputes a 9-layer segment);
-  the A/B runs behind these figures are in CHANGELOG.md (2026-11-30, "Recomputed segments").
+  the A/B runs behind this Note are in CHANGELOG.md ("Recomputed segments fed by the caller's
+  batch use the reentrant checkpoint", "Layers recomputed alone, then segments").
 
 ``stage_costs`` (cost.py) subtracts each segment's freed bytes from its stage's ``saved_bytes``
 and adds its time to the stage's backward, for every micro-batch. While a segment recomputes,

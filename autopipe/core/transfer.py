@@ -10,12 +10,15 @@ overlap compute (blocking sends), which is pessimistic on GPUs with copy engines
 
 The receiving stage pays ``receive_share x bytes / bandwidth`` more for the same message
 (``receive_ms``; no latency: that is the wire's). Over gloo's TCP pairs a message moves only
-once the receive is posted, and both processes copy it through the kernel: on 2 CPU ranks a
-3 MB activation that arrived while its receiver computed still took the receiver 1.0-1.4 ms to
-post and wait for, against 0.74-0.99 ms for the crossing itself, so the receiving stage pays
-about one crossing again. ``autopipe profile --comm`` measures the share (a late receive over
-a crossing of the same bytes: ``comm_receive_share``); without it the share is 0 (only the
-sender pays, as before measuring).
+once the receive is posted, and both processes copy it through the kernel: a receive posted
+after its send (the activation sent while the receiver computed) still waits for the bytes to
+move and copies them in, so on CPU ranks the receiving stage pays about one crossing again,
+and a cost model that charged only the sender under-predicted the stages that receive large
+activations (CHANGELOG.md, "The receiver pays too"; docs/benchmarks.md, "Figures behind the
+Notes").
+``autopipe profile --comm`` measures the share (a late receive over a crossing of the same
+bytes: ``comm_receive_share``); without it the share is 0 (only the sender pays, as before
+measuring).
 
 ``bandwidth=None`` or 0 makes transfers free, latency included. Graph inputs cost nothing.
 Latency and (unless the caller gives one) bandwidth are measured between two ranks by

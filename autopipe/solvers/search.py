@@ -31,8 +31,9 @@ time, so pruning never changes the answer (autopipe.solvers.bounds). Identical d
 in one DP pass (``stage_dp.solve_counts``). The ILP refines only the winner, only for a DAG
 whose DP split is more than its gap above the bound on every DAG split ([Note: when the ILP
 can gain] in autopipe/solvers/dag_bound.py), and only when it is small enough to
-build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on 300-800-layer DAGs it ran
-40-105 s to improve the DP by 0-0.4%.
+build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on DAGs of hundreds of layers
+it ran for tens of seconds to minutes to improve on the DP by a fraction of a percent, if at
+all (docs/benchmarks.md, "Figures behind the Notes").
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 [Note: few messages per cut] PipelineStage sends every tensor it is given as a message of its
 own, and every message costs a fixed latency on each side (gloo: a send, a receive, Python
 bookkeeping in the schedule). A transformer's cut carries the hidden state plus a mask, a
-position tensor and sequence lengths as scalars ([Note: what crosses a cut] in wire.py); on
-2 gloo ranks an empty pipeline spent 0.03 ms per extra value per micro-batch and direction under
-GPipe and 0.13 ms under 1F1B, whose transfers sit on the critical path. So the wires of a cut
-between two ranks are packed by :func:`layout`:
+position tensor and sequence lengths as scalars ([Note: what crosses a cut] in wire.py).
+Each of them sent as a message of its own adds that latency per micro-batch and direction,
+and costs more under 1F1B than under GPipe, since 1F1B's transfers sit on its critical path
+(measured on an empty pipeline: CHANGELOG.md, "Every value crossing a cut was a message of its
+own"). So the wires of a cut between two ranks are packed by :func:`layout`:
 
 - a tensor of at least ``ALONE_BYTES`` travels alone (copying it would cost more than the
   latency it saves);

@@ -16,7 +16,8 @@ its next micro-batch, so the peer waits for those bytes through that whole compu
 after posting its sends a CPU rank yields its core once (``os.sched_yield``, a microsecond when
 nothing else is runnable), and the I/O thread moves the bytes first. torch's 1F1B waits for its
 sends itself. Measured: docs/benchmarks.md, "Measured vs predicted, two ranks"; the trace and
-A/B runs behind this Note are in CHANGELOG.md (2026-11-30, "GPipe ranks yield their core").
+A/B runs behind this Note are in CHANGELOG.md, "GPipe ranks yield their core after posting
+sends".
 
 The override and the helpers it calls are private to torch.distributed.pipelining: they come
 from executor._torch_compat, which checks their signatures ([Note: private torch API]); where

@@ -7,13 +7,14 @@ its cores: each rank's compute thread, gloo's I/O thread and the Python around t
 between cores, and two ranks' compute threads land on one core for a while. The cost shows in
 posting messages: gloo's I/O thread (``gloo_tcp_loop``) handles every message and rendezvous
 notice, and while it runs the posting thread waits; unpinned, it lands on the other rank's core
-and a post that takes 0.05 ms alone can hold a small step for milliseconds, in some launches and
-not others. Pinned, it shares its own rank's core. An empty pipeline, which is nothing but such
-messages, still pays it in some launches, pinned or not: the likely reason the call cost fitted
-on one ([Note: measured transfer] in autopipe/frontend/profiling/spawned/comm.py) takes one of two
-values. Every thread is pinned, not only the rank's compute thread: pinning that one alone
-measured no better. Measured: docs/benchmarks.md, "The runtime's own cost"; the A/B runs
-behind this Note are in CHANGELOG.md (2026-11-30, "Ranks are pinned to a core each").
+and a post that alone takes a small fraction of a millisecond can hold a small step for
+milliseconds, in some launches and not others. Pinned, it shares its own rank's core. An
+empty pipeline, which is nothing but such messages, still pays it in some launches, pinned or
+not: the likely reason the call cost fitted on one ([Note: measured transfer] in
+autopipe/frontend/profiling/spawned/comm.py) takes one of two values. Every thread is pinned,
+not only the rank's compute thread: pinning that one alone measured no better. Measured:
+docs/benchmarks.md, "The runtime's own cost"; the A/B runs behind this Note are in
+CHANGELOG.md, "Ranks are pinned to a core each".
 
 Local rank r of n takes the r-th of n equal, disjoint runs of the cores this process may use
 (its affinity mask: a container's or ``taskset``'s cores, not the machine's), and every thread

@@ -170,7 +170,7 @@ class RecomputedLayer(nn.Module):
         # one hooks every saved tensor in Python, which the profile does not measure. It needs an
         # input with a gradient to reach the parameters inside, which a segment on the raw batch
         # (an image, token ids) lacks: the anchor is one. (What each measured: CHANGELOG.md,
-        # 2026-11-30, "Recomputed segments fed by the caller's batch".)
+        # "Recomputed segments fed by the caller's batch use the reentrant checkpoint".)
         if not torch.is_grad_enabled():  # nothing is saved, nothing recomputed
             return self.layer(*args)
         return checkpoint(self._run, _anchor(), *_copies(args), use_reentrant=True)

@@ -7,8 +7,10 @@ the user's business, since every failure ends in one TraceError line. :func:`qui
 level of every ``torch`` logger (loggers created inside inherit it), captures stdout and stderr
 and ignores warnings, for the tracer's calls only: on exit every level is set back, so the
 user's logging afterwards is exactly what it was. Levels are assigned, and logging's per-logger
-caches cleared once after each change (``setLevel`` clears all of them on every call: with the
-~450 loggers of torch and a HuggingFace model, a ``setLevel`` each cost 16-20 ms a trace).
+caches cleared once after each change: ``setLevel`` clears every logger's cache on every call,
+so one ``setLevel`` per logger, over the hundreds that torch and a HuggingFace model make, is
+quadratic in their number and was most of what quieting a trace cost (CHANGELOG.md, "`quiet()`
+(the tracer's silenced torch loggers)").
 
 [Note: the user's line] A one-line error cannot carry a traceback, so it names the line of the
 model's code where tracing broke: the innermost frame of the exception that belongs neither to
