@@ -4,7 +4,8 @@
 device speed + transfers at the stage's cuts) subject to each device's memory limit, tie groups and
 non-empty stages, with the recompute mode(s) of its options. It is the classic O(K N^2) dynamic
 program, run by autopipe.solvers.stage_dp ([Note: per-stage mode DP]) with every (i, j) column
-block evaluated at once in numpy, so N = 2000 layers into K = 16 stages takes about two seconds.
+block evaluated at once in numpy, so thousands of layers into 16 stages take about a second
+(docs/benchmarks.md, "Solve time").
 Stage costs are not monotone in the stage's extent (cutting through a wide activation costs more
 than cutting next to it), so the shortcut of a binary search with a greedy feasibility test
 would not be exact; the DP is. When no split fits, ``memory_error`` says why in one line, with
