@@ -30,7 +30,8 @@ its ``repeats`` rounds then measured the noise as much as the graph (the recompu
 64-row gpt micro-batch came out 1.04-1.14 over five profiles with 10 rounds, 1.02-1.08 with
 40): the rounds go on past ``repeats`` until ``repeats x SEQUENCE_MS_PER_REPEAT`` of them have
 passed (at most ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds), which a large graph reaches in
-its first ``repeats``. A graph GPipe cannot run as one stage keeps the sampled ratio. Layer by
+its first ``repeats``. A graph GPipe cannot run as one stage, or whose checkpointed runs took
+no longer than its plain ones (nothing recomputed measured), keeps the sampled ratio. Layer by
 layer (``mode="layers"``) there is no whole run: scales are 1. Timings are noisy, so each scale
 is clamped to ``SCALE_RANGE``.
 """
@@ -50,7 +51,7 @@ from torch import fx
 from autopipe.frontend.profiling.corrections.layer_stamps import LayerStamps
 from autopipe.frontend.profiling.corrections.overheads import RATIO_RANGE
 from autopipe.frontend.profiling.harness.layer_timing import fresh, timed_step
-from autopipe.frontend.profiling.harness.timing import Timer, median
+from autopipe.frontend.profiling.harness.timing import CpuTimer, Timer, median
 from autopipe.frontend.profiling.harness.under_autocast import as_stage, autocast_call
 from executor.local.gpipe import GPipe
 
@@ -117,12 +118,17 @@ def _pipes(gm: fx.GraphModule, device: torch.device, precision: str) -> tuple[GP
         return None
 
 
+def _clock(timer: Timer) -> Callable[[], float]:
+    """The profile timer's clock where it has one (a CpuTimer's), else wall time (seconds)."""
+    return timer.clock if isinstance(timer, CpuTimer) else time.perf_counter
+
+
 def _stamps(gm: fx.GraphModule, node_layer: Mapping[str, str] | None, rows: Sequence[dict[str, Any]],
-            device: torch.device, precision: str) -> LayerStamps | None:
+            device: torch.device, precision: str, clock: Callable[[], float]) -> LayerStamps | None:
     if node_layer is None:
         return None
     try:
-        return LayerStamps(gm, node_layer, [str(r["layer"]) for r in rows], device, precision)
+        return LayerStamps(gm, node_layer, [str(r["layer"]) for r in rows], device, precision, clock)
     except Exception:  # noqa: BLE001 - the stamps are a refinement: a graph fx cannot regenerate keeps the shares alone
         return None
 
@@ -131,23 +137,25 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
                      device: torch.device, timer: Timer, repeats: int, warmup: int,
                      harness: tuple[float, float], recompute_call_ms: float = 0.0,
                      node_layer: Mapping[str, str] | None = None, budget_s: float = 0.0,
-                     precision: str = "fp32") -> SequenceScales:
+                     precision: str = "fp32", clock: Callable[[], float] | None = None) -> SequenceScales:
     """[Note: layers in sequence]: ``rows`` are the layers' profile rows (times alone);
     ``recompute_call_ms``: what checkpointing any stage call adds, netted out of the ratio;
     ``node_layer`` (fx node name -> layer, as LayerGraph's): stamp the layers' shares in sequence;
     ``budget_s``: timed rounds go on past ``repeats`` until that long has passed (at most
     ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds); ``precision``: every forward under its autocast
-    ([Note: profiling under a precision] in precision.py).
+    ([Note: profiling under a precision] in precision.py); ``clock``: what the budget and the
+    stamps read (seconds; the timer's clock where it has one, else wall time).
 
     The plain graph, the two GPipe runs and the stamped graph take turns in every round, so a
     machine whose speed drifts over the measurement slows them alike (their medians are compared)."""
     gm = _flat(gm)
-    stamps = _stamps(gm, node_layer, rows, device, precision)
+    clock = clock or _clock(timer)
+    stamps = _stamps(gm, node_layer, rows, device, precision, clock)
     pipes = _pipes(gm, device, precision)
     runs: list[Callable[..., Any]] = [autocast_call(gm, precision, device), *(pipes or ())]
     times: list[list[tuple[float, float]]] = [[] for _ in runs]
-    start, i = time.perf_counter(), 0
-    while i < warmup + repeats or (time.perf_counter() - start < budget_s
+    start, i = clock(), 0
+    while i < warmup + repeats or (clock() - start < budget_s
                                    and i < warmup + MAX_ROUNDS_PER_REPEAT * repeats):
         for k, run in enumerate(runs):
             try:
@@ -167,7 +175,9 @@ def measure_sequence(gm: fx.GraphModule, args: Sequence[Any], rows: Sequence[dic
     ratio = None
     if len(times) == 3 and fwd_ms > 0:
         never, always = (median([f + b for f, b in t]) for t in times[1:])
-        ratio = _clamped((always - never - recompute_call_ms) / fwd_ms, RATIO_RANGE)
+        extra = always - never - recompute_call_ms
+        # no recomputation measured: None says so (the sampled ratio stays), never the clamp's edge
+        ratio = _clamped(extra / fwd_ms, RATIO_RANGE) if extra > 0 else None
     fwd_shares, bwd_shares = stamps.shares() if stamps is not None else ([], [])
     return SequenceScales(_scale(fwd_ms, sum(float(r["fwd_ms"]) for r in rows)),
                           _scale(bwd_ms, sum(float(r["bwd_ms"]) for r in rows)), ratio,

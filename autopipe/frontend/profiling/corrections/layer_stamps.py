@@ -22,7 +22,9 @@ hook on every layer's output:
 multiplies them by the uninstrumented whole-graph time, so the stamps' own cost (a Python call
 each, about a microsecond) moves the split a little and the sum not at all. On CUDA the stamps
 are events on the current stream (autograd's worker runs on the forward's stream), read after
-one synchronisation.
+one synchronisation. On a CPU the stamps read the profile's own clock (``clock``: the profile
+timer's, ``time.perf_counter`` unless it counts another time), so the shares and the times they
+split are of one kind.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import functools
 import itertools
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,12 +67,15 @@ class LayerStamps:
     """A stamped copy of a flat GraphModule (see [Note: layer shares in sequence]).
 
     ``run(*args)`` runs one forward and backward and keeps its stamps; :meth:`shares` gives the
-    per-layer fractions of both, as medians over the runs.
+    per-layer fractions of both, as medians over the runs. ``clock``: seconds, read for every
+    stamp on a CPU (CUDA stamps are events).
     """
 
     def __init__(self, gm: fx.GraphModule, node_layer: Mapping[str, str], layers: Sequence[str],
-                 device: torch.device, precision: str = "fp32") -> None:
+                 device: torch.device, precision: str = "fp32",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.layers = list(layers)
+        self.clock = clock
         self.precision, self.device = precision, device
         self._cuda = device.type == "cuda"
         self._fwd: list[Stamp] = []
@@ -80,7 +85,7 @@ class LayerStamps:
 
     def _now(self) -> float | torch.cuda.Event:
         if not self._cuda:
-            return time.perf_counter()
+            return self.clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event

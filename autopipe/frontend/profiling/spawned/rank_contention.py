@@ -16,7 +16,9 @@ alone and then with a forked copy of the process running the same step in a loop
 each of the two on the cores a rank of ``autopipe run`` would take ([Note: ranks pinned to
 cores] in executor/ranks/rank_cores.py);
 the median over the rounds of (beside / alone) is ``rank_compute_slowdown``, clamped to
-``SLOWDOWN_RANGE``. The whole model beside itself measured 1.02-1.08 for the bundled examples
+``SLOWDOWN_RANGE``; where no round timed anything alone (every step took 0 ms on the timer)
+there is no slowdown (None), never the clamp's edge, and the profile keeps none. The whole
+model beside itself measured 1.02-1.08 for the bundled examples
 (mlp, cnn, gpt, unet at 64-row micro-batches; gpt 1.03 twice, as its stages beside each other),
 with 7 runs a side 0.99-1.06 and rounds as far apart as the effect: hence 15. With the two
 pinned to a core each: mlp 1.01-1.04, cnn 1.05, gpt 1.01-1.02, unet 1.06-1.07 (two each).
@@ -48,15 +50,15 @@ from autopipe.core.planned_precision import precision_of
 from autopipe.frontend.profiling.harness.inputs import micro_batch, to_device
 from autopipe.frontend.profiling.harness.layer_timing import fresh, timed_step
 from autopipe.frontend.profiling.harness.preserve import preserved
-from autopipe.frontend.profiling.harness.timing import CpuTimer
+from autopipe.frontend.profiling.harness.timing import CpuTimer, Timer
 from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from executor.ranks.rank_cores import local_cores, pin_threads
 
 if TYPE_CHECKING:
     from autopipe.core.profile_table import Profile
 
-__all__ = ["SLOWDOWN_RANGE", "TWIN_BUDGET_S", "TWIN_ROUNDS", "TWIN_RUNS", "pinned_pair", "twin", "twin_slowdown",
-           "with_rank_contention"]
+__all__ = ["SLOWDOWN_RANGE", "TWIN_BUDGET_S", "TWIN_ROUNDS", "TWIN_RUNS", "pinned_pair", "twin", "twin_ratios",
+           "twin_slowdown", "with_rank_contention"]
 
 SLOWDOWN_RANGE = (1.0, 1.5)  # below 1 is noise; above, the host is busy with something else
 TWIN_ROUNDS = 5
@@ -123,11 +125,11 @@ def twin(step: Callable[[], object], cores: list[int] | None = None) -> Iterator
             time.sleep(0.01)
 
 
-def twin_slowdown(step: Callable[[], float], rounds: int = TWIN_ROUNDS, runs: int = TWIN_RUNS) -> float:
-    """Median over ``rounds`` of (median ms of ``runs`` steps with a twin running ``step``
-    beside this process) / (the same alone, just before); ``step()`` returns its own ms. Fewer
-    runs (3 at least) where they would take over ``TWIN_BUDGET_S``. Clamped to
-    ``SLOWDOWN_RANGE`` ([Note: ranks sharing a host])."""
+def twin_ratios(step: Callable[[], float], rounds: int = TWIN_ROUNDS, runs: int = TWIN_RUNS) -> list[float]:
+    """Each of ``rounds`` rounds' (median ms of ``runs`` steps with a twin running ``step``
+    beside this process) / (the same alone, just before), unclamped; ``step()`` returns its
+    own ms. Fewer runs (3 at least) where they would take over ``TWIN_BUDGET_S``; a round that
+    timed nothing alone (0 ms) gives no ratio."""
     ratios = []
     with pinned_pair() as other:  # as two ranks of `autopipe run` sit on this host
         warm = [step() for _ in range(_WARMUP)]
@@ -138,19 +140,30 @@ def twin_slowdown(step: Callable[[], float], rounds: int = TWIN_ROUNDS, runs: in
                 beside = statistics.median(step() for _ in range(runs))
             if alone > 0:
                 ratios.append(beside / alone)
-    value = statistics.median(ratios) if ratios else 1.0
-    return min(max(value, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
+    return ratios
 
 
-def with_rank_contention(profile: Profile, model: nn.Module, example_inputs: Any, **kwargs: Any) -> Profile:
+def twin_slowdown(step: Callable[[], float], rounds: int = TWIN_ROUNDS, runs: int = TWIN_RUNS) -> float | None:
+    """The median of :func:`twin_ratios`, clamped to ``SLOWDOWN_RANGE`` ([Note: ranks sharing a
+    host]); None where no round gave a ratio (nothing was timed alone)."""
+    ratios = twin_ratios(step, rounds, runs)
+    if not ratios:
+        return None
+    return min(max(statistics.median(ratios), SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
+
+
+def with_rank_contention(profile: Profile, model: nn.Module, example_inputs: Any, *, timer: Timer | None = None,
+                         **kwargs: Any) -> Profile:
     """``profile`` with ``rank_compute_slowdown`` in its corrections ([Note: ranks sharing a host]),
-    measured on one micro-batch of ``example_inputs`` (the profile's chunks); the profile as it
-    is where it does not apply (a CUDA profile, a model never run whole, no ``os.fork``)."""
+    measured on one micro-batch of ``example_inputs`` (the profile's chunks) with ``timer``
+    (wall time unless given; ``kwargs`` go to :func:`twin_slowdown`); the profile as it is where
+    it does not apply (a CUDA profile, a model never run whole, no ``os.fork``) or where
+    nothing was timed."""
     meta = dict(profile.meta)
     if (meta.get("device_type") or "cpu") != "cpu" or meta.get("mode") == "layers" or not hasattr(os, "fork"):
         return profile
     inputs, _, _ = micro_batch(example_inputs, int(meta.get("chunks") or 1))
-    timer, device = CpuTimer(), torch.device("cpu")
+    timer, device = timer or CpuTimer(), torch.device("cpu")
     forward = autocast_call(model, precision_of(meta), device)  # [Note: profiling under a precision]
     with preserved(model, device):
         args = to_device(inputs, device)
@@ -159,5 +172,7 @@ def with_rank_contention(profile: Profile, model: nn.Module, example_inputs: Any
             return sum(timed_step(timer, lambda: forward(*fresh(list(args)))))
 
         slowdown = twin_slowdown(step, **kwargs)
+    if slowdown is None:  # nothing timed: no slowdown, as where it does not apply
+        return profile
     corrections = dataclasses.replace(profile.corrections, rank_compute_slowdown=round(slowdown, 4))
     return dataclasses.replace(profile, corrections=corrections)

@@ -18,24 +18,28 @@ from autopipe.frontend.profiling.corrections.in_sequence import (
     scale_rows,
     sequence_budget_s,
 )
-from autopipe.frontend.profiling.corrections.overheads import RATIO_RANGE
-from autopipe.frontend.profiling.harness.timing import Timer
+from autopipe.frontend.profiling.harness.timing import CpuTimer, Timer
 from autopipe.frontend.tracing.graph import trace
+from tests.frontend.profiling.counted import CLOCK, Cost, CountedChain
 from tests.models import Chain
 
 T = TypeVar("T")
 
 
 class ScriptedTimer(Timer):
-    """Reports the next of ``times`` (ms) per call, cycling."""
+    """Reports the next of ``times`` (ms) per call, cycling; :meth:`clock` is their sum (s)."""
 
     def __init__(self, times: list[float]) -> None:
-        self.times, self.calls = times, 0
+        self.times, self.calls, self.elapsed_s = times, 0, 0.0
 
     def __call__(self, fn: Callable[[], T]) -> tuple[T, float]:
         ms = self.times[self.calls % len(self.times)]
         self.calls += 1
+        self.elapsed_s += ms / 1e3
         return fn(), ms
+
+    def clock(self) -> float:
+        return self.elapsed_s
 
 
 ROWS = [{"layer": "a", "fwd_ms": 1.0, "bwd_ms": 2.0}, {"layer": "b", "fwd_ms": 3.0, "bwd_ms": 2.0}]
@@ -53,8 +57,9 @@ def test_scales_are_whole_over_sum_less_the_harness_once() -> None:
     s = measure_sequence(gm, args, ROWS, torch.device("cpu"), timer, repeats=3, warmup=1,
                          harness=(1.0, 1.0))
     assert (s.fwd, s.bwd) == (6.0 / 4.0, 8.0 / 4.0)
-    # GPipe "always" costs what "never" costs here: no recomputation measured -> the lower clamp
-    assert s.recompute_ratio == RATIO_RANGE[0]
+    # GPipe "always" costs what "never" costs here: no recomputation measured, and the ratio
+    # says so (None: the sampled one stays), not the clamp's edge
+    assert s.recompute_ratio is None
     scaled = scale_rows(ROWS, s)
     assert [r["fwd_ms"] for r in scaled] == [1.5, 4.5] and [r["bwd_ms"] for r in scaled] == [4.0, 4.0]
     assert ROWS[0]["fwd_ms"] == 1.0  # the caller's rows are not modified
@@ -65,9 +70,9 @@ def test_a_small_graph_runs_rounds_past_repeats_until_its_budget() -> None:
     gm, args = _graph()
     counted = ScriptedTimer([1.0])
     s = measure_sequence(gm, args, ROWS, torch.device("cpu"), counted, repeats=2, warmup=1,
-                         harness=(0.0, 0.0), budget_s=0.05)
-    assert 2 < s.rounds <= MAX_ROUNDS_PER_REPEAT * 2
-    assert counted.calls == 2 * 3 * (1 + s.rounds)  # forward + backward of 3 runs a round
+                         harness=(0.0, 0.0), budget_s=0.05, clock=counted.clock)
+    # forward + backward of 3 runs a round, 1 ms each: the 9th round passes the 50 ms (1 warmup)
+    assert s.rounds == 8 and counted.calls == 2 * 3 * (1 + s.rounds)
     # a budget no graph reaches stops at the cap; none at all stops at repeats
     assert measure_sequence(gm, args, ROWS, torch.device("cpu"), ScriptedTimer([1.0]), repeats=1, warmup=0,
                             harness=(0.0, 0.0), budget_s=3600.0).rounds == MAX_ROUNDS_PER_REPEAT
@@ -87,16 +92,25 @@ def test_noise_is_clamped_and_empty_layers_keep_scale_one() -> None:
     assert (none.fwd, none.bwd) == (1.0, 1.0)
 
 
-def test_a_real_profile_records_its_scales_and_layers_mode_has_none() -> None:
-    model, x = Chain(), torch.randn(16, 8)
-    whole = autopipe.profile(model, (x,), chunks=2, repeats=3, warmup=1, progress=False)
-    lo, hi = SCALE_RANGE
+def test_a_real_profile_scales_to_the_graph_in_sequence_and_layers_mode_has_none() -> None:
+    # declared ms (tests/frontend/profiling/counted.py): forward 2 and 6, 1 more each when another
+    # layer ran just before (so in sequence, never alone); backward: a's weight half 1 (the
+    # model's input needs no gradient), b's 5 + 2; without autograd the forwards take 1.5, 4
+    a, b = Cost(2.0, 1.5, 1.0, 3.0, 1.0), Cost(6.0, 4.0, 1.0, 5.0, 2.0)
+    timer = CpuTimer(clock=CLOCK)
+    whole = autopipe.profile(CountedChain(a, b), (torch.randn(8, 4),), chunks=2, repeats=3, warmup=1,
+                             timer=timer, progress=False)
     seq = whole.corrections.sequence
-    assert seq is not None and lo <= seq.fwd_scale <= hi and lo <= seq.bwd_scale <= hi
-    assert RATIO_RANGE[0] <= whole.corrections.recompute_ratio <= RATIO_RANGE[1]
-    layers = autopipe.profile(model, (x,), chunks=2, mode="layers", repeats=1, warmup=0,
-                              progress=False)
+    assert seq is not None and seq.fwd_scale == pytest.approx((3.0 + 7.0) / (2.0 + 6.0))
+    assert seq.bwd_scale == pytest.approx(1.0)  # nothing cold in a backward
+    assert list(whole.df["fwd_ms"]) == pytest.approx([3.0, 7.0])  # split as stamped in sequence
+    assert list(whole.df["bwd_ms"]) == pytest.approx([1.0, 7.0])
+    # GPipe recomputes the graph: its checkpointed forwards (cold too) over the whole forward
+    assert whole.corrections.recompute_ratio == pytest.approx((2.5 + 5.0) / (3.0 + 7.0))
+    layers = autopipe.profile(CountedChain(a, b), (torch.randn(8, 4),), chunks=2, mode="layers", repeats=3,
+                              warmup=1, timer=timer, progress=False)
     assert layers.corrections.sequence is None  # never run whole: nothing scaled
+    assert list(layers.df["fwd_ms"]) == pytest.approx([2.0, 6.0])  # warm, as timed alone
 
 
 def test_a_graph_gpipe_cannot_run_keeps_the_sampled_ratio(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from autopipe.frontend.profiling.harness.backward_split import (
 )
 from autopipe.frontend.profiling.harness.replay import LayerCall, Values
 from autopipe.frontend.profiling.harness.timing import CpuTimer
+from tests.frontend.profiling.counted import CLOCK, Cost, CountedChain
 from tests.models import Chain
 
 FAST = dict(repeats=1, warmup=0, progress=False)
@@ -41,6 +42,21 @@ def test_a_whole_run_splits_each_layers_backward() -> None:
     # a Linear's weight pass starts from its output's gradient: 4 rows x 32 floats
     assert linear["weight_grad_bytes"] == 4 * 32 * 4
     assert Profile.from_frame(prof.df).df["weight_grad_bytes"].equals(prof.df["weight_grad_bytes"])
+
+
+@pytest.mark.parametrize("mode", ["whole", "layers"])
+def test_halves_of_known_length_give_the_split_and_its_ratio(mode: str) -> None:
+    # declared ms (tests/frontend/profiling/counted.py): b's backward is 5 ms for its input's
+    # gradient, then 2 for its weight's; a's input (the model's) needs no gradient, so its
+    # backward is its weight's 1 ms, all of it W. Split or whole, the halves take what the
+    # whole does: the ratio is 1
+    a, b = Cost(2.0, 2.0, 0.0, 3.0, 1.0), Cost(6.0, 6.0, 0.0, 5.0, 2.0)
+    prof = autopipe.profile(CountedChain(a, b), (torch.randn(8, 4),), chunks=2, repeats=3, warmup=1, mode=mode,
+                            timer=CpuTimer(clock=CLOCK), progress=False)
+    _check_split(prof)
+    assert list(prof.df["bwd_input_ms"]) == pytest.approx([0.0, 5.0])
+    assert list(prof.df["bwd_weight_ms"]) == pytest.approx([1.0, 2.0])
+    assert prof.meta["bwd_split_ratio"] == pytest.approx(1.0)
 
 
 def test_layer_by_layer_on_a_meta_model_and_under_a_precision() -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopipe.app.cli import main
 from autopipe.core.corrections import Corrections, Phases
@@ -16,8 +17,10 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
 from autopipe.core.stage_cost import StageCost
-from autopipe.frontend.profiling.spawned import comm, comm_fit
+from autopipe.frontend.profiling.spawned import comm, comm_fit, rank_contention
 from autopipe.solvers.synthetic import random_chain
+from tests.frontend.profiling.spawned.beside import BesideTimer, watch_twins
+from tests.frontend.profiling.spawned.fake_link import FakeLink
 
 
 def test_the_fit_recovers_latency_and_bandwidth() -> None:
@@ -94,7 +97,10 @@ def test_two_real_ranks() -> None:
     assert meta["comm_backend"] == "gloo" and meta["comm_latency_ms"] >= 0
     assert len(meta["comm_ms"]) == 2 and all(t > 0 for t in meta["comm_ms"])
     assert meta["stage_call_fwd_ms"] >= 0 and meta["stage_call_bwd_ms"] >= 0
-    assert comm_fit.RECEIVE_SHARE_RANGE[0] <= meta["comm_receive_share"] <= comm_fit.RECEIVE_SHARE_RANGE[1]
+    # the share is the fit of this run's own late receive (the truth of a link: the fake link below)
+    ms_per_byte = 1000.0 / meta["comm_bandwidth"] if meta["comm_bandwidth"] else 0.0
+    assert meta["comm_receive_share"] == pytest.approx(comm_fit.receive_share(
+        meta["comm_late_receive_ms"], max(meta["comm_sizes"]), meta["comm_latency_ms"], ms_per_byte), abs=1e-4)
     assert meta["comm_late_receive_ms"] > 0
     for schedule in comm_fit.SCHEDULE_CALLS:  # 4 chunks: torch runs every schedule on them
         assert meta[f"stage_call_{schedule}_fwd_ms"] >= 0 and meta[f"stage_call_{schedule}_bwd_ms"] >= 0
@@ -106,6 +112,22 @@ def test_two_real_ranks() -> None:
     assert comm.timed_schedules(4) == comm_fit.SCHEDULE_CALLS
     assert "dualpipev" not in comm.timed_schedules(2) and "zbv" in comm.timed_schedules(2)
     assert {"interleaved1f1b", "interleaved_zb"}.isdisjoint(comm.timed_schedules(5))
+
+
+@pytest.mark.parametrize("share", [0.4, 1.0])
+def test_a_link_of_known_latency_bandwidth_and_receive_share_is_measured_as_such(
+        monkeypatch: pytest.MonkeyPatch, share: float) -> None:
+    # 50 us + 1 byte per ns: 4 MiB take 4.19 ms on the wire, less than the receive is posted late
+    link = FakeLink(latency_ms=0.05, bytes_per_ms=1e6, receive_share=share)
+    monkeypatch.setattr(comm, "dist", link)
+    monkeypatch.setattr(comm, "time", link.time)
+    monkeypatch.setattr(comm, "_empty_pipeline_ms", lambda *_: {"fwd": 1.0, "gpipe": 2.0})
+    ranks = link.run(lambda rank: comm._measure(rank, torch.device("cpu"), comm.COMM_SIZES, 3, 2, 1))
+    meta = comm_fit.fit_comm([ranks], "gloo", comm.COMM_SIZES, 2)
+    assert meta["comm_ms"] == pytest.approx([0.05 + n / 1e6 for n in meta["comm_sizes"]])
+    assert meta["comm_latency_ms"] == pytest.approx(0.05) and meta["comm_bandwidth"] == pytest.approx(1e9)
+    assert meta["comm_late_receive_ms"] == pytest.approx(0.05 + share * max(meta["comm_sizes"]) / 1e6)
+    assert meta["comm_receive_share"] == pytest.approx(share, abs=1e-4)
 
 
 @pytest.mark.parametrize("chunks", [1, 4, 8])
@@ -190,9 +212,12 @@ def test_profile_comm_measures_the_ranks_slowdown_beside_each_other(monkeypatch:
                                                                     tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(comm, "measure_comm", lambda device, **kw: dict(MEASURED))
+    # the model's steps take 1.25x as long beside a twin (no process forked: the timer says so)
+    beside = watch_twins(monkeypatch, fork=False)
+    monkeypatch.setattr(rank_contention, "CpuTimer", lambda: BesideTimer(beside, 2.0, 1.25))
     out = tmp_path / "chain.csv"
     assert main(["profile", "tests.models:make_chain", "--out", str(out), "--repeats", "2", "--warmup", "0",
                  "--comm"]) == 0
-    slowdown = Profile.load(out).corrections.rank_compute_slowdown
-    assert slowdown is not None and 1.0 <= slowdown <= 1.5
-    assert f"ranks on this host compute {slowdown}x slower beside each other" in capsys.readouterr().out
+    assert beside.entered == rank_contention.TWIN_ROUNDS
+    assert Profile.load(out).corrections.rank_compute_slowdown == 1.25
+    assert "ranks on this host compute 1.25x slower beside each other" in capsys.readouterr().out
