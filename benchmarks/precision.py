@@ -2,7 +2,7 @@
 process and on 2 gloo ranks.
 
     python3 benchmarks/precision.py                  # both runtimes, both precisions
-    python3 benchmarks/precision.py --tiny --runtimes one   # seconds (the test)
+    python3 benchmarks/precision.py --tiny --runtimes one   # seconds (the test adds --method uniform)
 
 The model is the bundled GPT (autopipe.examples.TinyGPT, its head tied to its embedding) at
 the size given (``--vocab --dim --layers --seq --batch``). For each precision (``fp32``,
@@ -239,18 +239,19 @@ def activations(ex: Example, plan: Plan) -> list[int]:
     return list(meter.peaks)
 
 
-def _plan(prof: Any, devices: list[str], chunks: int, recompute: str, first: Plan | None) -> Plan:
-    """``partition``'s 2-stage plan, or under ``first``'s split (the first precision's plan), so
-    that every precision is compared on the same stages."""
+def _plan(prof: Any, devices: list[str], chunks: int, recompute: str, first: Plan | None,
+          method: str = "auto") -> Plan:
+    """``partition``'s 2-stage plan (by ``method``), or under ``first``'s split (the first
+    precision's plan), so that every precision is compared on the same stages."""
     if first is None:
-        return autopipe.partition(prof, devices=devices, chunks=chunks, recompute=recompute)
+        return autopipe.partition(prof, devices=devices, chunks=chunks, recompute=recompute, method=method)
     return Plan.from_stages(prof, first.stages, devices=devices, chunks=chunks, recompute=recompute,
                             bandwidth=first.bandwidth)
 
 
 def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chunks: int, recompute: str,
             repeats: int, warmup: int, profile_repeats: int,
-            in_process: bool = False) -> tuple[list[Row], list[ActivationRow]]:
+            in_process: bool = False, method: str = "auto") -> tuple[list[Row], list[ActivationRow]]:
     rows: list[Row] = []
     acts: list[ActivationRow] = []
     comm: dict[str, Any] | None = None
@@ -265,7 +266,7 @@ def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chun
                                 warmup=0 if profile_repeats == 1 else 1, progress=False, precision=precision,
                                 loss_fn=ex.loss_fn, target=ex.target, host_allocator="retain")
         if "one" in runtimes:
-            plan = _plan(prof, ["cpu", "cpu"], chunks, recompute, first.get("one"))
+            plan = _plan(prof, ["cpu", "cpu"], chunks, recompute, first.get("one"), method)
             first.setdefault("one", plan)
             acts += [ActivationRow(precision, s, int(b.activation_bytes), m)
                      for s, (b, m) in enumerate(zip(plan.breakdown, activations(ex, plan), strict=True))]
@@ -283,7 +284,7 @@ def measure(size: Size, precisions: Sequence[str], runtimes: Sequence[str], chun
             from autopipe.frontend.profiling.spawned.comm import with_comm
 
             ranked = with_comm(prof, measured=comm, model=ex.model, example_inputs=ex.inputs)
-            plan = _plan(ranked, ["cpu:0", "cpu:1"], chunks, recompute, first.get("ranks"))
+            plan = _plan(ranked, ["cpu:0", "cpu:1"], chunks, recompute, first.get("ranks"), method)
             first.setdefault("ranks", plan)
             per_rank = _spawn(_rank, 2, (size, plan.to_dict(), repeats, warmup))
             rows += [Row("2 ranks", f"rank {r}", precision, plan.iteration_time, plan.peak_memory[r],
@@ -376,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> tuple[list[Row], list[ActivationR
     parser.add_argument("--in-process", action="store_true",
                         help="run the one-process pipeline here, not in a fresh process: faster, "
                              "but its peak memory is then this process's (the profiles' included)")
+    parser.add_argument("--method", default="auto",
+                        help="partition's method for the split (default: the planner's own, from the "
+                             "profiled times); 'uniform' splits by layer count, the same split under "
+                             "any load (the test's)")
     parser.add_argument("--note", default="", help="added to the environment line (the machine's load)")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -385,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[list[Row], list[ActivationR
     torch.set_num_threads(1)
     size = Size(args.vocab, args.dim, args.layers, args.seq, args.batch)
     rows, acts = measure(size, args.precisions, args.runtimes, args.chunks, args.recompute,
-                         args.repeats, args.warmup, args.profile_repeats, args.in_process)
+                         args.repeats, args.warmup, args.profile_repeats, args.in_process, args.method)
     print(f"GPT vocab {size.vocab}, dim {size.dim}, {size.layers} layers, seq {size.seq}, batch "
           f"{size.batch}, {args.chunks} micro-batches, recompute={args.recompute}, 2 stages, "
           f"1 thread per process; {args.repeats} timed iterations after {args.warmup}")
