@@ -15,7 +15,7 @@ timed alone misses two costs a pipeline pays:
   over ``CALL_STAGES`` stages; a plan with another stage count gets it slightly wrong. The same
   empty stages checkpointed give ``recompute_call_ms``: what a checkpointed call adds whatever
   its layers (two more autograd nodes and a nested backward, the RNG state saved and
-  restored), about 0.1 ms here, paid per stage and recomputed micro-batch; the whole graph's
+  restored), paid per stage and recomputed micro-batch; the whole graph's
   recompute ratio ([Note: layers in sequence]) is taken net of it.
 - Recomputation. A checkpointed micro-batch runs its forward WITHOUT autograd (cheaper than the
   profiled forward), then recomputes it WITH autograd in backward, saving and restoring the RNG

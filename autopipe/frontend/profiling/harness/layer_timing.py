@@ -8,8 +8,8 @@ profiler breaks on exactly that.
 
 [Note: harness overhead] Timing a layer alone adds costs the real pipeline does not pay: the
 call of the layer's GraphModule, and above all one ``torch.autograd.backward`` call per layer
-(engine start-up, the input's clone and gradient accumulation), about 20 us on a CPU. For a
-small layer that is more than its work. The profiler times an EMPTY layer (inputs -> outputs,
+(engine start-up, the input's clone and gradient accumulation), tens of microseconds on a
+CPU. For a small layer that is more than its work. The profiler times an EMPTY layer (inputs -> outputs,
 no op) through the very same code path and subtracts its median from every layer's (clamped at
 zero); the amounts are recorded in the metadata as ``harness_fwd_ms`` / ``harness_bwd_ms``.
 benchmarks/profile_accuracy.py checks the result: the sum over layers against a whole-model

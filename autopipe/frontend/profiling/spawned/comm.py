@@ -38,13 +38,12 @@ ranks run:
 On a CPU machine both ranks share the host: these numbers include the cores they compete for,
 as the pipeline's own transfers do. An empty pipeline is nothing but messages, and in about half
 the launches gloo's I/O thread takes more of each step ([Note: ranks pinned to cores] in
-executor/ranks/rank_cores.py): its fitted call cost came out near one of two values per launch (GPipe
-0.17-0.25 or 0.44-0.49 ms per stage call on 2 pinned gloo ranks), and real pipelines ran as the
-higher one predicts (mlp's GPipe rows 0.95-1.04x their prediction with 0.487 ms, 1.11-1.20x with
-0.17-0.23). So the ranks are launched ``COMM_LAUNCHES`` times: the crossings are the median
-launch's, each empty pipeline's step its slower launch's. Measured: docs/benchmarks.md,
-"Measured vs predicted, two ranks"; the runs before and after this choice are in CHANGELOG.md
-(2026-11-30, "The call cost comes from the slower of two launches").
+executor/ranks/rank_cores.py): its fitted call cost comes out near one of two values per launch,
+and real pipelines run as the higher one predicts. So the ranks are launched ``COMM_LAUNCHES``
+times: the crossings are the median launch's, each empty pipeline's step its slower launch's.
+Measured: docs/benchmarks.md, "Measured vs predicted, two ranks"; the runs before and after this
+choice, with their figures, are in CHANGELOG.md ("The call cost comes from the slower of two
+launches").
 
 Between two hosts, :func:`measure_comm_on_ranks` takes the same measurements on the two ranks
 of a process group that a launcher made (``autopipe comm --nnodes 2``: torchrun on each host,
