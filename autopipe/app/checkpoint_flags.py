@@ -1,6 +1,7 @@
 """The checkpoint flags of ``autopipe train`` and ``autopipe run``, and run's restarts: keyword-only
 dataclass fields that config.py's TrainConfig and RunConfig inherit, so their defaults and help
-are written once ([Note: one place for defaults] in config.py), with their one-line checks. What
+are written once ([Note: one place for defaults] in config.py), with their one-line checks, run when a config is made ([Note: flags checked when made] in
+flag_groups.py). What
 they do is [Note: resuming a run] in autopipe/app/run_checkpoints.py. Imports no torch.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopipe.app.flag_groups import Checked
 from autopipe.errors import BuildError
 
 __all__ = ["CheckpointFlags", "RestartFlags", "check_checkpoints"]
@@ -19,7 +21,7 @@ def _flag(default: Any, help: str, **meta: Any) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointFlags:
+class CheckpointFlags(Checked):
     checkpoint_dir: str | None = _flag(
         None, "save checkpoints of the run (model, AdamW, step, RNG; through torch.distributed.checkpoint) "
               "in DIR/step-NNNNNNNN/, each renamed into place when whole; a DIR that already holds "
@@ -32,7 +34,7 @@ class CheckpointFlags:
     keep: int | None = _flag(None, "keep only the newest N checkpoints in --checkpoint-dir (default: all)",
                              metavar="N")
 
-    def check_checkpoints(self) -> None:
+    def _check(self) -> None:
         check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.resume, self.keep)
 
 
@@ -42,8 +44,7 @@ class RestartFlags(CheckpointFlags):
                                  "elastic agent); each restart resumes from the newest checkpoint in "
                                  "--checkpoint-dir, without one from step 1 (default 0)", metavar="N")
 
-    def check_checkpoints(self) -> None:
-        super().check_checkpoints()
+    def _check(self) -> None:  # CheckpointFlags' own _check ran first ([Note: flags checked when made])
         if self.max_restarts < 0:
             raise BuildError(f"--max-restarts {self.max_restarts} < 0: pass 0 (a failed rank ends the run) "
                              "or the number of restarts to allow")

@@ -95,7 +95,6 @@ def _profile(args: argparse.Namespace) -> int:
     from autopipe.app.profile_job import profile_to_file, summary_table
 
     config: ProfileConfig = from_namespace(ProfileConfig, args)
-    config.check()
     prof, path = profile_to_file(
         config.model, out=config.out, force=config.force, batch_size=config.batch_size,
         chunks=config.chunks, device=config.device, repeats=config.repeats, warmup=config.warmup,
@@ -191,7 +190,6 @@ def _train(args: argparse.Namespace) -> int:
     from autopipe.app.train import train_example
 
     config: TrainConfig = from_namespace(TrainConfig, args)
-    config.check()
     train_example(config.model, stages=config.stages, chunks=config.chunks,
                   batch_size=config.batch_size, steps=config.steps, recompute=config.recompute,
                   devices=config.devices, method=config.method, plan=config.plan,

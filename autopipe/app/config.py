@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
-from autopipe.app.flag_groups import LoopFlags, PrecisionFlags, check_choice
+from autopipe.app.flag_groups import Checked, LoopFlags, PrecisionFlags, check_choice
 from autopipe.errors import BuildError, PartitionError
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
 from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
@@ -130,13 +130,10 @@ class ProfileConfig(PrecisionFlags):
                                        "(its --out FILE.json): its latency, bandwidth and call costs "
                                        "go into the profile instead of measuring this host's", metavar="FILE")
 
-    def check(self) -> None:
-        """The flags alone, before the model is loaded: one line per bad value."""
-        self.check_precision()
 
 
 @dataclass(frozen=True)
-class PartitionConfig:
+class PartitionConfig(Checked):
     profile: str = _pos("profiles/NAME.csv (with NAME.json beside it)")
     stages: str | None = _opt(None, "number of pipeline stages K, or auto: the fastest simulated "
                                     "iteration with up to one stage per --devices (default: one "
@@ -175,6 +172,9 @@ class PartitionConfig:
                                    "fastest simulated step (default 1)", metavar="D|auto")
     dp_mode: Literal["ddp", "fsdp"] = _opt("ddp", "how replicas sync: ddp (gradient all-reduce) "
                                                   "or fsdp (sharded state) (default ddp)")
+
+    def _check(self) -> None:  # the rest: partition()'s own one-line checks
+        self.counts()
 
     def counts(self) -> tuple[int | str | None, int | str | None, int | str]:
         """--stages, --chunks and --data-parallel as numbers, "auto" or None (not given)."""
@@ -239,18 +239,13 @@ class TrainConfig(CheckpointFlags, PrecisionFlags, LoopFlags):
     plan: str | None = _opt(None, "use this saved plan instead of partitioning")
     profile: str | None = _opt(None, "use this saved profile instead of measuring")
 
-    def check(self) -> None:
-        """The flags alone, before the model is loaded: one line per bad value."""
-        self.check_precision()
-        self.check_loop()
-        self.check_checkpoints()
 
 
 _Launch = typing.TypeVar("_Launch", bound="Launch")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Launch:
+class Launch(Checked):
     """What the torchrun launches of ``autopipe run`` and ``autopipe comm`` share: where the ranks
     run, this host (``torchrun --standalone``) or ``nnodes`` hosts meeting at ``rdzv_endpoint``
     and each running the same command line ([Note: one command line on every node] in
@@ -318,8 +313,9 @@ class RunConfig(Launch, RestartFlags, PrecisionFlags, LoopFlags):
                              ">= 1 or auto")
         return int(d)
 
-    def check(self) -> None:
-        """The flags alone (before any file is read): one line per bad value."""
+    def _check(self) -> None:
+        """The flags alone (before any file is read): one line per bad value; the groups'
+        own checks ran first ([Note: flags checked when made] in flag_groups.py)."""
         if ":" not in self.model:
             from autopipe.examples import EXAMPLES
 
@@ -328,7 +324,6 @@ class RunConfig(Launch, RestartFlags, PrecisionFlags, LoopFlags):
                                  f"{sorted(EXAMPLES)} or a 'package.module:factory'")
         if self.nproc < 1:
             raise BuildError(f"--nproc {self.nproc} < 1: a pipeline needs at least one process")
-        self.check_loop()
         if self.batch_size is not None and self.batch_size < 1:
             raise BuildError(f"--batch-size {self.batch_size} < 1: pass --batch-size 1 or more")
         if self.chunks is not None and self.chunks < 1:
@@ -346,8 +341,6 @@ class RunConfig(Launch, RestartFlags, PrecisionFlags, LoopFlags):
             check_choice("--recompute", self.recompute, Recompute)
         if self.dp_mode is not None:
             check_choice("--dp-mode", self.dp_mode, Literal["ddp", "fsdp"])
-        self.check_precision()
-        self.check_checkpoints()
         self.check_nodes(self.nproc)
         if self.nnodes > 1 and self.plan is None:
             raise BuildError(f"--nnodes {self.nnodes} without --plan: each node would profile and partition "
@@ -381,7 +374,7 @@ class CommConfig(Launch):
                              "separated, e.g. 64,65536,1048576")
         return [int(x) for x in parts]
 
-    def check(self) -> None:
+    def _check(self) -> None:
         if self.nnodes > 2:
             raise BuildError(f"--nnodes {self.nnodes}: the link is timed by two ranks, both on this host "
                              "(--nnodes 1) or one on each of two (--nnodes 2)")

@@ -1,12 +1,22 @@
 """Flag groups that several commands share: one keyword-only dataclass per component, composed
 into each command's config (config.py), after torchtitan's config/configs.py. Each field's
-default and help are written once, each group's values checked once by its own method
-([Note: one place for defaults] in config.py). Imports no torch.
+default and help are written once, each group's values checked once, when the config is made
+([Note: flags checked when made]). Imports no torch.
 
+    Checked         the base of every group and config: runs each class's own ``_check``
     PrecisionFlags  --precision, --host-allocator: what the stages compute in, host memory
                     (profile, train, run)
     LoopFlags       --steps, --lr, --clip-grad: the training loop (train, run)
     CheckpointFlags, RestartFlags (checkpoint_flags.py): saved training state and restarts
+    Launch (config.py): where the ranks of ``run`` and ``comm`` run
+
+[Note: flags checked when made] A command's config is made once, from the command line
+(flags.from_namespace) or from JSON on a rank, and may be remade by ``dataclasses.replace``. So
+the checks live in ``__post_init__``: a config in hand is a valid one, and no caller can forget
+to check it. Each group and each command checks only its own fields, in a ``_check`` method of
+its own class; ``Checked.__post_init__`` runs every class's ``_check`` once, bases first, so a
+command composed of groups checks each group exactly once. A bad value is one BuildError line
+naming the flag, which the command line prints with exit status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any, Literal
 from autopipe.errors import BuildError
 from executor.spec import PRECISIONS
 
-__all__ = ["PrecisionFlags", "LoopFlags", "Precision", "HostAllocator", "check_choice",
+__all__ = ["Checked", "PrecisionFlags", "LoopFlags", "Precision", "HostAllocator", "check_choice",
            "check_clip_grad"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -28,6 +38,16 @@ assert typing.get_args(Precision) == PRECISIONS, "--precision's choices are exec
 
 def _flag(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
+
+
+class Checked:
+    """Runs each class's own ``_check`` once, bases first ([Note: flags checked when made])."""
+
+    def __post_init__(self) -> None:
+        for cls in reversed(type(self).__mro__):
+            check = cls.__dict__.get("_check")
+            if check is not None:
+                check(self)
 
 
 def check_choice(flag: str, value: Any, kind: Any) -> None:
@@ -45,7 +65,7 @@ def check_clip_grad(clip_grad: float | None) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrecisionFlags:
+class PrecisionFlags(Checked):
     precision: Precision = _flag(
         "fp32", "fp32, or bf16 / fp16: autocast in every stage over fp32 parameters, gradients and "
                 "optimizer state; a profile is measured under it and records it, partition plans "
@@ -55,19 +75,19 @@ class PrecisionFlags:
         "retain", "on a CPU, retain: glibc keeps freed memory for reuse, as a training loop reuses "
                   "it (default); system: the allocator as it is. The profile records it")
 
-    def check_precision(self) -> None:  # --host-allocator: the library's own one-line check
+    def _check(self) -> None:  # --host-allocator: the library's own one-line check
         check_choice("--precision", self.precision, Precision)
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoopFlags:
+class LoopFlags(Checked):
     steps: int = _flag(10, "training steps (default 10; the summary times steps 2 on)")
     lr: float = _flag(1e-3, "AdamW learning rate (default 0.001)")
     clip_grad: float | None = _flag(
         None, "clip the gradient norm of the whole model (every stage, each parameter once) to "
               "this before each step (default: no clipping)", metavar="MAX_NORM")
 
-    def check_loop(self) -> None:
+    def _check(self) -> None:
         if self.steps < 1:
             raise BuildError(f"--steps {self.steps} < 1: pass --steps 1 or more")
         check_clip_grad(self.clip_grad)

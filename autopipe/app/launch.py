@@ -117,7 +117,6 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     from autopipe.assemble.setup import microbatch_inputs
     from autopipe.frontend.tracing.graph import trace
 
-    config.check()
     plan = Plan.load(config.plan) if config.plan else None
     # one schedule from here on: the flag's, else the plan's, else gpipe
     config = dataclasses.replace(config, schedule=config.schedule or cast(Schedule, plan.schedule if plan else "gpipe"))
@@ -201,7 +200,6 @@ def torchrun_command(config: RunConfig, log_dir: str | os.PathLike[str] | None =
     or this node's share of them ([Note: one command line on every node] in
     autopipe/app/nodes.py); with ``log_dir``, the ranks' stderr goes to files there ([Note: one
     line from K ranks])."""
-    config.check()
     return ranks_command(config, config.nproc, "autopipe.app.rank_main", log_dir, restarts=config.max_restarts)
 
 
@@ -219,7 +217,6 @@ def run(
     torchrun's logs stay in ``log_dir`` (default: a new ``autopipe-run-*`` temporary directory).
     Returns 124 when ``timeout`` seconds pass first.
     """
-    config.check()
     if config.checkpoint_dir is not None and config.resume:  # nothing to plan or start when done
         done = checkpoint_info(config.checkpoint_dir)
         if done["step"] >= config.steps:

@@ -85,7 +85,7 @@ def check_same_run(config: RunConfig) -> None:
     """Every rank trains what rank 0 does: the same flags (but each node's own, ``NODE_OWN``) and
     the same plan, wherever its file lies ([Note: one command line on every node] in
     autopipe/app/nodes.py); else one line on every rank, before any stage is built."""
-    flags = dataclasses.asdict(dataclasses.replace(config, **NODE_OWN))
+    flags = {**dataclasses.asdict(config), **NODE_OWN}  # not a config: a node's own are blanked
     mine: tuple[dict[str, Any], dict[str, Any] | None] = (flags, Plan.load(config.plan).to_dict()
                                                            if config.plan else None)
     every: list[Any] = [None] * dist.get_world_size()

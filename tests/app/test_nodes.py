@@ -132,7 +132,7 @@ def _gathered(monkeypatch: pytest.MonkeyPatch, ranks: list[RunConfig]) -> None:
 
     def gather(out: list[object], mine: object) -> None:
         for r, config in enumerate(ranks):
-            flags = dataclasses.asdict(dataclasses.replace(config, **rank_main.NODE_OWN))
+            flags = {**dataclasses.asdict(config), **rank_main.NODE_OWN}
             out[r] = (flags, autopipe.Plan.load(config.plan).to_dict() if config.plan else None)
 
     monkeypatch.setattr(dist, "all_gather_object", gather)
