@@ -21,6 +21,7 @@ from autopipe.app.launch import diagnose, torchrun_command
 from autopipe.app.rank_main import main as rank_main
 from autopipe.assemble.setup import microbatch_inputs
 from autopipe.errors import BuildError
+from executor.ranks.distributed import DistributedPipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -273,10 +274,35 @@ def test_a_run_without_a_plan_plans_here_and_says_so_in_one_line(tmp_path: Path)
     assert where == resolved.plan == str(tmp_path / "plan.json") and Plan.load(where).num_stages == 2
 
 
-def _rank_trains(rank: int, config_json: str) -> list[float]:
-    from autopipe.app.rank_main import train
+def _rank_trains(rank: int, config_json: str) -> tuple[list[float], dict[str, torch.Tensor], list[bool]]:
+    """rank_main's loop on this rank: its losses, its stage's trained parameters (the original
+    model's keys) and, per step, whether the grad scaler skipped the optimizer's step."""
+    from autopipe.app import rank_main
 
-    return train(RunConfig.from_json(config_json))
+    made: list[DistributedPipeline] = []
+    skipped: list[bool] = []
+    real_pipeline, real_scaler = rank_main.distributed_pipeline, rank_main.PipelineGradScaler  # type: ignore[attr-defined]
+
+    def pipeline(*args: Any, **kwargs: Any) -> DistributedPipeline:
+        made.append(real_pipeline(*args, **kwargs))
+        return made[-1]
+
+    class Scaler(real_scaler):  # type: ignore[misc, valid-type]
+        def update(self, new_scale: Any = None) -> None:  # an overflow skips the step, halves the scale
+            before = self.get_scale()
+            super().update(new_scale)
+            skipped.append(self.get_scale() < before)
+
+    patch = pytest.MonkeyPatch()  # a pool rank runs other tests next: its module is put back
+    patch.setattr(rank_main, "distributed_pipeline", pipeline)
+    patch.setattr(rank_main, "PipelineGradScaler", Scaler)
+    try:
+        losses = rank_main.train(RunConfig.from_json(config_json))
+    finally:
+        patch.undo()
+    (pipe,) = made
+    trained = {k: v.detach().clone() for k, v in pipe.state_dict().items() if k != "_metadata"}
+    return losses, trained, skipped
 
 
 @pytest.mark.slow
@@ -285,15 +311,47 @@ def test_a_rank_trains_under_a_precision_with_clipping(plans: dict[str, Path], p
     """rank_main's loop on 2 ranks: autocast in the stages, fp16 through a PipelineGradScaler
     (scaled in the schedule, unscaled before clipping), the losses finite, each step's batch's
     ([Note: a batch per step]) and near the untrained fp32 model's on those batches (4 steps at
-    lr 1e-3 move it little)."""
+    lr 1e-3 move it little). What the steps did is the plain model's: trained here by the same
+    steps (the same micro-batches' mean loss under the same autocast, torch's GradScaler under
+    fp16, the same clipping and AdamW), it skips the steps the pipeline's scaler skipped, not all
+    of them, reports the same losses, and its weights moved as the pipeline's did (up to the
+    half-precision rounding that Adam's first, sign-like steps amplify)."""
     from tests.assemble.test_ranks import _ok, spawn
 
     config = RunConfig("mlp", plan=str(plans["mlp2"]), nproc=2, steps=4, threads=1, timeout=30,
                        batch_size=16, chunks=4,  # as the launcher resolves them from the plan
                        precision=precision, clip_grad=1.0)  # type: ignore[arg-type]
-    first, last = _ok(spawn(_rank_trains, config.to_json()))
+    (first, stage0, skipped0), (last, stage1, skipped1) = _ok(spawn(_rank_trains, config.to_json()))
     assert first == [] and len(last) == 4 and all(math.isfinite(v) for v in last)
     ex = autopipe.get_example("mlp", batch_size=16)
+    initial = {k: v.clone() for k, v in ex.model.state_dict().items()}
     with torch.no_grad():
         plain = [float(ex.loss_fn(ex.model(*ex.batch(step)[0]), ex.batch(step)[1])) for step in range(4)]
     assert len(set(last)) == 4 and last == pytest.approx(plain, abs=0.1), (last, plain)
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=config.lr)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")  # PipelineGradScaler's defaults
+    losses, skipped = [], []
+    for step in range(4):
+        (x,), y = ex.batch(step)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = torch.stack([ex.loss_fn(ex.model(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True)]).mean()
+        losses.append(float(loss.detach()))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(ex.model.parameters(), 1.0)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < scale)
+    assert skipped0 == skipped1 == skipped and not all(skipped), (skipped0, skipped1, skipped)
+    assert last == pytest.approx(losses, abs=2e-3), (last, losses)
+    trained = {**stage0, **stage1}
+    assert set(trained) == set(initial)
+    moved = torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+    asked = torch.cat([(v - initial[k]).flatten() for k, v in ex.model.state_dict().items()])
+    assert asked.norm() > 0 and float((moved - asked).norm() / asked.norm()) < 0.25
+    for k, v in ex.model.state_dict().items():  # every layer moved, the way the plain one did
+        assert float(torch.cosine_similarity((trained[k] - initial[k]).flatten(), (v - initial[k]).flatten(), 0)) > 0.95, k
