@@ -291,7 +291,7 @@ def test_two_ranks_weight_the_models_loss_before_1f1b_runs() -> None:
 def test_the_models_loss_under_bf16_on_worker_threads(recompute: str) -> None:
     """precision="bf16" with every stage on a worker thread: the loss and gradients of the plain
     model under the same autocast, to bf16's tolerance, in every recomputation mode."""
-    from tests.assemble.test_precision import _close
+    from tests.assemble.test_precision import _close, assert_ran_in_bf16, record_calls
 
     model, reference, graph, batch = traced("llama")
     chunks = MODELS["llama"][2]
@@ -302,15 +302,22 @@ def test_the_models_loss_under_bf16_on_worker_threads(recompute: str) -> None:
         pipe = pipeline(model, example_kwargs=batch, devices=["cpu"] * 3, chunks=chunks,
                         plan=plan, graph=graph, precision="bf16")
     pipe.threads = True  # as on distinct devices: autocast must reach the workers
+    calls = record_calls(pipe.stages)
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
     out = pipe(**batch)
+    assert_ran_in_bf16(calls, range(3), chunks)  # an fp32 run would pass the tolerances below
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = reference(**batch)
     # values, not dtype: the graph traced in fp32 holds the loss's logits.float() as its output
     _close(out.logits, expected.logits, "logits")
     _close(out.loss, expected.loss, "loss")
+    del calls[:]
     out.loss.backward()
+    # what backward recomputed (every micro-batch but the last under except_last, none under
+    # never), it recomputed in bf16 too
+    assert_ran_in_bf16(calls, [] if recompute == "never" else range(3),
+                       chunks - (recompute == "except_last"), cut=False)
     expected.loss.backward()
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():

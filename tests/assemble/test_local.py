@@ -61,7 +61,14 @@ def check_transparent(
                      recompute=recompute)
     pipe = pipeline(model, inputs, devices=["cpu"] * k, chunks=chunks, plan=plan, graph=graph)
     out = pipe(*inputs)
-    expected = reference(*inputs)
+    # a HuggingFace model is traced with use_cache=False unless told (a cache is no training
+    # value: autopipe.frontend.tracing.graph.trace): the pipeline is the model called so
+    plain = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", False) else {}
+    expected = reference(*inputs, **plain)
+    # the outputs themselves, row by row: a loss that does not depend on the rows' order (a mean)
+    # would not notice micro-batches joined back in another order
+    assert type(out) is type(expected)
+    torch.testing.assert_close(out, expected, msg=lambda m: f"outputs differ: {m}")
     loss, ref_loss = loss_of(out), loss_of(expected)
     torch.testing.assert_close(loss, ref_loss)
     loss.backward()
@@ -266,7 +273,9 @@ def test_prediction_benchmark_smoke() -> None:
     (row,) = main(["--models", "mlp", "--batch", "8", "--chunks", "2", "--checkpoints", "never",
                    "--repeats", "2", "--rounds", "1"])
     assert row.predicted_ms > 0 and row.measured_ms > 0 and row.loop_ms > 0
-    assert 0.05 < row.ratio < 20  # a sanity range, not a timing threshold
+    # that the script runs, not how good the prediction is (wall time of a tiny model on a shared
+    # machine): tests/assemble/test_prediction.py asserts that, in CPU time
+    assert 0.05 < row.ratio < 20
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf"])

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 import autopipe
 from autopipe.assemble.ranks import distributed_pipeline
@@ -51,6 +53,34 @@ def _close(actual: Tensor, expected: Tensor, what: str, tol: float = 3e-2) -> No
     assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} x {scale:.3g}"
 
 
+Call = tuple[int, bool, torch.dtype, frozenset[torch.dtype]]
+
+
+def record_calls(stages: Sequence[nn.Module]) -> list[Call]:
+    """Every call of ``stages`` from now on (recomputations too), seen from inside it: the
+    stage's index, whether autocast was on for the CPU, its dtype, and the floating dtypes of
+    what the stage returned (a cut's activations, or the last stage's output): proof that a run
+    compared to bf16's tolerance did compute in bf16, not in fp32 (which would pass it too)."""
+    calls: list[Call] = []
+    for j, stage in enumerate(stages):
+        def hook(module: nn.Module, args: Any, out: Any, j: int = j) -> None:
+            dtypes = frozenset(t.dtype for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_floating_point())
+            calls.append((j, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), dtypes))
+
+        stage.register_forward_hook(hook)
+    return calls
+
+
+def assert_ran_in_bf16(calls: list[Call], stages: Sequence[int], chunks: int, cut: bool = True) -> None:
+    """Each of ``stages`` ran ``chunks`` micro-batches (at least) and no other stage ran, every
+    call under bf16 autocast; with ``cut``, some activation left a stage in bf16 (autocast's own
+    output)."""
+    assert all(sum(c[0] == j for c in calls) >= chunks for j in stages), calls
+    assert {c[0] for c in calls} == set(stages), calls
+    assert all(on and dtype == BF16 for _, on, dtype, _ in calls), calls
+    assert not cut or BF16 in frozenset().union(*(c[3] for c in calls)), calls
+
+
 def _reference(model: nn.Module, inputs: tuple[Tensor, ...], target: Tensor, chunks: int = CHUNKS
                ) -> Tensor:
     """The plain model under bf16 autocast, the mean loss over the same micro-batches."""
@@ -84,14 +114,18 @@ def test_llama_recomputed_under_bf16_equals_the_plain_model(llama: dict[str, Any
                              graph=graph, profile=cost_profile(graph),
                              precision="bf16" if how == "precision" else "fp32")
     pipe.threads = threads  # stages on worker threads, as on distinct devices
+    calls = record_calls(pipe.stages)
     with torch.autocast("cpu", dtype=BF16, enabled=how == "caller"):
         out = pipe(ids)
     assert out.logits.dtype == BF16
+    assert_ran_in_bf16(calls, range(3), CHUNKS)
+    del calls[:]
     _close(out.logits, llama["logits"], "logits")
     with torch.autocast("cpu", dtype=BF16):
         loss = _lm_loss(out, target)
     _close(loss.detach(), llama["loss"], "loss")
     loss.backward()  # outside the autocast: every micro-batch is recomputed here
+    assert_ran_in_bf16(calls, range(3), CHUNKS)  # ... under the forward's autocast
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
         _close(p.grad, llama["grads"][name], name)
@@ -140,11 +174,12 @@ def _two_ranks(rank: int) -> dict[str, Any]:
         model, ids, target = _gpt()
         pipe = distributed_pipeline(model, (ids,), loss_fn=_lm_loss, plan=_plan(model, ids, checkpoint),
                                     precision=precision, timeout=30)
+        calls = record_calls(pipe.stages)
         with torch.autocast("cpu", dtype=BF16, enabled=precision == "fp32"):
             loss = pipe.step(ids, target=target)
         out[name] = {"loss": loss, "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()},
                      "wires": [w.dtype for s in pipe.wire_stages for w in s.outputs if w.kind == "tensor"],
-                     "first": pipe.is_first}
+                     "first": pipe.is_first, "calls": calls}
     model, ids, target = _gpt()
     x, y = ids.tensor_split(2)[rank], target.tensor_split(2)[rank]
     pipe = distributed_pipeline(model, (x,), loss_fn=_lm_loss, plan=_plan(model, x, "never", 2),
@@ -174,6 +209,9 @@ def test_two_ranks_under_bf16_equal_one_process() -> None:
         # bf16, the residual in fp32; under the caller's autocast alone all cross in fp32
         cut = first["wires"]
         assert set(cut) == ({BF16, torch.float32} if name == "own" else {torch.float32}), (name, cut)
+        # ... and each rank's stage computed in bf16, fc1's output leaving the first in bf16
+        assert_ran_in_bf16(first["calls"], [0], CHUNKS)
+        assert_ran_in_bf16(last["calls"], [0], CHUNKS, cut=False)
         covered = set()
         for v in values:
             for n, grad in v[name]["grads"].items():
