@@ -23,7 +23,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from autopipe.app.config import (
-    DEFAULT_CHUNKS,
     CommConfig,
     PartitionConfig,
     PlotConfig,
@@ -31,7 +30,6 @@ from autopipe.app.config import (
     RunConfig,
     SimulateConfig,
     TrainConfig,
-    resolve,
 )
 from autopipe.app.flags import add_arguments, from_namespace
 from autopipe.errors import AutopipeError
@@ -121,23 +119,10 @@ def _partition(args: argparse.Namespace) -> int:
     from autopipe.solvers.partitioner import partition
 
     config: PartitionConfig = from_namespace(PartitionConfig, args)
-    stages, chunks, data_parallel = config.counts()
-    modes = config.recompute_modes()
     if config.out is not None and os.path.exists(config.out) and not config.force:  # fail before solving
         raise PlanError(f"{config.out} already exists: refusing to overwrite a saved plan; pass --force")
     profile = Profile.load(config.profile)
-    devices = config.device_names(profile.meta.get("device_type"))
-    if chunks is None:
-        chunks = resolve(None, profile.meta.get("chunks"), default=DEFAULT_CHUNKS)
-    plan: Plan = partition(
-        profile, stages=stages, devices=devices, method=config.method, chunks=chunks,
-        recompute=modes, schedule=config.schedule, batch_size=config.batch_size,
-        memory_limit=config.memory, optimizer=config.optimizer, time_limit=config.time_limit,
-        ties=config.ties,
-        bandwidth="measured" if config.bandwidth is None else config.bandwidth or None,
-        progress=False if config.no_progress else None, data_parallel=data_parallel,
-        dp_mode=config.dp_mode,
-    )
+    plan: Plan = partition(profile, **config.partition_args(profile.meta))
     if config.out is not None:
         plan.save(config.out, overwrite=config.force)
     print(plan.table())
