@@ -187,18 +187,17 @@ class PartitionConfig(Checked):
         return self.recompute.split(",") if "," in self.recompute else self.recompute
 
     def partition_args(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """partition()'s keyword arguments for a profile of metadata ``meta``: the counts, the
-        recompute list, ``--devices N`` as names, ``--chunks`` by [Note: one chunks rule],
-        ``--bandwidth`` (absent: the profile's measured one; 0: free) and the progress line."""
+        """partition()'s keywords for a profile of metadata ``meta`` ([Note: one chunks rule];
+        ``--bandwidth`` absent: the profile's measured one, 0: free)."""
         stages, chunks, data_parallel = self.counts()
         return dict(
             stages=stages, devices=self.device_names(meta.get("device_type")), method=self.method,
-            chunks=resolve(None, meta.get("chunks"), default=DEFAULT_CHUNKS) if chunks is None else chunks,
+            chunks=chunks if chunks is not None else resolve(None, meta.get("chunks"), default=DEFAULT_CHUNKS),
+            dp_mode=self.dp_mode,
             recompute=self.recompute_modes(), schedule=self.schedule, batch_size=self.batch_size,
-            memory_limit=self.memory, optimizer=self.optimizer, time_limit=self.time_limit,
-            ties=self.ties, bandwidth="measured" if self.bandwidth is None else self.bandwidth or None,
-            progress=False if self.no_progress else None, data_parallel=data_parallel,
-            dp_mode=self.dp_mode)
+            memory_limit=self.memory, optimizer=self.optimizer, time_limit=self.time_limit, ties=self.ties,
+            bandwidth="measured" if self.bandwidth is None else self.bandwidth or None,
+            progress=False if self.no_progress else None, data_parallel=data_parallel)
 
     def device_names(self, profiled_kind: str | None) -> list[str] | None:
         """--devices: the names given, or ``--devices N`` as N devices of the profiled kind."""
