@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 Recompute = Literal["always", "except_last", "never"]
-Method = Literal["auto", "exact", "ilp", "uniform", "params", "blockpartition"]  # "dp": exact
+Method = Literal["auto", "exact", "ilp", "step", "uniform", "params", "blockpartition"]  # "dp": exact
 Optimizer = Literal["none", "sgd", "momentum", "adam", "adamw"]
 Ties = Literal["share", "colocate"]
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", "dualpipev"]
@@ -143,7 +143,8 @@ class PartitionConfig(Checked):
                                            "profiled kind) or names (cuda:0 cuda:1 ...); "
                                            "--stages auto needs it", nargs="+", metavar="DEVICE")
     method: Method = _opt("auto", "partition method: exact (the DP over the topological order; "
-                                  "dp is an alias), ilp (over the DAG), a baseline, or auto "
+                                  "dp is an alias), ilp (over the DAG), step (the shortest simulated "
+                                  "step, not the smallest slowest stage), a baseline, or auto "
                                   "(default: exact, then the ILP only where a bound shows it can gain)")
     memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
     chunks: str | None = _opt(None, _chunks("the profile's"), metavar="M|auto")

@@ -8,6 +8,7 @@
     stage_dp.py         exact min-max split with a recompute mode per stage, all stage counts
     fixed_config.py     one given configuration: the exact DP, the ILP where it can gain, a baseline
     dp.py               the DP for one configuration, and why nothing fits
+    step_split.py       method="step": the split with the shortest simulated step, not bottleneck
     layer_recompute.py  after the split: recompute a few layers instead of a whole stage
     dag_bound.py        when the ILP can beat the DP: a lower bound over every DAG split
     ilp.py              PuLP/CBC over the whole DAG, warm-started from the DP

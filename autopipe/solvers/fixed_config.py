@@ -36,6 +36,7 @@ from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import GAP, solve_ilp
 from autopipe.solvers.search import ILP_MAX_VARIABLES
 from autopipe.solvers.stage_dp import budget_devices
+from autopipe.solvers.step_split import fastest_step
 from executor.spec import check_schedule
 
 __all__ = ["solve_fixed"]
@@ -83,9 +84,11 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
 
     start = time.perf_counter()
     dp = solve_dp(costs, bounded, options)
-    dp_info = _exact_info(costs, bounded, options, dp.bottleneck, method != "exact", start)
+    dp_info = _exact_info(costs, bounded, options, dp.bottleneck, method not in ("exact", "step"), start)
     # CBC overruns its time limit at the root of a large model: auto keeps to what builds in seconds
     large = n * (k - 1) > ILP_MAX_VARIABLES
+    if method == "step":  # [Note: the step, not the bottleneck] in step_split.py
+        return plan(*_fastest_step(costs, specs, bounded, options, dp.assignment, dp_info))
     if method == "exact" or (method == "auto" and (dp_info.status == "optimal" or large)):
         return plan(dp.assignment, "exact", dp_info)
     line = ProgressLine(time_limit, progress)  # [Note: progress on a terminal]
@@ -99,6 +102,22 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
     if method == "auto" and ilp.objective >= dp.bottleneck * (1 - 1e-9):
         return plan(dp.assignment, "exact", info)  # the ILP proved (or failed to beat) the DP
     return plan(ilp.assignment, "ilp", info)
+
+
+def _fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec],
+                  options: CostOptions, seed: list[int], info: SolverInfo) -> tuple[list[int], str, SolverInfo]:
+    """method="step": the split with the shortest simulated step, seeded by the DP's and the
+    baselines' splits, with what is proven of it; the DP's own when no seed fits."""
+    start = time.perf_counter()
+    found = fastest_step(costs, devices, bounded, options, [seed])
+    if found is None:
+        return seed, "step", info
+    seconds = info.seconds + time.perf_counter() - start
+    if found.exhaustive:
+        status = "optimal" if forced_order(costs) else "optimal over the topological order"
+        return found.assignment, "step", SolverInfo(status, found.iteration, found.iteration, 0.0, seconds)
+    return found.assignment, "step", SolverInfo(f"descent over {found.evaluated} splits", found.iteration,
+                                                found.bound, found.gap, seconds)
 
 
 def _exact_info(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions,

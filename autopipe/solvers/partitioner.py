@@ -48,7 +48,7 @@ from executor.spec import (
 
 __all__ = ["METHODS", "partition", "is_chain"]
 
-METHODS: tuple[str, ...] = ("auto", "exact", "ilp", "uniform", "params", "blockpartition")
+METHODS: tuple[str, ...] = ("auto", "exact", "ilp", "step", "uniform", "params", "blockpartition")
 METHOD_ALIASES = {"dp": "exact"}  # the exact solver's old name, in saved scripts and plans
 MAX_AUTO_CHUNKS = 64  # chunks="auto" tries at most this many micro-batches
 
@@ -109,7 +109,11 @@ def partition(
     then the ILP only where it can gain: not when the order is the DAG's only one, nor when the
     DP is within the ILP's gap of a lower bound on every DAG split, [Note: when the ILP can
     gain] in autopipe/solvers/dag_bound.py; the DP split is kept unless the ILP beats it in
-    time; ``plan.solver`` says which ran, its status, bound and gap), or a baseline:
+    time; ``plan.solver`` says which ran, its status, bound and gap), ``step`` (the split with
+    the shortest simulated step of the plan's own schedule rather than the smallest slowest
+    stage: every split of the layer order where they are few, else a descent from the DP's and
+    the baselines' splits, its gap to a bound stated in ``plan.solver``; one configuration only:
+    [Note: the step, not the bottleneck] in autopipe/solvers/step_split.py), or a baseline:
     ``uniform``, ``params``, ``blockpartition`` (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
     ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free; ``"measured"``, the default: the profile's own from
@@ -250,7 +254,7 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
     if stages is None and devices is not None and schedule in V_SCHEDULES and not searching:
         devices = _in_a_v(devices, schedule)  # a search lays out the pool's ranks itself
     if searching:
-        if method in ("uniform", "params", "blockpartition"):
+        if method in ("step", "uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "
                                  f"choices use method='auto', 'exact' or 'ilp'")
         return _search(profile, stages, devices, chunks, recompute, schedule, batch_size,

@@ -1,0 +1,109 @@
+"""The split with the shortest simulated step ([Note: the step, not the bottleneck]): checked
+against every split of the layer order, each evaluated by Plan.from_stages on its own."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from autopipe.core.cost import LayerCosts
+from autopipe.core.cost_options import CostOptions
+from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
+from autopipe.errors import PartitionError
+from autopipe.solvers import step_split
+from autopipe.solvers.bounds import config_bound
+from autopipe.solvers.dp import solve_dp
+from autopipe.solvers.partitioner import partition
+from autopipe.solvers.stage_dp import budget_devices
+from autopipe.solvers.synthetic import random_chain
+
+# schedule -> the device of each of 4 stages (two ranks hold two each; None: one per stage)
+LAYOUTS = {"1f1b": None, "interleaved1f1b": ["r0", "r1", "r0", "r1"], "zbv": ["r0", "r1", "r1", "r0"]}
+
+
+def _every_split(prof: Profile, like: Plan, memory: int | None = None) -> list[Plan]:
+    """Every contiguous split of ``prof``'s layers into ``like``'s stages, as plans; with
+    ``memory``, only those whose every stage fits it."""
+    layers, k = prof.layers, like.num_stages
+    plans = []
+    for cuts in itertools.combinations(range(1, len(layers)), k - 1):
+        bounds = (0, *cuts, len(layers))
+        plan = Plan.from_stages(prof, [layers[a:b] for a, b in itertools.pairwise(bounds)],
+                                devices=like.devices, chunks=like.chunks, schedule=like.schedule,
+                                recompute=like.recompute)
+        if memory is None or max(plan.stage_memory) <= memory:
+            plans.append(plan)
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("schedule", sorted(LAYOUTS))
+def test_the_split_is_the_fastest_step_of_every_split(schedule: str, seed: int) -> None:
+    prof = random_chain(8 + seed % 3, seed, split=True)
+    plan = partition(prof, stages=4, devices=LAYOUTS[schedule], chunks=8, schedule=schedule,
+                     recompute="never", method="step")
+    fastest = min(p.iteration_time for p in _every_split(prof, plan))
+    assert plan.iteration_time == pytest.approx(fastest, rel=1e-9)
+    assert plan.method == "step" and plan.solver.status == "optimal"  # a chain: its only order
+    assert plan.solver.objective == pytest.approx(plan.iteration_time) and plan.solver.gap == 0.0
+
+
+def test_the_fastest_step_can_have_a_slower_bottleneck_than_the_dps() -> None:
+    """The case the step exists for: seed 0's 10 layers under interleaved 1F1B, where the split
+    of the smallest bottleneck (the DP's) steps over 10% slower than the best split."""
+    prof = random_chain(10, 0, split=True)
+    plan = partition(prof, stages=4, devices=LAYOUTS["interleaved1f1b"], chunks=8,
+                     schedule="interleaved1f1b", recompute="never", method="step")
+    options = CostOptions(8, "never", schedule="interleaved1f1b")
+    dp = solve_dp(LayerCosts.from_profile(prof), budget_devices(plan.devices, "interleaved1f1b"), options)
+    layers = prof.layers
+    split = [[n for n, s in zip(layers, dp.assignment, strict=True) if s == t] for t in range(4)]
+    even = Plan.from_stages(prof, split, devices=plan.devices, chunks=8, schedule="interleaved1f1b",
+                            recompute="never")
+    assert even.bottleneck == pytest.approx(dp.bottleneck) and plan.bottleneck > even.bottleneck
+    assert plan.iteration_time < even.iteration_time * 0.9
+
+
+def test_a_memory_limit_keeps_every_stage_within_it() -> None:
+    prof = random_chain(10, 5, split=True)
+    free = partition(prof, stages=4, chunks=8, schedule="1f1b", recompute="never", method="exact")
+    limit = sorted(free.stage_memory)[-1] - 1  # the free plan's largest stage no longer fits
+    plan = partition(prof, stages=4, chunks=8, schedule="1f1b", recompute="never", method="step",
+                     memory_limit=limit)
+    fitting = _every_split(prof, plan, memory=limit)
+    assert fitting and max(plan.stage_memory) <= limit
+    assert plan.iteration_time == pytest.approx(min(p.iteration_time for p in fitting), rel=1e-9)
+
+
+def test_a_descent_is_never_slower_than_its_seeds_and_states_its_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_split, "ENUMERATE_SPLITS", 0)  # as for a model of many layers
+    prof = random_chain(14, 2, split=True)
+    kw = dict(stages=4, devices=LAYOUTS["zbv"], chunks=8, schedule="zbv", recompute="never")
+    plan = partition(prof, method="step", **kw)
+    seeds = [partition(prof, method=m, **kw).iteration_time for m in ("uniform", "params", "blockpartition")]
+    evaluated = int(plan.solver.status.split()[2])
+    assert plan.method == "step" and plan.solver.status == f"descent over {evaluated} splits"
+    assert 4 <= evaluated <= step_split.DESCENT_EVALUATIONS
+    assert plan.iteration_time <= min(seeds) + 1e-9
+    bound = config_bound("zbv", LayerCosts.from_profile(prof), [1.0] * 4, 8)
+    assert plan.solver.bound == pytest.approx(bound) and plan.solver.bound <= plan.iteration_time
+    assert plan.solver.gap == pytest.approx(1 - bound / plan.iteration_time)
+    assert f"gap {100 * plan.solver.gap:.2f}%" in plan.explain()
+
+
+def test_the_default_still_splits_by_the_slowest_stage() -> None:
+    """method="exact" (and "auto") keep the DP's split, whose slowest stage is the smallest;
+    method="step" is asked for ([Note: the step, not the bottleneck])."""
+    prof = random_chain(10, 0, split=True)
+    kw = dict(stages=4, devices=LAYOUTS["zbv"], chunks=8, schedule="zbv", recompute="never")
+    exact, step = partition(prof, method="exact", **kw), partition(prof, method="step", **kw)
+    assert exact.method == "exact" and exact.solver.objective == pytest.approx(exact.bottleneck)
+    assert step.iteration_time < exact.iteration_time and step.bottleneck >= exact.bottleneck
+
+
+def test_step_takes_one_configuration_in_one_line() -> None:
+    with pytest.raises(PartitionError, match=r"^method='step' splits one given configuration; with "
+                                             r"'auto' choices use method='auto', 'exact' or 'ilp'$"):
+        partition(random_chain(6, 0), stages="auto", devices=["cpu:0", "cpu:1"], method="step")
