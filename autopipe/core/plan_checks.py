@@ -39,13 +39,13 @@ def check_types(plan: Plan) -> None:
         raise TypeError(f"'recompute' must be a mode or a list of modes, got {plan.recompute!r}")
     if plan.merge_backward not in MERGE_RULES:
         raise TypeError(f"'merge_backward' must be one of {list(MERGE_RULES)}, got {plan.merge_backward!r}")
-    plan.cost_options.modes(k)
-    if not all(isinstance(v, int) for v in plan.device_memory.values()):
-        raise TypeError("'device_memory' must map device names to bytes")
     if not isinstance(plan.data_parallel, int) or isinstance(plan.data_parallel, bool) or plan.data_parallel < 1:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
     if plan.dp_mode not in DATA_PARALLEL_MODES:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
+    plan.cost_options.modes(k)  # builds CostOptions: the fields above checked first, by name
+    if not all(isinstance(v, int) for v in plan.device_memory.values()):
+        raise TypeError("'device_memory' must map device names to bytes")
     if plan.precision not in PRECISIONS:
         raise TypeError(f"'precision' must be one of {list(PRECISIONS)}, got {plan.precision!r}")
     if not isinstance(plan.skipped_schedules, dict) or not all(

@@ -68,9 +68,9 @@ def test_the_scalar_fields() -> None:
     assert _refused(recompute=3) == "'recompute' must be a mode or a list of modes, got 3"
     assert _refused(merge_backward="all") == "'merge_backward' must be one of ['unwaited', 'adjacent'], got 'all'"
     assert _refused(device_memory={"a": 1.5}) == "'device_memory' must map device names to bytes"
-    # data_parallel and dp_mode: CostOptions (plan.cost_options, checked before them) refuses first
-    assert _refused(data_parallel=0) == ("data_parallel=0: need an integer number of replicas >= 1 "
-                                         "(or 'auto' in partition)")
+    for bad in (0, True, 2.0):
+        assert _refused(data_parallel=bad) == f"'data_parallel' must be an integer >= 1, got {bad!r}"
+    assert _refused(dp_mode="zero") == "'dp_mode' must be one of ['ddp', 'fsdp'], got 'zero'"
     assert _refused(precision="fp64") == "'precision' must be one of ['fp32', 'bf16', 'fp16'], got 'fp64'"
     assert _refused(runtime="torchrun") == "'runtime' must be one of ['gpipe', 'distributed'] or null, got 'torchrun'"
     for bad in ([], {"zbv": 1}, {2: "x"}):
