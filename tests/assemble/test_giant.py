@@ -181,7 +181,9 @@ def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: P
     # forked from a server]): run them side by side
     one = forked.start(_build_one_process, str(index), plan)
     try:
-        ranks = _ok(spawn(_rank_peak, str(index), plan, timeout=300, fresh=True))
+        # a rank reading its gigabytes while a loaded machine starves the other: a build-time
+        # collective may wait minutes (a hang bound, far above any load; not a speed)
+        ranks = _ok(spawn(_rank_peak, str(index), plan, timeout=300, fresh=True, group_timeout=240))
         size, peak = one.result(timeout=300)
     finally:
         one.kill()

@@ -63,13 +63,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...],
+           group_timeout: float = 30.0) -> None:
     forked.fresh_state()
     torch.set_num_threads(1)
     path = Path(out) / f"{rank}.pt"
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=30))
+                                timeout=datetime.timedelta(seconds=group_timeout))
         torch.save({"value": fn(rank, *args)}, path)
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         torch.save({"error": traceback.format_exc()}, path)
@@ -78,17 +79,19 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
 
 
 def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 45.0,
-          fresh: bool = False) -> list[RankResult]:
+          fresh: bool = False, group_timeout: float = 30.0) -> list[RankResult]:
     """Run ``fn(rank, *args)`` on ``world`` gloo ranks; kill whatever outlives ``timeout``.
 
     Two ranks run on the shared pool ([Note: one pool of ranks]) unless ``fresh``: a test that
-    kills or hangs a rank, or measures a rank's memory, asks for processes of its own."""
+    kills or hangs a rank, or measures a rank's memory, asks for processes of its own; its
+    default group waits ``group_timeout`` seconds for a collective (a build that reads gigabytes
+    on a loaded machine asks for more)."""
     if world == 2 and not fresh:
         return _pool_run(fn, args, timeout)
     ctx = forked.context()  # [Note: processes forked from a server] in tests/forked.py
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args, group_timeout), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
