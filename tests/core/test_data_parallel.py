@@ -159,7 +159,7 @@ def test_plan_json_round_trips_with_replicas(tmp_path: Path) -> None:
                                                "param_gather_ms": 0.0})
     old["dp_mode"] = "zero"
     (tmp_path / "bad.json").write_text(json.dumps(old))
-    with pytest.raises(PlanError, match="malformed field: dp_mode='zero': choose one of"):
+    with pytest.raises(PlanError, match=r"malformed field: 'dp_mode' must be one of \['ddp', 'fsdp'\], got 'zero'; "):
         Plan.load(tmp_path / "bad.json")
 
 
