@@ -12,10 +12,11 @@ import pandas as pd
 import pytest
 
 import autopipe.solvers.dag_bound as dag_bound_module
-from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.solvers.dag_bound import _boundaries, dag_bound, forced_order
+from tests.solvers.brute import best_dag_bottleneck
 
 
 def _dag(n: int, edges: list[tuple[int, int]], seed: int, fwd: list[float] | None = None) -> LayerCosts:
@@ -87,16 +88,6 @@ def test_too_many_boundaries_give_no_bound(monkeypatch: pytest.MonkeyPatch) -> N
     assert dag_bound(lc, [DeviceSpec("a"), DeviceSpec("b")], CostOptions(2, "never")) is None
 
 
-def _best_split(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
-    """The least bottleneck over every precedence-respecting split (no transfers: bandwidth None)."""
-    n, k = len(lc), len(devices)
-    best = np.inf
-    for a in itertools.product(range(k), repeat=n):
-        if len(set(a)) == k and all(a[u] <= a[v] for u in range(n) for v in lc.consumers[u]):
-            best = min(best, max(c.time_ms for c in stage_costs(lc, list(a), devices, opts)))
-    return float(best)
-
-
 @pytest.mark.parametrize("recompute", ["never", "always", "except_last"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_on_a_chain_the_bound_is_the_best_split(recompute: str, schedule: str) -> None:
@@ -106,7 +97,7 @@ def test_on_a_chain_the_bound_is_the_best_split(recompute: str, schedule: str) -
     devices = [DeviceSpec("a"), DeviceSpec("b", speed=2.0), DeviceSpec("c", speed=0.5)]
     opts = CostOptions(4, recompute, schedule=schedule)
     bound = dag_bound(lc, devices, opts)
-    assert bound == pytest.approx(_best_split(lc, devices, opts), rel=1e-12)
+    assert bound == pytest.approx(best_dag_bottleneck(lc, devices, opts), rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -115,7 +106,7 @@ def test_on_a_dag_the_bound_is_below_every_split(seed: int) -> None:
     devices = [DeviceSpec("a", speed=2.0), DeviceSpec("b")]
     opts = CostOptions(2, "always")
     bound = dag_bound(lc, devices, opts)
-    assert bound is not None and 0 < bound <= _best_split(lc, devices, opts) + 1e-9
+    assert bound is not None and 0 < bound <= best_dag_bottleneck(lc, devices, opts) + 1e-9
 
 
 def _relaxation(lc: LayerCosts, speeds: list[float]) -> float:
@@ -151,7 +142,7 @@ def test_more_boundaries_than_one_block() -> None:
     assert len(_ideal_sums(lc)) == 512
     devices = [DeviceSpec("a"), DeviceSpec("b", speed=2.0)]
     opts = CostOptions(2, "never")
-    assert dag_bound(lc, devices, opts) == pytest.approx(_best_split(lc, devices, opts), rel=1e-12)
+    assert dag_bound(lc, devices, opts) == pytest.approx(best_dag_bottleneck(lc, devices, opts), rel=1e-12)
 
 
 def test_the_cap_counts_the_ideals_enumerated(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
@@ -21,6 +20,7 @@ from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import ILPResult, solve_ilp
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain, transformer_dag
+from tests.solvers.brute import best_dag_bottleneck
 from tests.solvers.cbc_limits import record_cbc_limits
 
 
@@ -43,20 +43,6 @@ def _two_branches(tie: bool = False) -> Profile:
     return Profile.from_frame(df, edges=edges)
 
 
-def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
-    n, k = len(lc), len(devices)
-    best = np.inf
-    for a in itertools.product(range(k), repeat=n):
-        if len(set(a)) < k or any(a[u] > a[v] for u in range(n) for v in lc.consumers[u]):
-            continue
-        if opts.ties == "colocate" and any(len({a[v] for v in m}) > 1 for m, _ in lc.tie_groups):
-            continue
-        costs = stage_costs(lc, list(a), devices, opts)
-        if all(d.memory is None or c.memory_bytes <= d.memory for c, d in zip(costs, devices, strict=True)):
-            best = min(best, max(c.time_ms for c in costs))
-    return float(best)
-
-
 def test_ilp_beats_dp_by_cutting_thin_values() -> None:
     lc = LayerCosts.from_profile(_two_branches())
     devices = [DeviceSpec("a"), DeviceSpec("b")]
@@ -66,7 +52,7 @@ def test_ilp_beats_dp_by_cutting_thin_values() -> None:
     assert ilp.status == "optimal" and ilp.gap <= 0.005
     assert ilp.assignment == [0, 0, 1, 0, 1, 1]  # {a, b1, b2} | {c1, c2, d}
     assert ilp.objective < dp.bottleneck - 1.0  # the DP must cut a 1 MB branch edge
-    assert ilp.objective == pytest.approx(brute_force(lc, devices, opts), rel=1e-6)
+    assert ilp.objective == pytest.approx(best_dag_bottleneck(lc, devices, opts), rel=1e-6)
 
 
 @pytest.mark.parametrize("ties", ["share", "colocate"])
@@ -74,7 +60,7 @@ def test_ilp_matches_brute_force_with_ties_and_memory(ties: str) -> None:
     lc = LayerCosts.from_profile(_two_branches(tie=True))
     opts = CostOptions(chunks=2, recompute="never", optimizer="none", bandwidth=1e9, ties=ties)
     devices = [DeviceSpec("a", 900), DeviceSpec("b", 900), DeviceSpec("c", 900)]
-    expected = brute_force(lc, devices, opts)
+    expected = best_dag_bottleneck(lc, devices, opts)
     ilp = solve_ilp(lc, devices, opts, time_limit=20)
     assert ilp.objective == pytest.approx(expected, rel=1e-6)
     costs = stage_costs(lc, ilp.assignment, devices, opts)

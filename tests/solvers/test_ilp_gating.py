@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import itertools
 from typing import Any
 
 import numpy as np
@@ -11,7 +10,7 @@ import pandas as pd
 import pytest
 
 import autopipe.solvers.fixed_config as fixed_config
-from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
+from autopipe.core.cost import DeviceSpec, LayerCosts
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
@@ -20,6 +19,7 @@ from autopipe.solvers.dag_bound import dag_bound, forced_order
 from autopipe.solvers.ilp import solve_ilp
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain, transformer_dag
+from tests.solvers.brute import best_dag_bottleneck
 from tests.solvers.cbc_limits import record_cbc_limits
 
 
@@ -80,15 +80,6 @@ def test_a_dag_where_the_ilp_gains_gets_its_split() -> None:
     assert auto.solver.status == "optimal" and auto.solver.gap is not None and auto.solver.gap <= 0.005
 
 
-def _brute(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
-    n, k = len(lc), len(devices)
-    best = np.inf
-    for a in itertools.product(range(k), repeat=n):
-        if len(set(a)) == k and all(a[u] <= a[v] for u in range(n) for v in lc.consumers[u]):
-            best = min(best, max(c.time_ms for c in stage_costs(lc, list(a), devices, opts)))
-    return float(best)
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("recompute", ["except_last", "never"])
 def test_dag_bound_is_below_every_split(seed: int, recompute: str) -> None:
@@ -96,7 +87,7 @@ def test_dag_bound_is_below_every_split(seed: int, recompute: str) -> None:
     devices = [DeviceSpec("a"), DeviceSpec("b", speed=2.0), DeviceSpec("c")]
     opts = CostOptions(4, recompute, bandwidth=1e6)
     bound = dag_bound(lc, devices, opts)
-    assert bound is not None and 0 < bound <= _brute(lc, devices, opts) + 1e-9
+    assert bound is not None and 0 < bound <= best_dag_bottleneck(lc, devices, opts) + 1e-9
 
 
 def test_the_time_budget_is_kept_shown_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
