@@ -26,9 +26,8 @@ costs any stage call (``recompute_call_ms``, paid per stage), over the whole for
 replaces the ratio sampled on layers alone. The three runs take turns in every round: this
 machine's speed drifts by tens of percent over minutes, and separate batches of repeats
 measured the drift, not the recomputation. A small graph's round takes a few milliseconds, and
-its ``repeats`` rounds then measured the noise as much as the graph (the recompute ratio of a
-64-row gpt micro-batch came out 1.04-1.14 over five profiles with 10 rounds, 1.02-1.08 with
-40): the rounds go on past ``repeats`` until ``repeats x SEQUENCE_MS_PER_REPEAT`` of them have
+its ``repeats`` rounds then measured the noise as much as the graph (figures: docs/benchmarks.md,
+"Figures behind the Notes"): the rounds go on past ``repeats`` until ``repeats x SEQUENCE_MS_PER_REPEAT`` of them have
 passed (at most ``MAX_ROUNDS_PER_REPEAT x repeats`` rounds), which a large graph reaches in
 its first ``repeats``. A graph GPipe cannot run as one stage, or whose checkpointed runs took
 no longer than its plain ones (nothing recomputed measured), keeps the sampled ratio. Layer by

@@ -5,10 +5,8 @@
 
 [Note: ranks sharing a host] The profile times every layer in one process with the machine to
 itself. Ranks of a pipeline on one host compute at the same time, on their own cores but over
-the same memory bus and caches, so each computes more slowly than the profile timed it. On this
-2-core machine, gpt's two stages of a 2-rank split, each timed in one process with the other
-stage running beside it in a second process, took 3-4% longer, forward and backward alike,
-in three rounds out of three; traced inside the ranks, 4-6%. That is a property of the model
+the same memory bus and caches, so each computes more slowly than the profile timed it, forward
+and backward alike, by a few percent on a CPU. That is a property of the model
 (how much memory traffic its kernels make) and of the host, not of a layer, so it is measured
 once per profile on the whole model: its forward and backward on one micro-batch, timed
 alone and then with a forked copy of the process running the same step in a loop, in turns
@@ -17,11 +15,9 @@ each of the two on the cores a rank of ``autopipe run`` would take ([Note: ranks
 cores] in executor/ranks/rank_cores.py);
 the median over the rounds of (beside / alone) is ``rank_compute_slowdown``, clamped to
 ``SLOWDOWN_RANGE``; where no round timed anything alone (every step took 0 ms on the timer)
-there is no slowdown (None), never the clamp's edge, and the profile keeps none. The whole
-model beside itself measured 1.02-1.08 for the bundled examples
-(mlp, cnn, gpt, unet at 64-row micro-batches; gpt 1.03 twice, as its stages beside each other),
-with 7 runs a side 0.99-1.06 and rounds as far apart as the effect: hence 15. With the two
-pinned to a core each: mlp 1.01-1.04, cnn 1.05, gpt 1.01-1.02, unet 1.06-1.07 (two each).
+there is no slowdown (None), never the clamp's edge, and the profile keeps none. The effect is
+a few percent, so each side takes as many runs (``TWIN_RUNS``) as keep a round's spread below
+it (figures: docs/benchmarks.md, "Figures behind the Notes").
 
 It is measured only with ``--comm`` (the profile is for ranks on this host, as the transfer
 is) and only on a CPU: GPUs do not share their compute, and a CUDA process must not fork. A
