@@ -10,10 +10,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from autopipe.core.layer_costs import LayerCosts
 from autopipe.errors import PartitionError
 from autopipe.solvers.dp import check_stage_count, minmax_dp
 
-__all__ = ["uniform_sizes", "params_sizes", "blockpartition_sizes", "sizes_to_assignment"]
+__all__ = ["uniform_sizes", "params_sizes", "param_counts", "blockpartition_sizes", "sizes_to_assignment"]
 
 
 def uniform_sizes(n: int, k: int) -> list[int]:
@@ -36,6 +37,15 @@ def params_sizes(param_bytes: Sequence[int], k: int) -> list[int]:
 
     _, starts = minmax_dp(n, k, cost)
     return [b - a for a, b in zip(starts, [*starts[1:], n], strict=True)]
+
+
+def param_counts(costs: LayerCosts) -> list[int]:
+    """Each layer's parameter bytes as DeepSpeed's balance counts them: a tied weight once, at
+    its first use (the input of :func:`params_sizes`)."""
+    counts = costs.params.copy()
+    for members, nbytes in costs.tie_groups:
+        counts[members[0]] += nbytes
+    return [int(c) for c in np.asarray(counts)]
 
 
 def blockpartition_sizes(costs: Sequence[float], k: int) -> list[int]:

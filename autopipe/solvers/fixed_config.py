@@ -10,8 +10,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from autopipe.core.cost import (
     DeviceSpec,
     LayerCosts,
@@ -26,6 +24,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
     blockpartition_sizes,
+    param_counts,
     params_sizes,
     sizes_to_assignment,
     uniform_sizes,
@@ -75,7 +74,7 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
         if method == "uniform":
             sizes = uniform_sizes(n, k)
         elif method == "params":
-            sizes = params_sizes(_param_counts(costs), k)
+            sizes = params_sizes(param_counts(costs), k)
         else:
             work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), chunks,
                               costs.recompute_ratio)
@@ -130,10 +129,3 @@ def _exact_info(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostO
     gap = None if bound is None or bottleneck <= 0 else max(0.0, (bottleneck - bound) / bottleneck)
     status = "optimal" if gap is not None and gap <= GAP else "optimal over the topological order"
     return SolverInfo(status, bottleneck, bound, gap, time.perf_counter() - start)
-
-
-def _param_counts(costs: LayerCosts) -> list[int]:
-    counts = costs.params.copy()
-    for members, nbytes in costs.tie_groups:
-        counts[members[0]] += nbytes  # DeepSpeed counts a tied weight once, at its first use
-    return [int(c) for c in np.asarray(counts)]

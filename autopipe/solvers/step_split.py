@@ -43,6 +43,7 @@ from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
     blockpartition_sizes,
+    param_counts,
     params_sizes,
     sizes_to_assignment,
     uniform_sizes,
@@ -148,10 +149,7 @@ def _baselines(costs: LayerCosts, options: CostOptions, k: int) -> list[list[int
     """The baselines' splits: equal layer counts, DeepSpeed's parameter balance and, where
     torchgpipe is installed, its blockpartition over each layer's work."""
     n = len(costs)
-    counts = costs.params.copy()
-    for members, nbytes in costs.tie_groups:
-        counts[members[0]] += nbytes  # DeepSpeed counts a tied weight once, at its first use
-    out = [sizes_to_assignment(uniform_sizes(n, k)), sizes_to_assignment(params_sizes([int(c) for c in counts], k))]
+    out = [sizes_to_assignment(uniform_sizes(n, k)), sizes_to_assignment(params_sizes(param_counts(costs), k))]
     work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), options.chunks, costs.recompute_ratio)
     try:
         out.append(sizes_to_assignment(blockpartition_sizes(list(work), k)))
