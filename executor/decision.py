@@ -36,10 +36,6 @@ from executor.spec import (
 
 __all__ = ["Decision", "runtime_decision"]
 
-# A runtime built by hand takes these loose arguments, with these defaults (a Decision's own).
-_BY_HAND: dict[str, Any] = {"recompute": "except_last", "schedule": "gpipe",
-                            "merge_backward": MERGE_RULES[0], "precision": "fp32"}
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -140,6 +136,12 @@ class Decision:
         if self.recompute_layers:
             parts.append(f"{len(self.recompute_layers)} layer(s) recomputed")
         return " | ".join(parts)
+
+
+# A runtime built by hand takes these loose arguments, with these defaults: a Decision's own,
+# and recomputation of every micro-batch but one (torchgpipe's default).
+_BY_HAND: dict[str, Any] = {"recompute": "except_last", **{
+    f.name: f.default for f in fields(Decision) if f.name in ("schedule", "merge_backward", "precision")}}
 
 
 def runtime_decision(decision: Decision | None, stages: int, *, chunks: int | None,
