@@ -3,7 +3,7 @@
 [Note: slow files first] ``--dist loadfile`` gives each worker whole files (a file's module
 fixtures, such as a shared group of ranks, are then built once), and by default queues the files
 by how many tests they hold. The suite's time is not in its many small tests but in a few files
-that start ranks, torchrun or a 3 GB checkpoint (20-75 s each): queued by test count, some of
+that start ranks, torchrun or a gigabyte checkpoint (20-75 s each): queued by test count, some of
 those started in the last minute and the run waited on one worker while the other sat idle. So
 the collection is reordered (the same on every worker): the files that hold tests marked
 ``slow`` first, those whose tests are most often slow first (a file of a few long runs of ranks

@@ -1,7 +1,10 @@
 """Models that are never whole in one place: built on meta, stages loaded from weights files.
 
-Memory is the process's peak anonymous resident memory ([Note: RssAnon]), measured in fresh
-processes: the pages of a memory-mapped weights file do not count, every real copy does.
+Memory is the process's peak anonymous resident memory ([Note: RssAnon]) above its level on
+entry to the build, measured in fresh processes: the pages of a memory-mapped weights file do not
+count, every real copy does, and neither do the imports the process started with (~0.3 GiB of
+torch and transformers, [Note: processes forked from a server]), which have nothing to do with
+the model's size and would otherwise eat a fixed share of the bound.
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ from autopipe.frontend.profiling.harness.process_memory import PeakRss, rss_anon
 from tests import forked
 from tests.assemble.test_ranks import _ok, spawn
 
-# 28 blocks of 12 x 1536^2 parameters plus a 8000-token tied embedding: 3.2 GB in fp32
-GIANT = {"vocab": 8000, "dim": 1536, "heads": 12, "layers": 28, "max_len": 64}
+# 6 blocks of 12 x 2048^2 parameters plus a 8000-token tied embedding: 1.27 GB in fp32. The
+# bounds are shares of the model's size over the process's level on entry, so a copy of a stage
+# (half the model) or of the model is the same share of them at any size. Measured here: a rank
+# 0.60 (a stage's gradients, 0.5, and ~0.1 GiB of the step's own), one process 0.01 (the
+# weights stay the file's pages); 0.54-0.56 and 0.01 at 3.2 GB (28 x 1536^2). Few, wide blocks
+# keep the tracing, the cost that grows with layers, small.
+GIANT = {"vocab": 8000, "dim": 2048, "heads": 16, "layers": 6, "max_len": 64}
 CHUNKS = 2
 
 
@@ -79,11 +87,11 @@ def test_two_ranks_load_only_their_stage_and_match_one_process(tmp_path: Path) -
     assert seen >= set(dict(ref.named_parameters()))  # every parameter lives on some rank
 
 
-# --- a 3.2 GB model: peak memory of building it from a file -----------------------------------
+# --- a 1.27 GB model: peak memory of building it from a file ----------------------------------
 def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], block: npt.NDArray[np.float32]) -> None:
     """A .safetensors file of float32 ``tensors``, each the first values of ``block``: the
     format's header (its length, then JSON padded to 8 bytes) and the bytes straight from
-    ``block``, so that writing 3.2 GB copies nothing in memory."""
+    ``block``, so that writing the model copies nothing in memory."""
     header: dict[str, Any] = {}
     offset = 0
     for key, shape in tensors:
@@ -100,7 +108,7 @@ def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], block: 
 
 def _write_giant_weights(folder: Path) -> Path:
     # One shard per ~400 MB, written from one random block of the largest tensor's size
-    # (random values without drawing 3.2 GB of them), so nothing ever holds the whole model.
+    # (random values without drawing the model's size of them), so nothing ever holds the whole model.
     with torch.device("meta"):
         model = TinyGPT(**GIANT)
     shapes = [(k, tuple(t.shape)) for k, t in model.state_dict().items() if k != "head.weight"]
@@ -139,7 +147,8 @@ def _giant_plan() -> dict[str, Any]:
 
 
 def _build_one_process(weights: str, plan: dict[str, Any]) -> tuple[int, int | None]:
-    """The model's bytes and the peak RssAnon of building and running it in one process."""
+    """The model's bytes and the peak RssAnon of building and running it in one process, above
+    the level on entry."""
     import autopipe
 
     torch.set_num_threads(1)
@@ -152,7 +161,7 @@ def _build_one_process(weights: str, plan: dict[str, Any]) -> tuple[int, int | N
         with torch.no_grad():
             out = pipe(ids)
     assert out.shape == (2, 4, 8000) and torch.isfinite(out).all()
-    return sum(p.numel() * p.element_size() for p in model.parameters()), rss.bytes
+    return sum(p.numel() * p.element_size() for p in model.parameters()), rss.above_start
 
 
 def _rank_peak(rank: int, weights: str, plan: dict[str, Any]) -> tuple[int, int]:
@@ -167,14 +176,14 @@ def _rank_peak(rank: int, weights: str, plan: dict[str, Any]) -> tuple[int, int]
         pipe = distributed_pipeline(model, (ids,), loss_fn=_loss, chunks=CHUNKS, plan=Plan.from_dict(plan),
                                     weights=weights, timeout=120)
         pipe.step(ids, target=ids)
-    assert rss.bytes is not None
-    return size, rss.bytes
+    assert rss.above_start is not None
+    return size, rss.above_start
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(rss_anon() is None, reason="needs Linux /proc/self/status")
 @pytest.mark.timeout(400)
-def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:
+def test_a_1gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: Path) -> None:
     index = _write_giant_weights(tmp_path)
     plan = _giant_plan()
     # the one-process build and the two ranks measure their own processes ([Note: processes
@@ -188,7 +197,9 @@ def test_a_3gb_model_is_built_from_its_weights_without_a_second_copy(tmp_path: P
     finally:
         one.kill()
     assert peak is not None
-    assert size >= 3e9
-    assert peak <= 1.5 * size, f"one process: peak {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB model"
+    assert size >= 1.2e9
+    # in one process the stages keep the file's mapped pages, which RssAnon does not count: one
+    # copy of the model in memory (measured: 1.06x above entry) fails, the build itself is ~0.01x
+    assert peak <= 0.5 * size, f"one process: peak {peak / 2**30:.2f} GiB above entry for a {size / 2**30:.2f} GiB model"
     for rank, (size, peak) in enumerate(ranks):
-        assert peak <= 0.8 * size, f"rank {rank}: peak {peak / 2**30:.2f} GiB of {size / 2**30:.2f} GiB"
+        assert peak <= 0.8 * size, f"rank {rank}: peak {peak / 2**30:.2f} GiB above entry of {size / 2**30:.2f} GiB"
