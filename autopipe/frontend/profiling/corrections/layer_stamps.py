@@ -81,6 +81,7 @@ class LayerStamps:
         self._fwd: list[Stamp] = []
         self._bwd: list[Stamp] = []
         self._runs: list[tuple[list[float], list[float]]] = []
+        self._handles: list[Any] = []  # this run's gradient hooks, removed when it ends
         self.module = self._stamped(gm, node_layer)
 
     def _now(self) -> float | torch.cuda.Event:
@@ -96,7 +97,9 @@ class LayerStamps:
     def _hook(self, layer: int, value: Any) -> Any:
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda _grad, i=layer: self._bwd.append((i, self._now())))
+                # a layer may return a leaf (a parameter it only casts): its hook must not outlive
+                # the run, or every later backward of the user's model fires it
+                self._handles.append(t.register_hook(lambda _grad, i=layer: self._bwd.append((i, self._now()))))
         return value
 
     def _stamped(self, gm: fx.GraphModule, node_layer: Mapping[str, str]) -> fx.GraphModule:
@@ -137,12 +140,17 @@ class LayerStamps:
         """One stamped forward and backward (all-ones output gradients); its shares are kept
         unless ``keep`` is false (a warmup run)."""
         self._fwd, self._bwd = [], []
-        out = autocast_call(self.module, self.precision, self.device)(*args)  # [Note: profiling under a precision]
-        roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if roots:
-            self._bwd.append((-1, self._now()))
-            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-            self._bwd.append((-1, self._now()))
+        try:
+            out = autocast_call(self.module, self.precision, self.device)(*args)  # [Note: profiling under a precision]
+            roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if roots:
+                self._bwd.append((-1, self._now()))
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                self._bwd.append((-1, self._now()))
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
         if not keep:
             return
         fwd = self._ms(self._fwd)

@@ -80,6 +80,31 @@ def test_outputs_without_gradient_leave_the_backward_unstamped() -> None:
     assert sum(fwd) == pytest.approx(1.0) and bwd == [0.0] * len(fwd)
 
 
+class CastsItsWeight(nn.Module):
+    """A layer that returns a parameter (as the Mamba scan's ``decay.to(float32)`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decay = nn.Parameter(torch.ones(4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x) * self.decay.to(torch.float32)
+
+
+def test_a_returned_parameter_keeps_no_hook_after_the_run() -> None:
+    # each run's gradient hooks end with it: on the user's model a later backward fires none of
+    # them and appends nothing to the finished stamps
+    model = CastsItsWeight()
+    stamps, args = _stamps(model, torch.randn(2, 4))
+    for _ in range(2):
+        stamps.run(*args)
+    assert not model.decay._backward_hooks
+    kept = len(stamps._bwd)
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(stamps._bwd) == kept
+
+
 @skip_if_no_cuda
 def test_cuda_stamps_are_events_read_after_one_synchronisation() -> None:
     model = HeavyThenLight().cuda()
