@@ -13,6 +13,11 @@ from the state imports leave: no thread pools, no allocations freed, and torch's
 re-set in the child as a fresh process has it. Unlike 'spawn', a child sees the environment of
 the server's start, not the test's: a test that sets the environment for its child (an allocator
 variable, LD_PRELOAD) still starts a new interpreter.
+
+A test of code that spawns its own processes (autopipe's ``measure_comm``, two fresh
+interpreters per launch, ~4 s of CPU each here) forks them from the same server instead with
+:func:`start_processes`, where what they run, not how a process starts, is under test (the
+spawned start has its own tests: tests/frontend/profiling/spawned/test_comm.py).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["PRELOAD", "Child", "context", "start"]
+__all__ = ["PRELOAD", "Child", "context", "start", "start_processes"]
 
 PRELOAD = [
     "autopipe.assemble.ranks", "autopipe.frontend.profiling.profiler",  # torch, pipelining, autopipe
@@ -96,3 +101,14 @@ class Child:
 def start(fn: Callable[..., Any], *args: Any) -> Child:
     """Run ``fn(*args)`` in a process of its own ([Note: processes forked from a server])."""
     return Child(fn, *args)
+
+
+def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1, join: bool = True,
+                    daemon: bool = False, start_method: str = "spawn") -> Any:
+    """``torch.multiprocessing.start_processes`` whose processes are forks of the server
+    ([Note: processes forked from a server]) whatever ``start_method`` says: patched in for
+    the function a module calls (``monkeypatch.setattr(comm, "start_processes", ...)``)."""
+    from torch.multiprocessing.spawn import start_processes as start
+
+    context()  # the server's preload, should this be its first use
+    return start(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method="forkserver")

@@ -12,7 +12,9 @@ plan follows its own bit for bit.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,17 +68,40 @@ def optimizer(params: Iterable[nn.Parameter]) -> tuple[torch.optim.Optimizer, An
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
+Traces = dict[tuple[float, str, int], tuple[nn.Module, Any]]
+
+
+def _stored(traces: Traces, dropout: float, case: str, replicas: int) -> tuple[nn.Module, Any]:
+    key = (dropout, case, replicas)
+    if key not in traces:
+        from autopipe.assemble.setup import microbatch_inputs
+        from autopipe.frontend.tracing.graph import trace
+
+        made = model(dropout, case)
+        traces[key] = made, trace(made, microbatch_inputs(batch(0, 0, replicas)[:1], CHUNKS))
+    return traces[key]
+
+
+def traced(traces: Traces, dropout: float = 0.0, case: str = "tiny", replicas: int = 1) -> tuple[nn.Module, Any]:
+    """``model(dropout, case)`` and its graph (``autopipe.trace`` on the first micro-batch of one
+    replica's batch), for a pipeline's ``graph=``. A run builds several pipelines of one model,
+    and tracing is most of a build: each (dropout, case, replicas) is traced once per ``traces``
+    (one test's, or one call of the ranks'), and every call gets a deep copy of that model and
+    its graph together (the copy's graph holds the copy's tensors; the stored model, seeded as
+    :func:`model` seeds it, never builds a pipeline), nothing shared with another call's."""
+    with warnings.catch_warnings():  # torch's pytree specs warn as they are copied
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(_stored(traces, dropout, case, replicas))
+
+
 def plan(stages: int, replicas: int = 1, dp_mode: str = "ddp", schedule: str = "gpipe",
-         case: str = "tiny") -> dict[str, Any]:
-    """A uniform plan of ``stages`` for one replica's batch (made once, in the parent: the
-    ranks import none of this)."""
-    from autopipe.assemble.setup import microbatch_inputs
-    from autopipe.frontend.tracing.graph import trace
+         case: str = "tiny", traces: Traces | None = None) -> dict[str, Any]:
+    """A uniform plan of ``stages`` for one replica's batch from made-up costs of the graph
+    ``traces`` holds (:func:`traced`): the same plan in every process that makes it."""
     from autopipe.solvers.partitioner import partition
     from tests.assemble.test_local import cost_profile
 
-    x, _ = batch(0, 0, replicas)
-    graph = trace(model(case=case), microbatch_inputs((x,), CHUNKS))
+    graph = _stored({} if traces is None else traces, 0.0, case, replicas)[1]
     made = partition(cost_profile(graph), stages=stages, method="uniform", chunks=CHUNKS,
                      schedule=schedule)
     return dataclasses.replace(made, data_parallel=replicas, dp_mode=dp_mode).to_dict()

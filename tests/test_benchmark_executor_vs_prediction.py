@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from autopipe.frontend.profiling.spawned import comm
 from benchmarks import executor_vs_prediction
+from tests import forked
 
 
 @pytest.mark.slow
@@ -46,7 +48,10 @@ def test_schedules_other_than_gpipe_need_the_distributed_runtime() -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_under_both_schedules() -> None:
+def test_two_ranks_under_both_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the link's and the runtime's measurement, its two ranks forked rather than spawned
+    # ([Note: processes forked from a server] in tests/forked.py)
+    monkeypatch.setattr(comm, "start_processes", forked.start_processes)
     rows = executor_vs_prediction.main(["--runtime", "distributed", "--models", "mlp", "--batch", "8",
                                         "--chunks", "2", "--checkpoints", "except_last", "--repeats", "1",
                                         "--rounds", "1", "--schedules", "gpipe", "1f1b", "--comm-launches", "1",

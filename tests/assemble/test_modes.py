@@ -41,14 +41,17 @@ def ids(batch: int, length: int, seed: int) -> Tensor:
     return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def build(model: nn.Module, example: Tensor, **kwargs: Any) -> tuple[DistributedPipeline, dict[str, Any]]:
-    """This rank's pipeline of ``model`` on a 2-stage plan from made-up costs, and that plan's stages.
+def build(model: nn.Module, example: Tensor, stages: int = 2, loss_fn: Any = lm_loss,
+          **kwargs: Any) -> tuple[DistributedPipeline, dict[str, Any]]:
+    """This rank's pipeline of ``model`` on a plan of ``stages`` (one per rank) from made-up
+    costs, and that plan's stages.
 
     Each rank traces once: the graph it plans with is the one it builds with (``graph=``), and
-    made-up costs give both ranks the same plan (the tests compare its stages)."""
+    made-up costs give both ranks the same plan (the tests compare its stages) without
+    profiling: what these tests run does not depend on the plan's predicted times."""
     graph = trace(model, microbatch_inputs((example,), CHUNKS))
-    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=CHUNKS)
-    pipe = distributed_pipeline(model, (example,), loss_fn=lm_loss, plan=plan, chunks=CHUNKS,
+    plan = partition(cost_profile(graph), stages=stages, method="dp", chunks=CHUNKS)
+    pipe = distributed_pipeline(model, (example,), loss_fn=loss_fn, plan=plan, chunks=CHUNKS,
                                 timeout=30, graph=graph, **kwargs)
     return pipe, {"stages": plan.stages, "fingerprint": plan.fingerprint}
 
@@ -89,8 +92,7 @@ def _lengths(rank: int) -> dict[str, Any]:
                     p.grad = None
                 loss = pipe.step(ids(4, length, length), target=ids(4, length, length + 1))
                 out[(name, length)] = {"loss": loss, "grads": grads(pipe)}
-    pipe = distributed_pipeline(FixedView(), (torch.randn(4, 16, 8),), loss_fn=F.mse_loss,
-                                chunks=CHUNKS, method="uniform", timeout=30)
+    pipe, _ = build(FixedView(), torch.randn(4, 16, 8), loss_fn=F.mse_loss)
     try:
         pipe.step(torch.randn(4, 12, 8), target=torch.randn(4, 4))
     except DistributedError as err:
@@ -192,8 +194,7 @@ def test_eval_step_on_one_rank() -> None:
     reference = copy.deepcopy(model).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = distributed_pipeline(model, (ids(4, 8, 0),), loss_fn=lm_loss, chunks=CHUNKS,
-                                    method="uniform")
+        pipe, _ = build(model, ids(4, 8, 0), stages=1)
         assert pipe.training and pipe.eval() is pipe and not pipe.training
         pipe.train()
         out = pipe.eval_step(ids(4, 6, 1))
@@ -203,15 +204,13 @@ def test_eval_step_on_one_rank() -> None:
     scalar_model = ScalarOut()
     with torch.no_grad():
         h, mean = copy.deepcopy(scalar_model)(x := torch.randn(4, 4))
-    scalar = distributed_pipeline(scalar_model, (torch.randn(4, 4),), loss_fn=lambda o, y: o[1],
-                                  chunks=CHUNKS, method="uniform")
+    scalar, _ = build(scalar_model, torch.randn(4, 4), stages=1, loss_fn=lambda o, y: o[1])
     out = scalar.eval_step(x)  # a 0-dim leaf is weighted by rows, as executor.GPipe gathers it
     assert_close(out[0], h)
     assert_close(out[1], mean)
     assert_close(scalar.eval_step(x, target=torch.zeros(4)), mean)
     branch = TrainOnlyBranch()  # one graph cannot hold both modes: eval is refused in one line
-    one_mode = distributed_pipeline(branch, (torch.randn(4, 4),), loss_fn=F.mse_loss,
-                                    chunks=CHUNKS, method="uniform")
+    one_mode, _ = build(branch, torch.randn(4, 4), stages=1, loss_fn=F.mse_loss)
     one_mode.step(torch.randn(4, 4), target=torch.randn(4, 4))
     with pytest.raises(TraceError, match=r"^this pipeline can only run in train mode: the model "
                                          r"runs 'mul' in train mode only"):

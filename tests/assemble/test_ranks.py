@@ -280,6 +280,20 @@ def _case(name: str) -> Case:
     return CASES[name]()
 
 
+def _made_up_plan(model: nn.Module, inputs: tuple[Tensor, ...]) -> dict[str, Any]:
+    """``plan=`` and ``graph=`` for ``distributed_pipeline``: this rank's trace of ``model`` on
+    the first micro-batch and 2 stages of equal layer counts from made-up costs (the same on
+    every rank), for a test whose subject is not the plan: what ``method="uniform"`` splits
+    without a plan, without rank 0 profiling the model first (0.6-1.2 s, the other rank waiting)."""
+    from autopipe.assemble.setup import microbatch_inputs
+    from autopipe.frontend.tracing.graph import trace
+    from autopipe.solvers.partitioner import partition
+    from tests.assemble.test_local import cost_profile
+
+    graph = trace(model, microbatch_inputs(inputs, CHUNKS))
+    return {"plan": partition(cost_profile(graph), stages=2, method="uniform", chunks=CHUNKS), "graph": graph}
+
+
 def _reference(model: nn.Module, inputs: tuple[Tensor, ...], target: Tensor,
                loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
     """Mean over the same micro-batches, backward into ``model``."""
@@ -439,7 +453,7 @@ def _other_seed_each(rank: int) -> dict[str, Any]:
             nn.init.normal_(p)
     bucket, built.SYNC_BUCKET_BYTES = built.SYNC_BUCKET_BYTES, 64 * 64 * 4
     try:
-        pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform", timeout=20)
+        pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, timeout=20, **_made_up_plan(model, inputs))
     finally:
         built.SYNC_BUCKET_BYTES = bucket
     return {"loss": pipe.step(*inputs, target=target), "state": pipe.state_dict(),
@@ -506,7 +520,7 @@ def test_layers_recomputed_alone_on_two_ranks_match_one_process() -> None:
 
 def _train_and_save(rank: int, case: str, out: str) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case(case)
-    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform", timeout=20)
+    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, timeout=20, **_made_up_plan(model, inputs))
     opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=0.1)
     for _ in range(2):
         opt.zero_grad()
@@ -542,36 +556,67 @@ FAIL_WATCHDOG_S = FAIL_TIMEOUT_S + FAIL_GRACE_S  # a step still running then is 
 FAIL_FIRST_STEP_S = 30  # the first step's own limit, which a later step must not get
 
 
-def _fail(rank: int, how: str) -> tuple[str, float]:
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _stuck_until_gone(marker: Path, limit: float) -> None:
+    """Stuck (no call into the pipeline) until the process whose pid ``marker`` names has ended,
+    ``limit`` seconds at most: rank 1 of the "hangs" case, stuck past the timeout and the
+    watchdog for as long as rank 0 needs them, not for a guess of how long that is."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if _gone(int(marker.read_text())):
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+
+
+def _fail(rank: int, how: str, marker: str) -> tuple[str, float]:
     import executor.ranks.watchdog
 
     executor.ranks.watchdog.GRACE_S = FAIL_GRACE_S  # read per step; this test's fresh processes only
     model, inputs, target, loss_fn = _case("mlp")
-    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, method="uniform",
-                                timeout=FAIL_TIMEOUT_S, first_step_timeout=FAIL_FIRST_STEP_S)
+    pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, timeout=FAIL_TIMEOUT_S,
+                                first_step_timeout=FAIL_FIRST_STEP_S, **_made_up_plan(model, inputs))
     if rank == 1 and how == "hangs":  # a first step that warms up past the timeout and watchdog,
         time.sleep(FAIL_WATCHDOG_S + 1)  # within its own limit
     pipe.step(*inputs, target=target)
     if rank == 1 and how == "dies":
         os._exit(17)  # as a crashed or OOM-killed rank would
-    if rank == 1:
-        time.sleep(FAIL_WATCHDOG_S + 2)  # alive but stuck past the timeout and the watchdog
+    if rank == 1:  # alive but stuck past the timeout and the watchdog, until rank 0 is gone (its
+        _stuck_until_gone(Path(marker), FAIL_WATCHDOG_S + 2)  # step failed, or its watchdog ended it)
     start = time.monotonic()
     try:
         pipe.step(*inputs, target=target)
     except PipelineFailure as err:
-        return str(err), time.monotonic() - start
-    return "no error", time.monotonic() - start
+        ended = str(err), time.monotonic() - start
+    else:
+        ended = "no error", time.monotonic() - start
+    if rank == 0:  # its pid, for rank 1 to wait on; written whole (a rename) or not at all
+        Path(marker + ".tmp").write_text(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
+    return ended
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["dies", "hangs"])
-def test_failed_rank_ends_the_run_with_an_error_not_a_hang(how: str) -> None:
+def test_failed_rank_ends_the_run_with_an_error_not_a_hang(how: str, tmp_path: Path) -> None:
     """A dead or hung peer ends the step within the timeout, after a first step that took longer
     than the timeout but not its own limit ([Note: the first step's own limit])."""
     # a hang bound only: ~15 s idle, 61 s beside two busy processes and other jobs (load 9)
-    survivor, failed = spawn(_fail, how, timeout=200, fresh=True)
+    survivor, failed = spawn(_fail, how, str(tmp_path / "rank0-pid"), timeout=200, fresh=True)
     assert failed.exitcode == (17 if how == "dies" else 0), failed.error
     assert survivor.exitcode is not None, f"rank 0 hung after its peer {how}"
     if survivor.exitcode == 0:  # the step raised PipelineFailure before the peer could answer
@@ -665,9 +710,12 @@ def test_merge_state_dicts_refuses_diverged_ties_and_missing_keys() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_distributed_speedup_benchmark_runs_tiny() -> None:
+def test_distributed_speedup_benchmark_runs_tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopipe.frontend.profiling.spawned import comm
     from benchmarks.distributed_speedup import main
 
+    # the link's and the runtime's measurement, its two ranks forked rather than spawned
+    monkeypatch.setattr(comm, "start_processes", forked.start_processes)
     table = main(["--batch", "16", "--steps", "1", "--warmup", "0", "--models", "even", "--width", "8",
                   "--comm-launches", "1", "--comm-repeats", "2", "--comm-steps", "2", "--zb-chunks", "8", "--zb-rounds", "2"])
     assert "EvenBlocks (16 x Linear(8, 8) + ReLU)" in table and "2M/(M+1) = 1.78" in table

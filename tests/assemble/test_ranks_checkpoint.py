@@ -4,6 +4,8 @@ AdamW with a StepLR on tiny LMs whose heads are tied to their embeddings across 
 (tests/resume_cases.py). One call of the pool's 2 ranks ([Note: one pool of ranks]) runs every
 case in turn; this process runs the one-process ends (GPipe, the plain model) around it. One
 save is async, the run going on (and running a collective of its own) until it is waited for.
+Each model is traced once per process and mode of dropout, its pipelines built on deep copies of
+it and its graph (``resume_cases.traced``): the runs are about checkpoints, not tracing.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from tests.assemble.test_ranks import _close, _ok, spawn
 
 def _run(rank: int, plan: dict[str, Any], dropout: float, start: int, stop: int, *,
          load: str | None = None, save: str | None = None, save_at: int | None = None,
-         async_save: bool = False, case: str = "tiny") -> dict[str, Tensor]:
+         async_save: bool = False, case: str = "tiny", traces: rc.Traces | None = None) -> dict[str, Tensor]:
     """Steps [start, stop) on a new pipeline of ``plan``, loaded from ``load`` first, saved to
     ``save`` after step ``save_at`` (default: the last). An async save is waited for only at the
     end: the steps after it change every tensor it saves, and a collective on the default group
-    (as a training loop's logging would run) goes on meanwhile."""
+    (as a training loop's logging would run) goes on meanwhile. ``traces``: the model's trace
+    from an earlier run of the call (``resume_cases.traced``)."""
     made = Plan.from_dict(plan)
     replicas = made.data_parallel  # every replica's batch has the shape of replica 0's
-    pipe = distributed_pipeline(rc.model(dropout, case), rc.batch(0, 0, replicas)[:1], loss_fn=rc.lm_loss,
-                                plan=made, timeout=20)
+    model, graph = rc.traced({} if traces is None else traces, dropout, case, replicas)
+    pipe = distributed_pipeline(model, rc.batch(0, 0, replicas)[:1], loss_fn=rc.lm_loss,
+                                plan=made, timeout=20, graph=graph)
     opt, scheduler = rc.optimizer(pipe.stage_module.parameters())
     torch.manual_seed(1000 + rank)  # dropout's draws (a resumed run's: its checkpoint's)
     if load is not None:
@@ -59,28 +63,33 @@ def _run(rank: int, plan: dict[str, Any], dropout: float, start: int, stop: int,
     return rc.pipeline_state(pipe, opt)
 
 
-def _ranks(rank: int, root: str, plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Tensor]]:
-    """Every case of this module on one rank, in turn."""
+def _ranks(rank: int, root: str, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every case of this module on one rank, in turn; and the GPT-2 plan, made here from this
+    rank's own trace (as the parent's plans are made: every rank makes the same), which spares
+    the parent a trace of its own."""
     k2, k4, at = plans["k2"], plans["k4"], rc.SAVED_AT
+    traces: rc.Traces = {}  # this call's: each model traced once per mode of dropout
     # the straight run saves on its way (async: its next steps must not reach the checkpoint),
     # one pipeline less; the resumed one loads the root, whole on every rank once wait() returned
     out = {"straight": _run(rank, k2, rc.DROPOUT, 0, rc.STEPS, save=f"{root}/dropout", save_at=at,
-                            async_save=True)}
-    out["resumed"] = _run(rank, k2, rc.DROPOUT, at, rc.STEPS, load=f"{root}/dropout")
-    _run(rank, k2, 0.0, 0, at, save=f"{root}/ranks")  # for this process: GPipe, the plain model
-    out["other_k"] = _run(rank, k4, 0.0, at, rc.STEPS, load=f"{root}/ranks")
-    out["from_one_process"] = _run(rank, k2, 0.0, at, rc.STEPS, load=f"{root}/gpipe")
+                            async_save=True, traces=traces)}
+    out["resumed"] = _run(rank, k2, rc.DROPOUT, at, rc.STEPS, load=f"{root}/dropout", traces=traces)
+    _run(rank, k2, 0.0, 0, at, save=f"{root}/ranks", traces=traces)  # for this process: GPipe, the plain model
+    out["other_k"] = _run(rank, k4, 0.0, at, rc.STEPS, load=f"{root}/ranks", traces=traces)
+    out["from_one_process"] = _run(rank, k2, 0.0, at, rc.STEPS, load=f"{root}/gpipe", traces=traces)
     # HuggingFace's GPT-2, its head tied across the ranks: from the plain model and back
-    out["gpt2"] = _run(rank, plans["gpt2"], 0.0, at, rc.STEPS, load=f"{root}/gpt2", save=f"{root}/gpt2",
-                       case="gpt2")
-    return out
+    gpt2 = rc.plan(2, case="gpt2", traces=traces)
+    out["gpt2"] = _run(rank, gpt2, 0.0, at, rc.STEPS, load=f"{root}/gpt2", save=f"{root}/gpt2",
+                       case="gpt2", traces=traces)
+    return {**out, "gpt2_plan": gpt2}
 
 
-def _gpipe(plan: dict[str, Any], start: int, stop: int, *, load: Path | None = None,
+def _gpipe(plan: dict[str, Any], start: int, stop: int, traces: rc.Traces, *, load: Path | None = None,
            save: Path | None = None) -> dict[str, Tensor]:
     """:func:`_run` in this process: a GPipe of the plan's stages on two CPU 'devices'."""
-    pipe = autopipe.pipeline(rc.model(), rc.batch(0)[:1], devices=["cpu", "cpu"], loss_fn=rc.lm_loss,
-                             plan=Plan.from_dict(plan))
+    model, graph = rc.traced(traces)
+    pipe = autopipe.pipeline(model, rc.batch(0)[:1], devices=["cpu", "cpu"], loss_fn=rc.lm_loss,
+                             plan=Plan.from_dict(plan), graph=graph)
     opt, scheduler = rc.optimizer(pipe.parameters())
     if load is not None:
         assert pipe.load_checkpoint(load, opt, scheduler) == {"at": start}
@@ -140,13 +149,15 @@ def test_resume_on_two_ranks(tmp_path: Path) -> None:
     the plain model to 2 ranks: close to the plain model's 6 steps; these run with dropout off
     (p=0), as masks drawn under another plan differ. Both LMs' heads are tied to their
     embeddings across the ranks (the first stage holds one, the last the other)."""
-    plans = {"k2": rc.plan(2), "k4": rc.plan(4, schedule="interleaved1f1b"), "gpt2": rc.plan(2, case="gpt2")}
-    for name, tie in (("k2", ("tok", "head")), ("k4", ("tok", "head")), ("gpt2", ("transformer.wte", "lm_head"))):
-        first, *_, last = Plan.from_dict(plans[name]).stages
-        assert tie[0] in first and tie[1] in last and tie[1] not in first, (name, first, last)
-    _gpipe(plans["k2"], 0, rc.SAVED_AT, save=tmp_path / "gpipe")
+    traces: rc.Traces = {}  # this process's: the plans' graph, the GPipes' models
+    plans = {"k2": rc.plan(2, traces=traces), "k4": rc.plan(4, schedule="interleaved1f1b", traces=traces)}
+    _gpipe(plans["k2"], 0, rc.SAVED_AT, traces, save=tmp_path / "gpipe")
     _plain("gpt2", 0, rc.SAVED_AT, save=tmp_path / "gpt2")
     ranks = _ok(spawn(_ranks, str(tmp_path), plans, timeout=120))
+    assert ranks[0]["gpt2_plan"] == ranks[1]["gpt2_plan"]  # made by each rank: the same
+    for name, tie in (("k2", ("tok", "head")), ("k4", ("tok", "head")), ("gpt2", ("transformer.wte", "lm_head"))):
+        first, *_, last = Plan.from_dict(plans.get(name) or ranks[0]["gpt2_plan"]).stages
+        assert tie[0] in first and tie[1] in last and tie[1] not in first, (name, first, last)
     expected = rc.reference()
     for r, values in enumerate(ranks):
         assert_equal(values["resumed"], values["straight"], f"rank {r} resumed under its plan")
@@ -155,7 +166,7 @@ def test_resume_on_two_ranks(tmp_path: Path) -> None:
     for case in ("other_k", "from_one_process"):
         assert_matches([v[case] for v in ranks], expected, case)
     assert checkpoint_info(tmp_path / "ranks")["world"] == 2
-    assert_matches([_gpipe(plans["k2"], rc.SAVED_AT, rc.STEPS, load=tmp_path / "ranks")], expected,
+    assert_matches([_gpipe(plans["k2"], rc.SAVED_AT, rc.STEPS, traces, load=tmp_path / "ranks")], expected,
                    "2 ranks -> GPipe")
     assert_matches([_plain("tiny", rc.SAVED_AT, rc.STEPS, load=tmp_path / "ranks")], expected,
                    "2 ranks -> the plain model")

@@ -1,6 +1,7 @@
 """distributed_pipeline(data_parallel=2): 2 replicas x 2 stages on 4 gloo ranks vs one process.
 
-One spawn of 4 ranks runs every case in turn (starting 4 processes costs more than a case).
+One spawn of 4 ranks runs every case in turn (starting 4 processes costs more than a case),
+each rank tracing each model once (:func:`_traced`).
 Each replica steps on its own half of the global batch; at each step the mean of the replicas'
 losses must equal one process's loss over the whole batch (the mean over all D x M
 micro-batches, [Note: loss of a pipeline]) and, after two SGD steps, every rank's parameters
@@ -9,10 +10,12 @@ the reference's, under DDP and FSDP, with per-stage recomputation and a tied emb
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -82,9 +85,26 @@ CASES = [
 ]
 
 
-def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
-    model, inputs, _, _ = _case(case)
-    graph = trace(model, microbatch_inputs(_local(inputs, 0), CHUNKS))
+Traces = dict[str, tuple[nn.Module, Any]]
+
+
+def _traced(traces: Traces, case: str, x: tuple[Tensor, ...]) -> tuple[nn.Module, Any]:
+    """``_case(case)``'s model and its trace on the first micro-batch of ``x``, for ``graph=``:
+    each case's model is traced once per ``traces`` (one rank's run, or the parent's plans; the
+    local batches of a model have one shape), and every call gets a deep copy of that model and
+    its graph together (the copy's graph holds the copy's tensors; the stored model, seeded as
+    ``_case`` seeds it, never builds a pipeline), nothing shared with another call's."""
+    if case not in traces:
+        model = _case(case)[0]
+        traces[case] = model, trace(model, microbatch_inputs(x, CHUNKS))
+    with warnings.catch_warnings():  # torch's pytree specs warn as they are copied
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(traces[case])
+
+
+def _plan(case: str, dp_mode: str, modes: list[str], traces: Traces) -> Plan:
+    _, inputs, _, _ = _case(case)
+    _, graph = _traced(traces, case, _local(inputs, 0))
     plan = partition(cost_profile(graph), stages=len(modes), method="uniform", chunks=CHUNKS)
     return dataclasses.replace(plan, recompute=modes, data_parallel=D, dp_mode=dp_mode)
 
@@ -92,13 +112,15 @@ def _plan(case: str, dp_mode: str, modes: list[str]) -> Plan:
 def _train(rank: int, out: str, plans: list[dict[str, Any]], refused: dict[str, Any]) -> tuple[str, float] | None:
     """Every case, its results saved; then rank 3 dies and the others' next step fails."""
     results = []
+    traces: Traces = {}
     for n, (case, dp_mode, schedule, _, explicit) in enumerate(CASES):
-        model, inputs, target, loss_fn = _case(case)
+        _, inputs, target, loss_fn = _case(case)
         replica = rank // K  # [Note: replicas on a mesh]: rank = dp x K + pp
         x, (y,) = _local(inputs, replica), _local((target,), replica)
         given: dict[str, Any] = {"data_parallel": D, "dp_mode": dp_mode} if explicit else {}
+        model, graph = _traced(traces, case, x)
         pipe = distributed_pipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule,
-                                    plan=Plan.from_dict(plans[n]), timeout=STEP_TIMEOUT_S, **given)
+                                    plan=Plan.from_dict(plans[n]), timeout=STEP_TIMEOUT_S, graph=graph, **given)
         opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=LR)
         losses = []
         for _ in range(STEPS):
@@ -114,10 +136,11 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]], refused: dict[str, 
                         "engine": type(pipe._sized.modules[0]).__name__,  # stage 0 or 1's
                         "losses": losses, "state": {k: v.clone() for k, v in state.items()},
                         "path": path, **_overflow_then_clip(rank, pipe, opt, x, y)})
-    model, inputs, target, loss_fn = _case("tied")  # FSDP cannot shard the V's one tied tensor twice
+    _, inputs, target, loss_fn = _case("tied")  # FSDP cannot shard the V's one tied tensor twice
+    model, graph = _traced(traces, "tied", _local(inputs, rank // K))
     try:
         distributed_pipeline(model, _local(inputs, rank // K), loss_fn=loss_fn, chunks=CHUNKS, schedule="zbv",
-                             plan=Plan.from_dict(refused), timeout=STEP_TIMEOUT_S)
+                             plan=Plan.from_dict(refused), timeout=STEP_TIMEOUT_S, graph=graph)
     except BuildError as err:
         results.append({"refused": str(err)})
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))  # whatever ends this process
@@ -168,8 +191,9 @@ def _die(rank: int, pipe: Any, x: tuple[Tensor, ...], y: Tensor) -> tuple[str, f
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[RankResult, Any]]:
     """One 4-rank run for the whole module: each rank's end, and its cases' results."""
     out = tmp_path_factory.mktemp("replicas")
-    plans = [_plan(case, dp_mode, modes).to_dict() for case, dp_mode, _, modes, _ in CASES]  # once, not per rank
-    refused = _plan("tied", "fsdp", ["never"] * 4).to_dict()
+    traces: Traces = {}  # each model traced once here too
+    plans = [_plan(case, dp_mode, modes, traces).to_dict() for case, dp_mode, _, modes, _ in CASES]  # once, not per rank
+    refused = _plan("tied", "fsdp", ["never"] * 4, traces).to_dict()
     ends = spawn(_train, str(out), plans, refused, world=D * K, timeout=140)
     saved = [out / f"rank{r}.pt" for r in range(D * K)]
     return [(end, torch.load(f, weights_only=False) if f.exists() else None) for end, f in zip(ends, saved, strict=True)]
