@@ -144,6 +144,15 @@ def make_fixed_batch() -> tuple[nn.Module, tuple[Tensor]]:
     return Chain(), (torch.randn(4, 8),)
 
 
+def make_hf_batch(batch_size: int = 8) -> tuple[nn.Module, dict[str, Tensor]]:
+    """A factory returning an HF model and a keyword batch (tests/assemble/test_hf_batches.py's
+    one-layer Llama and its padded, partly ignored batch)."""
+    from tests.assemble.test_hf_batches import _llama, causal_batch
+
+    torch.manual_seed(0)
+    return _llama(), causal_batch(rows=batch_size)
+
+
 def make_wrong() -> int:
     return 3
 

@@ -8,7 +8,9 @@ A factory is any callable ``package.module:name``; its module is imported like `
 would, so a ``myfactory.py`` in the current directory needs no PYTHONPATH. It is called with
 ``batch_size=B`` when it has a ``batch_size`` parameter, else with no arguments (seeded, so
 every rank of ``autopipe run`` builds the same inputs), and returns ``(model, inputs)``,
-``(model, inputs, target, loss_fn)``, an object with ``.model`` and ``.inputs`` (and
+``(model, inputs, target, loss_fn)``, ``(model, batch)`` with ``batch`` a dict of keyword inputs
+(an HF batch: ``input_ids=``, ``attention_mask=``, ``labels=``; profiled as
+``autopipe.profile(model, example_kwargs=batch)``, not trained from the command line), an object with ``.model`` and ``.inputs`` (and
 ``.target`` and ``.loss_fn``, like :class:`autopipe.examples.Example`), or a bare ``nn.Module``,
 in which case ``input_shape`` (one sample's shape, without the batch dimension) makes a random
 float batch. Training (``autopipe train``, ``autopipe run``) needs the target and the loss.
@@ -47,6 +49,7 @@ class LoadedModel:
     target: Any = None  # what loss_fn compares the output with (None: the factory gave none)
     loss_fn: Callable[[Any, Any], Any] | None = None
     batches: Callable[[int], tuple[Any, Any]] | None = None  # step -> (inputs, target)
+    kwargs: dict[str, Any] | None = None  # a keyword batch (an HF one), for profile()'s example_kwargs
 
     def batch(self, step: int) -> tuple[tuple[Any, ...], Any]:
         """Step ``step``'s (0-based) inputs and target: step 0's are ``inputs`` / ``target``; later
@@ -130,6 +133,7 @@ def _real_inputs(loaded: LoadedModel) -> LoadedModel:
         return out.normal_() if out.is_floating_point() else out.zero_()
 
     loaded.inputs = tree_map_only(torch.Tensor, real, loaded.inputs)
+    loaded.kwargs = tree_map_only(torch.Tensor, real, loaded.kwargs)
     loaded.target = tree_map_only(torch.Tensor, real, loaded.target)
     return loaded
 
@@ -176,12 +180,27 @@ def load_model(
         raise ProfileError(f"factory {spec!r} raised {first_line(err)}; fix the factory") from None
     name = spec.partition(":")[2].split(".")[-1]
     loaded = _real_inputs(_unpack(spec, name, made))
+    if for_training and loaded.kwargs is not None:
+        raise ProfileError(
+            f"factory {spec!r} returned a keyword batch, which {for_training} does not take (it "
+            "trains on positional inputs, a target and a loss_fn); train it in Python: "
+            "pipe = autopipe.pipeline(model, example_kwargs=batch, plan=autopipe.Plan.load(...))")
     if for_training and (not loaded.inputs or loaded.loss_fn is None or loaded.target is None):
         raise ProfileError(
             f"factory {spec!r} returned no inputs, target and loss function, which {for_training} "
             "needs; return (model, inputs, target, loss_fn) or an object with .model, .inputs, "
             ".target and .loss_fn (like autopipe.examples.Example)"
         )
+    if loaded.kwargs is not None:
+        if input_shape is not None:
+            raise ProfileError(f"factory {spec!r} returns its own keyword batch; drop --input-shape")
+        if batch_size is not None and not takes_batch:
+            got = next((int(t.shape[0]) for t in loaded.kwargs.values() if isinstance(t, torch.Tensor) and t.dim()),
+                       None)
+            if got is not None and got != batch_size:
+                raise ProfileError(f"factory {spec!r} returned a batch of {got} rows but --batch-size is "
+                                   f"{batch_size}; give the factory a batch_size parameter or drop --batch-size")
+        return loaded
     if not loaded.inputs:
         if input_shape is None:
             raise ProfileError(
@@ -210,6 +229,11 @@ def _unpack(spec: str, name: str, made: Any) -> LoadedModel:
     batches = getattr(made, "batch", None) if hasattr(made, "model") and hasattr(made, "inputs") else None
     if hasattr(made, "model") and hasattr(made, "inputs"):
         made = (made.model, made.inputs, getattr(made, "target", None), getattr(made, "loss_fn", None))
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], dict):
+        if not all(isinstance(k, str) for k in made[1]):
+            raise ProfileError(f"factory {spec!r} returned a batch dict with non-string keys; key it by "
+                               "the forward's parameter names (input_ids=..., attention_mask=...)")
+        return LoadedModel(name, made[0], (), kwargs=dict(made[1]))
     if isinstance(made, tuple) and len(made) in (2, 4) and isinstance(made[0], nn.Module):
         inputs = made[1] if isinstance(made[1], tuple) else (made[1],)
         target, loss_fn = made[2:] if len(made) == 4 else (None, None)

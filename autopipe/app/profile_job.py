@@ -212,7 +212,8 @@ def profile_to_file(
         if threads is not None:
             torch.set_num_threads(threads)
         prof = profile(
-            loaded.model, loaded.inputs, device=device, chunks=resolve(chunks, default=DEFAULT_CHUNKS),
+            loaded.model, loaded.inputs, example_kwargs=loaded.kwargs, device=device,
+            chunks=resolve(chunks, default=DEFAULT_CHUNKS),
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes,

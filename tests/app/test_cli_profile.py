@@ -78,6 +78,27 @@ def test_leaf_and_max_depth(tmp_path: Path) -> None:
     assert "blocks" in Profile.load(tmp_path / "b.csv").layers
 
 
+def test_a_factory_of_a_keyword_batch_profiles_for_the_pipeline_of_that_batch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import autopipe
+    from autopipe.app.config import RunConfig
+    from autopipe.app.launch import run
+    from tests.models import make_hf_batch
+
+    out = tmp_path / "llama.csv"
+    assert main(["profile", "tests.models:make_hf_batch", "--batch-size", "8", "--chunks", "2",
+                 "--out", str(out), "--no-progress", *FAST]) == 0, capsys.readouterr().err
+    model, batch = make_hf_batch(8)
+    # the profile is of the graph the pipeline traces from the same batch: its fingerprint is checked
+    pipe = autopipe.pipeline(model, example_kwargs=batch, profile=Profile.load(out), devices=["cpu", "cpu"],
+                             chunks=2)
+    torch.testing.assert_close(pipe(**batch).loss, make_hf_batch(8)[0](**batch).loss)
+    # the command line trains positional inputs only: one line that says how to train it
+    with pytest.raises(Exception, match=r"returned a keyword batch, which autopipe run does not take .*"
+                                        r"autopipe\.pipeline\(model, example_kwargs=batch"):
+        run(RunConfig("tests.models:make_hf_batch", nproc=2, batch_size=8), log_dir=tmp_path)
+
+
 @pytest.mark.parametrize(
     "argv,match",
     [

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch import fx, nn
 
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import SCALED_COLUMNS
-from autopipe.errors import ProfileError
+from autopipe.errors import ProfileError, TraceError
 from autopipe.frontend.profiling._whole_or_layers import choose_mode
 from autopipe.frontend.profiling.corrections.in_sequence import (
     SequenceScales,
@@ -65,6 +65,7 @@ from autopipe.frontend.profiling.layer_rows import Edges, measure_rows
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
+from autopipe.frontend.tracing.keyword_inputs import KeywordCall, split_keywords
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.precision import precision_autocast
 from executor.spec import check_precision
@@ -151,7 +152,7 @@ def _measure_at(
     warmup: int,
     progress: bool | None,
     dedupe: bool,
-    trace_kwargs: dict[str, Any],
+    tracer: Callable[[tuple[Any, ...]], LayerGraph],
     recompute_call_ms: float = 0.0,
     precision: str = "fp32",
 ) -> Measured:
@@ -159,7 +160,7 @@ def _measure_at(
     if chosen == "whole":
         with preserved(model, dev):
             args = to_device(inputs, dev)
-            g = graph if graph is not None else trace(model, args, **trace_kwargs)
+            g = graph if graph is not None else tracer(args)
             home = _home(g.gm)  # a caller's graph goes back where it was
             try:
                 g.gm.to(dev)
@@ -176,7 +177,7 @@ def _measure_at(
         return Measured(g, split_columns(rows, *splits), extra[:2], extra[2], seq, edges, ratio)
     # the model is never moved or run: see [Note: layer by layer]
     with torch.random.fork_rng(devices=[int(dev.index or 0)] if dev.type == "cuda" else []):
-        g = graph if graph is not None else trace(model, inputs, **trace_kwargs)
+        g = graph if graph is not None else tracer(inputs)
         rows, extra, edges, splits = measure_rows(g, layer_by_layer(g, inputs, dev, dedupe=dedupe), timer, dev,
                                               repeats, warmup, progress, precision)
     return Measured(g, split_columns(rows, *splits), extra[:2], extra[2], SequenceScales(), edges,
@@ -185,8 +186,9 @@ def _measure_at(
 
 def profile(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = (),
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
     chunks: int = 1,
     repeats: int = DEFAULT_REPEATS,
@@ -212,6 +214,10 @@ def profile(
         model: the model to profile (left as it was: see [Note: profiling leaves the model
             as it was]).
         example_inputs: one full batch of positional inputs (a tensor or a tuple).
+        example_kwargs: one full batch of keyword inputs (an HF batch: ``input_ids=``,
+            ``attention_mask=``, ``labels=``), traced and split as ``autopipe.pipeline`` and
+            ``distributed_pipeline`` do with theirs, so their ``plan=`` takes the plan made from
+            this profile: tensors with a batch dimension are inputs, the rest constants.
         device: "cpu" or "cuda[:N]": where to measure (the whole model is moved there and
             back; layer by layer, only one layer's copy is ever there).
         chunks: micro-batches per batch; one micro-batch is ``ceil(batch / chunks)`` rows.
@@ -266,6 +272,7 @@ def profile(
     if progress is not None and not isinstance(progress, bool):
         raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
                            f"terminal), got {progress!r}")
+    whole, example_inputs, tracer = _keyword_inputs(model, example_inputs, example_kwargs, trace_kwargs)
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     dev = target_device(device)
     check_host_allocator(host_allocator)
@@ -280,7 +287,7 @@ def profile(
 
     def measure_at(args: tuple[Any, ...], given: LayerGraph | None) -> Measured:
         return _measure_at(model, args, given, chosen, dev, timer, repeats, warmup, progress,
-                           dedupe, trace_kwargs, calls[2], precision)
+                           dedupe, tracer, calls[2], precision)
 
     # RssAnon sampled every 5 ms: at 1 ms the sampler's wake-ups (a read of /proc and the GIL
     # each) cost ~7% of a busy loop's CPU and interrupt what is being timed; on CUDA the peak is
@@ -334,8 +341,38 @@ def profile(
     }
     corrections = measured_corrections(measured.harness_ms, calls, measured.recompute_ratio,
                                        measured.scales, chosen == "whole")
-    return later_steps(Profile(frame, measured.edges, meta, corrections), model, example_inputs, device=dev,
+    return later_steps(Profile(frame, measured.edges, meta, corrections), whole, example_inputs, device=dev,
                        loss_fn=loss_fn, target=target, comm=comm)
+
+
+def _keyword_inputs(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
+                   trace_kwargs: Mapping[str, Any]
+                   ) -> tuple[nn.Module, Any, Callable[[tuple[Any, ...]], LayerGraph]]:
+    """(what runs the whole model on the graph's inputs, those inputs as one tuple, the tracer
+    of a micro-batch of them): with ``example_kwargs``, the positional inputs then the batched
+    keyword ones (split_keywords' order, as the pipelines take them), traced with the keywords
+    and the constants as ``setup.traced`` traces a pipeline's, so that the fingerprints agree."""
+    if example_kwargs is None:
+        return model, example_inputs, lambda args: trace(model, args, **trace_kwargs)
+    if not isinstance(example_kwargs, Mapping):
+        raise ProfileError(f"example_kwargs must be a mapping of keyword inputs (an HF batch), got "
+                           f"{type(example_kwargs).__name__}")
+    try:
+        batched, constants = split_keywords(model, example_kwargs, None)
+    except TraceError as err:
+        raise ProfileError(str(err)) from None
+    if not batched:
+        raise ProfileError("example_kwargs holds no tensor with a batch dimension: pass the batch's "
+                           "tensors (input_ids=..., attention_mask=...), not only constants")
+    positional = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    names, p = tuple(batched), len(positional)
+
+    def tracer(args: tuple[Any, ...]) -> LayerGraph:
+        keywords = {**dict(zip(names, args[p:], strict=True)), **constants}
+        return trace(model, args[:p], example_kwargs=keywords, **trace_kwargs)
+
+    whole = KeywordCall(model, p, names, {**constants, **dict(trace_kwargs.get("kwargs") or {})})
+    return whole, (*positional, *batched.values()), tracer
 
 
 def time_model(

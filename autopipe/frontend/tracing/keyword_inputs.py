@@ -22,7 +22,7 @@ from torch import fx, nn
 from autopipe.errors import TraceError
 from executor._torch_compat import tree_leaves
 
-__all__ = ["split_keywords", "order_placeholders", "export_dynamic_by_name"]
+__all__ = ["split_keywords", "order_placeholders", "export_dynamic_by_name", "KeywordCall"]
 
 
 def _is_input(value: Any) -> bool:
@@ -89,3 +89,19 @@ def export_dynamic_by_name(model: nn.Module, args: tuple[Any, ...], kwargs: Mapp
         else:
             out[name] = spec(value)
     return out
+
+
+class KeywordCall(nn.Module):
+    """``model`` called with the graph's input order: ``positional`` values, then the batched
+    keyword inputs ``names`` (split_keywords' order), with ``constants`` as keywords. What a
+    step that runs the whole model on the graph's inputs (the loss's timing, a rank's twin)
+    calls; its parameters are ``model``'s own."""
+
+    def __init__(self, model: nn.Module, positional: int, names: tuple[str, ...],
+                 constants: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.model, self.positional, self.names, self.constants = model, positional, names, dict(constants)
+
+    def forward(self, *inputs: Any) -> Any:
+        keywords = dict(zip(self.names, inputs[self.positional:], strict=True))
+        return self.model(*inputs[:self.positional], **keywords, **self.constants)
