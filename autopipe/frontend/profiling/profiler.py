@@ -63,6 +63,7 @@ from autopipe.frontend.profiling.harness.timing import Timer, timer_for
 from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from autopipe.frontend.profiling.layer_rows import Edges, measure_rows
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
+from autopipe.frontend.tracing.capture import default_kwargs
 from autopipe.frontend.tracing.granularity import grouped_meta
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import KeywordCall, split_keywords
@@ -371,7 +372,7 @@ def _keyword_inputs(model: nn.Module, example_inputs: Any, example_kwargs: Mappi
         keywords = {**dict(zip(names, args[p:], strict=True)), **constants}
         return trace(model, args[:p], example_kwargs=keywords, **trace_kwargs)
 
-    whole = KeywordCall(model, p, names, {**constants, **dict(trace_kwargs.get("kwargs") or {})})
+    whole = KeywordCall(model, p, names, {**constants, **default_kwargs(model, trace_kwargs.get("kwargs"))})
     return whole, (*positional, *batched.values()), tracer
 
 

@@ -56,7 +56,7 @@ from executor._torch_compat import (
     tree_map_only,
 )
 
-__all__ = ["Capture", "capture", "LeafSpec"]
+__all__ = ["Capture", "capture", "LeafSpec", "default_kwargs"]
 
 LeafSpec = Sequence[type[nn.Module] | str] | None
 
@@ -227,7 +227,8 @@ def _leaf_key_export(
     return None
 
 
-def _default_kwargs(model: nn.Module, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def default_kwargs(model: nn.Module, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``kwargs`` and the constants a trace adds: ``use_cache=False`` for an HF model that caches."""
     out = dict(kwargs or {})
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", None) and "use_cache" not in out:
@@ -274,7 +275,7 @@ def capture(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     rule = _LeafRule(leaf_modules, max_depth)
-    batched, concrete = split_keywords(model, example_kwargs, _default_kwargs(model, kwargs))
+    batched, concrete = split_keywords(model, example_kwargs, default_kwargs(model, kwargs))
     keywords = tuple(batched)
     example_inputs = (*example_inputs, *batched.values())  # keyword inputs after positional ones
     refuse_batched_kwargs(example_inputs, concrete)
