@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -19,6 +22,7 @@ from autopipe.plot.style import (
 
 __all__ = ["plot_profile"]
 
+_BARS = 200  # up to this many layers, one bar per layer; beyond, one filled outline per series
 _NAMED_TICKS = 40  # up to this many layers, every layer's name is a tick label
 _FULL_NAME = 0.05  # a run of a stage this wide (share of the axis) is labelled "stage s" ...
 _NUMBER_ONLY = 0.015  # ... this wide "s"; a narrower run is only shaded (it would overlap)
@@ -45,8 +49,9 @@ def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | Non
     ax_t, ax_m = fig.subplots(2, 1, sharex=True)
 
     fwd, bwd = df["fwd_ms"].to_numpy(float), df["bwd_ms"].to_numpy(float)
-    ax_t.bar(x, fwd, 0.8, color=PHASE_COLORS["forward"], label="forward")
-    ax_t.bar(x, bwd, 0.8, bottom=fwd, color=PHASE_COLORS["backward"], label="backward")
+    bar = ax_t.bar if n <= _BARS else functools.partial(_filled_steps, ax_t)
+    bar(x, fwd, 0.8, color=PHASE_COLORS["forward"], label="forward")
+    bar(x, bwd, 0.8, bottom=fwd, color=PHASE_COLORS["backward"], label="backward")
     ax_t.set_ylabel("time per micro-batch (ms)")
     ax_t.margins(y=0.15)
     ax_t.set_title("time per layer")
@@ -55,9 +60,9 @@ def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | Non
     # plain memory and each bar's legend entry says which it is
     params, saved = df["param_bytes"].to_numpy(float), df["saved_bytes"].to_numpy(float)
     unit, size = byte_unit(max(params.max(), saved.max(), 1.0))
-    ax_m.bar(x - 0.2, params / size, 0.4, color="#55A868", label="parameters (one copy)")
-    ax_m.bar(x + 0.2, saved / size, 0.4, color="#CCB974",
-             label="saved for backward (per micro-batch)")
+    bar = ax_m.bar if n <= _BARS else functools.partial(_filled_steps, ax_m)
+    bar(x - 0.2, params / size, 0.4, color="#55A868", label="parameters (one copy)")
+    bar(x + 0.2, saved / size, 0.4, color="#CCB974", label="saved for backward (per micro-batch)")
     ax_m.set_ylabel(f"memory ({unit})")
     ax_m.set_title("memory per layer")
     ax_m.set_xlabel("layer (topological order)")
@@ -79,6 +84,19 @@ def plot_profile(profile: Profile, plan: Plan | None = None, *, title: str | Non
         head += f"; {plan.num_stages} stages by {plan.method}"
     fig.suptitle(title or head)
     return fig
+
+
+def _filled_steps(ax: Axes, x: Any, heights: Any, width: float, *, bottom: Any = 0.0, color: str,
+                  label: str) -> None:
+    """``ax.bar(x, heights, width, bottom=...)`` drawn as one filled outline: the same boxes, one
+    artist instead of one Rectangle per layer (matplotlib spends ~1.5 ms on each, seconds for
+    hundreds of layers); the gaps between the boxes are steps of height 0."""
+    x = np.asarray(x, float)
+    base = np.broadcast_to(np.asarray(bottom, float), x.shape)
+    edges = np.stack([x - width / 2, x + width / 2], axis=1).ravel()
+    tops = np.stack([base + np.asarray(heights, float), base], axis=1).ravel()[:-1]
+    lows = np.stack([base, base], axis=1).ravel()[:-1]
+    ax.stairs(tops, edges, baseline=lows, fill=True, color=color, label=label, lw=0)
 
 
 def _draw_stages(ax: Axes, stage: list[int], *, names: bool) -> None:

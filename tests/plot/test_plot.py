@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from matplotlib import _pylab_helpers
@@ -159,6 +160,30 @@ def test_profile_stage_names_stay_clear_of_the_legend_at_700_layers(profile_700:
         assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
     for a, b in itertools.combinations(boxes, 2):
         assert not a.overlaps(b)
+
+
+def test_many_layers_are_drawn_as_the_same_boxes_in_one_artist_each(profile_700: Profile) -> None:
+    # beyond 200 layers each series is one filled outline (matplotlib takes ~1.5 ms a bar): its
+    # boxes are where bars would be, of the profile's heights, with empty gaps between them
+    from matplotlib.patches import StepPatch
+
+    fig = plot_profile(profile_700)
+    ax_t, ax_m = fig.axes
+    assert not bars(ax_t) and not bars(ax_m)
+    df, n = profile_700.df, len(profile_700)
+    fwd, bwd = df["fwd_ms"].to_numpy(float), df["bwd_ms"].to_numpy(float)
+    drawn = [p for p in ax_t.patches if isinstance(p, StepPatch)]
+    assert [p.get_label() for p in drawn] == ["forward", "backward"]
+    for patch, (low, high) in zip(drawn, [(0.0, fwd), (fwd, fwd + bwd)], strict=True):
+        values, edges, baseline = patch.get_data()
+        assert len(edges) == 2 * n and edges[0] == pytest.approx(-0.4) and edges[1] == pytest.approx(0.4)
+        assert edges[2 * n - 1] == pytest.approx(n - 1 + 0.4)
+        assert values[0::2] == pytest.approx(high) and baseline[0::2] == pytest.approx(np.broadcast_to(low, n))
+        assert values[1::2] == pytest.approx(baseline[1::2])  # the gaps: nothing filled
+    values, edges, _ = next(p for p in ax_m.patches if isinstance(p, StepPatch)).get_data()
+    unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[ax_m.get_ylabel()[8:-1]]
+    assert values[0::2] * unit == pytest.approx(df["param_bytes"].to_numpy(float))
+    assert edges[0] == pytest.approx(-0.4) and edges[1] == pytest.approx(0.0)
 
 
 def test_profile_without_a_plan_has_no_cuts(profile: Profile) -> None:
