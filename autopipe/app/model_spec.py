@@ -191,17 +191,8 @@ def load_model(
             "needs; return (model, inputs, target, loss_fn) or an object with .model, .inputs, "
             ".target and .loss_fn (like autopipe.examples.Example)"
         )
-    if loaded.kwargs is not None:
-        if input_shape is not None:
-            raise ProfileError(f"factory {spec!r} returns its own keyword batch; drop --input-shape")
-        if batch_size is not None and not takes_batch:
-            got = next((int(t.shape[0]) for t in loaded.kwargs.values() if isinstance(t, torch.Tensor) and t.dim()),
-                       None)
-            if got is not None and got != batch_size:
-                raise ProfileError(f"factory {spec!r} returned a batch of {got} rows but --batch-size is "
-                                   f"{batch_size}; give the factory a batch_size parameter or drop --batch-size")
-        return loaded
-    if not loaded.inputs:
+    given = loaded.inputs or tuple((loaded.kwargs or {}).values())  # positional or keyword
+    if not given:
         if input_shape is None:
             raise ProfileError(
                 f"factory {spec!r} returned a model without inputs; pass --input-shape (one "
@@ -214,7 +205,7 @@ def load_model(
             "would be ignored; drop --input-shape (it is for factories returning a bare model)"
         )
     elif batch_size is not None and not takes_batch:
-        got = next((int(t.shape[0]) for t in loaded.inputs if isinstance(t, torch.Tensor) and t.dim()), None)
+        got = next((int(t.shape[0]) for t in given if isinstance(t, torch.Tensor) and t.dim()), None)
         if got is not None and got != batch_size:
             raise ProfileError(
                 f"factory {spec!r} returned inputs of batch {got} but --batch-size is {batch_size}; "

@@ -113,6 +113,8 @@ def test_a_factory_of_a_keyword_batch_profiles_for_the_pipeline_of_that_batch(
         (["tests.models:make_chain", "--input-shape", "8"],
          r"factory 'tests.models:make_chain' returns its own inputs, so --input-shape 8 would be ignored; "
          r"drop --input-shape \(it is for factories returning a bare model\)$"),
+        (["tests.models:make_hf_batch", "--input-shape", "8"],
+         r"factory 'tests.models:make_hf_batch' returns its own inputs, so --input-shape 8 would be ignored"),
         (["mlp", "--input-shape", "64"], r"the bundled example 'mlp' brings its own inputs: drop --input-shape$"),
         (["tests.models:make_fixed_batch", "--batch-size", "8"], "inputs of batch 4 but --batch-size is 8"),
         (["mlp", "--batch-size", "2", "--chunks", "4"], r"chunks=4 > batch size 2"),
