@@ -23,15 +23,22 @@ spawned start has its own tests: tests/frontend/profiling/spawned/test_comm.py).
 from __future__ import annotations
 
 import os
+import runpy
+import socket
+import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["PRELOAD", "Child", "context", "start", "start_processes"]
+__all__ = ["PRELOAD", "Child", "ScriptRun", "context", "run_script", "start", "start_processes"]
 
 PRELOAD = [
     "autopipe.assemble.ranks", "autopipe.frontend.profiling.profiler",  # torch, pipelining, autopipe
@@ -112,3 +119,75 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: 
 
     context()  # the server's preload, should this be its first use
     return start(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method="forkserver")
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """What :func:`run_script`'s ranks did: each one's exit code (None: killed at the deadline),
+    and their stdout and stderr, rank after rank."""
+    exitcodes: list[int | None]
+    stdout: str
+    stderr: str
+
+
+def _script_rank(rank: int, world: int, port: int, script: str, argv: list[str], out: str) -> None:
+    """One rank of :func:`run_script`: what torchrun gives a rank of a single-node launch (its
+    environment, one thread), stdout and stderr into files, then the script as ``__main__``."""
+    fresh_state()
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                       "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        f = os.open(Path(out, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the traceback goes to the rank's stderr, as under torchrun
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_script(script: str | os.PathLike[str], argv: Sequence[str], *, world: int, timeout: float) -> ScriptRun:
+    """A user's training script on ``world`` ranks as ``torchrun --standalone
+    --nproc_per_node=WORLD script ARGV`` starts it (its environment, ``env://`` rendezvous on
+    this host), each rank a fork of the server ([Note: processes forked from a server]) instead
+    of a fresh interpreter: the script, not torchrun, is under test (``autopipe run``'s own
+    tests start torchrun)."""
+    ctx = context()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_script_rank, args=(r, world, port, str(script), list(argv), out), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        codes: list[int | None] = []
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+                codes.append(None)
+            else:
+                codes.append(p.exitcode)
+
+        def read(name: str) -> str:
+            return "".join(Path(out, f"{r}.{name}").read_text() if Path(out, f"{r}.{name}").exists() else ""
+                           for r in range(world))
+
+        return ScriptRun(codes, read("stdout"), read("stderr"))

@@ -22,6 +22,7 @@ from autopipe.app.rank_main import main as rank_main
 from autopipe.assemble.setup import microbatch_inputs
 from autopipe.errors import BuildError
 from executor.ranks.distributed import DistributedPipeline
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -233,13 +234,12 @@ def test_a_rank_killed_mid_run_ends_in_one_line(tmp_path: Path, monkeypatch: pyt
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_user_script_under_torchrun_trains_and_merges(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "examples" / "train_distributed.py"), "--steps", "2", "--batch-size", "16",
-           "--chunks", "4", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=80, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_user_script_on_two_ranks_trains_and_merges(tmp_path: Path) -> None:
+    """examples/train_distributed.py as torchrun starts it, its ranks forked (tests/forked.py)."""
+    done = forked.run_script(ROOT / "examples" / "train_distributed.py",
+                             ["--steps", "2", "--batch-size", "16", "--chunks", "4", "--out", str(tmp_path)],
+                             world=2, timeout=80)
+    assert done.exitcodes == [0, 0], done.stderr[-2000:]
     assert done.stdout.count("loss") == 2 and "merged 2 stage checkpoints" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
 

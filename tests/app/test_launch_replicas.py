@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from autopipe.app.cli import main
 from autopipe.app.config import RunConfig
 from autopipe.app.launch import diagnose, run
 from autopipe.assemble.setup import microbatch_inputs
+from tests import forked
 from tests.assemble.test_local import cost_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,13 +87,12 @@ def test_cli_run_trains_two_replicas(tmp_path: Path, capfd: pytest.CaptureFixtur
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_data_parallel_script_under_torchrun_trains_and_merges(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "examples" / "train_data_parallel.py"), "--data-parallel", "2", "--dp-mode",
-           "fsdp", "--steps", "2", "--batch-size", "16", "--chunks", "2", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_data_parallel_script_on_four_ranks_trains_and_merges(tmp_path: Path) -> None:
+    """examples/train_data_parallel.py as torchrun starts it, its ranks forked (tests/forked.py)."""
+    done = forked.run_script(ROOT / "examples" / "train_data_parallel.py",
+                             ["--data-parallel", "2", "--dp-mode", "fsdp", "--steps", "2", "--batch-size", "16",
+                              "--chunks", "2", "--out", str(tmp_path)], world=4, timeout=110)
+    assert done.exitcodes == [0, 0, 0, 0], done.stderr[-2000:]
     assert done.stdout.count("loss") == 4  # 2 steps x 2 replicas
     assert "(2 replicas x 2 stages, fsdp)" in done.stdout and "merged 2 stage checkpoints" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stage0.pt", "stage1.pt"]
