@@ -9,6 +9,7 @@ Modules:
     ranks       distributed_pipeline(): the same on every rank -> executor.DistributedPipeline
     mesh        replicas of the rank pipeline on a (dp, pp) mesh -> executor.ReplicatedPipeline
     rank_parts  merge_state_dicts(): the ranks' state_dict parts as the plain model's
+    pretrained  pipe.save_pretrained(): the model's config and one safetensors shard per stage
     setup       the setup the two pipelines share, written once
     from_rank0  what rank 0 works out and every rank receives: the plan, weights and wires
 

@@ -23,13 +23,16 @@ device speeds and memory stay the plan's, since nothing at build time measures t
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from autopipe.assemble.pretrained import model_configs, save_pretrained
 from autopipe.assemble.setup import (
     DEFAULT_PIPELINE_CHUNKS,
     check_device_memory,
@@ -74,6 +77,16 @@ class Pipeline(GPipe):
                          model_loss=graph_model_loss(graph, loss_fn))
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
+        self._configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # the model's HF configs: pipeline() sets them
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Save the model as ``model.save_pretrained(folder)`` would, one shard per stage:
+        ``from_pretrained(folder)`` and ``autopipe.pipeline(..., weights=folder)`` read it
+        ([Note: saved as the model] in autopipe/assemble/pretrained.py). Returns the index's
+        path; refuses to overwrite a saved model unless ``overwrite``."""
+        parts = [{prefix + key: value for key, value in stage.state_dict().items()}
+                 for prefix, stage in zip(self.key_prefixes, self.stages, strict=True)]
+        return save_pretrained(parts, self._configs, folder, overwrite=overwrite)
 
 
 def pipeline(
@@ -187,6 +200,7 @@ def pipeline(
         chunks=chunks, recompute=modes, precision=precision, devices=tuple(device_names(devices)),
         schedule="gpipe", merge_backward="unwaited", data_parallel=1)
     pipe = Pipeline(stages, devices, decision, deferred_batch_norm, plan=plan, graph=graph, loss_fn=loss_fn)
+    pipe._configs = model_configs(model)
     if pipe.plan is not plan:
         warnings.warn(placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe
