@@ -7,7 +7,9 @@ D = 1 is the plain :class:`executor.DistributedPipeline`, as before replicas exi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from executor.ranks.replicated import ReplicatedPipeline, pipeline_mesh
 from executor.ranks.watchdog import StepLimits
 from executor.spec import DATA_PARALLEL_MODES
 
-__all__ = ["replicas_of", "replicated_pipeline"]
+__all__ = ["RankPipeline", "ReplicatedRankPipeline", "replicas_of", "replicated_pipeline"]
 
 
 def replicas_of(plan: Plan | None, data_parallel: int | str | None, dp_mode: str | None,
@@ -57,19 +59,41 @@ def replicas_of(plan: Plan | None, data_parallel: int | str | None, dp_mode: str
     return replicas, mode
 
 
+class _SavesPretrained:
+    """``save_pretrained`` for the rank pipelines that distributed_pipeline() returns."""
+
+    _configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # distributed_pipeline sets them
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Save the model as ``model.save_pretrained(folder)`` would, each rank its own stages'
+        shards; call it on every rank ([Note: saved as the model] in
+        autopipe/assemble/pretrained.py). Returns the index's path."""
+        from autopipe.assemble.pretrained import save_on_ranks
+
+        return save_on_ranks(self, self._configs, folder, overwrite=overwrite)
+
+
+class RankPipeline(_SavesPretrained, DistributedPipeline):
+    """An executor.DistributedPipeline that also saves itself as the model would."""
+
+
+class ReplicatedRankPipeline(_SavesPretrained, ReplicatedPipeline):
+    """An executor.ReplicatedPipeline that also saves itself as the model would."""
+
+
 def replicated_pipeline(
     stages: Sequence[nn.Module], indices: Sequence[int], decision: Decision, *, device: torch.device,
     timeout: float | None, first_step_timeout: float | None, **kwargs: Any,
-) -> DistributedPipeline:
+) -> RankPipeline | ReplicatedRankPipeline:
     """This rank's pipeline: one of ``decision.data_parallel`` replicas on a mesh, or the only one."""
     if decision.data_parallel == 1:
-        return DistributedPipeline(stages, indices, decision=decision, device=device, timeout=timeout,
-                                   first_step_timeout=first_step_timeout, **kwargs)
+        return RankPipeline(stages, indices, decision=decision, device=device, timeout=timeout,
+                            first_step_timeout=first_step_timeout, **kwargs)
     from torch.distributed import get_world_size
 
     replicas = decision.data_parallel
     group_timeout = StepLimits(timeout, first_step_timeout).group_timeout  # [Note: the first
     mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device,  # step's own limit]
                          timeout=None if group_timeout is None else group_timeout.total_seconds())
-    return ReplicatedPipeline(stages, indices, mesh=mesh, decision=decision, device=device,
-                              timeout=timeout, first_step_timeout=first_step_timeout, **kwargs)
+    return ReplicatedRankPipeline(stages, indices, mesh=mesh, decision=decision, device=device,
+                                  timeout=timeout, first_step_timeout=first_step_timeout, **kwargs)

@@ -14,13 +14,19 @@ safetensors shard per stage in the original model's keys, and ``model.safetensor
 stages) is stored once, under the name HuggingFace stores it by (its tie's source, such as
 ``transformer.wte.weight``; the tied ``lm_head.weight`` is left to the config's
 ``tie_word_embeddings``, as ``model.save_pretrained`` leaves it), else under the first stage's key. Each stage's tensors are copied to the host one stage at a time: the
-model is never gathered whole. Nothing that a folder already holds is overwritten unless
+model is never gathered whole. On ranks (``DistributedPipeline.save_pretrained``, called on every
+rank) each rank writes its own stages' shards: the ranks agree on the keys first (names and sizes
+only cross the wire), a key two ranks hold (a tie, whose alias each holds) is stored by the
+first stage's rank, and rank 0 writes the index and the configs once every shard is whole.
+Nothing that a folder already holds is overwritten unless
 ``overwrite=True``; a model without a HuggingFace config (a plain ``nn.Module``) gets the weights
 and the index only, which ``weights=`` reads.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,9 +34,10 @@ from typing import Any
 
 from torch import Tensor
 
+from autopipe.core.atomic_files import atomic_write, atomic_write_text
 from autopipe.frontend.building.weights import WeightsError, save_sharded
 
-__all__ = ["save_pretrained", "model_configs"]
+__all__ = ["save_pretrained", "save_on_ranks", "model_configs"]
 
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -66,11 +73,84 @@ def save_pretrained(parts: Sequence[Mapping[str, Tensor]], configs: tuple[Any, A
             raise WeightsError(f"{taken[0]} already exists: refusing to overwrite a saved model; pass "
                                "overwrite=True or choose another folder")
     root.mkdir(parents=True, exist_ok=True)
-    sources = {_where(v) for part in parts for k, v in part.items() if k not in aliases}
-    parts = [{k: v for k, v in part.items() if k not in aliases or _where(v) not in sources} for part in parts]
+    parts = _without_aliases(parts, aliases)
     index = save_sharded(parts, root, overwrite=overwrite)
+    _write_configs(root, config, generation)
+    return index
+
+
+def _refusal(root: Path, configs: tuple[Any, Any, frozenset[str]], shards: Sequence[str],
+             overwrite: bool) -> str | None:
+    """Why ``root`` cannot take a saved model (a file in its place, or a saved model there and no
+    ``overwrite``), or None."""
+    if root.exists() and not root.is_dir():
+        return f"{root} is a file, not a folder: pass a folder to save_pretrained"
+    if overwrite:
+        return None
+    names = [n for n, c in zip(_CONFIG_FILES, configs[:2], strict=True) if c is not None]
+    taken = [str(root / n) for n in (*names, *shards, "model.safetensors.index.json") if (root / n).exists()]
+    if taken:
+        return (f"{taken[0]} already exists: refusing to overwrite a saved model; pass overwrite=True or "
+                "choose another folder")
+    return None
+
+
+def _without_aliases(parts: Sequence[Mapping[str, Tensor]], aliases: frozenset[str]) -> list[dict[str, Tensor]]:
+    """``parts`` less each tie's alias whose tensor a part holds under its source's name."""
+    sources = {_where(v) for part in parts for k, v in part.items() if k not in aliases}
+    return [{k: v for k, v in part.items() if k not in aliases or _where(v) not in sources} for part in parts]
+
+
+def _write_configs(root: Path, config: Any, generation: Any) -> None:
     if config is not None:
         config.save_pretrained(root)
     if generation is not None:
         generation.save_pretrained(root)
+
+
+def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: str | os.PathLike[str], *,
+                  overwrite: bool = False) -> Path:
+    """[Note: saved as the model] on the ranks of ``pipe`` (a DistributedPipeline); a collective:
+    every rank calls it. Returns the index's path."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    if pipe.dp_size > 1:
+        raise WeightsError(f"save_pretrained on {pipe.dp_size} replicas is not supported yet; save a "
+                           "checkpoint (pipe.save_checkpoint), load it into the plain model "
+                           "(autopipe.load_checkpoint) and call the model's save_pretrained")
+    root = Path(folder)
+    k = pipe.num_stages
+    names = [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+    verdict: list[Any] = [_refusal(root, configs, names, overwrite) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)  # every rank refuses, or none
+    if verdict[0] is not None:
+        raise WeightsError(verdict[0])
+    config, generation, aliases = configs
+    parts = {}
+    for i, stage in zip(pipe.indices, pipe.stages, strict=True):
+        parts[i] = {alias: value for key, value in stage.state_dict().items()
+                    for alias in pipe.key_aliases.get(key, [key])}
+    mine = dict(zip(parts, _without_aliases(list(parts.values()), aliases), strict=True))
+    held: list[Any] = [None] * dist.get_world_size()  # per rank: stage -> [(key, bytes)]
+    dist.all_gather_object(held, {i: [(key, v.numel() * v.element_size()) for key, v in part.items()]
+                                  for i, part in mine.items()})
+    stored: dict[str, tuple[int, int]] = {}  # key -> (the first stage holding it, its bytes)
+    for i, part in sorted((i, part) for rank in held for i, part in rank.items()):
+        for key, size in part:
+            stored.setdefault(key, (i, size))
+    root.mkdir(parents=True, exist_ok=True)
+    for i, part in mine.items():
+        shard = {key: value.detach().to("cpu").contiguous() for key, value in part.items()
+                 if stored.get(key, (-1, 0))[0] == i}
+        atomic_write(root / names[i], functools.partial(save_file, shard, metadata={"format": "pt"}))
+    dist.barrier()  # every shard whole before the index names it
+    index = root / "model.safetensors.index.json"
+    if dist.get_rank() == 0:
+        atomic_write_text(index, json.dumps({"metadata": {"total_size": sum(b for _, b in stored.values())},
+                                             "weight_map": {key: names[i] for key, (i, _) in stored.items()}},
+                                            indent=2) + "\n")
+        _write_configs(root, config, generation)
+    dist.barrier()
     return index
+

@@ -43,7 +43,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.assemble import from_rank0
-from autopipe.assemble.mesh import replicas_of, replicated_pipeline
+from autopipe.assemble.mesh import (
+    RankPipeline,
+    ReplicatedRankPipeline,
+    replicas_of,
+    replicated_pipeline,
+)
+from autopipe.assemble.pretrained import model_configs
 from autopipe.assemble.rank_parts import (
     merge_state_dicts,  # re-exported: the parts this module's pipelines save
 )
@@ -66,7 +72,7 @@ from autopipe.frontend.building.stages import build
 from autopipe.frontend.building.weights import Weights
 from autopipe.frontend.tracing.graph import LayerGraph
 from executor.host_allocator import check_host_allocator, use_host_allocator
-from executor.ranks.distributed import DistributedError, DistributedPipeline
+from executor.ranks.distributed import DistributedError
 from executor.ranks.ties import check_fsdp_layout, rank_ties
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S
 from executor.spec import (
@@ -127,7 +133,7 @@ def distributed_pipeline(
     graph: LayerGraph | None = None,
     checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
     **trace_kwargs: Any,
-) -> DistributedPipeline:
+) -> RankPipeline | ReplicatedRankPipeline:
     """This rank's stage(s) of ``model`` as a torch.distributed.pipelining pipeline.
 
     Args:
@@ -258,15 +264,18 @@ def distributed_pipeline(
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     ties = rank_ties(stages, mine, schedule, world)
     aliases = _aliases(model)
+    configs = model_configs(model)
     _free_others(model, [stages[i] for i in mine])
     decision = plan.decision.replace(  # with this call's overrides ([Note: a plan's decision])
         chunks=chunks, recompute=modes, schedule=schedule, precision=precision,
         data_parallel=layout.replicas, dp_mode=layout.dp_mode,  # the plan's merge rule is for
         merge_backward=plan.merge_backward if plan.schedule == schedule else "unwaited")  # its own
-    return replicated_pipeline(  # schedule ([Note: adjacent I and W])
+    pipe = replicated_pipeline(  # schedule ([Note: adjacent I and W])
         [stages[i] for i in mine], mine, decision, loss_fn=loss_fn if loss_fn is not None else model_loss,
         signature=graph_signature(graph), wires=wires, ties=ties, key_aliases=aliases, device=here,
         timeout=timeout, first_step_timeout=first_step_timeout)
+    pipe._configs = configs
+    return pipe
 
 
 @dataclass(frozen=True)
