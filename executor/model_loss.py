@@ -50,13 +50,17 @@ class ModelLoss:
                                   "ignore_index): its loss is undefined; pass a batch with labels")
         return counts / total
 
-    def schedule_targets(self, inputs: tuple[Any, ...], chunks: int, device: torch.device) -> Tensor:
+    def schedule_targets(self, inputs: tuple[Any, ...], chunks: int,
+                         device: torch.device) -> tuple[Tensor, float]:
         """The per-micro-batch targets a torch schedule splits out of ``inputs``' equal
         micro-batches: each one's weight x ``chunks``, since the schedule averages the losses
-        (executor/ranks/distributed.py's ``step``)."""
+        (executor/ranks/distributed.py's ``step``); and the items the batch counts, which
+        replicas add up ([Note: tokens over replicas] in executor/ranks/replicated.py)."""
         parts = [tuple(p) for p in zip(*(x.tensor_split(chunks) if isinstance(x, Tensor) and x.dim()
                                          else [x] * chunks for x in inputs), strict=True)]
-        return (self.weights(parts) * chunks).to(device)
+        with torch.no_grad():
+            total = float(sum(float(self.count(*b).detach().sum()) for b in parts))
+        return (self.weights(parts) * chunks).to(device), total
 
     def pick(self, output: Any) -> Tensor:
         """The loss leaf of a micro-batch's output."""

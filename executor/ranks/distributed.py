@@ -201,6 +201,7 @@ class DistributedPipeline(Checkpointable):
         modules = [self._replicate(w) for w in self.wire_stages]  # FSDP may replace parameters
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
+        self._counted = 0.0  # the items this step's batch counts, for the model's own loss (bind_inputs)
         self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
         self._scaler: torch.amp.GradScaler | None = None  # step(scaler=)'s, for _loss
@@ -287,12 +288,21 @@ class DistributedPipeline(Checkpointable):
             if wire.weight_grads is not None:  # [Note: split backward on ranks]
                 wire.weight_grads.clear()
         with self._watchdog(), self._peer_failures():
+            target = self._replica_weights(target)
             schedule = self._schedule = schedule_for(self, inputs, target, need_target=True)
             schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
                           losses=losses if self.is_last else None, return_outputs=False)
             self._finish_grads()
-        mean = torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+            mean = self._replica_loss(torch.stack([x.detach() for x in losses]).mean()) if self.is_last else None
         return mean if mean is None or scaler is None else mean / scaler.get_scale()
+
+    def _replica_weights(self, target: Any) -> Any:
+        """The schedule's targets as this pipeline's only replica weighs them: unchanged."""
+        return target
+
+    def _replica_loss(self, mean: Tensor) -> Tensor:
+        """The step's loss as this pipeline's only replica reports it: its own."""
+        return mean
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:

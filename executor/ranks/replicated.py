@@ -80,6 +80,7 @@ from executor._torch_compat import mesh_group_options
 from executor.checkpoint import CheckpointView
 from executor.decision import Decision
 from executor.errors import DistributedError
+from executor.model_loss import ModelLoss
 from executor.precision import compute_dtype
 from executor.ranks.distributed import DistributedPipeline
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
@@ -225,6 +226,33 @@ class ReplicatedPipeline(DistributedPipeline):
         ids = [self.device] if self.device.type == "cuda" else None
         return DistributedDataParallel(wire, device_ids=ids, device_mesh=dp_mesh,
                                        gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
+
+    # [Note: tokens over replicas] The model's own loss is a mean over the items the whole
+    # mini-batch counts ([Note: a loss the model computes] in executor/model_loss.py): with R
+    # replicas holding N_r of the N items, the one-process loss is sum(N_r * L_r) / N, where L_r
+    # is replica r's own token-weighted mean. DDP and FSDP average the replicas' gradients, so each
+    # replica's last rank weighs its micro-batches by n_i / N x R instead of n_i / N_r (N: the
+    # counts all-reduced over the dp group, which holds the last rank of every replica, inside the
+    # step's watchdog), and reports the all-reduced mean of those losses: the one-process loss on
+    # every replica, whatever the padding on each. A loss_fn of the caller's is weighted by rows
+    # and each replica reports its own; eval_step weighs each replica's batch on its own, since
+    # replicas may evaluate alone.
+    def _replica_weights(self, target: Any) -> Any:
+        if not (self.is_last and isinstance(self._loss_fn, ModelLoss)):
+            return target
+        total = torch.tensor(self._counted, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.mesh.get_group("dp"))
+        if float(total) == 0:
+            raise DistributedError("no replica's batch has counted items (every label is the loss's "
+                                   "ignore_index): the loss is undefined; pass batches with labels")
+        return target * (self._counted / float(total) * self.dp_size)
+
+    def _replica_loss(self, mean: Tensor) -> Tensor:
+        if not isinstance(self._loss_fn, ModelLoss):
+            return mean
+        summed = mean.detach().clone()
+        dist.all_reduce(summed, group=self.mesh.get_group("dp"))
+        return summed / self.dp_size
 
     def _finish_grads(self) -> None:
         super()._finish_grads()

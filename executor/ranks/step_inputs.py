@@ -44,7 +44,8 @@ def bind_inputs(pipe: DistributedPipeline, inputs: tuple[Any, ...], keywords: di
         raise DistributedError("the model computes its own loss, which the last rank weights by "
                                "the items its micro-batches count: pass the batch on every rank")
     check_batch(inputs, "inputs", pipe.chunks)
-    return inputs, loss_fn.schedule_targets(inputs, pipe.chunks, pipe.device)
+    target, pipe._counted = loss_fn.schedule_targets(inputs, pipe.chunks, pipe.device)
+    return inputs, target
 
 
 def schedule_for(pipe: DistributedPipeline, inputs: tuple[Any, ...], target: Any, *,
