@@ -91,3 +91,22 @@ def test_committed_profiles_match_the_examples(name: str) -> None:
     graph = trace(ex.model, inputs)
     assert graph.layers == prof.layers
     assert fingerprint_mismatch(prof.fingerprint, graph.fingerprint) is None
+
+
+@pytest.mark.slow
+def test_the_huggingface_example_trains_saves_and_loads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/huggingface.py as docs/guide/huggingface.md runs it: HF batches through the
+    pipeline, save_pretrained, and from_pretrained computing the pipeline's logits."""
+    import runpy
+    import sys
+
+    pytest.importorskip("transformers")
+    script = Path(__file__).resolve().parents[1] / "examples" / "huggingface.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--steps", "2", "--out", str(tmp_path / "out")])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("loss ") == 2 and "step 2/2" in out
+    assert f"saved {tmp_path / 'out' / 'model.safetensors.index.json'}" in out
+    assert "the same logits as the pipeline" in out
+    assert {"config.json", "model.safetensors.index.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
