@@ -50,6 +50,7 @@ def _trained(make: Callable[[], nn.Module]) -> tuple[autopipe.Pipeline, dict[str
     return pipe.eval(), batch
 
 
+@pytest.mark.compat  # HF's from_pretrained of each supported transformers reads the folder
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 def test_from_pretrained_and_weights_give_the_trained_pipelines_outputs(make: Callable[[], nn.Module],
                                                                         tmp_path: Path) -> None:
