@@ -17,7 +17,9 @@ stages) is stored once, under the name HuggingFace stores it by (its tie's sourc
 model is never gathered whole. On ranks (``DistributedPipeline.save_pretrained``, called on every
 rank) each rank writes its own stages' shards: the ranks agree on the keys first (names and sizes
 only cross the wire), a key two ranks hold (a tie, whose alias each holds) is stored by the
-first stage's rank, and rank 0 writes the index and the configs once every shard is whole.
+first stage's rank, and rank 0 writes the index and the configs once every shard is whole. With
+replicas, the first replica's ranks write (under FSDP each stage's tensors are gathered whole on
+its ranks first, as its ``state_dict`` does).
 Nothing that a folder already holds is overwritten unless
 ``overwrite=True``; a model without a HuggingFace config (a plain ``nn.Module``) gets the weights
 and the index only, which ``weights=`` reads.
@@ -115,10 +117,6 @@ def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: s
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    if pipe.dp_size > 1:
-        raise WeightsError(f"save_pretrained on {pipe.dp_size} replicas is not supported yet; save a "
-                           "checkpoint (pipe.save_checkpoint), load it into the plain model "
-                           "(autopipe.load_checkpoint) and call the model's save_pretrained")
     root = Path(folder)
     k = pipe.num_stages
     names = [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
@@ -127,10 +125,12 @@ def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: s
     if verdict[0] is not None:
         raise WeightsError(verdict[0])
     config, generation, aliases = configs
-    parts = {}
-    for i, stage in zip(pipe.indices, pipe.stages, strict=True):
-        parts[i] = {alias: value for key, value in stage.state_dict().items()
-                    for alias in pipe.key_aliases.get(key, [key])}
+    state = pipe.state_dict()  # this rank's tensors, whole (under FSDP a collective of the dp group)
+    parts = {i: {alias: state[alias] for key in stage.state_dict(keep_vars=True)
+                 for alias in pipe.key_aliases.get(key, [key])}
+             for i, stage in zip(pipe.indices, pipe.stages, strict=True)}
+    if pipe.dp_rank != 0:  # one replica writes; the others only take part in the collectives
+        parts = {}
     mine = dict(zip(parts, _without_aliases(list(parts.values()), aliases), strict=True))
     held: list[Any] = [None] * dist.get_world_size()  # per rank: stage -> [(key, bytes)]
     dist.all_gather_object(held, {i: [(key, v.numel() * v.element_size()) for key, v in part.items()]

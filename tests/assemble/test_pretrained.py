@@ -190,25 +190,43 @@ def test_two_ranks_each_save_their_stage_and_from_pretrained_reads_the_trained_m
         assert_close(loaded(**batch).logits, last["logits"].logits)
 
 
-def _saved_by_replicas(rank: int, folder: str) -> str:
+def _saved_by_replicas(rank: int, plans: dict[str, dict[str, Any]], folder: str) -> dict[str, Any]:
+    """Two replicas of one stage of the tied GPT-2, one SGD step each on its own rows, saved."""
     from autopipe.assemble.ranks import distributed_pipeline
+    from autopipe.core.plan import Plan
 
-    ex = autopipe.get_example("mlp", batch_size=8)
-    graph = autopipe.trace(ex.model, (ex.inputs[0][:4],))
-    plan = autopipe.partition(cost_profile(graph), stages=1, chunks=2, data_parallel=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = distributed_pipeline(ex.model, ex.inputs, loss_fn=ex.loss_fn, plan=plan, timeout=30)
-    with pytest.raises(WeightsError) as refused:
-        pipe.save_pretrained(folder)
-    return str(refused.value)
+    out = {}
+    for mode, plan in plans.items():
+        torch.manual_seed(0)
+        batch = {k: v.tensor_split(2)[rank] for k, v in _batch().items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = distributed_pipeline(tiny_gpt2(), example_kwargs=batch, chunks=2, plan=Plan.from_dict(plan),
+                                        timeout=30)
+        opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=0.5)
+        pipe.step(**batch)
+        opt.step()
+        pipe.save_pretrained(f"{folder}/{mode}")
+        out[mode] = {k: v.clone() for k, v in pipe.state_dict().items()}  # whole, equal on both replicas
+    return out
 
 
-def test_replicas_refuse_save_pretrained_in_one_line_and_write_nothing(tmp_path: Path) -> None:
+def test_replicas_save_the_first_replicas_stages_under_ddp_and_fsdp(tmp_path: Path) -> None:
     from tests.assemble.test_ranks import _ok, spawn
 
-    lines = _ok(spawn(_saved_by_replicas, str(tmp_path / "out")))
-    assert lines == ["save_pretrained on 2 replicas is not supported yet; save a checkpoint "
-                     "(pipe.save_checkpoint), load it into the plain model (autopipe.load_checkpoint) "
-                     "and call the model's save_pretrained"] * 2
-    assert not (tmp_path / "out").exists()
+    batch = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = autopipe.trace(tiny_gpt2(), (), example_kwargs={k: v[:1] for k, v in batch.items()})
+    plans = {mode: autopipe.partition(cost_profile(graph), stages=1, chunks=2, data_parallel=2,
+                                      dp_mode=mode).to_dict() for mode in ("ddp", "fsdp")}
+    first, second = _ok(spawn(_saved_by_replicas, plans, str(tmp_path)))
+    for mode in plans:
+        for key, value in first[mode].items():
+            assert torch.equal(value, second[mode][key]), (mode, key)  # the replicas agree
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / mode)
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, first[mode][key]), (mode, key)
+        assert sorted(p.name for p in (tmp_path / mode).iterdir()) == [
+            "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
+            "model.safetensors.index.json"]
