@@ -37,7 +37,7 @@ from typing import Any
 from torch import Tensor
 
 from autopipe.core.atomic_files import atomic_write, atomic_write_text
-from autopipe.frontend.building.weights import WeightsError, save_sharded
+from autopipe.frontend.building.weights import WeightsError, save_sharded, shard_names
 
 __all__ = ["save_pretrained", "save_on_ranks", "model_configs"]
 
@@ -65,15 +65,10 @@ def save_pretrained(parts: Sequence[Mapping[str, Tensor]], configs: tuple[Any, A
     """Write ``parts`` (each stage's tensors in the model's keys, in stage order) and the model's
     ``configs`` into ``folder`` ([Note: saved as the model]). Returns the index's path."""
     root = Path(folder)
-    if root.exists() and not root.is_dir():
-        raise WeightsError(f"{root} is a file, not a folder: pass a folder to save_pretrained")
+    refusal = _refusal(root, configs, shard_names(len(parts)), overwrite)  # before anything is written
+    if refusal is not None:
+        raise WeightsError(refusal)
     config, generation, aliases = configs
-    if not overwrite:  # before anything is written: the weights' own check comes too late
-        written = [root / n for n, c in zip(_CONFIG_FILES, (config, generation), strict=True) if c is not None]
-        taken = [str(p) for p in written if p.exists()]
-        if taken:
-            raise WeightsError(f"{taken[0]} already exists: refusing to overwrite a saved model; pass "
-                               "overwrite=True or choose another folder")
     root.mkdir(parents=True, exist_ok=True)
     parts = _without_aliases(parts, aliases)
     index = save_sharded(parts, root, overwrite=overwrite)
@@ -118,8 +113,7 @@ def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: s
     from safetensors.torch import save_file
 
     root = Path(folder)
-    k = pipe.num_stages
-    names = [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+    names = shard_names(pipe.num_stages)
     verdict: list[Any] = [_refusal(root, configs, names, overwrite) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(verdict, src=0)  # every rank refuses, or none
     if verdict[0] is not None:

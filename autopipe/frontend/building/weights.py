@@ -36,7 +36,7 @@ from torch import Tensor
 from autopipe.core.atomic_files import atomic_write, atomic_write_text
 from autopipe.errors import BuildError, first_line
 
-__all__ = ["Weights", "WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded"]
+__all__ = ["Weights", "WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded", "shard_names"]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -273,6 +273,11 @@ def _save_shard(save_file: Any, shard: dict[str, Tensor], tmp: str) -> None:
     save_file(shard, tmp, metadata={"format": "pt"})
 
 
+def shard_names(k: int) -> list[str]:
+    """The file of each of ``k`` shards, as HuggingFace's sharded checkpoints name them."""
+    return [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+
+
 def save_sharded(
     parts: Iterable[Mapping[str, Tensor]], folder: str | os.PathLike[str], *, overwrite: bool = False
 ) -> Path:
@@ -289,7 +294,7 @@ def save_sharded(
     root = Path(folder)
     states = [dict(p) for p in parts]
     index = root / "model.safetensors.index.json"
-    names = [f"model-{i + 1:05d}-of-{len(states):05d}.safetensors" for i in range(len(states))]
+    names = shard_names(len(states))
     taken = [str(p) for p in (index, *(root / n for n in names)) if p.exists()]
     if taken and not overwrite:
         raise WeightsError(f"{taken[0]} already exists: refusing to overwrite saved weights; "
