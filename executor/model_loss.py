@@ -39,16 +39,23 @@ class ModelLoss:
     leaf: int
     count: Callable[..., Tensor]
 
-    def weights(self, batches: Sequence[tuple[Any, ...]]) -> Tensor:
-        """``n_i / N`` for micro-batches of these inputs (float64, on the CPU)."""
+    def weights(self, batches: Sequence[tuple[Any, ...]], total: float | None = None) -> Tensor:
+        """``n_i / N`` for micro-batches of these inputs (float64, on the CPU); ``total``: the
+        ``N`` to divide by instead of the batch's own count (HuggingFace's
+        ``num_items_in_batch``: the items of every batch a step accumulates)."""
         with torch.no_grad():
             counts = torch.stack([self.count(*b).detach().to("cpu", torch.float64).reshape(())
                                   for b in batches])
-        total = counts.sum()
-        if total == 0:
+        if total is not None:
+            if not total > 0:
+                raise MicroBatchError(f"num_items_in_batch={total}: the items counted over the "
+                                      "accumulated batches must be positive")
+            return counts / total
+        whole = counts.sum()
+        if whole == 0:
             raise MicroBatchError("the batch has no counted items (every label is the loss's "
                                   "ignore_index): its loss is undefined; pass a batch with labels")
-        return counts / total
+        return counts / whole
 
     def schedule_targets(self, inputs: tuple[Any, ...], chunks: int,
                          device: torch.device) -> tuple[Tensor, float]:

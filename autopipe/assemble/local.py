@@ -23,7 +23,9 @@ device speeds and memory stay the plan's, since nothing at build time measures t
 
 from __future__ import annotations
 
+import inspect
 import os
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -77,7 +79,15 @@ class Pipeline(GPipe):
                          model_loss=graph_model_loss(graph, loss_fn))
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
+        # [Note: the model's call]
+        self.forward = types.MethodType(_forward_named(self), self)  # type: ignore[method-assign]
         self._configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # the model's HF configs: pipeline() sets them
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether ``num_items_in_batch`` may be passed, as HuggingFace's Trainer asks a model: the
+        pipeline computes the model's own loss ([Note: the model's call])."""
+        return self.model_loss is not None
 
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Save the model as ``model.save_pretrained(folder)`` would, one shard per stage:
@@ -87,6 +97,35 @@ class Pipeline(GPipe):
         parts = [{prefix + key: value for key, value in stage.state_dict().items()}
                  for prefix, stage in zip(self.key_prefixes, self.stages, strict=True)]
         return save_pretrained(parts, self._configs, folder, overwrite=overwrite)
+
+
+# [Note: the model's call] A pipeline is called as the traced model was: ``pipe(**batch)`` with
+# the keywords it was traced with (executor.keywords.InputSignature). Its ``forward`` says so to
+# tools that read a model's signature, as HuggingFace's Trainer does to keep a dataset's columns
+# (remove_unused_columns): ``inspect.signature(pipe.forward)`` names the traced inputs, then
+# ``target`` for a loss_fn of the caller's, or ``num_items_in_batch`` for the model's own loss,
+# which is then over that many items (the batches a step accumulates), as HuggingFace's models
+# take it. The signature is the instance's (each pipeline traces its own), so ``forward`` is a
+# method bound per instance, whose function holds no reference to it.
+def _forward_named(pipe: Pipeline) -> Callable[..., Any]:
+    """GPipe.forward, under a signature naming ``pipe``'s inputs ([Note: the model's call])."""
+    def forward(self: Pipeline, *inputs: Any, **keywords: Any) -> Any:
+        return GPipe.forward(self, *inputs, **keywords)
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+    signature = pipe.signature
+    if signature is not None:
+        params += [inspect.Parameter(f"input_{i}", inspect.Parameter.POSITIONAL_ONLY)
+                   for i in range(signature.positional)]
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in signature.keywords]
+    else:
+        params.append(inspect.Parameter("inputs", inspect.Parameter.VAR_POSITIONAL))
+    if pipe.loss_fn is not None:
+        params.append(inspect.Parameter("target", inspect.Parameter.KEYWORD_ONLY))
+    elif pipe.model_loss is not None:
+        params.append(inspect.Parameter("num_items_in_batch", inspect.Parameter.KEYWORD_ONLY, default=None))
+    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return forward
 
 
 def pipeline(

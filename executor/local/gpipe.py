@@ -226,6 +226,8 @@ class GPipe(Checkpointable, nn.Module):
     # --- forward -------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
+        # the model's own loss over the items of every batch a step accumulates (HF's loss kwarg)
+        num_items = keywords.pop("num_items_in_batch", None) if self.model_loss is not None else None
         targets = self._targets(keywords)
         if self.signature is not None:
             inputs = self.signature.bind(inputs, keywords)
@@ -235,7 +237,7 @@ class GPipe(Checkpointable, nn.Module):
         for remote in self._remotes:
             remote.fetch()
         batches = scatter(inputs, self.chunks)
-        weights = self._scalar_weights([b.values for b in batches])
+        weights = self._scalar_weights([b.values for b in batches], num_items)
         first = self.devices[0]
         batches = [b.with_tensors([t.to(first) for t in b.tensors()]) for b in batches]
         recorder = TimelineRecorder() if (self._recording or self._always_record) else None
@@ -270,13 +272,14 @@ class GPipe(Checkpointable, nn.Module):
         return [b.with_tensors([t.to(last) for t in b.tensors()]).values[0]
                 for b in scatter((keywords.pop("target"),), self.chunks)]
 
-    def _scalar_weights(self, inputs: list[tuple[Any, ...]]) -> Any:
-        """Each 0-dim output leaf's weight per micro-batch ([Note: a loss the model computes])."""
+    def _scalar_weights(self, inputs: list[tuple[Any, ...]], num_items: Any = None) -> Any:
+        """Each 0-dim output leaf's weight per micro-batch ([Note: a loss the model computes]);
+        ``num_items``: the model's loss is over that many items, not the batch's own count."""
         rows = row_weights([batch_size(b) for b in inputs])
         loss = self.model_loss
         if loss is None:
             return lambda k: rows
-        counted = loss.weights(inputs)
+        counted = loss.weights(inputs, None if num_items is None else float(num_items))
         return lambda k: counted if k == loss.leaf else rows
 
     def _copy_stream(self, j: int, i: int) -> AbstractStream:
