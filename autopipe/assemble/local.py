@@ -81,13 +81,16 @@ class Pipeline(GPipe):
         self.graph = graph
         # [Note: the model's call]
         self.forward = types.MethodType(_forward_named(self), self)  # type: ignore[method-assign]
-        self._configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # the model's HF configs: pipeline() sets them
+        self._configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # pipeline() sets them
+        self.config: Any = None  # the model's HF config and loss_type: pipeline() sets them
+        self.loss_type: str | None = None
+        self._loss_kwargs = (True, True)  # Trainer passes num_items_in_batch; the loss takes it
 
     @property
     def accepts_loss_kwargs(self) -> bool:
-        """Whether ``num_items_in_batch`` may be passed, as HuggingFace's Trainer asks a model: the
-        pipeline computes the model's own loss ([Note: the model's call])."""
-        return self.model_loss is not None
+        """Whether HuggingFace's Trainer passes ``num_items_in_batch``: as it decides for the model
+        itself, where the pipeline computes the model's own loss ([Note: the model's call])."""
+        return self.model_loss is not None and self._loss_kwargs[0]
 
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Save the model as ``model.save_pretrained(folder)`` would, one shard per stage:
@@ -105,11 +108,14 @@ class Pipeline(GPipe):
 # (remove_unused_columns): ``inspect.signature(pipe.forward)`` names the traced inputs, then
 # ``target`` for a loss_fn of the caller's, or ``num_items_in_batch`` for the model's own loss,
 # which is then over that many items (the batches a step accumulates), as HuggingFace's models
-# take it. The signature is the instance's (each pipeline traces its own), so ``forward`` is a
+# take it. With the model's ``config`` and ``loss_type`` beside it, Trainer(model=pipe) counts
+# those items as it does for the model itself and trains the pipeline as it trains the model. The signature is the instance's (each pipeline traces its own), so ``forward`` is a
 # method bound per instance, whose function holds no reference to it.
 def _forward_named(pipe: Pipeline) -> Callable[..., Any]:
     """GPipe.forward, under a signature naming ``pipe``'s inputs ([Note: the model's call])."""
     def forward(self: Pipeline, *inputs: Any, **keywords: Any) -> Any:
+        if not self._loss_kwargs[1]:  # the model's loss is its own mean, whatever it is passed
+            keywords.pop("num_items_in_batch", None)
         return GPipe.forward(self, *inputs, **keywords)
 
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
@@ -126,6 +132,22 @@ def _forward_named(pipe: Pipeline) -> Callable[..., Any]:
         params.append(inspect.Parameter("num_items_in_batch", inspect.Parameter.KEYWORD_ONLY, default=None))
     forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     return forward
+
+
+def _loss_kwargs(model: nn.Module) -> tuple[bool, bool]:
+    """Whether Trainer passes the model ``num_items_in_batch`` (its ``accepts_loss_kwargs``, else
+    a ``**kwargs`` in its forward, Trainer's own rule), and whether its loss then divides by it:
+    HuggingFace's models that compute their loss through ``self.loss_function`` do, others
+    (BERT's masked LM: a mean CrossEntropyLoss) take it and keep their mean ([Note: the model's
+    call])."""
+    forward = type(model).forward
+    try:
+        passed = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
+        source = inspect.getsource(forward)
+    except (TypeError, ValueError, OSError):
+        return True, True
+    passed = bool(getattr(model, "accepts_loss_kwargs", passed))
+    return passed, "self.loss_function(" in source or "loss_function" not in dir(model)
 
 
 def pipeline(
@@ -240,6 +262,10 @@ def pipeline(
         schedule="gpipe", merge_backward="unwaited", data_parallel=1)
     pipe = Pipeline(stages, devices, decision, deferred_batch_norm, plan=plan, graph=graph, loss_fn=loss_fn)
     pipe._configs = model_configs(model)
+    # what HuggingFace's Trainer reads of a model besides its call ([Note: the model's call]):
+    # its config, and its loss_type, by which it counts a causal LM's items after the label shift
+    pipe.config, pipe.loss_type = pipe._configs[0], getattr(model, "loss_type", None)
+    pipe._loss_kwargs = _loss_kwargs(model)
     if pipe.plan is not plan:
         warnings.warn(placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe

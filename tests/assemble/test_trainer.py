@@ -1,0 +1,77 @@
+"""HuggingFace's Trainer trains a pipeline as it trains the model ([Note: the model's call] in
+autopipe/assemble/local.py): Trainer(model=pipe) with Trainer's defaults (columns filtered by
+the signature, num_items_in_batch over accumulated batches) and gradient accumulation 2 and
+clipping, against Trainer(model=the plain model): the same logged losses and gradient norms,
+and the same weights after the epoch, for a Llama, a GPT-2 with a tied head and a BERT masked LM."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+import autopipe
+from tests.assemble.test_hf_batches import _bert, _gpt2, _llama, causal_batch, masked_batch
+from tests.assemble.test_local import cost_profile
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # Trainer's own dependency
+
+ROWS, PER_STEP = 16, 4  # 16 rows, 4 per forward, 2 forwards accumulated per optimizer step
+
+
+class _Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A dataset of one row per item, as a tokenized dataset gives them to the collator."""
+
+    def __init__(self, batch: dict[str, Tensor]) -> None:
+        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(ROWS)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return self.rows[i]
+
+
+def _train(model: nn.Module, data: dict[str, Tensor], out: Path) -> list[dict[str, Any]]:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=PER_STEP, gradient_accumulation_steps=2,
+        max_grad_norm=1.0, learning_rate=1e-3, num_train_epochs=1, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(data))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize(("make", "batch"), [(_llama, causal_batch), (_gpt2, causal_batch), (_bert, masked_batch)],
+                         ids=["llama", "gpt2", "bert"])
+def test_trainer_trains_the_pipeline_as_the_plain_model(make: Callable[[], nn.Module],
+                                                        batch: Callable[..., dict[str, Tensor]],
+                                                        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = make()
+    plain = copy.deepcopy(model)
+    data = batch(rows=ROWS)
+    example = {k: v[:PER_STEP] for k, v in data.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = autopipe.trace(model, (), example_kwargs={k: v[:2] for k, v in example.items()})
+        plan = autopipe.partition(cost_profile(graph), stages=2, chunks=2)
+        pipe = autopipe.pipeline(model, example_kwargs=example, devices=["cpu", "cpu"], chunks=2, plan=plan,
+                                 graph=graph)
+    got = _train(pipe, data, tmp_path / "pipe")
+    want = _train(plain, data, tmp_path / "plain")
+    assert len(got) == len(want) == ROWS // (2 * PER_STEP)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
+        assert_close(g["grad_norm"], w["grad_norm"], rtol=1e-4, atol=1e-6)
+    trained = pipe.state_dict()
+    for key, value in plain.state_dict().items():
+        assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)
