@@ -220,7 +220,9 @@ def test_replicas_save_the_first_replicas_stages_under_ddp_and_fsdp(tmp_path: Pa
         graph = autopipe.trace(tiny_gpt2(), (), example_kwargs={k: v[:1] for k, v in batch.items()})
     plans = {mode: autopipe.partition(cost_profile(graph), stages=1, chunks=2, data_parallel=2,
                                       dp_mode=mode).to_dict() for mode in ("ddp", "fsdp")}
-    first, second = _ok(spawn(_saved_by_replicas, plans, str(tmp_path)))
+    # ranks of their own: after other tests on the shared pool, FSDP's full_tensor of a stage once
+    # failed a torch shape check (see the session note); alone it never has
+    first, second = _ok(spawn(_saved_by_replicas, plans, str(tmp_path), fresh=True))
     for mode in plans:
         for key, value in first[mode].items():
             assert torch.equal(value, second[mode][key]), (mode, key)  # the replicas agree
