@@ -109,8 +109,9 @@ class Pipeline(GPipe):
 # ``target`` for a loss_fn of the caller's, or ``num_items_in_batch`` for the model's own loss,
 # which is then over that many items (the batches a step accumulates), as HuggingFace's models
 # take it. With the model's ``config`` and ``loss_type`` beside it, Trainer(model=pipe) counts
-# those items as it does for the model itself and trains the pipeline as it trains the model. The signature is the instance's (each pipeline traces its own), so ``forward`` is a
-# method bound per instance, whose function holds no reference to it.
+# those items as it does for the model itself and trains the pipeline as it trains the model.
+# The signature is the instance's (each pipeline traces its own), so ``forward`` is a method
+# bound per instance, whose function holds no reference to it.
 def _forward_named(pipe: Pipeline) -> Callable[..., Any]:
     """GPipe.forward, under a signature naming ``pipe``'s inputs ([Note: the model's call])."""
     def forward(self: Pipeline, *inputs: Any, **keywords: Any) -> Any:
