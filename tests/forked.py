@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["PRELOAD", "Child", "ScriptRun", "context", "run_script", "start", "start_processes"]
+__all__ = ["PRELOAD", "Child", "ScriptRun", "context", "free_port", "run_all", "run_script", "start",
+           "start_processes"]
 
 PRELOAD = [
     "autopipe.assemble.ranks", "autopipe.frontend.profiling.profiler",  # torch, pipelining, autopipe
@@ -121,6 +122,32 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: 
     return start(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method="forkserver")
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_all(procs: Sequence[Any], timeout: float) -> list[int | None]:
+    """Start ``procs``, wait ``timeout`` seconds for them all, kill whatever still runs: each
+    one's exit code, None for the killed."""
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes: list[int | None] = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    return codes
+
+
 @dataclass(frozen=True)
 class ScriptRun:
     """What :func:`run_script`'s ranks did: each one's exit code (None: killed at the deadline),
@@ -165,26 +192,10 @@ def run_script(script: str | os.PathLike[str], argv: Sequence[str], *, world: in
     this host), each rank a fork of the server ([Note: processes forked from a server]) instead
     of a fresh interpreter: the script, not torchrun, is under test (``autopipe run``'s own
     tests start torchrun)."""
-    ctx = context()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    ctx, port = context(), free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_script_rank, args=(r, world, port, str(script), list(argv), out), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        codes: list[int | None] = []
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-                codes.append(None)
-            else:
-                codes.append(p.exitcode)
+        codes = run_all([ctx.Process(target=_script_rank, args=(r, world, port, str(script), list(argv), out),
+                                     daemon=True) for r in range(world)], timeout)
 
         def read(name: str) -> str:
             return "".join(Path(out, f"{r}.{name}").read_text() if Path(out, f"{r}.{name}").exists() else ""

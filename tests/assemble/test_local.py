@@ -42,6 +42,23 @@ def cost_profile(graph: LayerGraph) -> Profile:
     return Profile.from_frame(df, edges=graph.edges(), meta={"fingerprint": graph.fingerprint})
 
 
+def made_up_pipeline(model: nn.Module, inputs: tuple[Any, ...] = (), *,
+                     example_kwargs: dict[str, Any] | None = None, chunks: int = 2,
+                     **kwargs: Any) -> autopipe.Pipeline:
+    """``model`` on two CPU stages split by made-up costs (:func:`cost_profile`), traced on its
+    first micro-batch: no profiling, for tests whose subject is not the plan (``pipe.plan``
+    rebuilds the same split, e.g. with ``weights=``). ``kwargs`` go to pipeline()."""
+    keywords = example_kwargs or {}
+    micro = microbatch_inputs((*inputs, *keywords.values()), chunks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages on one CPU: the placement warning
+        graph = trace(model, micro[:len(inputs)], example_kwargs=dict(zip(keywords, micro[len(inputs):],
+                                                                          strict=True)) or None)
+        plan = partition(cost_profile(graph), stages=2, chunks=chunks)
+        return pipeline(model, inputs, example_kwargs=example_kwargs, devices=["cpu", "cpu"], chunks=chunks,
+                        plan=plan, graph=graph, **kwargs)
+
+
 def check_transparent(
     model: nn.Module,
     inputs: tuple[Any, ...],

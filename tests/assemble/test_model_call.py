@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torch.testing import assert_close
 import autopipe
 from executor.errors import MicroBatchError
 from tests.assemble.test_hf_batches import _llama, causal_batch
-from tests.assemble.test_local import cost_profile
+from tests.assemble.test_local import made_up_pipeline
 
 
 @functools.cache
@@ -28,14 +27,7 @@ def _llama_pipeline() -> tuple[autopipe.Pipeline, nn.Module]:
     torch.manual_seed(0)
     model = _llama()
     reference = copy.deepcopy(model)
-    batch = causal_batch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = autopipe.trace(model, (), example_kwargs={k: v[:4] for k, v in batch.items()})
-        plan = autopipe.partition(cost_profile(graph), stages=2, chunks=2)
-        pipe = autopipe.pipeline(model, example_kwargs=batch, devices=["cpu", "cpu"], chunks=2, plan=plan,
-                                 graph=graph)
-    return pipe, reference
+    return made_up_pipeline(model, example_kwargs=causal_batch()), reference
 
 
 def test_forward_names_the_traced_inputs_as_trainer_reads_them() -> None:
@@ -45,12 +37,7 @@ def test_forward_names_the_traced_inputs_as_trainer_reads_them() -> None:
     assert pipe.accepts_loss_kwargs  # Trainer then passes num_items_in_batch
 
     ex = autopipe.get_example("mlp", batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = autopipe.trace(ex.model, (ex.inputs[0][:4],))
-        plan = autopipe.partition(cost_profile(graph), stages=2, chunks=2)
-        own = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan, graph=graph,
-                                loss_fn=F.cross_entropy)
+    own = made_up_pipeline(ex.model, ex.inputs, loss_fn=F.cross_entropy)
     assert str(inspect.signature(own.forward)) == "(input_0, /, *, target)" and not own.accepts_loss_kwargs
     assert_close(own(*ex.inputs, target=ex.target), F.cross_entropy(ex.model(*ex.inputs), ex.target))
 

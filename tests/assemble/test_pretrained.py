@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 import autopipe
 from autopipe.frontend.building.weights import WeightsError
-from tests.assemble.test_local import cost_profile
+from tests.assemble.test_local import cost_profile, made_up_pipeline
 from tests.models import tiny_gpt2, tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -37,13 +37,8 @@ def _trained(make: Callable[[], nn.Module]) -> tuple[autopipe.Pipeline, dict[str
     initial ones: one per model for the module's tests, which only read it. Its plan splits
     made-up costs (test_local's cost_profile): what is saved does not depend on the cut."""
     torch.manual_seed(0)
-    model, batch = make(), _batch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = autopipe.trace(model, (), example_kwargs={k: v[:2] for k, v in batch.items()})
-        plan = autopipe.partition(cost_profile(graph), stages=2, chunks=2)
-        pipe = autopipe.pipeline(model, example_kwargs=batch, devices=["cpu", "cpu"], chunks=2, plan=plan,
-                                 graph=graph)
+    batch = _batch()
+    pipe = made_up_pipeline(make(), example_kwargs=batch)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     pipe(**batch).loss.backward()
     opt.step()
@@ -112,17 +107,15 @@ def test_a_saved_model_is_not_overwritten_unless_asked(tmp_path: Path) -> None:
 
 def test_a_plain_module_saves_its_weights_and_index_for_weights(tmp_path: Path) -> None:
     ex = autopipe.get_example("mlp", batch_size=8)
+    pipe = made_up_pipeline(ex.model, ex.inputs)
+    pipe.save_pretrained(tmp_path / "mlp")
+    assert sorted(p.name for p in (tmp_path / "mlp").iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    torch.manual_seed(5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = autopipe.trace(ex.model, (ex.inputs[0][:4],))
-        plan = autopipe.partition(cost_profile(graph), stages=2, chunks=2)
-        pipe = autopipe.pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan, graph=graph)
-        pipe.save_pretrained(tmp_path / "mlp")
-        assert sorted(p.name for p in (tmp_path / "mlp").iterdir()) == [
-            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
-        torch.manual_seed(5)
         again = autopipe.pipeline(autopipe.get_example("mlp", batch_size=8).model, ex.inputs,
-                                  devices=["cpu", "cpu"], chunks=2, plan=plan, weights=tmp_path / "mlp")
+                                  devices=["cpu", "cpu"], chunks=2, plan=pipe.plan, weights=tmp_path / "mlp")
     for (key, want), got in zip(pipe.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(want, got), key
 
@@ -135,14 +128,12 @@ def test_a_file_in_place_of_the_folder_is_one_line(tmp_path: Path) -> None:
     assert (tmp_path / "taken").read_text() == "mine"
 
 
-def _saved_on_ranks(rank: int, plan: dict[str, Any], folder: str) -> dict[str, Any]:
-    """One SGD step of the tied GPT-2 on 2 ranks, then save_pretrained on both, twice: the second
-    refused (a collective: both ranks raise the same line)."""
+def _stepped_on_ranks(batch: dict[str, torch.Tensor], plan: dict[str, Any]) -> Any:
+    """The seeded tied GPT-2 as this rank's part of ``plan``, after one SGD step on ``batch``."""
     from autopipe.assemble.ranks import distributed_pipeline
     from autopipe.core.plan import Plan
 
     torch.manual_seed(0)
-    batch = _batch()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = distributed_pipeline(tiny_gpt2(), example_kwargs=batch, chunks=2, plan=Plan.from_dict(plan),
@@ -150,6 +141,14 @@ def _saved_on_ranks(rank: int, plan: dict[str, Any], folder: str) -> dict[str, A
     opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=0.5)
     pipe.step(**batch)
     opt.step()
+    return pipe
+
+
+def _saved_on_ranks(rank: int, plan: dict[str, Any], folder: str) -> dict[str, Any]:
+    """One SGD step of the tied GPT-2 on 2 ranks, then save_pretrained on both, twice: the second
+    refused (a collective: both ranks raise the same line)."""
+    batch = _batch()
+    pipe = _stepped_on_ranks(batch, plan)
     index = pipe.save_pretrained(folder)
     try:
         pipe.save_pretrained(folder)
@@ -192,20 +191,9 @@ def test_two_ranks_each_save_their_stage_and_from_pretrained_reads_the_trained_m
 
 def _saved_by_replicas(rank: int, plans: dict[str, dict[str, Any]], folder: str) -> dict[str, Any]:
     """Two replicas of one stage of the tied GPT-2, one SGD step each on its own rows, saved."""
-    from autopipe.assemble.ranks import distributed_pipeline
-    from autopipe.core.plan import Plan
-
     out = {}
     for mode, plan in plans.items():
-        torch.manual_seed(0)
-        batch = {k: v.tensor_split(2)[rank] for k, v in _batch().items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pipe = distributed_pipeline(tiny_gpt2(), example_kwargs=batch, chunks=2, plan=Plan.from_dict(plan),
-                                        timeout=30)
-        opt = torch.optim.SGD(pipe.stage_module.parameters(), lr=0.5)
-        pipe.step(**batch)
-        opt.step()
+        pipe = _stepped_on_ranks({k: v.tensor_split(2)[rank] for k, v in _batch().items()}, plan)
         pipe.save_pretrained(f"{folder}/{mode}")
         out[mode] = {k: v.clone() for k, v in pipe.state_dict().items()}  # whole, equal on both replicas
     return out

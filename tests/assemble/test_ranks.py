@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 import tempfile
 import time
 import traceback
@@ -57,12 +56,6 @@ class RankResult:
     error: str | None = None  # the rank's traceback when it raised
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...],
            group_timeout: float = 30.0) -> None:
     forked.fresh_state()
@@ -90,24 +83,14 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 4
         return _pool_run(fn, args, timeout)
     ctx = forked.context()  # [Note: processes forked from a server] in tests/forked.py
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args, group_timeout), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        port = forked.free_port()
+        codes = forked.run_all([ctx.Process(target=_entry, args=(r, world, port, out, fn, args, group_timeout),
+                                            daemon=True) for r in range(world)], timeout)
         results = []
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-                p.join()
-                results.append(RankResult(None))
-                continue
+        for r, code in enumerate(codes):
             path = Path(out) / f"{r}.pt"
-            data = torch.load(path, weights_only=False) if path.exists() else {}
-            results.append(RankResult(p.exitcode, data.get("value"), data.get("error")))
+            data = torch.load(path, weights_only=False) if code is not None and path.exists() else {}
+            results.append(RankResult(code, data.get("value"), data.get("error")))
         return results
 
 
@@ -147,7 +130,7 @@ class _RankPool:
         """Results as :func:`spawn` gives them, and whether every rank is still healthy."""
         self.calls += 1
         with tempfile.TemporaryDirectory() as out:
-            port = _free_port()
+            port = forked.free_port()
             for conn in self.tasks:
                 conn.send((self.calls, port, out, fn, args))
             deadline = time.monotonic() + timeout
@@ -667,7 +650,7 @@ def test_infer_wires_and_last_stage_unflatten() -> None:
 
 @pytest.fixture
 def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}",
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{forked.free_port()}",
                             timeout=datetime.timedelta(seconds=10))
     try:
         yield

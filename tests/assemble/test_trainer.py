@@ -7,7 +7,6 @@ and the same weights after the epoch, for a Llama, a GPT-2 with a tied head and 
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-import autopipe
 from tests.assemble.test_hf_batches import _bert, _gpt2, _llama, causal_batch, masked_batch
-from tests.assemble.test_local import cost_profile
+from tests.assemble.test_local import made_up_pipeline
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer's own dependency
@@ -59,13 +57,7 @@ def test_trainer_trains_the_pipeline_as_the_plain_model(make: Callable[[], nn.Mo
     model = make()
     plain = copy.deepcopy(model)
     data = batch(rows=ROWS)
-    example = {k: v[:PER_STEP] for k, v in data.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = autopipe.trace(model, (), example_kwargs={k: v[:2] for k, v in example.items()})
-        plan = autopipe.partition(cost_profile(graph), stages=2, chunks=2)
-        pipe = autopipe.pipeline(model, example_kwargs=example, devices=["cpu", "cpu"], chunks=2, plan=plan,
-                                 graph=graph)
+    pipe = made_up_pipeline(model, example_kwargs={k: v[:PER_STEP] for k, v in data.items()})
     got = _train(pipe, data, tmp_path / "pipe")
     want = _train(plain, data, tmp_path / "plain")
     assert len(got) == len(want) == ROWS // (2 * PER_STEP)
