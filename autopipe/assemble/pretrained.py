@@ -27,8 +27,6 @@ and the index only, which ``weights=`` reads.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,8 +34,14 @@ from typing import Any
 
 from torch import Tensor
 
-from autopipe.core.atomic_files import atomic_write, atomic_write_text
-from autopipe.frontend.building.weights import WeightsError, save_sharded, shard_names
+from autopipe.frontend.building.weights import (
+    WeightsError,
+    save_sharded,
+    shard_names,
+    storage_key,
+    write_index,
+    write_shard,
+)
 
 __all__ = ["save_pretrained", "save_on_ranks", "model_configs"]
 
@@ -54,10 +58,6 @@ def model_configs(model: Any) -> tuple[Any, Any, frozenset[str]]:
     return (config if hasattr(config, "save_pretrained") else None,
             generation if hasattr(generation, "save_pretrained") else None,
             frozenset(ties) if isinstance(ties, Mapping) else frozenset())
-
-
-def _where(t: Tensor) -> tuple[int, int]:
-    return t.untyped_storage().data_ptr(), int(t.storage_offset())
 
 
 def save_pretrained(parts: Sequence[Mapping[str, Tensor]], configs: tuple[Any, Any, frozenset[str]],
@@ -94,8 +94,8 @@ def _refusal(root: Path, configs: tuple[Any, Any, frozenset[str]], shards: Seque
 
 def _without_aliases(parts: Sequence[Mapping[str, Tensor]], aliases: frozenset[str]) -> list[dict[str, Tensor]]:
     """``parts`` less each tie's alias whose tensor a part holds under its source's name."""
-    sources = {_where(v) for part in parts for k, v in part.items() if k not in aliases}
-    return [{k: v for k, v in part.items() if k not in aliases or _where(v) not in sources} for part in parts]
+    sources = {storage_key(v) for part in parts for k, v in part.items() if k not in aliases}
+    return [{k: v for k, v in part.items() if k not in aliases or storage_key(v) not in sources} for part in parts]
 
 
 def _write_configs(root: Path, config: Any, generation: Any) -> None:
@@ -110,7 +110,6 @@ def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: s
     """[Note: saved as the model] on the ranks of ``pipe`` (a DistributedPipeline); a collective:
     every rank calls it. Returns the index's path."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     root = Path(folder)
     names = shard_names(pipe.num_stages)
@@ -135,16 +134,11 @@ def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: s
             stored.setdefault(key, (i, size))
     root.mkdir(parents=True, exist_ok=True)
     for i, part in mine.items():
-        shard = {key: value.detach().to("cpu").contiguous() for key, value in part.items()
-                 if stored.get(key, (-1, 0))[0] == i}
-        atomic_write(root / names[i], functools.partial(save_file, shard, metadata={"format": "pt"}))
+        write_shard(root / names[i], {key: value for key, value in part.items() if stored[key][0] == i})
     dist.barrier()  # every shard whole before the index names it
-    index = root / "model.safetensors.index.json"
     if dist.get_rank() == 0:
-        atomic_write_text(index, json.dumps({"metadata": {"total_size": sum(b for _, b in stored.values())},
-                                             "weight_map": {key: names[i] for key, (i, _) in stored.items()}},
-                                            indent=2) + "\n")
+        write_index(root, {key: names[i] for key, (i, _) in stored.items()}, sum(b for _, b in stored.values()))
         _write_configs(root, config, generation)
     dist.barrier()
-    return index
+    return root / "model.safetensors.index.json"
 

@@ -36,7 +36,8 @@ from torch import Tensor
 from autopipe.core.atomic_files import atomic_write, atomic_write_text
 from autopipe.errors import BuildError, first_line
 
-__all__ = ["Weights", "WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded", "shard_names"]
+__all__ = ["Weights", "WeightsError", "TensorInfo", "WeightSource", "open_weights", "match_weights", "save_sharded",
+           "shard_names", "storage_key", "write_index", "write_shard"]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -278,6 +279,27 @@ def shard_names(k: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
 
 
+def storage_key(t: Tensor) -> tuple[int, int]:
+    """Where ``t``'s values live (storage, offset): one key for a tensor and its tied aliases."""
+    return t.untyped_storage().data_ptr(), int(t.storage_offset())
+
+
+def write_shard(path: Path, tensors: Mapping[str, Tensor]) -> None:
+    """One safetensors shard of ``tensors`` (copied to the host), written whole or not at all."""
+    from safetensors.torch import save_file
+
+    shard = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+    atomic_write(path, functools.partial(_save_shard, save_file, shard))
+
+
+def write_index(folder: Path, weight_map: Mapping[str, str], total: int) -> Path:
+    """The index HuggingFace reads (``model.safetensors.index.json``): each key's shard file."""
+    index = folder / "model.safetensors.index.json"
+    atomic_write_text(index, json.dumps({"metadata": {"total_size": total}, "weight_map": dict(weight_map)},
+                                        indent=2) + "\n")
+    return index
+
+
 def save_sharded(
     parts: Iterable[Mapping[str, Tensor]], folder: str | os.PathLike[str], *, overwrite: bool = False
 ) -> Path:
@@ -289,8 +311,6 @@ def save_sharded(
     ``save_pretrained`` does. Returns the index path (``model.safetensors.index.json``), which
     ``weights=`` accepts. Existing files are kept unless ``overwrite``.
     """
-    from safetensors.torch import save_file
-
     root = Path(folder)
     states = [dict(p) for p in parts]
     index = root / "model.safetensors.index.json"
@@ -305,14 +325,12 @@ def save_sharded(
     for name, state in zip(names, states, strict=True):
         shard: dict[str, Tensor] = {}
         for key, value in state.items():
-            where = (value.untyped_storage().data_ptr(), int(value.storage_offset()))
+            where = storage_key(value)
             if where in stored:  # a tie: its alias holds it
                 continue
             stored[where] = key
-            shard[key] = value.detach().to("cpu").contiguous()
+            shard[key] = value
             weight_map[key] = name
             total += value.numel() * value.element_size()
-        atomic_write(root / name, functools.partial(_save_shard, save_file, shard))
-    atomic_write_text(index, json.dumps({"metadata": {"total_size": total},
-                                         "weight_map": weight_map}, indent=2) + "\n")
-    return index
+        write_shard(root / name, shard)
+    return write_index(root, weight_map, total)
