@@ -43,9 +43,15 @@ class ModelLoss:
         """``n_i / N`` for micro-batches of these inputs (float64, on the CPU); ``total``: the
         ``N`` to divide by instead of the batch's own count (HuggingFace's
         ``num_items_in_batch``: the items of every batch a step accumulates)."""
+        return self._normalised(self._counts(batches), total)
+
+    def _counts(self, batches: Sequence[tuple[Any, ...]]) -> Tensor:
+        """Each micro-batch's counted items (float64, on the CPU)."""
         with torch.no_grad():
-            counts = torch.stack([self.count(*b).detach().to("cpu", torch.float64).reshape(())
-                                  for b in batches])
+            return torch.stack([self.count(*b).detach().to("cpu", torch.float64).reshape(()) for b in batches])
+
+    @staticmethod
+    def _normalised(counts: Tensor, total: float | None) -> Tensor:
         if total is not None:
             if not total > 0:
                 raise MicroBatchError(f"num_items_in_batch={total}: the items counted over the "
@@ -65,9 +71,8 @@ class ModelLoss:
         replicas add up ([Note: tokens over replicas] in executor/ranks/replicated.py)."""
         parts = [tuple(p) for p in zip(*(x.tensor_split(chunks) if isinstance(x, Tensor) and x.dim()
                                          else [x] * chunks for x in inputs), strict=True)]
-        with torch.no_grad():
-            total = float(sum(float(self.count(*b).detach().sum()) for b in parts))
-        return (self.weights(parts) * chunks).to(device), total
+        counts = self._counts(parts)
+        return (self._normalised(counts, None) * chunks).to(device), float(counts.sum())
 
     def pick(self, output: Any) -> Tensor:
         """The loss leaf of a micro-batch's output."""
