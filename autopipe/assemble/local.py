@@ -73,7 +73,7 @@ class Pipeline(GPipe):
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[str | torch.device],
                  decision: Decision, deferred_batch_norm: bool, *, plan: Plan, graph: LayerGraph,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, model: nn.Module | None = None) -> None:
         super().__init__(stages, devices, decision=decision, deferred_batch_norm=deferred_batch_norm,
                          loss_fn=loss_fn, signature=graph_signature(graph),
                          model_loss=graph_model_loss(graph, loss_fn))
@@ -81,10 +81,12 @@ class Pipeline(GPipe):
         self.graph = graph
         # [Note: the model's call]
         self.forward = types.MethodType(_forward_named(self), self)  # type: ignore[method-assign]
-        self._configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # pipeline() sets them
-        self.config: Any = None  # the model's HF config and loss_type: pipeline() sets them
-        self.loss_type: str | None = None
-        self._loss_kwargs = (True, True)  # Trainer passes num_items_in_batch; the loss takes it
+        # what HuggingFace's Trainer and save_pretrained read of the model ([Note: the model's
+        # call]): its configs, its loss_type (by which Trainer counts a causal LM's items after
+        # the label shift) and how it takes num_items_in_batch; the model itself is not kept
+        self._configs = model_configs(model)
+        self.config, self.loss_type = self._configs[0], getattr(model, "loss_type", None)
+        self._loss_kwargs = _loss_kwargs(model) if model is not None else (True, True)
 
     @property
     def accepts_loss_kwargs(self) -> bool:
@@ -261,12 +263,8 @@ def pipeline(
     decision = plan.decision.replace(  # the call's overrides; one process runs GPipe's schedule
         chunks=chunks, recompute=modes, precision=precision, devices=tuple(device_names(devices)),
         schedule="gpipe", merge_backward="unwaited", data_parallel=1)
-    pipe = Pipeline(stages, devices, decision, deferred_batch_norm, plan=plan, graph=graph, loss_fn=loss_fn)
-    pipe._configs = model_configs(model)
-    # what HuggingFace's Trainer reads of a model besides its call ([Note: the model's call]):
-    # its config, and its loss_type, by which it counts a causal LM's items after the label shift
-    pipe.config, pipe.loss_type = pipe._configs[0], getattr(model, "loss_type", None)
-    pipe._loss_kwargs = _loss_kwargs(model)
+    pipe = Pipeline(stages, devices, decision, deferred_batch_norm, plan=plan, graph=graph, loss_fn=loss_fn,
+                    model=model)
     if pipe.plan is not plan:
         warnings.warn(placement_warning(plan, pipe.plan), UserWarning, stacklevel=2)
     return pipe
