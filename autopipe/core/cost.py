@@ -289,9 +289,9 @@ def stage_costs(
     resaved = np.zeros_like(cut)  # of them, saved on both sides ([Note: saved once])
     for u, users in enumerate(costs.consumers):
         if users:
-            reach = int(stage[list(users)].max())
-            cut[stage[u]:reach] += costs.value_bytes[u]
-            resaved[stage[u]:reach] += costs.resaved[u]
+            cut[stage[u]:int(stage[list(users)].max())] += costs.value_bytes[u]
+            if costs.savers[u]:
+                resaved[stage[u]:int(stage[list(costs.savers[u])].max())] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
     check_split(costs, options.schedule)
     split = options.schedule in ZERO_BUBBLE_SCHEDULES

@@ -8,13 +8,13 @@ alone, so both count it; the profile's ``saved_shared_bytes`` says how much of a
 layer that made it. The graph's own inputs (the caller's batch, which a first layer saves a
 view of) are shared too: they are not the pipeline's to hold ([Note: transfer cost] in
 transfer.py: graph inputs cost nothing). Where a cut separates the two, the consuming stage holds
-its own copy (its received input): ``resaved[u]``, the bytes of u's output that u and its LAST
-consumer both save (the last consumer is beyond every cut the value crosses; an earlier
-consumer may not be), is charged to every stage u's value crosses into (``cut_bytes(resaved)``,
-as ``cut_bytes()`` charges the value itself): exact for chains, on the safe side for a stage
-the value only passes through and for a recomputed micro-batch (whose saved input is that same
-copy), short when only an earlier consumer beyond the cut saves it (a residual stream's
-LayerNorm, whose last consumer is the add).
+its own copy (its received input): ``resaved[u]``, the most of u's output that u and any one
+consumer both save, is charged to every stage u's value crosses into while a consumer that saves
+it lies beyond the cut (``resaved_cut()``, up to ``last_saver[u]``, as ``cut_bytes()`` charges
+the value itself up to its last use): exact for chains and for a value whose saving consumer is
+not its last (a U-Net's skip, pooled before it is concatenated; a residual stream's LayerNorm,
+whose last consumer is the add), on the safe side for a stage the value only passes through and
+for a recomputed micro-batch (whose saved input is that same copy).
 executor/activation_meter.py counts the same thing in a running pipeline.
 """
 
@@ -46,6 +46,7 @@ class LayerCosts:
     buffers: IntArray
     saved: IntArray
     resaved: IntArray  # of each layer's output, what it and a consumer both save ([Note: saved once])
+    savers: tuple[tuple[int, ...], ...]  # of each layer's consumers, those that save its output too
     value_bytes: IntArray  # bytes of each layer's output value as sent across a cut
     consumers: tuple[tuple[int, ...], ...]
     last_use: IntArray  # index of the last consumer (the layer itself when none)
@@ -116,7 +117,8 @@ class LayerCosts:
             params[members] = 0
         saved = df["saved_bytes"].to_numpy(dtype=np.int64)
         shared = df["saved_shared_bytes"].to_numpy(dtype=np.int64)
-        resaved = np.array([min(int(value[u]), int(shared[max(consumers[u])])) if consumers[u] else 0
+        savers = [[v for v in users if shared[v] > 0] for users in consumers]
+        resaved = np.array([min(int(value[u]), max((int(shared[v]) for v in savers[u]), default=0))
                             for u in range(n)], dtype=np.int64)
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
@@ -141,6 +143,7 @@ class LayerCosts:
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
             saved=np.maximum(saved - shared, 0),
             resaved=resaved,
+            savers=tuple(tuple(sorted(set(users))) for users in savers),
             value_bytes=value,
             consumers=tuple(tuple(sorted(set(c))) for c in consumers),
             last_use=last,
@@ -165,14 +168,25 @@ class LayerCosts:
     def __len__(self) -> int:
         return len(self.names)
 
-    def cut_bytes(self, per_value: IntArray | None = None) -> IntArray:
-        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there (of
-        ``per_value``, default each layer's ``value_bytes``; ``resaved``: [Note: saved once])."""
+    def cut_bytes(self) -> IntArray:
+        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
+        return self._spans(self.value_bytes, self.last_use)
+
+    def resaved_cut(self) -> IntArray:
+        """``cut[i]``: of ``cut_bytes()[i]``, what the stage starting at layer i keeps a copy of
+        for its consumers' backward ([Note: saved once])."""
+        return self._spans(self.resaved, self.last_saver)
+
+    @property
+    def last_saver(self) -> IntArray:
+        """Index of each layer's last consumer that saves its output too (itself when none)."""
+        return np.array([max(users, default=u) for u, users in enumerate(self.savers)], dtype=np.int64)
+
+    def _spans(self, values: IntArray, until: IntArray) -> IntArray:
         n = len(self)
-        values = self.value_bytes if per_value is None else per_value
         diff = np.zeros(n + 2, dtype=np.int64)
         for u in range(n):
-            if self.last_use[u] > u:
+            if until[u] > u:
                 diff[u + 1] += values[u]
-                diff[self.last_use[u] + 1] -= values[u]
+                diff[until[u] + 1] -= values[u]
         return np.cumsum(diff)[: n + 1]

@@ -89,7 +89,7 @@ def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
     lo, hi = segment[0], segment[-1]
     entering = {p for p in range(lo) if any(lo <= c <= hi for c in costs.consumers[p])}
     kept = sum(int(costs.value_bytes[p]) for p in entering)
-    leaving = sum(int(costs.resaved[u]) for u in segment if int(costs.last_use[u]) > hi)
+    leaving = sum(int(costs.resaved[u]) for u in segment if int(costs.last_saver[u]) > hi)
     return max(int(costs.saved[lo:hi + 1].sum()) - kept - leaving, 0)
 
 
@@ -97,11 +97,11 @@ def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np
     """Every run of up to MAX_SEGMENT consecutive ``layers`` that frees bytes: (start, end)
     positions in ``layers`` and (freed bytes, extra ms) each."""
     producers: dict[int, list[int]] = {}
-    ending: dict[int, list[int]] = {}  # layer -> the layers whose last consumer it is
+    ending: dict[int, list[int]] = {}  # layer -> the layers whose last saving consumer it is
     for u, users in enumerate(costs.consumers):
         for c in users:
             producers.setdefault(c, []).append(u)
-        ending.setdefault(int(costs.last_use[u]), []).append(u)
+        ending.setdefault(int(costs.last_saver[u]), []).append(u)
     out: list[tuple[int, int, int, float]] = []
     for a, first in enumerate(layers):
         entering: set[int] = set()
@@ -117,7 +117,7 @@ def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np
                 if p < first and p not in entering:
                     entering.add(p)
                     kept += int(costs.value_bytes[p])
-            if int(costs.last_use[i]) > i:
+            if int(costs.last_saver[i]) > i:
                 leaving += int(costs.resaved[i])
             leaving -= sum(int(costs.resaved[u]) for u in ending.get(i, []) if first <= u < i)
             freed = saved - kept - leaving

@@ -80,7 +80,7 @@ class RangeCosts:
         self.receive_share = costs.comm_receive_share
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)
-        self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
+        self.resaved_cut = costs.resaved_cut().astype(np.float64)  # [Note: saved once]
         self.ms_per_byte = options.ms_per_byte
         self.optimizer = options.optimizer
         self.replicas = (options.data_parallel, options.dp_mode)  # [Note: pipeline x data parallel]

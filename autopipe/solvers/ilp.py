@@ -116,6 +116,8 @@ def _solve(
     y = [[pulp.LpVariable(f"y_{v}_{s}", cat="Binary") for s in cuts] for v in range(n)]
     senders = [u for u in range(n) if costs.consumers[u] and costs.value_bytes[u] > 0]
     z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", 0, 1) for u in senders for s in cuts}
+    # the value crosses cut s to a consumer that saves it too: [Note: saved once]
+    zr = {(u, s): pulp.LpVariable(f"zr_{u}_{s}", 0, 1) for u in senders if costs.resaved[u] for s in cuts}
     t = pulp.LpVariable("T", 0)
     prob += t
 
@@ -134,6 +136,8 @@ def _solve(
                 prob += y[v][s] <= y[u][s]
                 if (u, s) in z:
                     prob += z[u, s] >= y[u][s] - y[v][s]
+                if (u, s) in zr and v in costs.savers[u]:
+                    prob += zr[u, s] >= y[u][s] - y[v][s]
     for members, _ in costs.tie_groups if options.ties == "colocate" else ():
         for v in members[1:]:
             for s in cuts:
@@ -146,10 +150,11 @@ def _solve(
                 for v in members:
                     prob += h[g, s] >= x(v, s)
 
-    def crossing(s: int, per_value: npt.NDArray[Any] = costs.value_bytes) -> pulp.LpAffineExpression:
+    def crossing(s: int, per_value: npt.NDArray[Any] = costs.value_bytes,
+                 over: dict[tuple[int, int], Any] = z) -> pulp.LpAffineExpression:
         if s < 0 or s >= k - 1:
             return pulp.lpSum([])
-        return pulp.lpSum(int(per_value[u]) * z[u, s] for u in senders if per_value[u])
+        return pulp.lpSum(int(per_value[u]) * over[u, s] for u in senders if per_value[u])
 
     call = costs.call_ms(options.schedule)
     grads = costs.weight_grad if options.schedule in ZERO_BUBBLE_SCHEDULES else None
@@ -178,7 +183,7 @@ def _solve(
                 total(grads, s), crossing(s), s == 0, s == k - 1)
             for term in terms[s]:  # the peak is the largest term: each must fit
                 prob += state + activation_bytes(
-                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved), (term,),
+                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
                     held) <= dev.memory
 
     warm_value = math.inf

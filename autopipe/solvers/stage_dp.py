@@ -79,7 +79,7 @@ class StageBlocks:
         grads = np.zeros(n) if costs.weight_grad is None else costs.weight_grad.astype(np.float64)
         self.weight_grad = np.concatenate([zero, np.cumsum(grads)])  # [Note: split backward time]
         self.cut = costs.cut_bytes().astype(np.float64)
-        self.resaved_cut = costs.cut_bytes(costs.resaved).astype(np.float64)  # [Note: saved once]
+        self.resaved_cut = costs.resaved_cut().astype(np.float64)  # [Note: saved once]
         self.ties = costs.tie_groups
         self.precision = costs.precision  # [Note: mixed precision memory]
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group

@@ -172,3 +172,21 @@ def test_a_received_value_both_sides_save_is_held_once_per_side() -> None:
     assert (first.saved_bytes, second.saved_bytes) == (100, 100 + 40 + 10)  # b keeps its copy
     first, second = stage_costs(lc, [0, 0, 1], devs, opts)
     assert (first.saved_bytes, second.saved_bytes) == (140, 10)  # c saves nothing of b's output
+
+
+def test_a_value_saved_by_an_earlier_consumer_than_its_last_is_held_where_that_one_runs() -> None:
+    # a U-Net's skip: a (ReLU) saves its 100-byte output, b (a pool) saves it again as input,
+    # c (a concatenation, a's last consumer) saves nothing of it
+    df = pd.DataFrame({"layer": ["a", "b", "c"], "fwd_ms": [1.0] * 3, "bwd_ms": [1.0] * 3,
+                       "param_bytes": [0] * 3, "output_bytes": [100, 30, 130],
+                       "saved_bytes": [100, 100, 0], "saved_shared_bytes": [0, 100, 0]})
+    lc = LayerCosts.from_profile(Profile(df, [("a", "b", 100), ("a", "c", 100), ("b", "c", 30)], {}))
+    assert lc.resaved.tolist() == [100, 0, 0] and lc.savers == ((1,), (), ())
+    # a stage from b on holds its copy of a's output for b; a stage from c on holds none
+    assert lc.cut_bytes().tolist() == [0, 100, 130, 0] and lc.resaved_cut().tolist() == [0, 100, 0, 0]
+    opts = CostOptions(chunks=1, recompute="never", optimizer="none", bandwidth=None)
+    devs = [DeviceSpec("x"), DeviceSpec("y")]
+    first, second = stage_costs(lc, [0, 1, 1], devs, opts)
+    assert (first.saved_bytes, second.saved_bytes) == (100, 100)
+    first, second = stage_costs(lc, [0, 0, 1], devs, opts)
+    assert (first.saved_bytes, second.saved_bytes) == (100, 0)

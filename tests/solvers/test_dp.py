@@ -205,3 +205,18 @@ def test_dp_scales_to_2000_layers_16_stages(monkeypatch: pytest.MonkeyPatch) -> 
     assert sum(j1 * (j1 - j0) for j0, j1, _ in blocks) <= k * one_pass <= k * (n + 1) ** 2
     # valid, params, state, saved, work, transfers, stage time, masked time: 8 arrays a block
     assert len(fresh) == len(set(fresh)) <= 8 * columns
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_matches_brute_force_when_skips_are_saved_on_both_sides(seed: int) -> None:
+    # a DAG whose consumers save again what their producers save ([Note: saved once]), the
+    # residual stream's LayerNorm among them: an earlier consumer, not the last, keeps the copy
+    rng = np.random.default_rng(seed)
+    prof = transformer_dag(2)
+    prof.df["saved_shared_bytes"] = (prof.df["saved_bytes"] * rng.uniform(0, 1, len(prof.df))).astype("int64")
+    lc = LayerCosts.from_profile(prof)
+    assert any(s and max(s) < lc.last_use[u] for u, s in enumerate(lc.savers))
+    opts = CostOptions(chunks=4, recompute=["never", "always"][seed % 2], bandwidth=None)
+    free = [DeviceSpec(f"d{s}") for s in range(3)]
+    total = stage_costs(lc, [0] * len(lc), free[:1], opts)[0].memory_bytes
+    _check(lc, [DeviceSpec(f"d{s}", int(total * rng.uniform(0.4, 0.7))) for s in range(3)], opts)
