@@ -12,6 +12,16 @@ attribute *references* under their original qualified names. So optimizer state 
 model.parameters() stays valid, a parameter tied between two stages is one Parameter object used
 by both, and, once build() registers them as the model does ([Note: a stage saves what the model
 saves]), stage.state_dict() keys are the original model's keys.
+
+[Note: a stage writes a copy of its input] A stage whose first op writes one of its inputs in
+place (a cut just before cnn's ``ReLU(inplace=True)``) gets a copy of that input to write. A
+received input is a leaf that needs a gradient wherever a runtime made it one (a recomputed
+micro-batch's kept input, a PipelineStage's receive buffer), and autograd refuses to write a leaf
+in place; and a checkpointed micro-batch keeps its input to recompute from, which the write
+would change before the recomputation reads it. In the whole model the op writes a tensor its
+producer made, which nobody keeps, so the copy is the only change. The write must be the input's
+own op (a module with ``inplace=True``, a method or function whose name ends in ``_``, an
+augmented assignment or an item assignment); a write through a view of an input is not seen.
 """
 
 from __future__ import annotations
@@ -124,6 +134,7 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
     for i, stage in enumerate(stages):
         registry.apply(stage, i)
         _free_dtype_checks(stage)
+        _copy_written_inputs(stage)
     order = {name: i for i, name in enumerate(graph.layers)}
     recomputed = set(plan.recompute_layers)
     for stage, names in zip(stages, plan.stages, strict=True):  # [Note: recomputed layers]
@@ -150,6 +161,43 @@ def _free_dtype_checks(stage: fx.GraphModule) -> None:
             changed = True
     if changed:
         stage.recompile()
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+             operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+             operator.irshift, operator.imatmul, operator.setitem}
+
+
+def _writes_first_argument(node: fx.Node, stage: fx.GraphModule) -> bool:
+    if node.op == "call_module":
+        return getattr(stage.get_submodule(str(node.target)), "inplace", False) is True
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("_")
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE or node.kwargs.get("inplace") is True:
+        return True
+    schema = getattr(node.target, "_schema", None)  # an aten op: does it write its self?
+    if schema is not None:
+        alias = schema.arguments[0].alias_info if schema.arguments else None
+        return bool(alias is not None and alias.is_write)
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _copy_written_inputs(stage: fx.GraphModule) -> None:
+    """[Note: a stage writes a copy of its input]"""
+    graph = stage.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    written = [p for p in inputs if any(u.args and u.args[0] is p and _writes_first_argument(u, stage)
+                                        for u in p.users)]
+    if not written:
+        return
+    for p in written:
+        with graph.inserting_after(inputs[-1]):
+            copy = graph.call_method("clone", (p,))
+        p.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+    stage.recompile()
 
 
 class RecomputedLayer(nn.Module):

@@ -30,7 +30,8 @@ def even(layers: list[str], k: int) -> list[list[str]]:
     return [layers[bounds[i] : bounds[i + 1]] for i in range(k)]
 
 
-def plan_for(graph: LayerGraph, stages: list[list[str]], fingerprint: str | None = None) -> Plan:
+def plan_for(graph: LayerGraph, stages: list[list[str]], fingerprint: str | None = None, chunks: int = 2,
+             recompute: str = "except_last", devices: Sequence[str] | None = None) -> Plan:
     df = pd.DataFrame(
         {
             "layer": graph.layers,
@@ -43,7 +44,7 @@ def plan_for(graph: LayerGraph, stages: list[list[str]], fingerprint: str | None
     )
     meta = {"fingerprint": fingerprint or graph.fingerprint}
     profile = Profile.from_frame(df, edges=graph.edges(), meta=meta)
-    return Plan.from_stages(profile, stages, chunks=2)
+    return Plan.from_stages(profile, stages, chunks=chunks, recompute=recompute, devices=devices)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "unet"])
@@ -152,3 +153,43 @@ def test_stages_out_of_order() -> None:
     layers = graph.layers
     with pytest.raises(BuildError, match="runs backwards"):
         split_stages(graph, [layers[5:], layers[:5]])
+
+
+class _WritesItsInput(nn.Module):
+    """Each cut before a ReLU/add gives the next stage an input it writes in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.a(x))  # a module with inplace=True
+        h = self.b(h).relu_()  # an in-place method
+        return self.c(h).add_(1.0) * 2.0  # an in-place method with an argument
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_a_stage_that_writes_its_input_in_place_gets_a_copy_and_the_models_gradients(mode: str) -> None:
+    import copy
+
+    import autopipe
+
+    model = _WritesItsInput()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    graph = trace(model, (x[:2],))
+    # every stage after the first starts with the op that writes what it received
+    starts = [graph.layers.index(name) for name in ("act", "relu_", "add_")]
+    stages = [graph.layers[i:j] for i, j in zip([0, *starts], [*starts, len(graph.layers)], strict=True)]
+    plan = plan_for(graph, stages, chunks=4, recompute=mode, devices=["cpu"] * 4)
+    built = build(model, plan, graph)
+    assert [sum(n.op == "call_method" and n.target == "clone" for n in s.graph.nodes) for s in built] == [0, 1, 1, 1]
+    plain(x).sum().backward()
+    pipe = autopipe.pipeline(model, (x,), devices=["cpu"] * 4, chunks=4, recompute=mode, graph=graph,
+                             plan=plan)
+    pipe(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
