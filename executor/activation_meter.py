@@ -7,6 +7,7 @@
             loss = loss_fn(out, y)
         loss.backward()
     meter.peaks            # bytes per stage: the most it held at once
+    meter.input_saves      # bytes per stage: the most of its own input one call saved
 
 [Note: counting activations] On a CPU there is no allocator to ask (``RssAnon`` counts the
 whole process, and freed pages are reused or not at the allocator's whim), so the activations
@@ -22,7 +23,10 @@ back. A storage saved several times by one stage (a ReLU's output read by the ne
 counted once; parameters and buffers are state, not activations, and are never counted, nor
 is the caller's batch (``inputs``) that a checkpointed first stage keeps a view of. What
 the count leaves out is what is not saved for backward: a micro-batch's output on its way to
-the next stage and gradients in flight. On CUDA, ``torch.cuda.max_memory_allocated`` measures
+the next stage and gradients in flight. ``input_saves`` is, per stage, the most bytes of its own
+input (what it received) that one call saved: a recomputed micro-batch holds that input once,
+as what it kept and what its layers save again, where the cost model counts both ([Note: stage
+memory] in autopipe/core/stage_memory.py). On CUDA, ``torch.cuda.max_memory_allocated`` measures
 everything instead; this meter is the CPU's exact view of the part the cost model predicts.
 """
 
@@ -68,6 +72,9 @@ class ActivationMeter:
         self.stages = list(stages)
         self.peaks = [0] * len(self.stages)
         self.live = [0] * len(self.stages)
+        self.input_saves = [0] * len(self.stages)
+        self._inputs: list[dict[int, int]] = [{} for _ in self.stages]  # this call's input: bytes
+        self._saved_inputs: list[set[int]] = [set() for _ in self.stages]  # of them, those it saved
         self._refs: list[dict[int, list[int]]] = [{} for _ in self.stages]  # key -> [count, bytes]
         self._state = {_storage(t)[0] for s in self.stages
                        for t in (*s.parameters(), *s.buffers())}
@@ -78,6 +85,11 @@ class ActivationMeter:
 
     def _enter_stage(self, index: int | None) -> None:
         self._current = index
+
+    def _call_stage(self, index: int, args: Any) -> None:
+        self._current = index
+        self._inputs[index] = dict(_storage(t) for t in args if isinstance(t, torch.Tensor))
+        self._saved_inputs[index] = set()
 
     @contextmanager
     def outside(self) -> Iterator[None]:
@@ -93,6 +105,10 @@ class ActivationMeter:
         s = self._current
         if s is None or key in self._state:
             return t
+        inputs, saved = self._inputs[s], self._saved_inputs[s]
+        if key in inputs and key not in saved:
+            saved.add(key)
+            self.input_saves[s] = max(self.input_saves[s], sum(inputs[k] for k in saved))
         ref = self._refs[s].setdefault(key, [0, nbytes])
         ref[0] += 1
         if ref[0] == 1:
@@ -121,8 +137,12 @@ class ActivationMeter:
         for i, stage in enumerate(self.stages):
             # every module of one stage only, not just the stage: a part of it recomputed in the
             # backward (a checkpointed segment) saves for this stage while another ran last
-            for m in (stage, *(m for m in stage.modules() if m is not stage and owners[id(m)] == {i})):
-                self._handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: self._enter_stage(i)))
+            self._handles.append(stage.register_forward_pre_hook(lambda _m, a, i=i: self._call_stage(i, a)))
+            # what saves the input after the call (a Checkpoint node) is not one of its layers
+            self._handles.append(stage.register_forward_hook(lambda _m, _a, _o, i=i: self._inputs[i].clear()))
+            for m in stage.modules():
+                if m is not stage and owners[id(m)] == {i}:
+                    self._handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: self._enter_stage(i)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
