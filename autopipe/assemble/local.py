@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -80,7 +79,7 @@ class Pipeline(GPipe):
         self.plan = plan_for_devices(plan, self.devices)
         self.graph = graph
         # [Note: the model's call]
-        self.forward = types.MethodType(_forward_named(self), self)  # type: ignore[method-assign]
+        self.__class__ = _called_as(self)
         # what HuggingFace's Trainer and save_pretrained read of the model ([Note: the model's
         # call]): its configs, its loss_type (by which Trainer counts a causal LM's items after
         # the label shift) and how it takes num_items_in_batch; the model itself is not kept
@@ -112,15 +111,32 @@ class Pipeline(GPipe):
 # which is then over that many items (the batches a step accumulates), as HuggingFace's models
 # take it. With the model's ``config`` and ``loss_type`` beside it, Trainer(model=pipe) counts
 # those items as it does for the model itself and trains the pipeline as it trains the model.
-# The signature is the instance's (each pipeline traces its own), so ``forward`` is a method
-# bound per instance, whose function holds no reference to it.
-def _forward_named(pipe: Pipeline) -> Callable[..., Any]:
-    """GPipe.forward, under a signature naming ``pipe``'s inputs ([Note: the model's call])."""
-    def forward(self: Pipeline, *inputs: Any, **keywords: Any) -> Any:
-        if not self._loss_kwargs[1]:  # the model's loss is its own mean, whatever it is passed
-            keywords.pop("num_items_in_batch", None)
-        return GPipe.forward(self, *inputs, **keywords)
+# Tools read the signature from the class (Trainer's label names: ``find_labels(type(model))``,
+# by which its evaluation loop knows that a batch has labels and reports the loss), and each
+# pipeline traces its own inputs, so a pipeline's class is a subclass of Pipeline per signature
+# (``_called_as``), of the same name, whose ``forward`` is GPipe's under that signature.
+_CALLED_AS: dict[tuple[type, str], type] = {}
 
+
+def _called_as(pipe: Pipeline) -> type:
+    """Pipeline's subclass whose ``forward`` names ``pipe``'s inputs ([Note: the model's call])."""
+    signature = _signature(pipe)
+    key = (type(pipe), str(signature))
+    if key not in _CALLED_AS:
+        def forward(self: Pipeline, *inputs: Any, **keywords: Any) -> Any:
+            if not self._loss_kwargs[1]:  # the model's loss is its own mean, whatever it is passed
+                keywords.pop("num_items_in_batch", None)
+            return GPipe.forward(self, *inputs, **keywords)
+
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        forward.__doc__ = GPipe.forward.__doc__
+        base = type(pipe)
+        _CALLED_AS[key] = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                                         "__qualname__": base.__qualname__})
+    return _CALLED_AS[key]
+
+
+def _signature(pipe: Pipeline) -> inspect.Signature:
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
     signature = pipe.signature
     if signature is not None:
@@ -133,8 +149,7 @@ def _forward_named(pipe: Pipeline) -> Callable[..., Any]:
         params.append(inspect.Parameter("target", inspect.Parameter.KEYWORD_ONLY))
     elif pipe.model_loss is not None:
         params.append(inspect.Parameter("num_items_in_batch", inspect.Parameter.KEYWORD_ONLY, default=None))
-    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    return forward
+    return inspect.Signature(params)
 
 
 def _loss_kwargs(model: nn.Module) -> tuple[bool, bool]:
