@@ -10,12 +10,13 @@ tried, not the one a timed profile happens to favour, so one run is exact and th
 machine. The prediction is exact (tests/test_benchmark_memory_vs_prediction.py holds it to the
 byte), but for one known double count:
 
-under ``always`` the prediction holds a stage's received input twice while a micro-batch
-recomputes: once as the input the stage kept, once in what its layers save again (its first
-Linear's input, a copy its producer also saves: [Note: saved once] in
-autopipe/core/layer_costs.py). It is one tensor. The meter counts how much of its own input each
-stage's layers save (``input_saves``); "measured / (predicted - kept twice)" is what the test
-holds to 1 there, and "measured / predicted" shows what the double count costs (safe side).
+under ``always``, while a micro-batch recomputes, the stage's received input is both the input it
+kept and what its layers save again: one tensor. The prediction holds what its FIRST layer saves
+of it once ([Note: an input kept once] in autopipe/core/stage_memory.py); what later layers save
+of a received value (a skip) it still counts twice. The meter counts how much of its own input
+each stage's layers save (``input_saves``): "kept twice" is that, less what the prediction holds
+once; "measured / (predicted - kept twice)" is what the test holds to 1, and "measured /
+predicted" shows what the double count costs (safe side).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def measure_plan(ex: Example, plan: Plan, graph: LayerGraph | None = None) -> li
         with meter.outside():
             loss = ex.loss_fn(out, ex.target)
         loss.backward()
-    twice = meter.input_saves if mode == "always" else [0] * len(plan.stages)
+    # what the stage's layers save of its input beyond what the prediction holds once (its first
+    # layer's: [Note: an input kept once])
+    twice = [max(m - b.input_saved_bytes, 0) if mode == "always" else 0
+             for m, b in zip(meter.input_saves, pipe.plan.breakdown, strict=True)]
     return [Row(ex.name, mode, plan.stages[1][0] if len(plan.stages) > 1 else "", s,
                 int(b.activation_bytes), m, c)
             for s, (b, m, c) in enumerate(zip(pipe.plan.breakdown, meter.peaks, twice, strict=True))]

@@ -312,6 +312,8 @@ def stage_costs(
         saved = int(costs.saved[mask].sum()) - sum(segment_freed(costs, r) for r in mine) + (
             int(resaved[s - 1]) if s > 0 else 0)
         cut_in = int(cut[s - 1]) if s > 0 else 0
+        first = int(np.flatnonzero(mask)[0]) if mask.any() else 0  # [Note: an input kept once]
+        input_saved = min(int(costs.saved_input[first]), cut_in, saved) if s > 0 and first > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
         bwd_input, bwd_weight, held = None, None, 0
         if costs.bwd_input is not None and costs.weight_grad is not None and split:
@@ -328,7 +330,7 @@ def stage_costs(
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)
                             + cast_cache_bytes(params, costs.precision, recomputed[s])),
-            activation_bytes=int(activation_bytes(cut_in, saved, terms[s], held)) + recompute_peak(
+            activation_bytes=int(activation_bytes(cut_in, saved, terms[s], held, input_saved)) + recompute_peak(
                 costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
             input_bytes=cut_in,
             output_bytes=cut_out,
@@ -343,6 +345,7 @@ def stage_costs(
             param_gather_ms=param_gather_ms(params, *replicas),
             bwd_input_ms=bwd_input,
             weight_held_bytes=held,
+            input_saved_bytes=input_saved,
             bwd_weight_ms=bwd_weight,
         ))
     return result

@@ -45,6 +45,7 @@ class LayerCosts:
     params: IntArray  # untied parameter bytes (tied ones live in ``tie_groups``)
     buffers: IntArray
     saved: IntArray
+    saved_input: IntArray  # of each layer's saves, its inputs from other layers ([Note: an input kept once])
     resaved: IntArray  # of each layer's output, what it and a consumer both save ([Note: saved once])
     savers: tuple[tuple[int, ...], ...]  # of each layer's consumers, those that save its output too
     value_bytes: IntArray  # bytes of each layer's output value as sent across a cut
@@ -142,6 +143,7 @@ class LayerCosts:
             params=params,
             buffers=df["buffer_bytes"].to_numpy(dtype=np.int64),
             saved=np.maximum(saved - shared, 0),
+            saved_input=df["saved_input_bytes"].to_numpy(dtype=np.int64),
             resaved=resaved,
             savers=tuple(tuple(sorted(set(users))) for users in savers),
             value_bytes=value,
@@ -181,6 +183,13 @@ class LayerCosts:
     def last_saver(self) -> IntArray:
         """Index of each layer's last consumer that saves its output too (itself when none)."""
         return np.array([max(users, default=u) for u, users in enumerate(self.savers)], dtype=np.int64)
+
+    def input_saved_cut(self) -> IntArray:
+        """``cut[i]``: of ``cut_bytes()[i]``, what layer i saves when it starts a stage, which a
+        recomputed micro-batch holds once ([Note: an input kept once] in stage_memory.py)."""
+        out = np.zeros(len(self) + 1, dtype=np.int64)
+        out[1:-1] = np.minimum(self.saved_input[1:], self.cut_bytes()[1:-1])
+        return out
 
     def _spans(self, values: IntArray, until: IntArray) -> IntArray:
         n = len(self)

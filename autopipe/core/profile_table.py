@@ -29,6 +29,9 @@ ONE micro-batch):
     buffer_bytes   optional: bytes of buffers (running stats ...), default 0
     saved_shared_bytes  optional: of ``saved_bytes``, the inputs its producers already save as
                    their outputs (one tensor, counted once: [Note: saved once]), default 0
+    saved_input_bytes  optional: of ``saved_bytes``, the layer's inputs from other layers (not
+                   the caller's batch): where the layer starts a stage, the input the stage
+                   keeps to recompute from ([Note: an input kept once] in stage_memory.py), default 0
     peak_bytes     optional: measured peak memory, may be NaN
     tie_group      optional: layers sharing a parameter carry the same non-empty id, default "".
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
@@ -115,7 +118,8 @@ class Profile:
     REQUIRED_COLUMNS: ClassVar[tuple[str, ...]] = (
         "layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes", "saved_bytes",
     )
-    NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes", "saved_shared_bytes")
+    NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes", "saved_shared_bytes",
+                                                   "saved_input_bytes")
     TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type", "measured_as")
 
     def __post_init__(self) -> None:

@@ -112,10 +112,11 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
                           for r in sizes])
         out = scaled(sizes, table, rows)
         df[col] = out if col.endswith("_ms") else np.rint(out).astype(np.int64)
-    old_saved = profile.df["saved_bytes"].to_numpy(dtype=np.float64)  # shared: the same share
-    share = np.divide(profile.df["saved_shared_bytes"].to_numpy(dtype=np.float64), old_saved,
-                      out=np.zeros_like(old_saved), where=old_saved > 0)
-    df["saved_shared_bytes"] = np.rint(share * df["saved_bytes"].to_numpy()).astype(np.int64)
+    old_saved = profile.df["saved_bytes"].to_numpy(dtype=np.float64)  # shared, inputs: the same share
+    for col in ("saved_shared_bytes", "saved_input_bytes"):
+        share = np.divide(profile.df[col].to_numpy(dtype=np.float64), old_saved,
+                          out=np.zeros_like(old_saved), where=old_saved > 0)
+        df[col] = np.rint(share * df["saved_bytes"].to_numpy()).astype(np.int64)
     ratio = {name: (new / old if old else rows / base) for name, new, old in
              zip(profile.layers, df["output_bytes"], profile.df["output_bytes"], strict=True)}
     if all(c in df.columns for c in SPLIT_COLUMNS):  # the same split of the new backward

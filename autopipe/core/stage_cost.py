@@ -42,6 +42,9 @@ class StageCost:
     bwd_input_ms: float | None = None
     weight_held_bytes: int = 0
     bwd_weight_ms: float | None = None
+    # of input_bytes, what the stage's first layer saves: held once by a recomputed micro-batch
+    # ([Note: an input kept once] in stage_memory.py); 0 in plans saved before it
+    input_saved_bytes: int = 0
 
     @property
     def backward_ms(self) -> float:

@@ -14,13 +14,23 @@ recomputation, where the micro-batch is checkpointed) frees nothing, since torch
 graph for W, and adds what W starts from (``weight_held_bytes``: the gradients at the weights'
 nodes, and the output gradient the stage received); the weight-gradient part W frees all of it.
 
+[Note: an input kept once] A checkpointed micro-batch keeps its stage input, and when it is
+recomputed the stage's first layer saves part of that input again (a Linear's input, a norm's):
+one tensor, held once, not an input plus a save. ``input_saved_bytes`` is that part (the first
+layer's ``saved_input_bytes`` in the profile); while d micro-batches are recomputed and not yet
+freed, the level is d x ``input_saved_bytes`` lower than the two counted apart. Only the first
+layer is asked: a later layer of the stage that saves a received value too (a skip) is still
+counted twice, on the safe side.
+
 Walking the stage's operations in its schedule's order ([Note: schedule orders] in
 autopipe/core/schedules.py) with these rules (``_held``) gives the level after every allocation
-as ``a x input_bytes + b x saved_bytes + c x weight_held_bytes`` (c is 0 where no backward is
-split); the peak is the largest, over the few Pareto-maximal (a, b, c) terms
-(``activation_terms``). That is exact for the order the schedule runs, whatever the stage's
-bytes: GPipe with R of M checkpointed peaks at ``R x input + max(M - R, 1) x saved`` (``M x
-saved`` for R = 0), 1F1B at stage s holds at most ``min(M, K - s)`` micro-batches.
+as ``a x input_bytes + b x saved_bytes + c x weight_held_bytes - d x input_saved_bytes`` (c is 0
+where no backward is split, d where nothing recomputes as a whole); the peak is the largest,
+over the few Pareto-maximal (a, b, c, d) terms (``activation_terms``; a smaller d is the larger
+level). That is exact for the order the schedule runs, whatever the stage's bytes: GPipe with R
+of M checkpointed peaks at ``R x input + max(M - R, 1) x saved`` (``M x saved`` for R = 0)
+less one ``input_saved`` where R = M, 1F1B at stage s holds at most ``min(M, K - s)``
+micro-batches.
 executor.GPipe (one process) back-propagates in the reverse order and checkpoints the
 mirror-image micro-batches, so the same formula is exact for it
 (benchmarks/memory_vs_prediction.py counts it). The simulator walks the order it ran, so its
@@ -42,7 +52,8 @@ __all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "
            "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
-Terms = tuple[tuple[int, int, int], ...]  # (a, b, c): a x input + b x saved + c x weight_held bytes
+# (a, b, c, d): a x input + b x saved + c x weight_held - d x input_saved bytes
+Terms = tuple[tuple[int, int, int, int], ...]
 
 
 def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, last: bool) -> Amount:
@@ -53,65 +64,83 @@ def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, la
     return (0 if first else weight_grad) + (0 if last else output_bytes)
 
 
-def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[tuple[int, int, int, int, bool]]:
-    """(stage, inputs held, saved activations held, weight gradients held, after an allocation?)
-    after each change of what a stage holds, walking ``ops`` in order ([Note: stage memory]);
-    stage s checkpoints its last ``recomputed[s]`` micro-batches ([Note: which micro-batches
-    recompute] in executor/spec.py)."""
+Held = tuple[int, int, int, int, int, bool]
+
+
+def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[Held]:
+    """(stage, inputs held, saved activations held, weight gradients held, micro-batches
+    recomputed and held, after an allocation?) after each change of what a stage holds, walking
+    ``ops`` in order ([Note: stage memory]); stage s checkpoints its last ``recomputed[s]``
+    micro-batches ([Note: which micro-batches recompute] in executor/spec.py)."""
     ops = list(ops)
     chunks: dict[int, int] = {}
     for s, _, i in ops:
         chunks[s] = max(chunks.get(s, 0), i + 1)
     held: dict[int, list[int]] = {}
     for s, kind, i in ops:
-        h = held.setdefault(s, [0, 0, 0])
+        h = held.setdefault(s, [0, 0, 0, 0])
         checkpointed = is_recomputed(i, chunks[s], recomputed[s])
         if kind == "F":
             h[0 if checkpointed else 1] += 1
-            yield s, h[0], h[1], h[2], True
+            yield s, h[0], h[1], h[2], h[3], True
         elif kind == "I":  # the recomputed forward next to its input, then what W starts from
             h[1] += 1 if checkpointed else 0
             h[2] += 1
-            yield s, h[0], h[1], h[2], True
+            h[3] += 1 if checkpointed else 0
+            yield s, h[0], h[1], h[2], h[3], True
         elif kind == "W":
             h[0] -= 1 if checkpointed else 0
             h[1] -= 1
             h[2] -= 1
-            yield s, h[0], h[1], h[2], False
+            h[3] -= 1 if checkpointed else 0
+            yield s, h[0], h[1], h[2], h[3], False
         elif checkpointed:  # a whole backward
             h[1] += 1  # the recomputed forward, next to the input it was recomputed from
-            yield s, h[0], h[1], h[2], True
+            h[3] += 1  # [Note: an input kept once]
+            yield s, h[0], h[1], h[2], h[3], True
             h[0] -= 1
             h[1] -= 1
-            yield s, h[0], h[1], h[2], False
+            h[3] -= 1
+            yield s, h[0], h[1], h[2], h[3], False
         else:
             h[1] -= 1
-            yield s, h[0], h[1], h[2], False
+            yield s, h[0], h[1], h[2], h[3], False
 
 
 @lru_cache(maxsize=4096)
 def _terms(ops: tuple[Op, ...], recomputed: int) -> Terms:
     stage = ops[0][0] if ops else 0
-    seen = {(a, b, c) for _, a, b, c, alloc in _held(ops, {stage: recomputed}) if alloc}
-    top = [t for t in seen if not any(u != t and all(x >= y for x, y in zip(u, t, strict=True)) for u in seen)]
-    return tuple(sorted(top)) or ((0, 0, 0),)
+    seen = {(a, b, c, d) for _, a, b, c, d, alloc in _held(ops, {stage: recomputed}) if alloc}
+    top = [t for t in seen if not any(u != t and _covers(u, t) for u in seen)]
+    return tuple(sorted(top)) or ((0, 0, 0, 0),)
+
+
+def _covers(u: tuple[int, int, int, int], t: tuple[int, int, int, int]) -> bool:
+    """Whether term ``u``'s level is at least ``t``'s whatever the bytes. input_saved is part of
+    both input and saved, so with input = I' + X and saved = S' + X a level is ``a I' + b S' + c
+    held + (a + b - d) X`` over independent non-negative amounts."""
+    return u[0] >= t[0] and u[1] >= t[1] and u[2] >= t[2] and u[0] + u[1] - u[3] >= t[0] + t[1] - t[3]
 
 
 def activation_terms(ops: Sequence[Op], recomputed: int) -> Terms:
-    """The Pareto-maximal (a, b, c) held after an allocation by one stage running ``ops``: its
-    peak activations are ``max(a x input + b x saved + c x weight_held)`` ([Note: stage memory])."""
+    """The Pareto-maximal (a, b, c, d) held after an allocation by one stage running ``ops``:
+    its peak activations are ``max(a x input + b x saved + c x weight_held - d x input_saved)``
+    ([Note: stage memory])."""
     return _terms(tuple(ops), recomputed)
 
 
-def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount = 0) -> Amount:
-    """Peak activation bytes of a stage: the largest ``a x input + b x saved + c x weight_held``
-    over its ``terms``. Floats and numpy arrays take the maximum; a PuLP expression needs one
-    term at a time (a constraint per term)."""
+def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount = 0,
+                     input_saved: Amount = 0) -> Amount:
+    """Peak activation bytes of a stage: the largest ``a x input + b x saved + c x weight_held -
+    d x input_saved`` over its ``terms``. Floats and numpy arrays take the maximum; a PuLP
+    expression needs one term at a time (a constraint per term)."""
     out: Amount = None
-    for a, b, c in terms:
+    for a, b, c, d in terms:
         value = b * saved_bytes + a * input_bytes  # a new value, whatever the operands
         if c:
             value = value + c * weight_held
+        if d:
+            value = value - d * input_saved
         if out is None:
             out = value
         elif isinstance(out, np.ndarray) and isinstance(value, np.ndarray) and out.shape == value.shape:
@@ -122,13 +151,15 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
 
 
 def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
-                    saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None = None) -> float:
+                    saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None = None,
+                    input_saved: Mapping[int, float] | None = None) -> float:
     """Peak activation bytes of a device running ``ops`` of one or more stages in that order
     (a rank of a multi-stage schedule holds several stages at once)."""
     level: dict[int, float] = {}
     peak = 0.0
-    for s, a, b, c, alloc in _held(ops, recomputed):
-        level[s] = a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
+    for s, a, b, c, d, alloc in _held(ops, recomputed):
+        level[s] = (a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
+                    - (d * input_saved[s] if d and input_saved else 0.0))
         if alloc:
             peak = max(peak, sum(level.values()))
     return peak

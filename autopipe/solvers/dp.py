@@ -81,6 +81,7 @@ class RangeCosts:
         self.compute = np.concatenate([zero, np.cumsum(work)])
         self.cut = costs.cut_bytes().astype(np.float64)
         self.resaved_cut = costs.resaved_cut().astype(np.float64)  # [Note: saved once]
+        self.input_saved = costs.input_saved_cut().astype(np.float64)  # [Note: an input kept once]
         self.ms_per_byte = options.ms_per_byte
         self.optimizer = options.optimizer
         self.replicas = (options.data_parallel, options.dp_mode)  # [Note: pipeline x data parallel]
@@ -126,10 +127,11 @@ class RangeCosts:
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
         saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
         held = weight_held_bytes(self.weight_grad[None, j0:j1] - self.weight_grad[:, None],
-                                 self.cut[None, j0:j1], True, False) if any(c for _, _, c in self.terms) else 0
+                                 self.cut[None, j0:j1], True, False) if any(t[2] for t in self.terms) else 0
         out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
                            + cast_cache_bytes(params, self.precision, self.rec_n)
-                           + activation_bytes(self.cut[:, None], saved, self.terms, held))
+                           + activation_bytes(self.cut[:, None], saved, self.terms, held,
+                                              np.minimum(self.input_saved[:, None], saved)))
         return out
 
 

@@ -11,7 +11,9 @@ CBC than one-hot assignment with ``stage(u) <= stage(v)`` written through stage 
 
 The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` for every stage
 (one memory constraint per activation term of the stage's schedule and recompute mode: the
-peak is a maximum of linear terms, [Note: stage memory]),
+peak is a maximum of linear terms, [Note: stage memory]; which layer comes first in a stage is
+not linear in y, so a recomputed micro-batch's input and its first layer's save of it are held
+apart here, on the safe side of [Note: an input kept once]),
 with autopipe.core.cost's formulas applied to PuLP expressions, tie groups shared (a member anywhere charges the group's
 bytes to that stage) or colocated (members' y rows equal), and non-empty stages. CBC is
 warm-started from the exact DP split, so it never returns worse than the DP. CBC runs through

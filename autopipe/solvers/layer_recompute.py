@@ -30,9 +30,10 @@ def _saved_to_fit(stage: StageCost, terms: Terms, limit: int) -> float:
     """The largest ``saved_bytes`` with which ``stage``'s state and activations fit ``limit``
     (-inf where even none fit)."""
     room = limit - stage.param_bytes  # what its state leaves for activations
-    fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes for a, _, c in terms]
-    bounds = [left / b for left, (_, b, _) in zip(fixed, terms, strict=True) if b > 0]
-    if any(left < 0 for left, (_, b, _) in zip(fixed, terms, strict=True) if b == 0):
+    fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes + d * stage.input_saved_bytes
+             for a, _, c, d in terms]
+    bounds = [left / t[1] for left, t in zip(fixed, terms, strict=True) if t[1] > 0]
+    if any(left < 0 for left, t in zip(fixed, terms, strict=True) if t[1] == 0):
         return -np.inf
     return min(bounds, default=np.inf)
 
@@ -60,7 +61,7 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
         fit = _saved_to_fit(never[s], terms[s], limit)
         if fit == -np.inf:
             continue
-        need, held = never[s].saved_bytes - fit, max(b for _, b, _ in terms[s])
+        need, held = never[s].saved_bytes - fit, max(t[1] for t in terms[s])
         mine = [i for i, st in enumerate(assignment) if st == s]
         for _ in range(4):  # a segment's recompute lives again at the peak: ask for that much more
             names = [costs.names[i] for i in choose(costs, mine, need)]

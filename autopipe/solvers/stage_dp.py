@@ -80,6 +80,7 @@ class StageBlocks:
         self.weight_grad = np.concatenate([zero, np.cumsum(grads)])  # [Note: split backward time]
         self.cut = costs.cut_bytes().astype(np.float64)
         self.resaved_cut = costs.resaved_cut().astype(np.float64)  # [Note: saved once]
+        self.input_saved = costs.input_saved_cut().astype(np.float64)  # [Note: an input kept once]
         self.ties = costs.tie_groups
         self.precision = costs.precision  # [Note: mixed precision memory]
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
@@ -156,7 +157,7 @@ class StageBlocks:
                ends: tuple[bool, bool] = (False, False)) -> FloatArray:
         """Peak memory of every range as a stage with these ``terms``; ``ends``: whether it is
         the first and the last stage (what it holds from a split backward's I to its W)."""
-        split = any(c for _, _, c in terms)
+        split = any(t[2] for t in terms)
         ends = ends if split else (False, False)
 
         saved = self._cached(("saved", j0), lambda: self.saved[None, j0:j1] - self.saved[:j1, None]
@@ -164,7 +165,8 @@ class StageBlocks:
         held = self._cached(("held", j0, ends), lambda: weight_held_bytes(
             self.weight_grad[None, j0:j1] - self.weight_grad[:j1, None], self.cut[None, j0:j1],
             *ends)) if split else 0
-        out: FloatArray = activation_bytes(self.cut[:j1, None], saved, terms, held)  # a new array
+        out: FloatArray = activation_bytes(self.cut[:j1, None], saved, terms, held,  # a new array
+                                           np.minimum(self.input_saved[:j1, None], saved))
         out += self.state(j0, j1)
         if self.precision != "fp32" and recomputed:
             out += cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed)

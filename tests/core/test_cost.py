@@ -107,18 +107,21 @@ def test_tied_bytes_charged_to_every_holder() -> None:
 def test_gpipe_activation_terms_in_closed_form(mode: str, recomputed: int) -> None:
     # ScheduleGPipe holds every micro-batch after the forwards: the R checkpointed ones (the last
     # R, back-propagated last) as inputs, the others whole; its first recomputation comes after
-    # those others are freed: R inputs + max(M - R, 1) saved ([Note: which micro-batches recompute])
+    # those others are freed: R inputs + max(M - R, 1) saved ([Note: which micro-batches recompute]);
+    # where all M are, that one recomputing holds its input once ([Note: an input kept once])
     m = 6
-    expected = ((0, m, 0),) if recomputed == 0 else ((recomputed, max(m - recomputed, 1), 0),)
+    expected = {0: ((0, m, 0, 0),), 5: ((5, 1, 0, 0),), 6: ((6, 1, 0, 1),)}[recomputed]
     assert stage_terms("gpipe", 2, 4, m, recomputed) == expected
-    assert activation_bytes(10, 1000, expected) == expected[0][0] * 10 + expected[0][1] * 1000
+    assert activation_bytes(10, 1000, expected) == expected[-1][0] * 10 + expected[-1][1] * 1000
+    assert activation_bytes(10, 1000, expected, input_saved=4) == (
+        expected[-1][0] * 10 + expected[-1][1] * 1000 - expected[-1][3] * 4)
 
 
 def test_1f1b_holds_at_most_k_minus_s_micro_batches() -> None:
     for s in range(4):
-        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s, 0),)  # never: K - s saved
-        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1, 0),)  # always: inputs + one recompute
-    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 2, 0),)  # fewer micro-batches than stages
+        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s, 0, 0),)  # never: K - s saved
+        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1, 0, 1),)  # always: inputs + one recompute
+    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 2, 0, 0),)  # fewer micro-batches than stages
 
 
 def test_peak_is_the_walk_over_the_order() -> None:

@@ -20,7 +20,9 @@ def _profile() -> Profile:
 
 def test_one_size_scales_activations_and_compute_in_proportion() -> None:
     prof = _profile()
+    prof.df["saved_input_bytes"] = [0, 80, 40]  # of saved_bytes: the same share at any size
     half = profile_at(prof, 4, batch_size=32, chunks=8)
+    assert half.df["saved_input_bytes"].tolist() == [0, 40, 0]
     assert half.df["fwd_ms"].tolist() == [0.5, 1.0, 2.0]
     assert half.df["bwd_ms"].tolist() == [1.0, 2.0, 4.0]
     assert half.df["saved_bytes"].tolist() == [400, 200, 0]

@@ -177,7 +177,8 @@ def test_search_800_layers_16_devices_solves_few_dps(monkeypatch: pytest.MonkeyP
     cores, 20-40 s beside other jobs; the search's seconds are benchmarks/auto_plan.py's): the
     bounds prune the 265 configurations to 40 DP solves (42 passes with the 2 for other
     schedules' alternatives) and 12 simulations, in at most 3765 block evaluations that compute
-    at most 954 cached arrays. The counts are deterministic: nothing in the search reads a clock."""
+    at most 960 cached arrays (blocks are cached per memory terms, whose d ([Note: an input kept
+    once]) sets apart some that were one). The counts are deterministic: nothing reads a clock."""
     counts = {"passes": 0, "blocks": 0, "simulated": 0}
     fresh: list[tuple[object, ...]] = []
     configs: list[int] = []
@@ -216,7 +217,7 @@ def test_search_800_layers_16_devices_solves_few_dps(monkeypatch: pytest.MonkeyP
     assert said is not None and int(said[1]) == counts["simulated"], plan.solver.status
     assert int(said[2]) <= 40 and counts["passes"] <= int(said[2]) + 2  # + other schedules' alternatives
     assert counts["simulated"] <= 12 and counts["blocks"] <= 3765
-    assert len(fresh) <= 954
+    assert len(fresh) <= 960
 
 
 def test_interleaved_with_a_stage_count_puts_two_stages_on_each_rank() -> None:

@@ -65,6 +65,7 @@ def measure_rows(
     splits: dict[str, BackwardSplit] = {}
     split_extra = split_overhead(timer, dev, precision)
     ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
+    kept: dict[str, int] = {}  # saved bytes of its inputs from other layers, not written in place
     outs: dict[str, list[int]] = {}  # under a precision: each layer's output bytes, measured
     node_bytes: dict[str, int] = {}
     graph_inputs = {n.name for n in g.gm.graph.nodes if n.op == "placeholder"}
@@ -76,9 +77,12 @@ def measure_rows(
         if run.reuse_of is None:
             if precision != "fp32":
                 outs[run.call.name] = layer_output_bytes(run.call, run.values)
-            saved, saved_in, saved_out, peak = probe(run.call, run.values, meter, run.state)
+            saved, saved_in, saved_out, written, peak = probe(run.call, run.values, meter, run.state)
             ends[run.call.name] = (sum(saved_in), sum(b for b, name in zip(
                 saved_in, run.call.inputs, strict=True) if name in graph_inputs), saved_out)
+            # a stage it starts writes a copy of its input: not the input the stage keeps
+            # ([Note: a stage writes a copy of its input] in frontend/building/stages.py)
+            kept[run.call.name] = ends[run.call.name][0] - ends[run.call.name][1] - written
             fwd_ms, bwd_ms = time_layer(run.call, run.values, timer, repeats, warmup)
             fwd_ms = max(0.0, fwd_ms - fwd_extra)
             bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
@@ -89,11 +93,13 @@ def measure_rows(
         source = run.reuse_of or run.call.name
         rows.append(_row(g, run.call.name, *measured[source], measured_as=source))
         ends[run.call.name] = ends[source]
+        kept[run.call.name] = kept[source]
         if precision != "fp32":  # a reused layer's outputs are its source's, in order
             node_bytes.update(zip(run.call.outputs, outs[source], strict=True))
     shared = shared_saved(g.edges(), ends)
     edges, out_bytes = measured_edges(g, node_bytes) if precision != "fp32" else (g.edges(), {})
     return [{**r, "saved_shared_bytes": shared[r["layer"]],
+             "saved_input_bytes": max(kept[r["layer"]], 0),
              "output_bytes": out_bytes.get(r["layer"], r["output_bytes"])} for r in rows], \
         (fwd_extra, bwd_extra, sampler.ratio()), edges, (splits, split_extra)
 

@@ -65,6 +65,9 @@ def test_skip_connection_edges_and_saved_bytes() -> None:
     # a Linear keeps its input for the weight gradient, even a graph input
     assert saved["a"] == saved["b"] == saved["d"] == 6 * 8 * 4
     assert saved["add"] == 0  # an addition needs nothing for its backward
+    # of it, the inputs from other layers ([Note: an input kept once]): not the caller's batch
+    kept = prof.df.set_index("layer")["saved_input_bytes"]
+    assert kept["a"] == 0 and kept["b"] == kept["d"] == 6 * 8 * 4 and kept["add"] == 0
 
 
 def test_micro_batch_slicing_and_bad_batches() -> None:
@@ -164,6 +167,9 @@ def test_in_place_layers_profile(make: Callable[[], nn.Module]) -> None:
     assert df["fwd_ms"].map(math.isfinite).all()
     relu = "act" if isinstance(model, InplaceNet) else "stem_relu"
     assert df.loc[relu, "saved_bytes"] > 0  # relu keeps its output for backward
+    # which is its input's storage, written in place: a stage it starts writes a copy of its
+    # input, so the input that stage keeps is not what it saves ([Note: an input kept once])
+    assert df.loc[relu, "saved_input_bytes"] == 0
 
 
 def _state(model: nn.Module) -> dict[str, Any]:

@@ -87,9 +87,10 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 def probe(
     call: LayerCall, values: Values, meter: MemoryMeter, state: set[int]
-) -> tuple[int, list[int], int, int | None]:
+) -> tuple[int, list[int], int, int, int | None]:
     """One untimed forward + backward: bytes saved for backward (all, of them each input's,
-    of them the outputs') and peak memory ([Note: saved once])."""
+    of them the outputs', of them inputs written in place and saved as outputs) and peak memory
+    ([Note: saved once])."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -107,11 +108,14 @@ def probe(
         torch.autograd.backward(roots, grads)
     peak = meter.peak()
 
-    def of(value: Any) -> int:
-        keys = {storage_key(t)[0] for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
-        return sum(n for k, n in saved.items() if k in keys)
+    def keys(value: Any) -> set[int]:
+        return {storage_key(t)[0] for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
 
-    return sum(saved.values()), [of(a) for a in args], of(out), peak
+    def of(value: Any) -> int:
+        return sum(n for k, n in saved.items() if k in keys(value))
+
+    written = keys(args) & keys(out)  # an in-place layer's output is its input's storage
+    return sum(saved.values()), [of(a) for a in args], of(out), sum(saved.get(k, 0) for k in written), peak
 
 
 def shared_saved(edges: Iterable[tuple[str, str, int]],
