@@ -49,6 +49,10 @@ name directly: it imports it from here, where
   zero-bubble schedules run, checked by signature; the profiler times each layer's backward
   with them ([Note: split backward measured] in autopipe/frontend/profiling/harness/backward_split.py),
   and where they differ it measures no split (the planner then refuses those schedules);
+- :class:`CompatStage` overrides seven private PipelineStage methods on torch 2.11 and 2.12,
+  whose stage asks every received value for a gradient, integers too ([Note: integers across a
+  cut]), and checks the last stage's output dtype against the traced one ([Note: the last
+  stage's dtype]);
 - :func:`merge_adjacent_backward` rewrites a zero-bubble schedule's compute order
   (``pipeline_order``, its ``_Action`` tuples) with executor.spec.merged_backward's rule and
   lowers it again with ``_prepare_schedule_with_comms``, as torch's own ``_load_csv`` does;
@@ -61,6 +65,8 @@ Modules (every private torch import of the project is in one of them, tests/test
                receive-ahead GPipe, the split backward's halves, a zero-bubble order merged
     groups     process groups: timeouts, a peer's failure told from this rank's, the GradScaler's
                found-inf flags
+    stages     a PipelineStage that runs on torch 2.11 as on 2.13: gradients of floating values
+               only, the last stage's dtype unchecked ([Note: integers across a cut])
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from executor._torch_compat.schedules import (
     warn_no_prefetch,
     without_self_sends,
 )
+from executor._torch_compat.stages import ASKS_EVERY_BUFFER, CompatStage
 from executor._torch_compat.tensors import (
     BatchNormBase,
     FakeTensorMode,
@@ -107,4 +114,5 @@ __all__ = [
     "sorted_batch_p2p", "wait_batch_p2p", "without_self_sends", "split_backward_api",
     "merge_adjacent_backward",
     "is_communication_error", "mesh_group_options", "set_group_timeout", "found_inf_per_device",
+    "ASKS_EVERY_BUFFER", "CompatStage",
 ]

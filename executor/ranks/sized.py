@@ -21,9 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage
-
-from executor._torch_compat import without_self_sends
+from executor._torch_compat import CompatStage, without_self_sends
 from executor.errors import DistributedError
 from executor.ranks.wire import Sizes, Wire, WireStage, check_sizes, cut_metas, wire_metas
 from executor.spec import is_recomputed
@@ -33,8 +31,9 @@ __all__ = ["SizedSchedules", "microbatch_sizes_of"]
 _KEEP = 4  # sizes whose stages and schedule are kept
 
 
-class _Stage(PipelineStage):
-    """PipelineStage that tells its WireStage which micro-batches to recompute. ``submodule`` is
+class _Stage(CompatStage):
+    """PipelineStage that tells its WireStage which micro-batches to recompute (and runs on torch
+    2.11 as on 2.13: [Note: integers across a cut]). ``submodule`` is
     the WireStage itself, or the DistributedDataParallel wrapping it (executor/ranks/replicated.py);
     under the zero-bubble schedules ``dw_builder`` runs the weight gradients its WireStage
     queued ([Note: split backward on ranks] in executor/ranks/split_backward.py)."""

@@ -195,6 +195,7 @@ def _two_ranks(rank: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # [Note: the last stage's dtype] on torch 2.11
 @pytest.mark.timeout(90)
 def test_two_ranks_under_bf16_equal_one_process() -> None:
     values = _ok(spawn(_two_ranks, timeout=75))

@@ -62,7 +62,6 @@ def _local(values: tuple[Tensor, ...], replica: int) -> tuple[Tensor, ...]:
     return tuple(v.tensor_split(D)[replica] for v in values)
 
 
-_OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 # (model, dp mode, schedule, checkpoint per stage, data_parallel given explicitly or the plan's)
 CASES = [
     ("skip", "ddp", "gpipe", ["always", "except_last"], True),
@@ -76,12 +75,10 @@ CASES = [
     # tensor on pp rank 0, under interleaved_zb a tie across the ranks
     ("skip", "ddp", "zbv", ["never", "always", "never", "except_last"], True),
     ("skip", "fsdp", "zbv", ["never", "except_last", "always", "never"], False),
-    # the GPT's 4-stage cuts carry its sequence length, a Python int, whose receive buffer torch
-    # 2.11's PipelineStage refuses under every schedule: from torch 2.13 on
-    *([] if _OLD_TORCH else [
-        ("tied", "ddp", "zbv", ["except_last", "never", "always", "never"], False),
-        ("tied", "fsdp", "interleaved_zb", ["always", "never", "never", "except_last"], False),
-    ]),
+    # the GPT's 4-stage cuts carry its sequence length, a Python int ([Note: integers across a
+    # cut] in executor/_torch_compat/stages.py)
+    ("tied", "ddp", "zbv", ["except_last", "never", "always", "never"], False),
+    ("tied", "fsdp", "interleaved_zb", ["always", "never", "never", "except_last"], False),
 ]
 
 

@@ -112,8 +112,8 @@ def _grads(pipe: Any) -> dict[str, Tensor]:
 
 # (model, schedule, checkpoint per stage or for all, each layer recomputed alone, the plan's
 # merge rule: [Note: adjacent I and W] in executor/spec.py). The skip
-# connection's run on torch 2.11 and 2.15 too (`-m compat`); the GPT's cut carries a Python int
-# (its sequence length), whose receive buffer torch 2.11's PipelineStage refuses under any schedule.
+# connection's run on torch 2.11 and 2.15 too (`-m compat`); the GPT's run on torch 2.13 only, as it
+# also feeds the pipeline another sequence length, which torch 2.11's stages refuse.
 Case = tuple[str, str, Any, bool, str]
 SKIP_CASES: list[Case] = [
     ("skip", "zbv", "never", False, "unwaited"),

@@ -152,15 +152,18 @@ def _free_dtype_checks(stage: fx.GraphModule) -> None:
     A stage runs under autocast (``precision=``, or the caller's own ``with torch.autocast``)
     and with FSDP2 parameters gathered in bf16 (executor/ranks/replicated.py), where the same tensor
     may be bf16, and the plain model runs on. So the stages keep these checks' device and
-    layout but not their dtype."""
-    changed = False
-    for node in stage.graph.nodes:
-        if (node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
-                and node.kwargs.get("dtype") is not None):
-            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
-            changed = True
-    if changed:
-        stage.recompile()
+    layout but not their dtype: in the stage's graph and in the graphs nested in it, where
+    torch 2.11's export puts a region the model runs under its own autocast (HF Llama's rotary
+    embedding: a ``wrap_with_autocast`` submodule)."""
+    for graph in [m for m in stage.modules() if isinstance(m, fx.GraphModule)]:
+        changed = False
+        for node in graph.graph.nodes:
+            if (node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+                    and node.kwargs.get("dtype") is not None):
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+                changed = True
+        if changed:
+            graph.recompile()
 
 
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
