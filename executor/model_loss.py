@@ -63,16 +63,17 @@ class ModelLoss:
                                   "ignore_index): its loss is undefined; pass a batch with labels")
         return counts / whole
 
-    def schedule_targets(self, inputs: tuple[Any, ...], chunks: int,
-                         device: torch.device) -> tuple[Tensor, float]:
+    def schedule_targets(self, inputs: tuple[Any, ...], chunks: int, device: torch.device,
+                         total: float | None = None) -> tuple[Tensor, float]:
         """The per-micro-batch targets a torch schedule splits out of ``inputs``' equal
         micro-batches: each one's weight x ``chunks``, since the schedule averages the losses
         (executor/ranks/distributed.py's ``step``); and the items the batch counts, which
-        replicas add up ([Note: tokens over replicas] in executor/ranks/replicated.py)."""
+        replicas add up ([Note: tokens over replicas] in executor/ranks/replicated.py).
+        ``total``: as in :meth:`weights`."""
         parts = [tuple(p) for p in zip(*(x.tensor_split(chunks) if isinstance(x, Tensor) and x.dim()
                                          else [x] * chunks for x in inputs), strict=True)]
         counts = self._counts(parts)
-        return (self._normalised(counts, None) * chunks).to(device), float(counts.sum())
+        return (self._normalised(counts, total) * chunks).to(device), float(counts.sum())
 
     def pick(self, output: Any) -> Tensor:
         """The loss leaf of a micro-batch's output."""

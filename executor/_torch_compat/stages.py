@@ -67,8 +67,9 @@ class CompatStage(PipelineStage):
         if backward:
             for infos in self.args_recv_info.values():
                 for info in infos:
-                    if _is_float(getattr(info, "buffer", None)):
-                        info.buffer.requires_grad_(True)
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
+                        buffer.requires_grad_(True)
         return out
 
     def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
@@ -88,7 +89,7 @@ class CompatStage(PipelineStage):
                 for s, info in zip(sources, args_recv_info, strict=True)]
 
     def _float_outputs(self) -> list[bool]:
-        return [_is_float(meta) for meta in self.get_outputs_meta()]
+        return [_is_float(meta) for meta in getattr(self, "get_outputs_meta")()]  # noqa: B009 (2.11's)
 
     def _create_grad_recv_info(self, act_send_info: dict[int, Any]) -> tuple[Any, ...]:
         if not ASKS_EVERY_BUFFER:
@@ -120,6 +121,6 @@ class CompatStage(PipelineStage):
                 self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
             grads = self.bwd_cache[bwd_chunk_id]
             self.bwd_cache[bwd_chunk_id] = tuple(
-                torch.zeros_like(info.buffer) if g is None and dst is not None else g
+                torch.zeros_like(getattr(info, "buffer")) if g is None and dst is not None else g  # noqa: B009
                 for g, dst, info in zip(grads, self.grad_send_info, self.args_recv_info[bwd_chunk_id], strict=True))
         return super().get_bwd_send_ops(bwd_chunk_id)  # type: ignore[no-any-return]

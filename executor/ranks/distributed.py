@@ -202,6 +202,8 @@ class DistributedPipeline(Checkpointable):
         self._last = next((w for w, i in zip(self.wire_stages, indices, strict=True) if i == num_stages - 1), None)
         self._loss_fn = loss_fn
         self._counted = 0.0  # the items this step's batch counts, for the model's own loss (bind_inputs)
+        self._share = 1.0  # of each micro-batch's loss, what its backward takes: 1 / chunks in a step
+        self._num_items: float | None = None  # the step's num_items_in_batch, if given (bind_inputs)
         self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
         self._scaler: torch.amp.GradScaler | None = None  # step(scaler=)'s, for _loss
@@ -273,13 +275,17 @@ class DistributedPipeline(Checkpointable):
                 loss = weighted(self._loss_fn.pick(self._last.unflatten(output)), target)
             else:
                 loss = self._loss_fn(self._last.unflatten(output), target)
+        loss = loss * self._share  # [Note: a step adds its own gradients]
         return loss if self._scaler is None else self._scaler.scale(loss)
 
     def step(self, *inputs: Any, target: Any = None, scaler: torch.amp.GradScaler | None = None,
              **keywords: Any) -> Tensor | None:
         """Run one mini-batch forward and backward; the mean micro-batch loss on the last rank.
-        ``scaler`` (a PipelineGradScaler) scales each micro-batch's loss in the schedule; the loss
-        returned is unscaled ([Note: loss scaling on ranks] in executor/ranks/grad_scaler.py)."""
+        Gradients add to those already there, as a backward call's do ([Note: a step adds its
+        own gradients]). ``scaler`` (a PipelineGradScaler) scales each micro-batch's loss in the
+        schedule; the loss returned is unscaled ([Note: loss scaling on ranks] in
+        executor/ranks/grad_scaler.py). ``num_items_in_batch=N``: the model's own loss over N
+        items (executor/ranks/step_inputs.py)."""
         inputs, target = bind_inputs(self, inputs, keywords, target)
         self.steps += 1
         self._scaler = scaler  # read by _loss
@@ -290,10 +296,16 @@ class DistributedPipeline(Checkpointable):
         with self._watchdog(), self._peer_failures():
             target = self._replica_weights(target)
             schedule = self._schedule = schedule_for(self, inputs, target, need_target=True)
-            schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
-                          losses=losses if self.is_last else None, return_outputs=False)
-            self._finish_grads()
-            mean = self._replica_loss(torch.stack([x.detach() for x in losses]).mean()) if self.is_last else None
+            before = self._tied_grads()
+            self._share = 1.0 / self.chunks
+            try:
+                schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
+                              losses=losses if self.is_last else None, return_outputs=False)
+            finally:
+                self._share = 1.0
+            self._finish_grads(before)
+            # each loss is already its micro-batch's share: their sum is the mean
+            mean = self._replica_loss(torch.stack([x.detach() for x in losses]).sum()) if self.is_last else None
         return mean if mean is None or scaler is None else mean / scaler.get_scale()
 
     def _replica_weights(self, target: Any) -> Any:
@@ -363,21 +375,37 @@ class DistributedPipeline(Checkpointable):
     def _peer_failures(self) -> AbstractContextManager[None]:
         return peer_failures(self._failure)
 
-    def _finish_grads(self) -> None:
-        """Mean over micro-batches (each parameter once), then sum tied copies across ranks."""
-        seen: set[int] = set()
-        for stage in self.stages:
-            for p in stage.parameters():
-                if p.grad is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    p.grad.div_(self.chunks)
-        for group, tied in self._ties:
+    # [Note: a step adds its own gradients] Gradients accumulate over steps as over backward
+    # calls (a caller accumulating micro-steps into one optimizer step, HF's
+    # num_items_in_batch), so a step may change only what it adds: each micro-batch's loss is
+    # back-propagated as its 1/chunks share (``_share`` in ``_loss``), not divided out of every
+    # gradient after the schedule, which also divided what earlier steps had left; and a tied
+    # parameter's copies add up across ranks this step's gradient only (``_tied_grads`` keeps
+    # what was there before). DDP and FSDP average replicas that hold the same earlier gradient,
+    # which leaves it as it was.
+    def _tied_grads(self) -> list[Tensor | None]:
+        """Each tied parameter's gradient before a step (None where it has none)."""
+        return [None if tied is None or tied.grad is None else self._local(tied.grad).clone()
+                for _, tied in self._ties]
+
+    @staticmethod
+    def _local(grad: Tensor) -> Tensor:
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def _finish_grads(self, before: Sequence[Tensor | None] = ()) -> None:
+        """Sum this step's gradient of each tied parameter over its copies on other ranks."""
+        for k, (group, tied) in enumerate(self._ties):
             if tied is None:
                 continue
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
-            grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
+            grad = self._local(tied.grad)
+            earlier = before[k] if k < len(before) else None
+            if earlier is not None:
+                grad.sub_(earlier)
             dist.all_reduce(grad, group=group)
+            if earlier is not None:
+                grad.add_(earlier)
 
     def _who(self) -> str:
         return f"rank {self.rank}/{self.world}"

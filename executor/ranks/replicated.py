@@ -236,10 +236,14 @@ class ReplicatedPipeline(DistributedPipeline):
     # step's watchdog), and reports the all-reduced mean of those losses: the one-process loss on
     # every replica, whatever the padding on each. A loss_fn of the caller's is weighted by rows
     # and each replica reports its own; eval_step weighs each replica's batch on its own, since
-    # replicas may evaluate alone.
+    # replicas may evaluate alone. Given ``num_items_in_batch`` (N over every replica and every
+    # batch accumulated into the optimizer step, as HuggingFace counts it), N is not added up:
+    # the weights are n_i / N x R.
     def _replica_weights(self, target: Any) -> Any:
         if not (self.is_last and isinstance(self._loss_fn, ModelLoss)):
             return target
+        if self._num_items is not None:
+            return target * self.dp_size
         total = torch.tensor(self._counted, dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.mesh.get_group("dp"))
         if float(total) == 0:
@@ -254,8 +258,8 @@ class ReplicatedPipeline(DistributedPipeline):
         dist.all_reduce(summed, group=self.mesh.get_group("dp"))
         return summed / self.dp_size
 
-    def _finish_grads(self) -> None:
-        super()._finish_grads()
+    def _finish_grads(self, before: Sequence[Tensor | None] = ()) -> None:
+        super()._finish_grads(before)
         grads = [p.grad for p in self._all_reduce if p.grad is not None]
         group = self.mesh.get_group("dp")
         while grads:  # [Note: DDP under zero bubble]: the mean over the column, a bucket at a time

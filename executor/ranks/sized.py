@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
 from executor._torch_compat import CompatStage, without_self_sends
 from executor.errors import DistributedError
 from executor.ranks.wire import Sizes, Wire, WireStage, check_sizes, cut_metas, wire_metas

@@ -8,6 +8,11 @@ Only the first stage reads the inputs and only the last the target; the model's 
 ([Note: a loss the model computes] in executor/model_loss.py) needs the inputs on the last rank
 too, which counts its micro-batches' items from them. Rank 0's sizes pick every rank's schedule
 ([Note: one schedule per input size] in executor/ranks/sized.py).
+
+``num_items_in_batch=N`` among the keywords is HuggingFace's: the model's loss is over N items,
+those of every batch the caller accumulates into one optimizer step (and, with replicas, of
+every replica's), as ``executor.GPipe`` and the model itself take it. Pass it on every rank or
+on none.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ __all__ = ["bind_inputs", "schedule_for", "check_batch"]
 def bind_inputs(pipe: DistributedPipeline, inputs: tuple[Any, ...], keywords: dict[str, Any],
                 target: Any) -> tuple[tuple[Any, ...], Any]:
     """Keyword inputs in stage 0's order, and the target: the model's loss weights x chunks."""
+    total = keywords.pop("num_items_in_batch", None)
+    if total is not None and not isinstance(pipe._loss_fn, ModelLoss):
+        raise DistributedError("num_items_in_batch is for the model's own loss, and this pipeline's loss "
+                               "is the caller's loss_fn: leave it out, or build the pipeline without loss_fn")
+    pipe._num_items = None if total is None else float(total)
     if pipe.signature is not None and (inputs or keywords):
         inputs = pipe.signature.bind(inputs, keywords)
     elif keywords:
@@ -44,7 +54,7 @@ def bind_inputs(pipe: DistributedPipeline, inputs: tuple[Any, ...], keywords: di
         raise DistributedError("the model computes its own loss, which the last rank weights by "
                                "the items its micro-batches count: pass the batch on every rank")
     check_batch(inputs, "inputs", pipe.chunks)
-    target, pipe._counted = loss_fn.schedule_targets(inputs, pipe.chunks, pipe.device)
+    target, pipe._counted = loss_fn.schedule_targets(inputs, pipe.chunks, pipe.device, pipe._num_items)
     return inputs, target
 
 

@@ -288,11 +288,13 @@ def _reference(model: nn.Module, inputs: tuple[Tensor, ...], target: Tensor,
 
 
 # --- rank workers (module level: spawned processes import them) -------------------------------
-def _train_once(rank: int, case: str, schedule: str, recompute: str, method: str) -> dict[str, Any]:
+def _train_once(rank: int, case: str, schedule: str, recompute: str, method: str,
+                steps: int = 1) -> dict[str, Any]:
     model, inputs, target, loss_fn = _case(case)
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule,
                                 recompute=recompute, method=method, timeout=20)
-    loss = pipe.step(*inputs, target=target)
+    for _ in range(steps):  # accumulated: [Note: a step adds its own gradients]
+        loss = pipe.step(*inputs, target=target)
     return {
         "loss": loss,
         "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()},
@@ -308,7 +310,8 @@ def _close(actual: Any, expected: Any, name: str) -> None:
     assert_close(actual, expected, msg=msg)
 
 
-def _assert_matches_reference(case: str, values: list[dict[str, Any]]) -> nn.Module:
+def _assert_matches_reference(case: str, values: list[dict[str, Any]], steps: int = 1) -> nn.Module:
+    """``steps`` steps of the same batch accumulated: ``steps`` times the gradients."""
     model, inputs, target, loss_fn = _case(case)
     ref = _reference(model, inputs, target, loss_fn)
     assert values[0]["loss"] is None
@@ -317,7 +320,7 @@ def _assert_matches_reference(case: str, values: list[dict[str, Any]]) -> nn.Mod
     for v in values:
         for name, grad in v["grads"].items():
             p = model.get_parameter(name)
-            _close(grad, p.grad, name)
+            _close(grad, steps * p.grad, name)
             covered.add(id(p))
     assert covered == {id(p) for p in model.parameters()}
     return model
@@ -331,12 +334,14 @@ def _assert_matches_reference(case: str, values: list[dict[str, Any]]) -> nn.Mod
         pytest.param("mlp", "1f1b", "never", "uniform", marks=pytest.mark.compat),
         ("skip", "gpipe", "always", "uniform"),
         ("multi", "1f1b", "except_last", "uniform"),
+        # two steps accumulated, the tied embedding and head on two ranks
         pytest.param("gpt2", "gpipe", "except_last", "uniform", marks=pytest.mark.slow),
     ],
 )
 def test_two_ranks_match_one_process(case: str, schedule: str, recompute: str, method: str) -> None:
-    values = _ok(spawn(_train_once, case, schedule, recompute, method))
-    _assert_matches_reference(case, values)
+    steps = 2 if case == "gpt2" else 1
+    values = _ok(spawn(_train_once, case, schedule, recompute, method, steps))
+    _assert_matches_reference(case, values, steps)
     if schedule == "gpipe":  # [Note: receive ahead], not torch's ScheduleGPipe
         assert [v["schedule"] for v in values] == ["PrefetchGPipe"] * 2
     wires = values[1]["wires"]
@@ -678,6 +683,8 @@ def test_bad_inputs_on_one_rank() -> None:
         pipe.step(inputs[0][:6], target=target[:6])
     with pytest.raises(DistributedError, match="needs target="):
         pipe.step(*inputs)
+    with pytest.raises(DistributedError, match="^num_items_in_batch is for the model's own loss, .*loss_fn"):
+        pipe.step(*inputs, target=target, num_items_in_batch=8)
     loss = pipe.step(*inputs, target=target)  # a 1-stage pipeline is the plain model
     fresh, *_ = _case("mlp")
     assert_close(loss, _reference(fresh, inputs, target, loss_fn))
