@@ -65,8 +65,8 @@ Modules (every private torch import of the project is in one of them, tests/test
                receive-ahead GPipe, the split backward's halves, a zero-bubble order merged
     groups     process groups: timeouts, a peer's failure told from this rank's, the GradScaler's
                found-inf flags
-    stages     a PipelineStage that runs on torch 2.11 as on 2.13: gradients of floating values
-               only, the last stage's dtype unchecked ([Note: integers across a cut])
+    stages     a PipelineStage that runs on torch 2.11 as on 2.13 (gradients of floating values
+               only; the last stage's dtype unchecked: [Note: integers across a cut])
 """
 
 from __future__ import annotations
