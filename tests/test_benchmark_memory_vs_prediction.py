@@ -10,11 +10,11 @@ from benchmarks import memory_vs_prediction as bench
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "every"), [("mlp", 1), ("cnn", 2), ("unet", 1), ("gpt", 4)])
+@pytest.mark.parametrize(("model", "every"), [("mlp", 2), ("cnn", 3), ("unet", 1), ("gpt", 6)])
 def test_activation_memory_is_predicted_to_the_byte_at_every_cut(model: str, every: int) -> None:
     rows = bench.measure_model(model, batch=32, chunks=4, modes=["never", "except_last", "always"],
                                every=every)
-    assert len({r.cut for r in rows}) >= 13 and len(rows) == 2 * 3 * len({r.cut for r in rows})
+    assert len({r.cut for r in rows}) >= 7 and len(rows) == 2 * 3 * len({r.cut for r in rows})
     for r in rows:  # except_last too: [Note: which micro-batches recompute]
         # to the byte, recomputing ones included: what a stage's first layer saves of its input
         # is held once ([Note: an input kept once]), and no later layer here saves a received value
