@@ -21,6 +21,7 @@ from autopipe.examples import Example, TinyGPT, get_example
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.solvers.partitioner import partition
 from executor import GPipe
+from tests.conftest import skip_if_no_cuda
 from tests.models import tiny_gpt2
 
 MODES = ("always", "except_last", "never")
@@ -385,3 +386,24 @@ def test_checkpoint_is_recomputes_old_name_for_one_release() -> None:
         pipe = pipeline(model, (x,), devices=["cpu", "cpu"], chunks=2, checkpoint="always")
     assert pipe.recompute_modes == ["always", "always"] and pipe.plan.recompute == "always"
     torch.testing.assert_close(pipe(x), model(x))
+
+
+@skip_if_no_cuda
+@pytest.mark.parametrize("batch_on", ["cpu", "cuda"])
+def test_a_cpu_model_measured_planned_and_run_on_cuda_is_the_plain_model(batch_on: str) -> None:
+    # what a user of one GPU machine writes: the model built on the CPU, no profile and no plan,
+    # the batch on either device ([Note: traced on the model's device] in
+    # autopipe/frontend/tracing/capture.py): measured, planned and run on two CUDA stages, the
+    # pipeline's loss and every gradient are the plain model's on CUDA
+    ex = get_example("gpt", batch_size=8)
+    reference = copy.deepcopy(ex.model).cuda()
+    inputs, target = tuple(x.to(batch_on) for x in ex.inputs), ex.target.cuda()
+    pipe = autopipe.pipeline(ex.model, inputs, devices=["cuda", "cuda"], chunks=2)
+    assert {p.device.type for p in pipe.parameters()} == {"cuda"}
+    loss = ex.loss_fn(pipe(*inputs), target)
+    expected = ex.loss_fn(reference(*(x.cuda() for x in ex.inputs)), target)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (name, p), q in zip(reference.named_parameters(), ex.model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)

@@ -237,26 +237,33 @@ def default_kwargs(model: nn.Module, kwargs: Mapping[str, Any] | None) -> dict[s
     return out
 
 
-def _on_meta(model: nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """[Note: a meta model] A model built on the meta device (``with torch.device("meta")``,
-    to profile a model too big for any one device layer by layer) is traced on meta inputs:
-    its example inputs' tensors (token ids on the CPU, say) become meta tensors of the same
-    shape and dtype. Tracing needs only shapes, dtypes and devices, and an op of meta weights
-    and CPU inputs has no device to run on: the graph of a meta Linear does not run on a CPU
-    input (torch.fx's fake run), and torch.export's fake tensors refuse the mix, e.g. a meta
-    embedding on CPU token ids before torch 2.13 ("found two different devices meta, cpu":
-    2.13 added a fake rule for embedding alone). Whatever the inputs' device, the graph's
-    devices are then meta, which layer-by-layer profiling retargets to its device; its real
-    inputs are the caller's example inputs and kwargs (``Capture.kwargs``), not these."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if not tensors or any(not t.is_meta for t in tensors):
+def _on_model_device(model: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """[Note: traced on the model's device] The example inputs' tensors, copied to the device
+    that holds every parameter and buffer of ``model`` where theirs differs: the model on the
+    CPU (to be split over GPUs) and a batch already on ``cuda:0``, say. Tracing runs the graph
+    on its example inputs, and an op of CPU weights and CUDA inputs runs nowhere. A model
+    spread over several devices is traced on the inputs as given.
+
+    A model built on the meta device (``with torch.device("meta")``, to profile a model too big
+    for any one device layer by layer) is the same rule's case: its example inputs (token ids
+    on the CPU, say) become meta tensors of the same shape and dtype. Tracing needs only shapes,
+    dtypes and devices; torch.fx's fake run of a meta Linear does not run on a CPU input, and
+    torch.export's fake tensors refuse the mix ("found two different devices meta, cpu" for an
+    embedding before torch 2.13). The graph's devices are then meta, which layer-by-layer
+    profiling retargets to its device.
+
+    Either way, the graph's real inputs are the caller's example inputs and kwargs
+    (``Capture.kwargs``), not these copies."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1:
         return args, kwargs
+    (device,) = devices
 
-    def to_meta(t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_meta else t.detach().to("meta").requires_grad_(t.requires_grad)
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == device else t.detach().to(device).requires_grad_(t.requires_grad)
 
-    return tree_map_only(torch.Tensor, to_meta, args), tree_map_only(torch.Tensor, to_meta, kwargs)
+    return tree_map_only(torch.Tensor, moved, args), tree_map_only(torch.Tensor, moved, kwargs)
 
 
 def capture(
@@ -279,7 +286,7 @@ def capture(
     keywords = tuple(batched)
     example_inputs = (*example_inputs, *batched.values())  # keyword inputs after positional ones
     refuse_batched_kwargs(example_inputs, concrete)
-    args, traced_kwargs = _on_meta(model, example_inputs, concrete)  # [Note: a meta model]
+    args, traced_kwargs = _on_model_device(model, example_inputs, concrete)  # [Note: traced on the model's device]
     with quiet(), _buffers_kept(model):  # [Note: a quiet tracer]
         cap = _capture_fx(model, rule, traced_kwargs, args, keywords)
         if isinstance(cap, Failure):
