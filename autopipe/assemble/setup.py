@@ -81,12 +81,14 @@ def plan_for_devices(plan: Plan, devices: Sequence[str | torch.device | int]) ->
     """``plan`` re-evaluated for running on ``devices`` (one per stage): the same stages and
     per-stage costs, the devices' runtime names, and the iteration time, bubble and peaks that
     :func:`autopipe.simulate` predicts for them ([Note: a plan is a prediction for a placement]).
-    ``plan`` itself when its devices already carry these names."""
+    ``plan`` itself when its stages share devices as these do: a simulation reads a device's
+    name only to tell which stages share it, so a plan for ``["cuda", "cuda"]`` run on
+    ``cuda:0`` twice predicts the same step under either name."""
     names = device_names(devices)
     if len(names) != len(plan.devices):
         raise BuildError(f"the plan has {len(plan.devices)} stages but {len(names)} devices were "
                          f"given; pass one device per stage")
-    if [d.name for d in plan.devices] == names and plan.schedule == "gpipe":
+    if _sharing([d.name for d in plan.devices]) == _sharing(names) and plan.schedule == "gpipe":
         return plan
     # executor.GPipe runs fill-drain: a plan made for another schedule is predicted as gpipe
     placed = dataclasses.replace(plan, schedule="gpipe", devices=[
@@ -94,6 +96,11 @@ def plan_for_devices(plan: Plan, devices: Sequence[str | torch.device | int]) ->
     sim = simulate(placed, schedule="gpipe")
     return dataclasses.replace(placed, iteration_time=sim.iteration_time,
                                bubble_fraction=sim.bubble_fraction, peak_memory=sim.peak_memory)
+
+
+def _sharing(names: Sequence[str]) -> list[int]:
+    """Which stages share a device: each stage's index of the first stage on its device."""
+    return [names.index(n) for n in names]
 
 
 def placement_warning(plan: Plan, placed: Plan) -> str:
