@@ -14,7 +14,8 @@ from executor.errors import ExecutorError
 from executor.grad_norm import NonFiniteNormError
 from executor.local.gpipe import GPipe
 from tests.conftest import skip_if_no_cuda
-from tests.executor.local.test_gpipe import Tied, _tied_stages, chain_stages
+from tests.executor.local.test_gpipe import Steps, Tied, _tied_stages, chain_stages
+from tests.executor.local.test_placement import TiedEnds
 from tests.models import Chain
 
 
@@ -54,19 +55,28 @@ def test_a_tied_parameter_on_two_stages_counts_once() -> None:
     _assert_clipped_alike(pipe, model, ref, 0.01, 2.0)
 
 
+def _tied_ends_stages(model: TiedEnds) -> list[nn.Module]:
+    """The embedding's stage, then the head's: one weight, two modules (a GPT's tie)."""
+    return [Steps(model, ["emb", "mid"], [lambda m, x: torch.tanh(m.mid(m.emb(x)))]),
+            Steps(model, ["head"], [lambda m, x: m.head(x)])]
+
+
+@pytest.mark.parametrize("devices", [("cuda", "cpu"), ("cpu", "cuda")])
 @skip_if_no_cuda
-def test_a_tied_parameter_across_devices_counts_once() -> None:
-    model = Tied()
-    ref = copy.deepcopy(model).cuda()
-    pipe = GPipe(_tied_stages(model), ["cuda", "cpu"], chunks=2)  # [Note: ties across devices]
+def test_a_tied_parameter_across_devices_counts_once(devices: tuple[str, str]) -> None:
+    # the weight lives on the first stage's device and the head fetches a copy
+    # ([Note: ties across devices]): the norm counts it once, and its one gradient is the sum
+    # of both uses, as in the plain model on the CPU
+    model = TiedEnds()
+    ref = copy.deepcopy(model)
+    pipe = GPipe(_tied_ends_stages(model), list(devices), chunks=2)
     x = torch.randn(4, 4)
-    pipe(x.cuda()).pow(2).mean().backward()
-    ref(x.cuda()).pow(2).mean().backward()
+    pipe(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
     norm = pipe.clip_grad_norm_(0.01)
-    assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
-    for (name, p), q in zip(ref.named_parameters(), [model.a.weight, model.a.bias, model.b.weight,
-                                                      model.b.bias], strict=True):
-        assert_close(q.grad.cuda(), p.grad, msg=name)  # type: ignore[union-attr]
+    assert_close(norm.cpu(), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert_close(q.grad.cpu(), p.grad, msg=name)  # type: ignore[union-attr]
 
 
 def test_a_nonfinite_norm_is_one_line_when_asked_and_clipped_through_otherwise() -> None:

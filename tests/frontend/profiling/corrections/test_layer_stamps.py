@@ -25,12 +25,13 @@ def test_each_interval_belongs_to_the_stamp_that_opens_it() -> None:
 
 
 class HeavyThenLight(nn.Module):
-    """A large matmul, then a tiny one: the first layer owns nearly all the time (CUDA events)."""
+    """A large matmul, then one ``width / 2`` times smaller: at a size that keeps a device busy
+    (not one bound by launching kernels), the first layer owns nearly all the time."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 512) -> None:
         super().__init__()
-        self.heavy = nn.Linear(512, 512)
-        self.light = nn.Linear(512, 2)
+        self.heavy = nn.Linear(width, width)
+        self.light = nn.Linear(width, 2)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.light(self.heavy(x))
@@ -107,9 +108,13 @@ def test_a_returned_parameter_keeps_no_hook_after_the_run() -> None:
 
 @skip_if_no_cuda
 def test_cuda_stamps_are_events_read_after_one_synchronisation() -> None:
-    model = HeavyThenLight().cuda()
-    stamps, args = _stamps(model, torch.randn(256, 512, device="cuda"), device="cuda")
+    # 275 GFLOP in the heavy layer's forward and as many in its backward (its weight's gradient:
+    # the input needs none), 2048 times the light one's: milliseconds on any GPU, against the
+    # microseconds of launching either layer's kernels
+    model = HeavyThenLight(4096).cuda()
+    stamps, args = _stamps(model, torch.randn(8192, 4096, device="cuda"), device="cuda")
+    stamps.run(*args, keep=False)
     for _ in range(3):
         stamps.run(*args)
     fwd, bwd = stamps.shares()
-    assert fwd[0] > 0.5 and bwd[0] > 0.5 and sum(fwd) == pytest.approx(1.0)
+    assert fwd[0] > 0.9 and bwd[0] > 0.9 and sum(fwd) == pytest.approx(1.0)

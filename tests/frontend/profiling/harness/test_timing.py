@@ -43,13 +43,18 @@ def test_median_and_cpu_memory_meter() -> None:
 
 @skip_if_no_cuda
 def test_cuda_timer_and_meter() -> None:
+    # the truth is a delay the test injects: torch.cuda._sleep spins the GPU for a number of
+    # cycles and returns at once on the CPU, so only device time sees it. One warm call first:
+    # a process's first kernel pays for loading it (120 ms on an H200 once, which made a
+    # 64 x 64 matmul "slower" than twenty 1024 x 1024 ones). Ten times the cycles: about ten
+    # times the time, whatever the clock; 10^7 cycles are over 3 ms below 3 GHz
     dev = torch.device("cuda", 0)
     timer = timer_for(dev)
     assert isinstance(timer, CudaTimer)
-    a = torch.randn(1024, 1024, device=dev)
-    _, small = timer(lambda: a[:64, :64] @ a[:64, :64])
-    _, big = timer(lambda: [a @ a for _ in range(20)])
-    assert 0 <= small < big
+    timer(lambda: torch.cuda._sleep(1000))
+    _, small = timer(lambda: torch.cuda._sleep(10**6))
+    _, big = timer(lambda: torch.cuda._sleep(10**7))
+    assert 0 < small and 5 * small < big and big > 1.0
     meter = memory_meter_for(dev)
     meter.start()
     b = torch.empty(1 << 20, device=dev)
