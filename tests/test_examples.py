@@ -81,10 +81,13 @@ def test_gpt_init_is_gpt2s() -> None:
                if isinstance(m, torch.nn.Linear) and m.bias is not None)
 
 
+@pytest.mark.parametrize("folder", ["", "cuda"])
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_committed_profiles_match_the_examples(name: str) -> None:
-    """profiles/NAME.* were measured on these models: a fresh trace has their fingerprint."""
-    prof = Profile.load(PROFILES / f"{name}.csv")
+def test_committed_profiles_match_the_examples(name: str, folder: str) -> None:
+    """profiles/NAME.* (this machine's CPU) and profiles/cuda/NAME.* (an H200, by
+    benchmarks/gpu_check.sh) were measured on these models: a fresh trace has their fingerprint."""
+    prof = Profile.load(PROFILES / folder / f"{name}.csv")
+    assert (prof.meta["device_type"] == "cuda") == (folder == "cuda")
     ex = get_example(name, batch_size=int(prof.meta["batch_size"]))
     inputs, _, micro = micro_batch(ex.inputs, int(prof.meta["chunks"]))
     assert micro == prof.meta["micro_batch_size"]
