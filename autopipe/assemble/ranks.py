@@ -221,7 +221,7 @@ def distributed_pipeline(
     k, world = layout.stages, layout.ranks
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
-    batch = example_batch(model, example_inputs, example_kwargs, chunks)
+    batch = example_batch(model, example_inputs, example_kwargs, chunks, packed=False)
     given, mode = recompute_asked(recompute, plan, k)
     try:  # what the schedule accepts, before any rank profiles
         check_schedule(schedule, k, world, chunks)

@@ -32,9 +32,11 @@ from autopipe.frontend.profiling.harness.inputs import micro_batch
 from autopipe.frontend.tracing.counted_loss import uncounted_loss
 from autopipe.frontend.tracing.graph import LayerGraph, trace
 from autopipe.frontend.tracing.keyword_inputs import split_keywords
+from executor.errors import MicroBatchError
 from executor.keywords import InputSignature
 from executor.local.worker import normalize_device
 from executor.model_loss import ModelLoss
+from executor.packed import POSITIONS, packed_sizes, split_packed
 from executor.spec import check_precision, check_stage_recompute
 
 __all__ = ["DEFAULT_PIPELINE_CHUNKS", "ExampleBatch", "example_batch", "traced", "recompute_asked",
@@ -170,15 +172,40 @@ class ExampleBatch:
 
 
 def example_batch(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,
-                  example_kwargs: Mapping[str, Any] | None, chunks: int) -> ExampleBatch:
-    """``example_inputs`` and ``example_kwargs`` split as both pipelines split them."""
+                  example_kwargs: Mapping[str, Any] | None, chunks: int, packed: bool = True) -> ExampleBatch:
+    """``example_inputs`` and ``example_kwargs`` split as both pipelines split them; one packed
+    row along its sequences ([Note: packed rows split at sequence starts] in executor/packed.py),
+    refused in one line where ``packed`` is false (a runtime that does not split one)."""
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     batched, constants = split_keywords(model, example_kwargs, None)
     positional = len(inputs)
     inputs = (*inputs, *batched.values())
-    micro = microbatch_inputs(inputs, chunks)
+    micro = _first_piece(inputs, batched, chunks, packed) if POSITIONS in batched else None
+    if micro is None:
+        micro = microbatch_inputs(inputs, chunks)
     micro_kwargs = {**dict(zip(batched, micro[positional:], strict=True)), **constants}
     return ExampleBatch(inputs, positional, tuple(batched), micro, micro_kwargs)
+
+
+def _first_piece(inputs: tuple[Any, ...], batched: Mapping[str, Any], chunks: int,
+                 packed: bool) -> tuple[Any, ...] | None:
+    """The first micro-batch of one packed row ([Note: packed rows split at sequence starts] in
+    executor/packed.py); None for a batch split by rows."""
+    positions = batched[POSITIONS]
+    if chunks == 1 or not isinstance(positions, torch.Tensor) or positions.dim() != 2 \
+            or positions.shape[0] != 1:
+        return None
+    if not packed:
+        raise BuildError(
+            f"the example batch is one packed row ({POSITIONS} restarting, chunks={chunks}): only "
+            "autopipe.pipeline splits one along its sequences yet; on ranks, pack into rows (a "
+            "multiple of chunks of them, padded to one length)")
+    try:
+        sizes = packed_sizes(positions, chunks)
+    except MicroBatchError as err:
+        raise BuildError(str(err)) from None
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x
+                 for x in split_packed(inputs, sizes)[0])
 
 
 def traced(model: nn.Module, batch: ExampleBatch, trace_kwargs: Mapping[str, Any]) -> LayerGraph:

@@ -64,6 +64,7 @@ from executor.local.timeline import TimelineRecorder
 from executor.local.worker import WorkerPool
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
+from executor.packed import POSITIONS, gather_packed, packed_sizes, split_packed
 from executor.recompute import Checkpointing, depend, recompute_stop
 from executor.spec import TimelineEvent, renamed_recompute
 
@@ -228,7 +229,7 @@ class GPipe(Checkpointable, nn.Module):
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
         # the model's own loss over the items of every batch a step accumulates (HF's loss kwarg)
         num_items = keywords.pop("num_items_in_batch", None) if self.model_loss is not None else None
-        targets = self._targets(keywords)
+        target = keywords.pop("target", None) if self.loss_fn is not None else None
         if self.signature is not None:
             inputs = self.signature.bind(inputs, keywords)
         elif keywords:
@@ -236,8 +237,11 @@ class GPipe(Checkpointable, nn.Module):
                                 "inputs only with signature=InputSignature(...)")
         for remote in self._remotes:
             remote.fetch()
-        batches = scatter(inputs, self.chunks)
-        weights = self._scalar_weights([b.values for b in batches], num_items)
+        packed = self._packed_sizes(inputs)  # [Note: packed rows split at sequence starts]
+        batches = scatter(inputs, self.chunks) if packed is None else \
+            [Batch(p) for p in split_packed(inputs, packed)]
+        targets = self._targets(target, packed)
+        weights = self._scalar_weights([b.values for b in batches], num_items, packed)
         first = self.devices[0]
         batches = [b.with_tensors([t.to(first) for t in b.tensors()]) for b in batches]
         recorder = TimelineRecorder() if (self._recording or self._always_record) else None
@@ -259,23 +263,46 @@ class GPipe(Checkpointable, nn.Module):
                 bn.commit()
         if enabled:
             self.steps += 1
-        return gather([b.output() for b in batches], weights)
+        outputs = [b.output() for b in batches]
+        return gather(outputs, weights) if packed is None else gather_packed(outputs, weights)
 
-    def _targets(self, keywords: dict[str, Any]) -> list[Any] | None:
+    def _packed_sizes(self, inputs: tuple[Any, ...]) -> list[int] | None:
+        """Each micro-batch's tokens when ``inputs`` are one packed row (a batch of one row with
+        ``position_ids``, more than one micro-batch); None for a batch split by rows."""
+        if self.signature is None or POSITIONS not in self.signature.keywords or self.chunks == 1 \
+                or batch_size(inputs) != 1:
+            return None
+        positions = inputs[self.signature.positional + self.signature.keywords.index(POSITIONS)]
+        sizes = packed_sizes(positions, self.chunks)
+        if self.model_loss is not None:  # the model's own count of its loss items, whole and cut
+            whole, parts = (self.model_loss.weights(p, 1.0).sum()
+                            for p in ([inputs], split_packed(inputs, sizes)))
+            if whole != parts:
+                raise ExecutorError(
+                    "the packed row's labels count a token across a cut between sequences: a packed "
+                    "batch ignores each sequence's first label (-100, as DataCollatorWithFlattening "
+                    "writes it), or the micro-batches' loss differs from the row's; pack with "
+                    "separators or use chunks=1")
+        return sizes
+
+    def _targets(self, target: Any, packed: list[int] | None) -> list[Any] | None:
         """``target=`` split like the inputs, one per micro-batch, on the last device."""
         if self.loss_fn is None:
             return None
-        if "target" not in keywords:
+        if target is None:
             raise ExecutorError("this pipeline computes loss_fn(output, target): call it as "
                                 "pipe(*inputs, target=y)")
         last = self.devices[-1]
-        return [b.with_tensors([t.to(last) for t in b.tensors()]).values[0]
-                for b in scatter((keywords.pop("target"),), self.chunks)]
+        parts = scatter((target,), self.chunks) if packed is None else \
+            [Batch(p) for p in split_packed((target,), packed)]
+        return [b.with_tensors([t.to(last) for t in b.tensors()]).values[0] for b in parts]
 
-    def _scalar_weights(self, inputs: list[tuple[Any, ...]], num_items: Any = None) -> Any:
+    def _scalar_weights(self, inputs: list[tuple[Any, ...]], num_items: Any = None,
+                        packed: list[int] | None = None) -> Any:
         """Each 0-dim output leaf's weight per micro-batch ([Note: a loss the model computes]);
-        ``num_items``: the model's loss is over that many items, not the batch's own count."""
-        rows = row_weights([batch_size(b) for b in inputs])
+        ``num_items``: the model's loss is over that many items, not the batch's own count;
+        a packed row's micro-batches weigh by tokens, not rows."""
+        rows = row_weights(packed if packed is not None else [batch_size(b) for b in inputs])
         loss = self.model_loss
         if loss is None:
             return lambda k: rows
