@@ -7,31 +7,26 @@ they do is [Note: resuming a run] in autopipe/app/run_checkpoints.py. Imports no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from autopipe.app.flag_groups import Checked
+from autopipe.app.flag_groups import Checked, flag
 from autopipe.errors import BuildError
 
 __all__ = ["CheckpointFlags", "RestartFlags", "check_checkpoints"]
 
 
-def _flag(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
-
 @dataclass(frozen=True, kw_only=True)
 class CheckpointFlags(Checked):
-    checkpoint_dir: str | None = _flag(
+    checkpoint_dir: str | None = flag(
         None, "save checkpoints of the run (model, AdamW, step, RNG; through torch.distributed.checkpoint) "
               "in DIR/step-NNNNNNNN/, each renamed into place when whole; a DIR that already holds "
               "checkpoints is refused without --resume (default: none)", metavar="DIR")
-    checkpoint_every: int | None = _flag(
+    checkpoint_every: int | None = flag(
         None, "also save every N steps (default: only after the last step; needs --checkpoint-dir)", metavar="N")
-    resume: bool = _flag(False, "load the newest whole checkpoint in --checkpoint-dir (model, AdamW, step) "
+    resume: bool = flag(False, "load the newest whole checkpoint in --checkpoint-dir (model, AdamW, step) "
                                 "and train on from its step to --steps; refused when there is none or it "
                                 "is another model's or optimizer's")
-    keep: int | None = _flag(None, "keep only the newest N checkpoints in --checkpoint-dir (default: all)",
+    keep: int | None = flag(None, "keep only the newest N checkpoints in --checkpoint-dir (default: all)",
                              metavar="N")
 
     def _check(self) -> None:
@@ -40,7 +35,7 @@ class CheckpointFlags(Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class RestartFlags(CheckpointFlags):
-    max_restarts: int = _flag(0, "after a rank fails or hangs, restart every rank up to N times (torchrun's "
+    max_restarts: int = flag(0, "after a rank fails or hangs, restart every rank up to N times (torchrun's "
                                  "elastic agent); each restart resumes from the newest checkpoint in "
                                  "--checkpoint-dir, without one from step 1 (default 0)", metavar="N")
 

@@ -19,11 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
-from autopipe.app.flag_groups import Checked, LoopFlags, PrecisionFlags, check_choice
+from autopipe.app.flag_groups import (
+    Checked,
+    LoopFlags,
+    PrecisionFlags,
+    check_choice,
+    flag,
+    positional,
+)
 from autopipe.errors import BuildError, PartitionError
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
 from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
@@ -82,51 +89,39 @@ def resolve(value: int | None, *made_for: Any, default: int) -> int:
     return default
 
 
-def _opt(default: Any, help: str, **meta: Any) -> Any:
-    """A flag ``--name`` (from the field name) with ``default`` and ``help``."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
-
-
-def _pos(help: str, **meta: Any) -> Any:
-    """A positional argument."""
-    return field(metadata={"help": help, "positional": True, **meta})
-
-
 @dataclass(frozen=True)
 class ProfileConfig(PrecisionFlags):
-    model: str = _pos(_EXAMPLE_MODEL, metavar="MODEL")
-    batch_size: int | None = _opt(None, f"mini-batch size B (default {DEFAULT_BATCH}; a factory without a "
+    model: str = positional(_EXAMPLE_MODEL, metavar="MODEL")
+    batch_size: int | None = flag(None, f"mini-batch size B (default {DEFAULT_BATCH}; a factory without a "
                                         f"batch_size parameter: its own inputs' batch)")
-    chunks: int | None = _opt(None, f"micro-batches per batch M; one micro-batch of ceil(B/M) rows is "
+    chunks: int | None = flag(None, f"micro-batches per batch M; one micro-batch of ceil(B/M) rows is "
                                     f"profiled (default {DEFAULT_CHUNKS}; partition, train and run then "
                                     f"default to the profile's or plan's)")
-    device: str = _opt("cpu", "cpu | cuda | cuda:N (default cpu)")
-    out: str | None = _opt(None, "profiles/NAME.csv (default: from MODEL)")
-    force: bool = _opt(False, "overwrite --out if it exists")
-    repeats: int | None = _opt(None, f"timed runs per layer (default {DEFAULT_REPEATS})")
-    warmup: int | None = _opt(None, f"untimed runs first (default {DEFAULT_WARMUP})")
-    max_depth: int | None = _opt(None, "keep submodules at this depth whole")
-    leaf: list[str] | None = _opt(None, "submodule name or class to keep whole as one layer (repeatable)",
+    device: str = flag("cpu", "cpu | cuda | cuda:N (default cpu)")
+    out: str | None = flag(None, "profiles/NAME.csv (default: from MODEL)")
+    force: bool = flag(False, "overwrite --out if it exists")
+    repeats: int | None = flag(None, f"timed runs per layer (default {DEFAULT_REPEATS})")
+    warmup: int | None = flag(None, f"untimed runs first (default {DEFAULT_WARMUP})")
+    max_depth: int | None = flag(None, "keep submodules at this depth whole")
+    leaf: list[str] | None = flag(None, "submodule name or class to keep whole as one layer (repeatable)",
                                   metavar="NAME", action="append")
-    input_shape: str | None = _opt(None, "one sample's shape, e.g. 3,32,32, for a factory that "
+    input_shape: str | None = flag(None, "one sample's shape, e.g. 3,32,32, for a factory that "
                                          "returns a bare model (refused when it returns inputs)")
-    threads: int | None = _opt(None, "torch CPU threads while measuring")
-    no_progress: bool = _opt(False, "no progress bar on stderr")
-    mode: ProfileMode = _opt("auto", "whole: one run of the whole model on the device; layers: "
+    threads: int | None = flag(None, "torch CPU threads while measuring")
+    no_progress: bool = flag(False, "no progress bar on stderr")
+    mode: ProfileMode = flag("auto", "whole: one run of the whole model on the device; layers: "
                                      "each layer alone (models that do not fit); auto: layers for "
                                      "a model on the meta device or larger than the device's free "
                                      "memory (default auto)")
-    meta: bool = _opt(False, "build the model on the meta device (no memory for its weights) and "
+    meta: bool = flag(False, "build the model on the meta device (no memory for its weights) and "
                              "profile it layer by layer")
-    micro_batch_sizes: str | None = _opt(None, "more micro-batch sizes to measure, e.g. 1,2,4,8, "
+    micro_batch_sizes: str | None = flag(None, "more micro-batch sizes to measure, e.g. 1,2,4,8, "
                                                "for `partition --chunks auto`")
-    comm: bool = _opt(False, "also measure a transfer between two ranks (latency, bandwidth), "
+    comm: bool = flag(False, "also measure a transfer between two ranks (latency, bandwidth), "
                              "the distributed runtime's cost per micro-batch and, on a CPU, how much "
                              "slower the model computes with a copy beside it, for plans run with "
                              "`autopipe run` on this host (10-20 s for the bundled examples)")
-    comm_from: str | None = _opt(None, "the link between two hosts as `autopipe comm` measured it "
+    comm_from: str | None = flag(None, "the link between two hosts as `autopipe comm` measured it "
                                        "(its --out FILE.json): its latency, bandwidth and call costs "
                                        "go into the profile instead of measuring this host's", metavar="FILE")
 
@@ -134,44 +129,44 @@ class ProfileConfig(PrecisionFlags):
 
 @dataclass(frozen=True)
 class PartitionConfig(Checked):
-    profile: str = _pos("profiles/NAME.csv (with NAME.json beside it)")
-    stages: str | None = _opt(None, "number of pipeline stages K, or auto: the fastest simulated "
+    profile: str = positional("profiles/NAME.csv (with NAME.json beside it)")
+    stages: str | None = flag(None, "number of pipeline stages K, or auto: the fastest simulated "
                                     "iteration with up to one stage per --devices (default: one "
                                     "stage per --devices, per replica with --data-parallel)",
                               metavar="K|auto")
-    devices: list[str] | None = _opt(None, "the devices stages may use: a count N (N of the "
+    devices: list[str] | None = flag(None, "the devices stages may use: a count N (N of the "
                                            "profiled kind) or names (cuda:0 cuda:1 ...); "
                                            "--stages auto needs it", nargs="+", metavar="DEVICE")
-    method: Method = _opt("auto", "partition method: exact (the DP over the topological order; "
+    method: Method = flag("auto", "partition method: exact (the DP over the topological order; "
                                   "dp is an alias), ilp (over the DAG), step (the shortest simulated "
                                   "step, not the smallest slowest stage), a baseline, or auto "
                                   "(default: exact, then the ILP only where a bound shows it can gain)")
-    memory: str | None = _opt(None, "per-device memory limit, e.g. 16GiB")
-    chunks: str | None = _opt(None, _chunks("the profile's"), metavar="M|auto")
-    batch_size: int | None = _opt(None, "mini-batch size B: --chunks M plans micro-batches of "
+    memory: str | None = flag(None, "per-device memory limit, e.g. 16GiB")
+    chunks: str | None = flag(None, _chunks("the profile's"), metavar="M|auto")
+    batch_size: int | None = flag(None, "mini-batch size B: --chunks M plans micro-batches of "
                                         "ceil(B/M) rows, --chunks auto the fastest divisor M of B "
                                         "(default: the profile's)")
-    recompute: str = _opt("except_last", "recomputation: always, except_last, never, auto (a "
+    recompute: str = flag("except_last", "recomputation: always, except_last, never, auto (a "
                                           "mode per stage, only where memory binds), or one mode "
                                           "per stage, comma-separated (default except_last)",
                            metavar="MODE|auto|M1,M2,..", renamed_from="--checkpoint")
-    schedule: ScheduleChoice = _opt("gpipe", "pipeline schedule, or auto: the fastest simulated "
+    schedule: ScheduleChoice = flag("gpipe", "pipeline schedule, or auto: the fastest simulated "
                                              "(default gpipe)")
-    optimizer: Optimizer = _opt("adam", "optimizer whose state counts as memory (default adam)")
-    ties: Ties = _opt("share", "tied parameters: share or colocate (default share)")
-    bandwidth: float | None = _opt(None, "bytes/s between stages, 0 = free (default: the "
+    optimizer: Optimizer = flag("adam", "optimizer whose state counts as memory (default adam)")
+    ties: Ties = flag("share", "tied parameters: share or colocate (default share)")
+    bandwidth: float | None = flag(None, "bytes/s between stages, 0 = free (default: the "
                                          "profile's measured by `profile --comm`, else 1e10)")
-    time_limit: float | None = _opt(None, f"ILP time limit in seconds, shown on its progress line "
+    time_limit: float | None = flag(None, f"ILP time limit in seconds, shown on its progress line "
                                           f"(default {ILP_TIME_LIMIT:g}; {SEARCH_ILP_TIME_LIMIT:g} in a "
                                           f"search with an auto choice)")
-    out: str | None = _opt(None, "plans/NAME.json to save the plan in (default: print it, save nothing)")
-    force: bool = _opt(False, "overwrite --out if it exists")
-    no_progress: bool = _opt(False, "no search or ILP progress on stderr (default: shown when "
+    out: str | None = flag(None, "plans/NAME.json to save the plan in (default: print it, save nothing)")
+    force: bool = flag(False, "overwrite --out if it exists")
+    no_progress: bool = flag(False, "no search or ILP progress on stderr (default: shown when "
                                     "stderr is a terminal)")
-    data_parallel: str = _opt("1", "replicas D of the pipeline, each on N / D of --devices and "
+    data_parallel: str = flag("1", "replicas D of the pipeline, each on N / D of --devices and "
                                    "B / D rows of --batch-size, or auto: the divisor of N with the "
                                    "fastest simulated step (default 1)", metavar="D|auto")
-    dp_mode: Literal["ddp", "fsdp"] = _opt("ddp", "how replicas sync: ddp (gradient all-reduce) "
+    dp_mode: Literal["ddp", "fsdp"] = flag("ddp", "how replicas sync: ddp (gradient all-reduce) "
                                                   "or fsdp (sharded state) (default ddp)")
 
     def _check(self) -> None:  # the rest: partition()'s own one-line checks
@@ -220,38 +215,38 @@ def _count_or_auto(flag: str, value: str) -> int | str:
 
 @dataclass(frozen=True)
 class SimulateConfig:
-    plan: str = _pos("plans/NAME.json")
-    profile: str | None = _opt(None, "profiles/NAME.csv to recompute stage costs from")
-    schedule: Schedule | None = _opt(None, "schedule to simulate (default: the plan's)")
+    plan: str = positional("plans/NAME.json")
+    profile: str | None = flag(None, "profiles/NAME.csv to recompute stage costs from")
+    schedule: Schedule | None = flag(None, "schedule to simulate (default: the plan's)")
 
 
 @dataclass(frozen=True)
 class PlotConfig:
-    plan: str = _pos("plans/NAME.json")
-    profile: str | None = _opt(None, "profiles/NAME.csv: check the plan against it and recompute "
+    plan: str = positional("plans/NAME.json")
+    profile: str | None = flag(None, "profiles/NAME.csv: check the plan against it and recompute "
                                      "stage costs from it (needed by --layers)")
-    figure: Figure = _opt("balance", "which figure", switches={
+    figure: Figure = flag("balance", "which figure", switches={
         "--timeline": ("timeline", "the simulated pipeline timeline instead of the balance bars"),
         "--layers": ("layers", "per-layer time and memory with the plan's cuts (needs --profile)"),
     })
-    schedule: Schedule | None = _opt(None, "schedule of --timeline (default: the plan's)")
-    out: str = _opt(None, "image file: .png, .svg or .pdf", required=True)
-    force: bool = _opt(False, "overwrite --out if it exists")
+    schedule: Schedule | None = flag(None, "schedule of --timeline (default: the plan's)")
+    out: str = flag(None, "image file: .png, .svg or .pdf", required=True)
+    force: bool = flag(False, "overwrite --out if it exists")
 
 
 @dataclass(frozen=True)
 class TrainConfig(CheckpointFlags, PrecisionFlags, LoopFlags):
-    model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
-    stages: int | None = _opt(None, f"pipeline stages K (default: the plan's, else one per --devices, "
+    model: str = positional(_TRAIN_MODEL, metavar="MODEL")
+    stages: int | None = flag(None, f"pipeline stages K (default: the plan's, else one per --devices, "
                                     f"else {DEFAULT_STAGES})")
-    chunks: int | None = _opt(None, _chunks("the --plan's, else the --profile's"))
-    batch_size: int | None = _opt(None, _batch("the --plan's, else the --profile's"))
-    recompute: Recompute | None = _opt(None, "recomputation (default: the plan's, per stage, "
+    chunks: int | None = flag(None, _chunks("the --plan's, else the --profile's"))
+    batch_size: int | None = flag(None, _batch("the --plan's, else the --profile's"))
+    recompute: Recompute | None = flag(None, "recomputation (default: the plan's, per stage, "
                                                "else except_last)", renamed_from="--checkpoint")
-    devices: list[str] | None = _opt(None, "one device per stage (default: cpu for every stage)", nargs="+")
-    method: Method = _opt("auto", "partition method (default auto)")
-    plan: str | None = _opt(None, "use this saved plan instead of partitioning")
-    profile: str | None = _opt(None, "use this saved profile instead of measuring")
+    devices: list[str] | None = flag(None, "one device per stage (default: cpu for every stage)", nargs="+")
+    method: Method = flag("auto", "partition method (default auto)")
+    plan: str | None = flag(None, "use this saved plan instead of partitioning")
+    profile: str | None = flag(None, "use this saved profile instead of measuring")
 
 
 
@@ -265,14 +260,14 @@ class Launch(Checked):
     and each running the same command line ([Note: one command line on every node] in
     autopipe/app/nodes.py), and the config reaching every rank as JSON."""
 
-    nnodes: int = _opt(1, "hosts, each running this same command line (default 1: this host alone, "
+    nnodes: int = flag(1, "hosts, each running this same command line (default 1: this host alone, "
                           "torchrun --standalone)")
-    node_rank: int | None = _opt(None, "this host's number 0..N-1 with --nnodes N: node 0 hosts the "
+    node_rank: int | None = flag(None, "this host's number 0..N-1 with --nnodes N: node 0 hosts the "
                                        "rendezvous at --rdzv-endpoint (default: torchrun's guess, "
                                        "the endpoint's host matching this host's name or addresses)")
-    rdzv_endpoint: str | None = _opt(None, "with --nnodes: HOST:PORT of node 0 that every node "
+    rdzv_endpoint: str | None = flag(None, "with --nnodes: HOST:PORT of node 0 that every node "
                                            "reaches (torchrun's c10d rendezvous)", metavar="HOST:PORT")
-    local_addr: str | None = _opt(None, "with --nnodes: the address the other nodes reach this one "
+    local_addr: str | None = flag(None, "with --nnodes: the address the other nodes reach this one "
                                         "at (default: this host's name)", metavar="ADDR")
 
     def check_nodes(self, nproc: int) -> None:
@@ -294,26 +289,26 @@ class RunConfig(Launch, RestartFlags, PrecisionFlags, LoopFlags):
     """What every rank of ``autopipe run`` trains: a model, a plan (the launcher makes one when
     none is given) and the loop. Travels to the ranks as JSON (:meth:`to_json`), resolved."""
 
-    model: str = _pos(_TRAIN_MODEL, metavar="MODEL")
-    plan: str | None = _opt(None, "plans/NAME.json (default: profile and partition before starting the ranks)")
-    nproc: int = _opt(2, "processes = replicas x pipeline ranks (default 2)")
-    batch_size: int | None = _opt(None, _batch("the --plan's"))
-    chunks: int | None = _opt(None, _chunks("the --plan's"))
-    schedule: Schedule | None = _opt(None, "pipeline schedule (default: the plan's, else gpipe)")
-    recompute: Recompute | None = _opt(None, "recomputation (default: the plan's, else except_last)",
+    model: str = positional(_TRAIN_MODEL, metavar="MODEL")
+    plan: str | None = flag(None, "plans/NAME.json (default: profile and partition before starting the ranks)")
+    nproc: int = flag(2, "processes = replicas x pipeline ranks (default 2)")
+    batch_size: int | None = flag(None, _batch("the --plan's"))
+    chunks: int | None = flag(None, _chunks("the --plan's"))
+    schedule: Schedule | None = flag(None, "pipeline schedule (default: the plan's, else gpipe)")
+    recompute: Recompute | None = flag(None, "recomputation (default: the plan's, else except_last)",
                                        renamed_from="--checkpoint")
-    timeout: float = _opt(60.0, "seconds a step may take before a silent rank is an error and the "
+    timeout: float = flag(60.0, "seconds a step may take before a silent rank is an error and the "
                                 "watchdog ends the rank (exit 3) (default 60)")
-    first_step_timeout: float = _opt(600.0, "the same for the first step, which builds, warms up "
+    first_step_timeout: float = flag(600.0, "the same for the first step, which builds, warms up "
                                             "and may compile (default 600)")
-    threads: int = _opt(1, "torch threads per rank (default 1)")
-    no_pin_cores: bool = _opt(False, "on a CPU, leave the ranks to the OS scheduler (default: local rank r "
+    threads: int = flag(1, "torch threads per rank (default 1)")
+    no_pin_cores: bool = flag(False, "on a CPU, leave the ranks to the OS scheduler (default: local rank r "
                                      "of n runs on the r-th n-th of this process's cores)")
-    data_parallel: str | None = _opt(None, "replicas D of the pipeline, each on --nproc / D ranks and "
+    data_parallel: str | None = flag(None, "replicas D of the pipeline, each on --nproc / D ranks and "
                                            "--batch-size / D rows, or auto (without --plan): the "
                                            "planner picks D (default: the --plan's, else 1)",
                                      metavar="D|auto")
-    dp_mode: Literal["ddp", "fsdp"] | None = _opt(None, "how replicas sync: ddp (gradient all-reduce) "
+    dp_mode: Literal["ddp", "fsdp"] | None = flag(None, "how replicas sync: ddp (gradient all-reduce) "
                                                         "or fsdp (sharded state) (default: the "
                                                         "--plan's, else ddp)")
 
@@ -371,13 +366,13 @@ class CommConfig(Launch):
     """``autopipe comm``: two ranks time the link between them (both on this host, or one on each
     of two nodes) and write what ``profile --comm-from`` reads ([Note: measured transfer])."""
 
-    out: str = _opt(None, "FILE.json to write, on every node", required=True)
-    force: bool = _opt(False, "overwrite --out if it exists")
-    sizes: str = _opt("64,65536,524288,4194304", "bytes per crossing to time, 2 or more sizes; each "
+    out: str = flag(None, "FILE.json to write, on every node", required=True)
+    force: bool = flag(False, "overwrite --out if it exists")
+    sizes: str = flag("64,65536,524288,4194304", "bytes per crossing to time, 2 or more sizes; each "
                                                  "takes about 3 x (repeats + 3) x size / bandwidth "
                                                  "(default 64,65536,524288,4194304)", metavar="B1,B2,..")
-    repeats: int = _opt(20, "timed crossings per size (default 20)")
-    chunks: int = _opt(DEFAULT_CHUNKS, f"micro-batches of the empty pipelines that time the runtime's "
+    repeats: int = flag(20, "timed crossings per size (default 20)")
+    chunks: int = flag(DEFAULT_CHUNKS, f"micro-batches of the empty pipelines that time the runtime's "
                                        f"own cost per stage call (default {DEFAULT_CHUNKS})")
 
     def byte_sizes(self) -> list[int]:

@@ -29,15 +29,23 @@ from autopipe.errors import BuildError
 from executor.spec import PRECISIONS
 
 __all__ = ["Checked", "PrecisionFlags", "LoopFlags", "Precision", "HostAllocator", "check_choice",
-           "check_clip_grad"]
+           "check_clip_grad", "flag", "positional"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 HostAllocator = Literal["retain", "system"]
 assert typing.get_args(Precision) == PRECISIONS, "--precision's choices are executor.spec.PRECISIONS"
 
 
-def _flag(default: Any, help: str, **meta: Any) -> Any:
+def flag(default: Any, help: str, **meta: Any) -> Any:
+    """A flag ``--name`` (from the field's name) with ``default`` and ``help``."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
+
+
+def positional(help: str, **meta: Any) -> Any:
+    """A positional argument."""
+    return field(metadata={"help": help, "positional": True, **meta})
 
 
 class Checked:
@@ -66,12 +74,12 @@ def check_clip_grad(clip_grad: float | None) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionFlags(Checked):
-    precision: Precision = _flag(
+    precision: Precision = flag(
         "fp32", "fp32, or bf16 / fp16: autocast in every stage over fp32 parameters, gradients and "
                 "optimizer state; a profile is measured under it and records it, partition plans "
                 "for it, fp16 trains through torch.amp.GradScaler and ranks reduce gradients in "
                 "fp32 (default fp32)")
-    host_allocator: HostAllocator = _flag(
+    host_allocator: HostAllocator = flag(
         "retain", "on a CPU, retain: glibc keeps freed memory for reuse, as a training loop reuses "
                   "it (default); system: the allocator as it is. The profile records it")
 
@@ -81,9 +89,9 @@ class PrecisionFlags(Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class LoopFlags(Checked):
-    steps: int = _flag(10, "training steps (default 10; the summary times steps 2 on)")
-    lr: float = _flag(1e-3, "AdamW learning rate (default 0.001)")
-    clip_grad: float | None = _flag(
+    steps: int = flag(10, "training steps (default 10; the summary times steps 2 on)")
+    lr: float = flag(1e-3, "AdamW learning rate (default 0.001)")
+    clip_grad: float | None = flag(
         None, "clip the gradient norm of the whole model (every stage, each parameter once) to "
               "this before each step (default: no clipping)", metavar="MAX_NORM")
 

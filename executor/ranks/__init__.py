@@ -18,7 +18,8 @@ Modules:
     peer_failures    a peer rank's failure as one exception naming the rank, step and cause
     rank_cores       which CPU cores a rank runs on when ranks share a host
     rank_state       a rank's state_dict part under the original model's keys
-    ties             which ranks hold a parameter that stages share, and this rank's copy
+    ties             which ranks hold a parameter that stages share, this rank's copy, and
+                     its gradient summed over them after each step
     grad_scaler      fp16 loss scaling whose found-inf every rank shares
 
 Imports the shared runtime (executor.spec, microbatch, recompute, precision, ...) and

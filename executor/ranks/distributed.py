@@ -33,12 +33,7 @@ schedules) in executor/ranks/split_backward.py.
 [Note: a dead rank is an error, not a hang] is in executor/ranks/peer_failures.py: a peer's failure
 becomes :class:`PipelineFailure` within the timeout, a hung step ends the process.
 
-[Note: tied parameters across ranks] A Parameter used by stages on different ranks (a GPT's
-tied embedding and head) exists once per rank. After each step the owners all-reduce (sum) its
-gradient on a group of just those ranks, so every copy holds the full gradient and identical
-optimizer steps keep the copies equal. Replicas of a pipeline (executor/ranks/replicated.py) pass each
-tie's group of their own replica, and an FSDP-sharded copy all-reduces its local shard (the
-copies are sharded alike across replicas, so shard i meets shard i).
+[Note: tied parameters across ranks] is in executor/ranks/ties.py.
 """
 
 from __future__ import annotations
@@ -50,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import Checkpointable, CheckpointView
 from executor.decision import Decision, runtime_decision
@@ -64,6 +58,7 @@ from executor.ranks.peer_failures import PipelineFailure, peer_failures
 from executor.ranks.rank_state import PART_METADATA, rank_checkpoint_view, rank_state_dict
 from executor.ranks.sized import SizedSchedules
 from executor.ranks.step_inputs import bind_inputs, schedule_for
+from executor.ranks.ties import sum_tied_grads, tied_grads
 from executor.ranks.torch_schedules import build_schedule, check_layout, schedule_class
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, WATCHDOG_EXIT_CODE, StepLimits, StepWatch
 from executor.ranks.wire import Wire, WireStage, infer_wires
@@ -296,7 +291,7 @@ class DistributedPipeline(Checkpointable):
         with self._watchdog(), self._peer_failures():
             target = self._replica_weights(target)
             schedule = self._schedule = schedule_for(self, inputs, target, need_target=True)
-            before = self._tied_grads()
+            before = tied_grads(self._ties)
             self._share = 1.0 / self.chunks
             try:
                 schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
@@ -380,32 +375,12 @@ class DistributedPipeline(Checkpointable):
     # num_items_in_batch), so a step may change only what it adds: each micro-batch's loss is
     # back-propagated as its 1/chunks share (``_share`` in ``_loss``), not divided out of every
     # gradient after the schedule, which also divided what earlier steps had left; and a tied
-    # parameter's copies add up across ranks this step's gradient only (``_tied_grads`` keeps
-    # what was there before). DDP and FSDP average replicas that hold the same earlier gradient,
-    # which leaves it as it was.
-    def _tied_grads(self) -> list[Tensor | None]:
-        """Each tied parameter's gradient before a step (None where it has none)."""
-        return [None if tied is None or tied.grad is None else self._local(tied.grad).clone()
-                for _, tied in self._ties]
-
-    @staticmethod
-    def _local(grad: Tensor) -> Tensor:
-        return grad.to_local() if isinstance(grad, DTensor) else grad
-
+    # parameter's copies add up across ranks this step's gradient only (``tied_grads`` in
+    # executor/ranks/ties.py keeps what was there before). DDP and FSDP average replicas that
+    # hold the same earlier gradient, which leaves it as it was.
     def _finish_grads(self, before: Sequence[Tensor | None] = ()) -> None:
         """Sum this step's gradient of each tied parameter over its copies on other ranks."""
-        for k, (group, tied) in enumerate(self._ties):
-            if tied is None:
-                continue
-            if tied.grad is None:
-                tied.grad = torch.zeros_like(tied)
-            grad = self._local(tied.grad)
-            earlier = before[k] if k < len(before) else None
-            if earlier is not None:
-                grad.sub_(earlier)
-            dist.all_reduce(grad, group=group)
-            if earlier is not None:
-                grad.add_(earlier)
+        sum_tied_grads(self._ties, before)
 
     def _who(self) -> str:
         return f"rank {self.rank}/{self.world}"

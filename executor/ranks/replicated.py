@@ -83,11 +83,12 @@ from executor.errors import DistributedError
 from executor.model_loss import ModelLoss
 from executor.precision import compute_dtype
 from executor.ranks.distributed import DistributedPipeline
+from executor.ranks.ties import check_fsdp_ties
 from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
 from executor.ranks.wire import WireStage
 from executor.spec import DATA_PARALLEL_MODES, ZERO_BUBBLE_SCHEDULES
 
-__all__ = ["pipeline_mesh", "ReplicatedPipeline", "check_fsdp_ties"]
+__all__ = ["pipeline_mesh", "ReplicatedPipeline"]
 
 _BUCKET_BYTES = 25 * 2**20  # [Note: DDP under zero bubble]: gradients all-reduced at once
 
@@ -127,23 +128,6 @@ def _tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int],
     per_replica = [[int(layout[d, r]) for r in sorted(pp_ranks)] for d in range(layout.shape[0])]
     mine, _ = dist.new_subgroups_by_enumeration(per_replica, timeout=timeout)
     return mine  # type: ignore[no-any-return]
-
-
-def check_fsdp_ties(stages: Sequence[nn.Module], indices: Sequence[int], schedule: str) -> None:
-    """FSDP2 shards each stage on its own, so two stages of one rank cannot share a parameter
-    (the V schedules' first and last stage, a tied embedding and head): one line saying so.
-    Raised on the rank that holds them; autopipe.distributed_pipeline checks every rank's."""
-    seen: dict[int, tuple[int, str]] = {}
-    for stage, index in zip(stages, indices, strict=True):
-        for name, p in stage.named_parameters():
-            if id(p) in seen and seen[id(p)][0] != index:
-                first, other = seen[id(p)]
-                raise DistributedError(
-                    f"dp_mode='fsdp' shards each stage on its own, but stages {first} and {index} on "
-                    f"this rank share the parameter {other!r} (a tie; schedule={schedule!r} runs both "
-                    "here): use dp_mode='ddp', or a schedule that puts them on different ranks "
-                    "('interleaved_zb', 'interleaved1f1b')")
-            seen.setdefault(id(p), (index, name))
 
 
 class ReplicatedPipeline(DistributedPipeline):

@@ -48,7 +48,9 @@ from autopipe.frontend.profiling.corrections.overheads import stage_call_ms
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
 from autopipe.frontend.profiling.harness.backward_split import split_columns, split_ratio
 from autopipe.frontend.profiling.harness.inputs import (
+    device_name,
     micro_batch,
+    model_dtype,
     other_sizes,
     target_device,
     to_device,
@@ -116,15 +118,6 @@ def _check_graph(g: LayerGraph, inputs: tuple[Any, ...], micro: int, chunks: int
 def _state_pointers(model: nn.Module, g: LayerGraph) -> set[int]:
     tensors = [*model.parameters(), *model.buffers(), *g.gm.parameters(), *g.gm.buffers()]
     return {storage_key(t)[0] for t in tensors}
-
-
-def _dtype(model: nn.Module) -> str:
-    floats = (p.dtype for p in model.parameters() if p.is_floating_point())
-    return str(next(floats, torch.get_default_dtype())).replace("torch.", "")
-
-
-def _device_name(dev: torch.device) -> str:
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
 def _home(gm: fx.GraphModule) -> torch.device | None:
@@ -315,9 +308,9 @@ def profile(
         if dev.type == "cuda" else (rss.bytes if rss is not None else None, "RssAnon of the process")
     meta = {
         "model": name or type(model).__name__,
-        "device": _device_name(dev),
+        "device": device_name(dev),
         "device_type": dev.type,
-        "dtype": _dtype(model),
+        "dtype": model_dtype(model),
         "precision": precision,
         "batch_size": batch,
         "chunks": chunks,

@@ -11,12 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from autopipe.errors import AutopipeError, ProfileError
 from executor._torch_compat import tree_leaves, tree_map_only
 from executor.spec import check_chunks, microbatch_sizes
 
-__all__ = ["micro_batch", "other_sizes", "target_device", "to_device", "with_rows"]
+__all__ = ["micro_batch", "other_sizes", "target_device", "to_device", "with_rows", "device_name",
+           "model_dtype"]
 
 
 def micro_batch(
@@ -106,3 +108,14 @@ def with_rows(example_inputs: Any, rows: int) -> tuple[Any, ...]:
         return torch.cat([t] * times)[:rows].clone() if times > 1 else t[:rows].clone()
 
     return tuple(tree_map_only(torch.Tensor, cut, inputs))
+
+
+def device_name(dev: torch.device) -> str:
+    """The name a profile records for ``dev``: the GPU's model, or "cpu"."""
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def model_dtype(model: nn.Module) -> str:
+    """The dtype of ``model``'s first floating parameter ("float32"), else torch's default."""
+    floats = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return str(next(floats, torch.get_default_dtype())).replace("torch.", "")
