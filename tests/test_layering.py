@@ -217,3 +217,27 @@ def test_a_rank_loads_no_table_solver_or_plot_library() -> None:
             todo.extend(_loaded_imports(path))
     assert "autopipe.assemble.ranks" in seen and "torch" in external
     assert not external & {"pandas", "pulp", "matplotlib"}, sorted(external)
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80  # of code, after its docstring
+
+
+@pytest.mark.parametrize("package", ["autopipe", "executor"])
+def test_no_module_is_over_400_lines(package: str) -> None:
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in _modules(package)
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"split these by job (docs/DESIGN.md): {long}"
+
+
+def test_no_function_that_assembles_a_pipeline_is_over_80_lines_of_code() -> None:
+    long = []
+    for path in _modules("autopipe/assemble"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = node.body[0]
+                documented = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                start = node.body[1].lineno if documented and len(node.body) > 1 else first.lineno
+                if (n := (node.end_lineno or start) - start + 1) > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, f"delegate to helpers, as torchtitan's variants do: {long}"
