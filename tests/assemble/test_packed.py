@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +72,51 @@ def test_ranks_refuse_a_packed_row_in_one_line() -> None:
             autopipe.distributed_pipeline(_llama(), example_kwargs=packed([5, 7, 3]), chunks=2)
     finally:
         dist.destroy_process_group()
+
+
+class _Sequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Tokenized sequences of different lengths, one per item, for a packing collator."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.items = [{"input_ids": torch.randint(1, V, (n,), generator=g).tolist()} for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.items[i]
+
+
+def test_trainer_trains_a_pipeline_on_packed_batches_as_the_plain_model(tmp_path: Path) -> None:
+    # DataCollatorWithFlattening packs each batch of 4 sequences into one row; Trainer's defaults
+    # otherwise, with accumulation 2 and clipping. The plain model has use_cache=False, without
+    # which HF's sdpa attends across the packed sequences
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = _llama()
+    plain = copy.deepcopy(model)
+    plain.config.use_cache = False
+    data = _Sequences([5, 9, 3, 7, 6, 4, 8, 2, 7, 5, 3, 9, 4, 6, 8, 5])
+    collate = DataCollatorWithFlattening()
+    pipe = autopipe.pipeline(model, example_kwargs=collate([data[i] for i in range(4)], return_tensors="pt"),
+                             devices=["cpu", "cpu"], chunks=2)
+
+    def train(m: nn.Module, out: Path) -> list[dict[str, float]]:
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_grad_norm=1.0, learning_rate=1e-3, num_train_epochs=1, logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=data, data_collator=collate)
+        trainer.train()
+        return [h for h in trainer.state.log_history if "loss" in h]
+
+    got, want = train(pipe, tmp_path / "pipe"), train(plain, tmp_path / "plain")
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g["grad_norm"], w["grad_norm"], rtol=1e-4, atol=1e-6)
+    trained = pipe.state_dict()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)
