@@ -10,7 +10,7 @@ Sub-packages, one runtime each, and what they share:
     spec            the torch-free rules the planner and both runtimes agree on
     decision        what a plan decides, as one frozen value both runtimes take (torch-free)
     microbatch      scatter a mini-batch, gather the micro-batches' outputs
-    packed          one packed row cut at sequence starts, its outputs joined back
+    packed          one packed row cut at sequence starts (padded rows on ranks), joined back
     recompute       activation recomputation and the autograd plumbing that orders it
     precision       autocast inside every stage
     keywords        keyword inputs bound in the stages' order

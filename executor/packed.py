@@ -3,6 +3,8 @@
     sizes = packed_sizes(position_ids, chunks)       # tokens per micro-batch, cut at sequence starts
     pieces = split_packed(inputs, sizes)             # every (1, T, ...) input cut along dim 1
     out = gather_packed(outputs, weights)            # (1, T_i, ...) outputs joined along dim 1
+    rows = packed_rows(inputs, sizes, positions=k, labels=j)   # ... as equal rows, for ranks
+    out = unpadded(output, sizes)                    # (chunks, L, ...) outputs back to (1, T, ...)
 
 [Note: packed rows split at sequence starts] A packing collator (HuggingFace's
 ``DataCollatorWithFlattening``) puts a batch's sequences end to end in ONE row, without padding,
@@ -20,6 +22,17 @@ model's own count of its loss items (executor/local/gpipe.py), so a row packed w
 separators is refused in one line rather than trained on a different loss. The model's loss is
 weighted by each micro-batch's counted tokens as for rows ([Note: a loss the model computes] in
 executor/model_loss.py), and other 0-dim outputs by each micro-batch's share of the tokens.
+
+[Note: packed rows on ranks] torch's schedules split a batch into equal slices of rows, so on
+ranks the micro-batches become ``chunks`` rows of one length ``L``: micro-batch ``i``, then
+padding that is a sequence of its own (positions 0, 1, ...: no real token attends to it, nor it
+to them), labels ignored (-100), other values 0. Its tokens add nothing to the loss, so nothing
+to any gradient. ``L`` is fixed when the pipeline is built: its example's longest micro-batch
+rounded up to a multiple of :data:`PAD_MULTIPLE`. Every later batch pads to that ``L``, whatever
+its total length, so every step runs the stages built for the example; HuggingFace's packed
+attention mask fixes the sequence length of the traced stages anyway (Llama's does: a stage
+built for 64 tokens refuses 128). A batch with a longer micro-batch is refused in one line. The
+model's outputs come back without the padding (:func:`unpadded`).
 """
 
 from __future__ import annotations
@@ -32,11 +45,15 @@ from torch import Tensor
 
 from executor._torch_compat import tree_flatten, tree_unflatten
 from executor.errors import MicroBatchError
-from executor.model_loss import weighted
+from executor.model_loss import ModelLoss, weighted
 
-__all__ = ["POSITIONS", "packed_sizes", "split_packed", "gather_packed"]
+__all__ = ["POSITIONS", "LABELS", "PAD_MULTIPLE", "packed_sizes", "split_packed", "gather_packed",
+           "packed_rows", "unpadded", "check_separators"]
 
 POSITIONS = "position_ids"  # the keyword input whose restarts mark the sequences (HuggingFace's name)
+LABELS = "labels"  # the keyword input a padding token's label goes to: IGNORED
+IGNORED = -100  # HuggingFace's ignore_index, which DataCollatorWithFlattening writes too
+PAD_MULTIPLE = 64  # rows on ranks are padded to a multiple of this many tokens
 
 
 def sequence_starts(position_ids: Tensor) -> list[int]:
@@ -109,3 +126,53 @@ def gather_packed(outputs: Sequence[Any],
                 f"output leaf {k} has shape {tuple(first.shape)}: a packed row's outputs are joined "
                 "along the sequence (dim 1), which a 1-dim value does not have; return (1, tokens, ...)")
     return tree_unflatten(gathered, spec)
+
+
+def _on_sequence(x: Any, total: int) -> bool:
+    return isinstance(x, Tensor) and x.dim() >= 2 and x.shape[1] == total
+
+
+def packed_rows(inputs: tuple[Any, ...], sizes: Sequence[int], positions: int,
+                labels: int | None = None, multiple: int = PAD_MULTIPLE) -> tuple[Any, ...]:
+    """One packed row (flat ``inputs``) as ``len(sizes)`` padded rows of one length ([Note:
+    packed rows on ranks]); ``positions`` and ``labels``: the indices of those inputs."""
+    total, chunks = sum(sizes), len(sizes)
+    length = -(-max(sizes) // multiple) * multiple
+    pieces = split_packed(inputs, sizes)
+    rows: list[Any] = []
+    for k, x in enumerate(inputs):
+        if not _on_sequence(x, total):
+            batched = isinstance(x, Tensor) and x.dim() == 1 and x.shape[0] == 1
+            rows.append(x.expand(chunks) if batched else x)
+            continue
+        padded = []
+        for piece, n in zip(pieces, sizes, strict=True):
+            shape = (1, length - n, *x.shape[2:])
+            if k == positions:
+                pad = torch.arange(length - n, dtype=x.dtype, device=x.device).reshape(shape)
+            else:
+                pad = torch.full(shape, IGNORED if k == labels else 0, dtype=x.dtype, device=x.device)
+            padded.append(torch.cat([piece[k], pad], dim=1))
+        rows.append(torch.cat(padded))
+    return tuple(rows)
+
+
+def unpadded(output: Any, sizes: Sequence[int]) -> Any:
+    """The outputs of :func:`packed_rows`' rows as of the packed row: every ``(rows, L, ...)``
+    tensor leaf's real tokens joined along dim 1 into ``(1, T, ...)``; other leaves as they are."""
+    leaves, spec = tree_flatten(output)
+    joined = [torch.cat([x[i:i + 1, :n] for i, n in enumerate(sizes)], dim=1)
+              if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[0] == len(sizes) else x
+              for x in leaves]
+    return tree_unflatten(joined, spec)
+
+
+def check_separators(loss: ModelLoss, row: tuple[Any, ...], parts: Sequence[tuple[Any, ...]]) -> None:
+    """MicroBatchError unless the model's loss counts as many items in ``parts`` as in the whole
+    packed ``row``: a label counted across a cut between micro-batches would be lost."""
+    if loss.weights([row], 1.0).sum() != loss.weights(parts, 1.0).sum():
+        raise MicroBatchError(
+            "the packed row's labels count a token across a cut between sequences: a packed "
+            "batch ignores each sequence's first label (-100, as DataCollatorWithFlattening "
+            "writes it), or the micro-batches' loss differs from the row's; pack with "
+            "separators or use chunks=1")

@@ -36,7 +36,7 @@ from executor.errors import MicroBatchError
 from executor.keywords import InputSignature
 from executor.local.worker import normalize_device
 from executor.model_loss import ModelLoss
-from executor.packed import POSITIONS, packed_sizes, split_packed
+from executor.packed import LABELS, POSITIONS, packed_rows, packed_sizes, split_packed
 from executor.spec import check_precision, check_stage_recompute
 
 __all__ = ["DEFAULT_PIPELINE_CHUNKS", "ExampleBatch", "example_batch", "traced", "recompute_asked",
@@ -173,9 +173,9 @@ class ExampleBatch:
 
 def example_batch(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,
                   example_kwargs: Mapping[str, Any] | None, chunks: int, packed: bool = True) -> ExampleBatch:
-    """``example_inputs`` and ``example_kwargs`` split as both pipelines split them; one packed
+    """``example_inputs`` and ``example_kwargs`` split as both pipelines split them: one packed
     row along its sequences ([Note: packed rows split at sequence starts] in executor/packed.py),
-    refused in one line where ``packed`` is false (a runtime that does not split one)."""
+    as padded rows where ``packed`` is false (the rank runtime's [Note: packed rows on ranks])."""
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     batched, constants = split_keywords(model, example_kwargs, None)
     positional = len(inputs)
@@ -190,22 +190,23 @@ def example_batch(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
 def _first_piece(inputs: tuple[Any, ...], batched: Mapping[str, Any], chunks: int,
                  packed: bool) -> tuple[Any, ...] | None:
     """The first micro-batch of one packed row ([Note: packed rows split at sequence starts] in
-    executor/packed.py); None for a batch split by rows."""
+    executor/packed.py), or with ``packed`` false its first padded row ([Note: packed rows on
+    ranks]); None for a batch split by rows."""
     positions = batched[POSITIONS]
     if chunks == 1 or not isinstance(positions, torch.Tensor) or positions.dim() != 2 \
             or positions.shape[0] != 1:
         return None
-    if not packed:
-        raise BuildError(
-            f"the example batch is one packed row ({POSITIONS} restarting, chunks={chunks}): only "
-            "autopipe.pipeline splits one along its sequences yet; on ranks, pack into rows (a "
-            "multiple of chunks of them, padded to one length)")
+    first = len(inputs) - len(batched)
+    names = list(batched)
     try:
         sizes = packed_sizes(positions, chunks)
+        parts = split_packed(inputs, sizes) if packed else [tuple(
+            x[:1] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == chunks else x
+            for x in packed_rows(inputs, sizes, first + names.index(POSITIONS),
+                                 first + names.index(LABELS) if LABELS in names else None))]
     except MicroBatchError as err:
         raise BuildError(str(err)) from None
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x
-                 for x in split_packed(inputs, sizes)[0])
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in parts[0])
 
 
 def traced(model: nn.Module, batch: ExampleBatch, trace_kwargs: Mapping[str, Any]) -> LayerGraph:

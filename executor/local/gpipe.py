@@ -64,7 +64,7 @@ from executor.local.timeline import TimelineRecorder
 from executor.local.worker import WorkerPool
 from executor.microbatch import Batch, batch_size, gather, scatter
 from executor.model_loss import ModelLoss, row_weights
-from executor.packed import POSITIONS, gather_packed, packed_sizes, split_packed
+from executor.packed import POSITIONS, check_separators, gather_packed, packed_sizes, split_packed
 from executor.recompute import Checkpointing, depend, recompute_stop
 from executor.spec import TimelineEvent, renamed_recompute
 
@@ -275,14 +275,7 @@ class GPipe(Checkpointable, nn.Module):
         positions = inputs[self.signature.positional + self.signature.keywords.index(POSITIONS)]
         sizes = packed_sizes(positions, self.chunks)
         if self.model_loss is not None:  # the model's own count of its loss items, whole and cut
-            whole, parts = (self.model_loss.weights(p, 1.0).sum()
-                            for p in ([inputs], split_packed(inputs, sizes)))
-            if whole != parts:
-                raise ExecutorError(
-                    "the packed row's labels count a token across a cut between sequences: a packed "
-                    "batch ignores each sequence's first label (-100, as DataCollatorWithFlattening "
-                    "writes it), or the micro-batches' loss differs from the row's; pack with "
-                    "separators or use chunks=1")
+            check_separators(self.model_loss, inputs, split_packed(inputs, sizes))
         return sizes
 
     def _targets(self, target: Any, packed: list[int] | None) -> list[Any] | None:

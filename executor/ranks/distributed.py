@@ -24,16 +24,14 @@ model's own loss ([Note: a loss the model computes]: the loss ``step`` returns),
 ``mean(loss_fn(stage_chain(x_i), y_i) for each micro-batch i).backward()`` would leave them,
 so the caller steps its own optimizer over :attr:`DistributedPipeline.stage_module`.
 
-[Note: what crosses a cut] is in executor/ranks/wire.py.
-
+[Note: what crosses a cut] is in executor/ranks/wire.py, [Note: tied parameters across ranks]
+in executor/ranks/ties.py, [Note: packed rows on ranks] in executor/packed.py.
 [Note: distributed recomputation] is in executor/recompute.py, [Note: distributed mixed
 precision] in executor/precision.py, [Note: split backward on ranks] (the zero-bubble
 schedules) in executor/ranks/split_backward.py.
 
 [Note: a dead rank is an error, not a hang] is in executor/ranks/peer_failures.py: a peer's failure
 becomes :class:`PipelineFailure` within the timeout, a hung step ends the process.
-
-[Note: tied parameters across ranks] is in executor/ranks/ties.py.
 """
 
 from __future__ import annotations
@@ -53,6 +51,7 @@ from executor.grad_norm import clip_grads_, counted_once
 from executor.keywords import InputSignature
 from executor.microbatch import gather
 from executor.model_loss import ModelLoss, weighted
+from executor.packed import unpadded
 from executor.precision import precision_autocast
 from executor.ranks.peer_failures import PipelineFailure, peer_failures
 from executor.ranks.rank_state import PART_METADATA, rank_checkpoint_view, rank_state_dict
@@ -199,6 +198,7 @@ class DistributedPipeline(Checkpointable):
         self._counted = 0.0  # the items this step's batch counts, for the model's own loss (bind_inputs)
         self._share = 1.0  # of each micro-batch's loss, what its backward takes: 1 / chunks in a step
         self._num_items: float | None = None  # the step's num_items_in_batch, if given (bind_inputs)
+        self._packed: list[int] | None = None  # a packed row's micro-batch sizes (bind_inputs)
         self.signature = signature
         self._no_target = False  # eval_step without a target: the schedule's loss is a dummy
         self._scaler: torch.amp.GradScaler | None = None  # step(scaler=)'s, for _loss
@@ -365,7 +365,8 @@ class DistributedPipeline(Checkpointable):
         rows: list[Tensor | float] = [1.0 / self.chunks] * self.chunks  # equal micro-batches
         leaf = self._loss_fn.leaf if isinstance(self._loss_fn, ModelLoss) else -1
         items = rows if counted is None else list(counted / self.chunks)
-        return gather(outputs, lambda k: items if k == leaf else rows)
+        out = gather(outputs, lambda k: items if k == leaf else rows)
+        return out if self._packed is None else unpadded(out, self._packed)
 
     def _peer_failures(self) -> AbstractContextManager[None]:
         return peer_failures(self._failure)

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from executor.errors import DistributedError
+from executor.errors import DistributedError, MicroBatchError
 from executor.model_loss import ModelLoss
+from executor.packed import LABELS, POSITIONS, check_separators, packed_rows, packed_sizes
 from executor.ranks.sized import microbatch_sizes_of
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ def bind_inputs(pipe: DistributedPipeline, inputs: tuple[Any, ...], keywords: di
     elif keywords:
         raise DistributedError(f"keyword input {next(iter(keywords))!r}: this pipeline takes "
                                "keyword inputs only with signature=InputSignature(...)")
+    inputs = _as_rows(pipe, inputs, target)
     loss_fn = pipe._loss_fn
     if not isinstance(loss_fn, ModelLoss) or not pipe.is_last:
         return inputs, target
@@ -56,6 +58,41 @@ def bind_inputs(pipe: DistributedPipeline, inputs: tuple[Any, ...], keywords: di
     check_batch(inputs, "inputs", pipe.chunks)
     target, pipe._counted = loss_fn.schedule_targets(inputs, pipe.chunks, pipe.device, pipe._num_items)
     return inputs, target
+
+
+def _as_rows(pipe: DistributedPipeline, inputs: tuple[Any, ...], target: Any) -> tuple[Any, ...]:
+    """One packed row as padded rows ([Note: packed rows on ranks] in executor/packed.py), its
+    micro-batches' sizes kept for eval_step's output; any other batch as it is."""
+    pipe._packed = None
+    sig = pipe.signature
+    rows = [x.shape[0] for x in inputs if isinstance(x, Tensor) and x.dim() > 0]
+    if sig is None or POSITIONS not in sig.keywords or pipe.chunks == 1 or rows[:1] != [1]:
+        return inputs
+    if target is not None:
+        raise DistributedError("a packed row is split with the model's own labels=, not target=: "
+                               "pass the labels as a keyword input")
+    at = sig.positional + sig.keywords.index(POSITIONS)
+    labels = sig.positional + sig.keywords.index(LABELS) if LABELS in sig.keywords else None
+    length = (pipe._sized.example[at] or (0,))[-1]  # the example's rows' length: every step's
+    try:
+        sizes = packed_sizes(inputs[at], pipe.chunks)
+        if max(sizes) > length:
+            raise MicroBatchError(
+                f"a micro-batch of the packed row holds {max(sizes)} tokens, more than the {length} of "
+                "the rows this pipeline was built for: build it with your longest packed batch as "
+                "example_kwargs, or use more chunks")
+        padded = packed_rows(inputs, sizes, at, labels, multiple=length)
+        if isinstance(pipe._loss_fn, ModelLoss):
+            check_separators(pipe._loss_fn, inputs, [tuple(r) for r in zip(
+                *(x.split(1) if _is_rows(x, pipe.chunks) else [x] * pipe.chunks for x in padded), strict=True)])
+    except MicroBatchError as err:
+        raise DistributedError(str(err)) from None
+    pipe._packed = sizes
+    return padded
+
+
+def _is_rows(x: Any, chunks: int) -> bool:
+    return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == chunks
 
 
 def schedule_for(pipe: DistributedPipeline, inputs: tuple[Any, ...], target: Any, *,

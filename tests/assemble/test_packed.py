@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers import DataCollatorWithFlattening
 
 import autopipe
 from autopipe import BuildError
-from executor.errors import ExecutorError
+from executor.errors import DistributedError, ExecutorError
 from tests.assemble.test_hf_batches import V, _gpt2, _llama
 
 
@@ -26,6 +27,7 @@ def packed(lengths: list[int], seed: int = 0) -> dict[str, Tensor]:
     return dict(DataCollatorWithFlattening()(features, return_tensors="pt"))
 
 
+@pytest.mark.compat  # transformers 5.17's packed mask, on the GPU machine's versions
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
 def test_a_packed_row_equals_the_plain_model_and_its_length_may_change(make: Callable[[], nn.Module]) -> None:
     # the plain model called as the pipeline is, with use_cache=False: with a cache HF's sdpa
@@ -59,19 +61,66 @@ def test_a_row_packed_without_separators_or_with_too_few_sequences_is_one_line()
         autopipe.pipeline(_llama(), example_kwargs=packed([4, 4]), devices=["cpu", "cpu"], chunks=3)
 
 
-def test_ranks_refuse_a_packed_row_in_one_line() -> None:
-    # not yet: the rank runtime's micro-batches are equal slices of rows (docs/limitations.md)
-    import torch.distributed as dist
+def _packed_on_ranks(rank: int, plan: dict[str, Any], batches: list[dict[str, Tensor]]) -> list[dict[str, Any]]:
+    """Each batch in turn on this rank: step (gradients zeroed first) and eval_step."""
+    from autopipe.assemble.ranks import distributed_pipeline
+    from autopipe.core.plan import Plan
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    torch.manual_seed(0)
+    pipe = distributed_pipeline(_llama(), example_kwargs=batches[0], chunks=2, plan=Plan.from_dict(plan),
+                                timeout=30)
+    values = []
+    for batch in batches:
+        pipe.stage_module.zero_grad(set_to_none=True)
+        loss = pipe.step(**batch)
+        grads = {n: p.grad for n, p in pipe.stage_module.named_parameters()}
+        values.append({"loss": loss, "grads": grads, "eval": pipe.eval_step(**batch)})
     try:
-        with pytest.raises(BuildError, match=r"^the example batch is one packed row \(position_ids "
-                                             r"restarting, chunks=2\): only autopipe.pipeline splits"):
-            autopipe.distributed_pipeline(_llama(), example_kwargs=packed([5, 7, 3]), chunks=2)
-    finally:
-        dist.destroy_process_group()
+        pipe.step(**packed([40, 30, 50, 20], seed=2))  # micro-batches of 70 tokens
+    except DistributedError as err:
+        values.append({"refused": str(err)})
+    return values
+
+
+@pytest.mark.slow
+@pytest.mark.compat  # torch 2.11 runs the example's sizes only, which is all padded rows need
+@pytest.mark.timeout(120)
+def test_two_ranks_train_and_evaluate_packed_rows_as_the_plain_model() -> None:
+    # [Note: packed rows on ranks]: each micro-batch a row padded to the example's 64 tokens; the
+    # second batch has another total length (105 tokens, not 28) and runs the same stages; a
+    # third, whose micro-batches would need 128, is refused in one line on every rank
+    from autopipe.assemble.setup import example_batch
+    from autopipe.frontend.tracing.graph import trace
+    from autopipe.solvers.partitioner import partition
+    from tests.assemble.test_local import cost_profile
+    from tests.assemble.test_ranks import _ok, spawn
+
+    batches = [packed([5, 7, 3, 9, 4]), packed([10, 25, 20, 30, 15, 5], seed=1)]
+    torch.manual_seed(0)
+    model = _llama()
+    micro = example_batch(model, (), batches[0], 2, packed=False)
+    assert micro.micro[0].shape == (1, 64)  # the first padded row
+    graph = trace(model, (), example_kwargs=micro.micro_kwargs)
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2, recompute="never").to_dict()
+    first, last = _ok(spawn(_packed_on_ranks, plan, batches, timeout=110))
+    for values in (first, last):
+        assert values[-1]["refused"] == ("a micro-batch of the packed row holds 70 tokens, more than the 64 "
+                                         "of the rows this pipeline was built for: build it with your longest "
+                                         "packed batch as example_kwargs, or use more chunks")
+    for i, batch in enumerate(batches):
+        reference = copy.deepcopy(model)
+        expected = reference(**batch, use_cache=False)
+        expected.loss.backward()
+        assert first[i]["loss"] is None and first[i]["eval"] is None
+        torch.testing.assert_close(last[i]["loss"], expected.loss.detach())
+        torch.testing.assert_close(last[i]["eval"].logits, expected.logits.detach())
+        torch.testing.assert_close(last[i]["eval"].loss, expected.loss.detach())
+        covered = set()
+        for values in (first[i], last[i]):
+            for name, grad in values["grads"].items():
+                torch.testing.assert_close(grad, reference.get_parameter(name).grad, msg=name)
+                covered.add(name)
+        assert covered == {n for n, _ in reference.named_parameters()}
 
 
 class _Sequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
