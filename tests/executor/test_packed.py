@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from executor.errors import MicroBatchError
-from executor.packed import gather_packed, packed_sizes, sequence_starts, split_packed
+from executor.packed import (
+    gather_packed,
+    packed_rows,
+    packed_sizes,
+    sequence_starts,
+    split_packed,
+    unpadded,
+)
 
 
 def _positions(lengths: list[int]) -> torch.Tensor:
@@ -57,3 +64,19 @@ def test_split_then_gather_is_the_row_and_scalars_are_weighted() -> None:
     assert got["loss"].item() == pytest.approx(0.25 * 1 + 0.75 * 2)
     with pytest.raises(MicroBatchError, match=r"^output leaf 0 has shape \(1,\): .* return \(1, tokens, \.\.\.\)$"):
         gather_packed([torch.ones(1), torch.ones(1)], lambda k: [0.5, 0.5])
+
+
+def test_padded_rows_hold_each_micro_batch_then_a_sequence_of_their_own() -> None:
+    ids, positions = torch.arange(1, 11)[None], _positions([4, 2, 4])
+    labels, per_row = ids.clone(), torch.tensor([3])
+    rows = packed_rows((ids, positions, labels, per_row), [6, 4], positions=1, labels=2, multiple=8)
+    assert rows[0].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 0, 0, 0, 0]]
+    assert rows[1].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]  # padding: 0, 1, ...
+    assert rows[2].tolist() == [[1, 2, 3, 4, 5, 6, -100, -100], [7, 8, 9, 10, -100, -100, -100, -100]]
+    assert rows[3].tolist() == [3, 3]  # one value per row, for each row
+    # the padding starts a sequence of its own wherever it follows one
+    assert [sequence_starts(r[None]) for r in rows[1]] == [[0, 4, 6], [0, 4]]
+    logits = torch.randn(2, 8, 5)
+    back = unpadded({"logits": logits, "loss": torch.tensor(1.0)}, [6, 4])
+    torch.testing.assert_close(back["logits"], torch.cat([logits[:1, :6], logits[1:, :4]], dim=1))
+    assert back["loss"].item() == 1.0
