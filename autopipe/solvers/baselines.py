@@ -2,11 +2,19 @@
 torchgpipe's ``blockpartition`` (called from torchgpipe itself, never copied).
 
 Each returns ``stage sizes`` (layer counts of the K contiguous stages, in profile order).
+
+torchgpipe's ``balance/blockpartition.py`` is plain Python, but importing it as
+``torchgpipe.balance.blockpartition`` runs ``torchgpipe/__init__.py``, which imports torch (two
+seconds, and the planner imports no torch): the file is loaded on its own instead.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,14 +59,22 @@ def param_counts(costs: LayerCosts) -> list[int]:
 def blockpartition_sizes(costs: Sequence[float], k: int) -> list[int]:
     """torchgpipe's ``balance.blockpartition.solve`` on per-layer costs (needs torchgpipe)."""
     check_stage_count(len(costs), k)
-    try:
-        from torchgpipe.balance import blockpartition
-    except ImportError:
-        raise PartitionError(
-            "method='blockpartition' calls torchgpipe's algorithm: pip install torchgpipe"
-        ) from None
-    blocks = blockpartition.solve(list(costs), partitions=k)  # type: ignore[arg-type]
+    blocks = _blockpartition().solve(list(costs), partitions=k)
     return [len(b) for b in blocks]
+
+
+@functools.cache
+def _blockpartition() -> Any:
+    """torchgpipe's balance/blockpartition.py, loaded without its package (which imports torch)."""
+    package = importlib.util.find_spec("torchgpipe")
+    path = Path(package.origin).parent / "balance" / "blockpartition.py" if package and package.origin else None
+    if path is None or not path.is_file():
+        raise PartitionError("method='blockpartition' calls torchgpipe's algorithm: pip install torchgpipe")
+    spec = importlib.util.spec_from_file_location("autopipe_torchgpipe_blockpartition", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sizes_to_assignment(sizes: Sequence[int]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
 import sys
 
 import pytest
@@ -39,8 +40,27 @@ def test_uniform_sizes_give_the_first_stages_the_extra_layers() -> None:
 
 
 def test_blockpartition_without_torchgpipe_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torchgpipe.balance", None)  # as if not installed
-    with pytest.raises(PartitionError) as info:
-        blockpartition_sizes([1.0, 2.0, 3.0], 2)
+    from autopipe.solvers import baselines
+
+    monkeypatch.setattr(baselines.importlib.util, "find_spec", lambda name: None)  # as if not installed
+    baselines._blockpartition.cache_clear()
+    try:
+        with pytest.raises(PartitionError) as info:
+            blockpartition_sizes([1.0, 2.0, 3.0], 2)
+    finally:
+        baselines._blockpartition.cache_clear()
     assert str(info.value) == "method='blockpartition' calls torchgpipe's algorithm: pip install torchgpipe"
-    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert info.value.__cause__ is None and info.value.__context__ is None  # one line, no chain
+
+
+def test_blockpartition_is_torchgpipes_own_and_imports_no_torch() -> None:
+    # torchgpipe's package imports torch; its algorithm's file does not, nor may the planner
+    code = ("import sys\n"
+            "from autopipe.solvers.baselines import blockpartition_sizes\n"
+            "print(blockpartition_sizes([5.0, 1.0, 1.0, 1.0, 1.0, 5.0], 3), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    from torchgpipe.balance import blockpartition
+
+    expected = [len(b) for b in blockpartition.solve([5.0, 1.0, 1.0, 1.0, 1.0, 5.0], partitions=3)]
+    assert done.stdout.split() == [str(expected).split()[0], *str(expected).split()[1:], "False"]
