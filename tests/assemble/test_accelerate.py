@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-import autopipe
 from tests.assemble.test_hf_batches import _llama, causal_batch
+from tests.assemble.test_local import made_up_pipeline
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -38,8 +38,7 @@ def test_accelerator_prepares_and_trains_a_pipeline_as_the_plain_model() -> None
     plain = copy.deepcopy(model)
     data = causal_batch(rows=12)
     rows = [{k: v[i] for k, v in data.items()} for i in range(12)]
-    pipe = autopipe.pipeline(model, example_kwargs={k: v[:4] for k, v in data.items()},
-                             devices=["cpu", "cpu"], chunks=2)
+    pipe = made_up_pipeline(model, example_kwargs={k: v[:4] for k, v in data.items()})
     got, want = _train(pipe, rows), _train(plain, rows)
     assert len(got) == 3
     assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ sequence starts] in executor/packed.py)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,23 @@ def packed(lengths: list[int], seed: int = 0) -> dict[str, Tensor]:
     return dict(DataCollatorWithFlattening()(features, return_tensors="pt"))
 
 
+def made_up(model: nn.Module, batch: dict[str, Tensor], chunks: int) -> autopipe.Pipeline:
+    """``model``'s pipeline of a packed ``batch`` on two CPU stages split by made-up costs
+    (tests/assemble/test_local.py's ``cost_profile``): traced on the first micro-batch, nothing
+    measured, for tests whose subject is not the plan."""
+    from autopipe.assemble.setup import example_batch
+    from autopipe.frontend.tracing.graph import trace
+    from autopipe.solvers.partitioner import partition
+    from tests.assemble.test_local import cost_profile
+
+    graph = trace(model, (), example_kwargs=example_batch(model, (), batch, chunks).micro_kwargs)
+    plan = partition(cost_profile(graph), stages=2, chunks=chunks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages on one CPU: the placement warning
+        return autopipe.pipeline(model, example_kwargs=batch, devices=["cpu", "cpu"], chunks=chunks,
+                                 plan=plan, graph=graph)
+
+
 @pytest.mark.compat  # transformers 5.17's packed mask, on the GPU machine's versions
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
 def test_a_packed_row_equals_the_plain_model_and_its_length_may_change(make: Callable[[], nn.Module]) -> None:
@@ -35,7 +53,7 @@ def test_a_packed_row_equals_the_plain_model_and_its_length_may_change(make: Cal
     model = make()
     ref = copy.deepcopy(model)
     first = packed([5, 7, 3, 9, 4])
-    pipe = autopipe.pipeline(model, example_kwargs=first, devices=["cpu", "cpu"], chunks=3)
+    pipe = made_up(model, first, chunks=3)
     for batch in (first, packed([3, 11, 6, 2], seed=1)):  # 28 tokens, then 22: no new trace
         model.zero_grad()
         ref.zero_grad()
@@ -50,7 +68,7 @@ def test_a_packed_row_equals_the_plain_model_and_its_length_may_change(make: Cal
 
 def test_a_row_packed_without_separators_or_with_too_few_sequences_is_one_line() -> None:
     batch = packed([5, 7, 3, 9])
-    pipe = autopipe.pipeline(_llama(), example_kwargs=batch, devices=["cpu", "cpu"], chunks=2)
+    pipe = made_up(_llama(), batch, chunks=2)
     joined = {**batch, "labels": batch["input_ids"].clone()}  # each first label counted: across cuts
     with pytest.raises(ExecutorError, match=r"^the packed row's labels count a token across a cut "
                                             r"between sequences: .* use chunks=1$"):
@@ -149,8 +167,7 @@ def test_trainer_trains_a_pipeline_on_packed_batches_as_the_plain_model(tmp_path
     plain.config.use_cache = False
     data = _Sequences([5, 9, 3, 7, 6, 4, 8, 2, 7, 5, 3, 9, 4, 6, 8, 5])
     collate = DataCollatorWithFlattening()
-    pipe = autopipe.pipeline(model, example_kwargs=collate([data[i] for i in range(4)], return_tensors="pt"),
-                             devices=["cpu", "cpu"], chunks=2)
+    pipe = made_up(model, collate([data[i] for i in range(4)], return_tensors="pt"), chunks=2)
 
     def train(m: nn.Module, out: Path) -> list[dict[str, float]]:
         args = transformers.TrainingArguments(
