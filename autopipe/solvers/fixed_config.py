@@ -35,17 +35,10 @@ from autopipe.solvers.dp import check_stage_count, solve_dp
 from autopipe.solvers.ilp import GAP, solve_ilp
 from autopipe.solvers.search import ILP_MAX_VARIABLES
 from autopipe.solvers.stage_dp import budget_devices
-from autopipe.solvers.step_split import DESCENT_EVALUATIONS, fastest_step
+from autopipe.solvers.step_split import shortest, step_split
 from executor.spec import check_schedule
 
 __all__ = ["solve_fixed"]
-
-# method="auto" under the schedules that interleave forwards and backwards: the descent scores at
-# most this many layer x stage terms in all (a split of N layers into K stages costs about N x K
-# of them, ~2.5 us each here), and at least AUTO_MIN_EVALUATIONS splits: under a second for the
-# 802-layer, 16-stage TinyLlama shape, the whole budget for a model of a few hundred layers
-AUTO_STEP_WORK = 150_000
-AUTO_MIN_EVALUATIONS = 16
 
 
 def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSpec | str] | None,
@@ -94,10 +87,10 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
     # CBC overruns its time limit at the root of a large model: auto keeps to what builds in seconds
     large = n * (k - 1) > ILP_MAX_VARIABLES
     if method == "step":  # [Note: the step, not the bottleneck] in step_split.py
-        return plan(*_fastest_step(costs, specs, bounded, options, dp.assignment, dp_info))
+        return plan(*step_split(costs, specs, bounded, options, dp.assignment, dp_info))
     if method == "exact" or (method == "auto" and (dp_info.status == "optimal" or large)):
-        return _shortest(plan(dp.assignment, "exact", dp_info), method, plan, costs, specs, bounded,
-                         options, dp.assignment, dp_info)
+        best = plan(dp.assignment, "exact", dp_info)
+        return shortest(best, plan, costs, specs, bounded, options, dp.assignment, dp_info) if method == "auto" else best
     line = ProgressLine(time_limit, progress)  # [Note: progress on a terminal]
     try:
         ilp = solve_ilp(costs, bounded, options, warm_start=dp.assignment, time_limit=time_limit,
@@ -110,36 +103,7 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
         best = plan(dp.assignment, "exact", info)  # the ILP proved (or failed to beat) the DP
     else:
         best = plan(ilp.assignment, "ilp", info)
-    return _shortest(best, method, plan, costs, specs, bounded, options, dp.assignment, dp_info)
-
-
-def _shortest(best: Plan, method: str, plan: Any, costs: LayerCosts, devices: Sequence[DeviceSpec],
-              bounded: Sequence[DeviceSpec], options: CostOptions, seed: list[int],
-              info: SolverInfo) -> Plan:
-    """method="auto": ``best`` (the bottleneck's optimum), or the split with a shorter simulated
-    step where one exists ([Note: the step, not the bottleneck] in step_split.py)."""
-    if method != "auto" or options.schedule == "gpipe":
-        return best
-    budget = min(DESCENT_EVALUATIONS, max(AUTO_MIN_EVALUATIONS, AUTO_STEP_WORK // (len(costs) * len(devices))))
-    step = plan(*_fastest_step(costs, devices, bounded, options, seed, info, budget))
-    return step if step.iteration_time < best.iteration_time * (1 - 1e-9) else best
-
-
-def _fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec],
-                  options: CostOptions, seed: list[int], info: SolverInfo,
-                  evaluations: int = DESCENT_EVALUATIONS) -> tuple[list[int], str, SolverInfo]:
-    """method="step": the split with the shortest simulated step, seeded by the DP's and the
-    baselines' splits, with what is proven of it; the DP's own when no seed fits."""
-    start = time.perf_counter()
-    found = fastest_step(costs, devices, bounded, options, [seed], evaluations)
-    if found is None:
-        return seed, "step", info
-    seconds = info.seconds + time.perf_counter() - start
-    if found.exhaustive:
-        status = "optimal" if forced_order(costs) else "optimal over the topological order"
-        return found.assignment, "step", SolverInfo(status, found.iteration, found.iteration, 0.0, seconds)
-    return found.assignment, "step", SolverInfo(f"descent over {found.evaluated} splits", found.iteration,
-                                                found.bound, found.gap, seconds)
+    return shortest(best, plan, costs, specs, bounded, options, dp.assignment, dp_info) if method == "auto" else best
 
 
 def _exact_info(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions,

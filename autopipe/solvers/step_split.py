@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from autopipe.core.cost import DeviceSpec, LayerCosts, layer_work, stage_costs
 from autopipe.core.cost_options import CostOptions
+from autopipe.core.plan import Plan, SolverInfo
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
@@ -53,12 +55,25 @@ from autopipe.solvers.baselines import (
     uniform_sizes,
 )
 from autopipe.solvers.bounds import config_bound
+from autopipe.solvers.dag_bound import forced_order
 from executor.spec import merge_rules
 
-__all__ = ["StepSplit", "fastest_step", "ENUMERATE_SPLITS", "DESCENT_EVALUATIONS"]
+__all__ = ["StepSplit", "fastest_step", "step_split", "shortest", "auto_evaluations", "ENUMERATE_SPLITS",
+           "DESCENT_EVALUATIONS"]
 
 ENUMERATE_SPLITS = 500  # every split scored when there are at most this many
 DESCENT_EVALUATIONS = 120  # splits a descent scores at most
+# method="auto": the descent scores at most this many layer x stage terms in all (a split of N
+# layers into K stages costs about N x K of them, ~2.5 us each here), and at least
+# AUTO_MIN_EVALUATIONS splits: under a second for the 802-layer, 16-stage TinyLlama shape, the
+# whole DESCENT_EVALUATIONS for a model of a few hundred layers
+AUTO_STEP_WORK = 150_000
+AUTO_MIN_EVALUATIONS = 16
+
+
+def auto_evaluations(layers: int, stages: int) -> int:
+    """The descent's budget of splits under method="auto" (see AUTO_STEP_WORK)."""
+    return min(DESCENT_EVALUATIONS, max(AUTO_MIN_EVALUATIONS, AUTO_STEP_WORK // (layers * stages)))
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,36 @@ def fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequ
     best = min(ends, key=lambda c: (step(c), c))
     bound = config_bound(options.schedule, costs, [d.speed for d in devices], options.chunks)
     return StepSplit(_assignment(best, n), step(best), False, min(bound, step(best)), len(step.seen))
+
+
+def step_split(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec],
+               options: CostOptions, seed: list[int], info: SolverInfo,
+               evaluations: int = DESCENT_EVALUATIONS) -> tuple[list[int], str, SolverInfo]:
+    """method="step": the split with the shortest simulated step, seeded by ``seed`` (the DP's)
+    and the baselines' splits, with what is proven of it; ``seed`` and ``info`` when no seed fits."""
+    start = time.perf_counter()
+    found = fastest_step(costs, devices, bounded, options, [seed], evaluations)
+    if found is None:
+        return seed, "step", info
+    seconds = info.seconds + time.perf_counter() - start
+    if found.exhaustive:
+        status = "optimal" if forced_order(costs) else "optimal over the topological order"
+        return found.assignment, "step", SolverInfo(status, found.iteration, found.iteration, 0.0, seconds)
+    return found.assignment, "step", SolverInfo(f"descent over {found.evaluated} splits", found.iteration,
+                                                found.bound, found.gap, seconds)
+
+
+def shortest(best: Plan, plan: Callable[[list[int], str, SolverInfo], Plan], costs: LayerCosts,
+             devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec], options: CostOptions,
+             seed: list[int], info: SolverInfo) -> Plan:
+    """method="auto": ``best`` (the slowest stage's optimum), or, under a schedule that
+    interleaves forwards and backwards, the split with a shorter simulated step where one exists
+    (``plan`` builds a Plan of an assignment; see [Note: the step, not the bottleneck])."""
+    if options.schedule == "gpipe":
+        return best
+    step = plan(*step_split(costs, devices, bounded, options, seed, info,
+                            auto_evaluations(len(costs), len(devices))))
+    return step if step.iteration_time < best.iteration_time * (1 - 1e-9) else best
 
 
 def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int) -> tuple[int, ...]:

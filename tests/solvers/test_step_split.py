@@ -127,3 +127,4 @@ def test_step_takes_one_configuration_in_one_line() -> None:
     with pytest.raises(PartitionError, match=r"^method='step' splits one given configuration; with "
                                              r"'auto' choices use method='auto', 'exact' or 'ilp'$"):
         partition(random_chain(6, 0), stages="auto", devices=["cpu:0", "cpu:1"], method="step")
+
