@@ -92,7 +92,7 @@ def main(argv: Sequence[str]) -> int:
             result = tests_result(text)
         elif name.startswith("profile "):
             result = profile_result(out / "profiles" / "cuda" / f"{name.split()[1]}.csv")
-        elif name == "measured vs predicted":
+        elif name.startswith("measured vs predicted"):
             result = prediction_result(text)
         elif name.startswith("Llama"):
             result = giant_result(text)

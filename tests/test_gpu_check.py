@@ -37,7 +37,8 @@ def test_dry_run_resolves_every_step_and_prints_one_table(tmp_path: Path) -> Non
     rows = [line for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
     steps = [row.split("|")[1].strip() for row in rows[1:]]
     assert steps == ["torch and device", "CUDA tests", "profile mlp", "profile cnn", "profile gpt",
-                     "profile unet", "measured vs predicted", "Llama-70B shape, layer by layer"]
+                     "profile unet", "measured vs predicted", "measured vs predicted, busy GPU",
+                     "Llama-70B shape, layer by layer"]
     status = [row.split("|")[2].strip() for row in rows[1:]]
     assert set(status) == {"ok"}, summary
     assert "tests collected" in summary and "measured / predicted" in summary
