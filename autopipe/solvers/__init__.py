@@ -3,7 +3,7 @@
     partitioner.py      partition(profile, stages=K|"auto", ...) -> Plan: picks and runs a solver
     data_parallel_search.py  the replica count D ("auto"): one search per divisor of the devices
     search.py           the automatic search: stages, chunks, recomputation, schedule
-    search_space.py     what the search chooses from: ranks, micro-batches, schedules, layouts
+    search_space.py     what the search chooses from (ranks, micro-batches, schedules, layouts), and its results
     bounds.py           lower bounds on a simulated iteration, for the search's pruning
     stage_dp.py         exact min-max split with a recompute mode per stage, all stage counts
     fixed_config.py     one given configuration: the exact DP, the ILP where it can gain, a baseline

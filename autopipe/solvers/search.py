@@ -23,7 +23,8 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
                  (simulated) than any single-mode plan it searched
 
 Each configuration's split is the exact min-max DP over the topological order; the simulator
-then times it; plan.explain() lists the next best configurations and the best of every
+then times it; under method="auto" each interleaving schedule's best configuration is split again
+for its shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain() lists the next best configurations and the best of every
 schedule weighed. A lower bound on the iteration of every configuration, from totals only
 (``config_bound``), orders the work and prunes: configurations are solved from the most
 promising on, and the search stops when the next bound is no better than the best simulated
@@ -41,13 +42,13 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from autopipe.core.cost import DeviceSpec, LayerCosts, lower_bound, stage_costs
 from autopipe.core.cost_options import CostOptions
-from autopipe.core.plan import Alternative, Plan, SolverInfo
+from autopipe.core.plan import Plan, SolverInfo
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at, rows_for
 from autopipe.core.simulator import simulate_stages
@@ -61,7 +62,10 @@ from autopipe.solvers.ilp import GAP, solve_ilp
 from autopipe.solvers.layer_recompute import recompute_layers_where_faster
 from autopipe.solvers.search_space import (
     INTERLEAVED_PER_RANK,
+    Config,
+    Result,
     Setting,
+    alternatives,
     chunk_candidates,
     plan_devices,
     stages_per_rank,
@@ -69,30 +73,12 @@ from autopipe.solvers.search_space import (
 )
 from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
+from autopipe.solvers.step_split import auto_evaluations, fastest_step
 from executor.spec import RECOMPUTE_MODES, check_schedule, merge_rules
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
 
 ILP_MAX_VARIABLES = 1500  # layers x (stages - 1) the search's ILP may have
-ALTERNATIVES = 5
-
-
-@dataclass(frozen=True)
-class _Config:
-    schedule: str
-    ranks: int
-    chunks: int
-    bound: float
-
-
-@dataclass(frozen=True)
-class _Result:
-    config: _Config
-    recompute: str | tuple[str, ...]  # the variant searched
-    split: Split
-    time: float
-    memory: int  # the highest device peak
-    merge: str = "unwaited"  # the zero-bubble merge rule it was timed with ([Note: adjacent I and W])
 
 
 class _Search:
@@ -103,8 +89,8 @@ class _Search:
         self.n = len(profile)
         self._profiles: dict[int, tuple[Profile, LayerCosts]] = {}
         self._blocks: dict[tuple[int, str], StageBlocks] = {}
-        self.results: list[_Result] = []
-        self.floor: dict[_Config, float] = {}  # M x the per-stage DP's bottleneck
+        self.results: list[Result] = []
+        self.floor: dict[Config, float] = {}  # M x the per-stage DP's bottleneck
         self.solved = 0
         self.skipped = unplannable(setting.schedules, LayerCosts.from_profile(profile))  # and why
 
@@ -123,7 +109,7 @@ class _Search:
         return CostOptions(m, mode, st.optimizer, st.bandwidth, st.ties, schedule, st.data_parallel,
                            st.dp_mode)
 
-    def configs(self) -> list[_Config]:
+    def configs(self) -> list[Config]:
         out = []
         distinct = len({d.name for d in self.pool}) == len(self.pool)
         for schedule in self.setting.schedules:
@@ -145,7 +131,7 @@ class _Search:
                     except ValueError:
                         continue
                     bound = config_bound(schedule, self.at(m)[1], speeds, m)
-                    out.append(_Config(schedule, w, m, bound))
+                    out.append(Config(schedule, w, m, bound))
         return sorted(out, key=lambda c: (c.bound, c.schedule, c.ranks, c.chunks))
 
     def best_time(self) -> float:
@@ -167,7 +153,7 @@ class _Search:
         finally:
             bar.close()
 
-    def _live(self, c: _Config, cp: str | tuple[str, ...]) -> bool:
+    def _live(self, c: Config, cp: str | tuple[str, ...]) -> bool:
         best = self.best_time()
         if c.bound >= best:
             return False
@@ -177,7 +163,7 @@ class _Search:
             return self.floor.get(c, math.inf) < best
         return True
 
-    def _pass(self, configs: list[_Config], variants: list[str | tuple[str, ...]], bar: tqdm) -> None:  # type: ignore[type-arg]
+    def _pass(self, configs: list[Config], variants: list[str | tuple[str, ...]], bar: tqdm) -> None:  # type: ignore[type-arg]
         homogeneous = len({(d.speed, d.memory) for d in self.pool}) == 1
         grouped: set[tuple[str, int]] = set()
         for c in configs:
@@ -206,7 +192,7 @@ class _Search:
             self._blocks[key] = StageBlocks(self.at(m)[1], self.options(schedule, m, "never"))
         return self._blocks[key]
 
-    def solve_counts(self, same: list[_Config], cp: str) -> None:
+    def solve_counts(self, same: list[Config], cp: str) -> None:
         """Every stage count of one (schedule, chunks) on identical devices, in one DP pass."""
         live = [c for c in same if self._live(c, cp)]
         if not live:
@@ -219,7 +205,7 @@ class _Search:
         for c in live:
             self.found(c, cp, splits.get(c.ranks))
 
-    def solve_one(self, c: _Config, cp: str | tuple[str, ...]) -> None:
+    def solve_one(self, c: Config, cp: str | tuple[str, ...]) -> None:
         devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
         if not isinstance(cp, str) and len(cp) != len(devices):
             return  # a per-stage list fixes the stage count
@@ -232,7 +218,7 @@ class _Search:
         self.solved += 1
         self.found(c, cp, split)
 
-    def found(self, c: _Config, cp: str | tuple[str, ...], split: Split | None) -> None:
+    def found(self, c: Config, cp: str | tuple[str, ...], split: Split | None) -> None:
         if cp == "auto":  # no single mode beats the per-stage DP's bottleneck
             self.floor[c] = math.inf if split is None else c.chunks * split.bottleneck
         if split is not None:
@@ -258,7 +244,29 @@ class _Search:
             if split is not None:
                 self.evaluate(c, first, split, always=True)
 
-    def evaluate(self, c: _Config, cp: str | tuple[str, ...], split: Split, always: bool = False) -> None:
+    def shorter_steps(self) -> set[int]:
+        """Each interleaving schedule's best configuration split again for its shortest step
+        where a split can beat the best ([Note: the step, not the bottleneck]); the ids of the
+        results that did, each evaluated beside its DP split's."""
+        out: set[int] = set()
+        firsts: dict[str, Result] = {}
+        for r in sorted(self.results, key=lambda r: r.time):
+            firsts.setdefault(r.config.schedule, r)
+        for r in (r for schedule, r in firsts.items() if schedule != "gpipe"):
+            c, costs = r.config, self.at(r.config.chunks)[1]
+            devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
+            if config_bound(c.schedule, costs, [d.speed for d in devices], c.chunks) >= self.best_time():
+                continue  # no split of it beats the best
+            opts = replace(self.options(c.schedule, c.chunks, r.recompute), recompute=tuple(r.split.modes))
+            found = fastest_step(costs, devices, budget_devices(devices, c.schedule), opts, [r.split.assignment],
+                                 auto_evaluations(len(costs), len(devices)))
+            if found is not None and found.iteration < r.time * (1 - 1e-9):
+                times = [st.time_ms for st in stage_costs(costs, found.assignment, devices, opts)]
+                self.evaluate(c, r.recompute, Split(found.assignment, max(times), r.split.modes), always=True)
+                out.add(id(self.results[-1]))
+        return out
+
+    def evaluate(self, c: Config, cp: str | tuple[str, ...], split: Split, always: bool = False) -> None:
         costs = self.at(c.chunks)[1]
         devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
         opts = replace(self.options(c.schedule, c.chunks, cp), recompute=tuple(split.modes))
@@ -266,14 +274,14 @@ class _Search:
         bound = split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks)
         if bound >= self.best_time() and not always:
             return  # cannot beat the best: no need to simulate it
-        best: _Result | None = None
+        best: Result | None = None
         for rule in merge_rules(c.schedule):
             if rule != opts.merge:  # the halves merged otherwise: other activation terms
                 stages = stage_costs(costs, split.assignment, devices, replace(opts, merge=rule))
             sim = simulate_stages(stages, chunks=c.chunks, recompute=split.modes, schedule=c.schedule,
                                   ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices], merge=rule)
             if best is None or sim.iteration_time < best.time:
-                best = _Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values()), rule)
+                best = Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values()), rule)
         assert best is not None
         self.results.append(best)
 
@@ -305,16 +313,17 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     if not s.results:
         raise s.infeasible()
     s.other_schedules()
+    stepped = s.shorter_steps() if method == "auto" else set()
     ranked = sorted(s.results, key=lambda r: (r.time, r.config.ranks, r.config.chunks))
     best = ranked[0]
     c = best.config
     prof, costs = s.at(c.chunks)
     devices = plan_devices(c.schedule, _pick(pool, c.ranks))
-    assignment, name, info = best.split.assignment, "exact", None
+    assignment, name, info = best.split.assignment, "step" if id(best) in stepped else "exact", None
     gain = _refine(costs, devices, best, setting, method, time_limit, progress)
     if gain is not None:
         assignment, name, info = gain
-    alternatives = _alternatives(ranked[1:], best, setting.data_parallel)  # each schedule's best too
+    others = alternatives(ranked[1:], best, setting.data_parallel)  # each schedule's best too
     layers = prof.layers
     stages = [[layers[v] for v in range(len(assignment)) if assignment[v] == st]
               for st in range(len(devices))]
@@ -324,13 +333,13 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, recompute=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
                             method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
-                            alternatives=alternatives, data_parallel=setting.data_parallel,
+                            alternatives=others, data_parallel=setting.data_parallel,
                             dp_mode=setting.dp_mode, skipped_schedules=s.skipped)
     auto = "auto" in setting.checkpoints  # [Note: recomputed layers]: a few layers, not a stage
     return recompute_layers_where_faster(plan, prof) if auto else plan
 
 
-def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting: Setting,
+def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: Result, setting: Setting,
             method: str, time_limit: float | None, progress: bool | None
             ) -> tuple[list[int], str, SolverInfo] | None:
     """The ILP on the winner's configuration, where it can gain ([Note: automatic search])."""
@@ -365,26 +374,3 @@ def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: _Result, setting
     if sim.iteration_time < best.time:
         return ilp.assignment, "ilp", info
     return best.split.assignment, "exact", info
-
-
-def _alternatives(ranked: list[_Result], best: _Result, replicas: int) -> list[Alternative]:
-    """The next best configurations, then the best of each schedule not among them, so that
-    ``plan.explain()`` shows every schedule the search weighed."""
-    out: list[Alternative] = []
-    seen = {(best.config, tuple(best.split.modes))}
-    shown = {best.config.schedule}
-    for r in ranked:
-        key = (r.config, tuple(r.split.modes))
-        if key in seen or (len(out) >= ALTERNATIVES and r.config.schedule in shown):
-            continue
-        seen.add(key)
-        shown.add(r.config.schedule)
-        c = r.config
-        k = len(r.split.modes)
-        modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
-        note = "" if r.recompute == "auto" else "one mode for all stages"
-        if len(out) >= ALTERNATIVES:
-            note = f"best {c.schedule}" + (f", {note}" if note else "")
-        out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note,
-                               replicas))
-    return out

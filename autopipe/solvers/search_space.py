@@ -4,7 +4,9 @@
 a schedule's stages per rank (one under gpipe and 1f1b, ``INTERLEAVED_PER_RANK`` under the
 others), where each stage runs ([Note: stage to rank] in executor/spec.py), and which schedules
 a profile can be planned for at all (the zero-bubble ones need its split backward: [Note: split
-backward time] in autopipe/core/cost.py), with the reason for each it cannot.
+backward time] in autopipe/core/cost.py), with the reason for each it cannot. And what it
+finds: a configuration (``Config``), its split simulated (``Result``), and the next best of them
+that ``plan.explain()`` lists (:func:`alternatives`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopipe.core.cost import DeviceSpec, LayerCosts
+from autopipe.core.plan import Alternative
+from autopipe.solvers.stage_dp import Split
 from executor.spec import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, stage_rank
 
 __all__ = ["INTERLEAVED_PER_RANK", "Setting", "chunk_candidates", "pick_devices", "plan_devices",
-           "stages_per_rank", "unplannable"]
+           "stages_per_rank", "unplannable", "Config", "Result", "alternatives"]
 
 INTERLEAVED_PER_RANK = 2  # stages per rank of a multi-stage schedule (the runtime's default; the V's)
 
@@ -72,3 +76,52 @@ def unplannable(schedules: Sequence[str], costs: LayerCosts) -> dict[str, str]:
         return {}
     return {s: "the profile has no split backward (bwd_input_ms ...): profile again to weigh it"
             for s in schedules if s in ZERO_BUBBLE_SCHEDULES}
+
+
+ALTERNATIVES = 5  # the next best configurations plan.explain() lists
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration the search may solve: its schedule, ranks, micro-batches, and the lower
+    bound no split of it beats."""
+
+    schedule: str
+    ranks: int
+    chunks: int
+    bound: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """A configuration's split under one recompute variant, simulated."""
+
+    config: Config
+    recompute: str | tuple[str, ...]  # the variant searched
+    split: Split
+    time: float
+    memory: int  # the highest device peak
+    merge: str = "unwaited"  # the zero-bubble merge rule it was timed with ([Note: adjacent I and W])
+
+
+def alternatives(ranked: list[Result], best: Result, replicas: int) -> list[Alternative]:
+    """The next best configurations, then the best of each schedule not among them, so that
+    ``plan.explain()`` shows every schedule the search weighed."""
+    out: list[Alternative] = []
+    seen = {(best.config, tuple(best.split.modes))}
+    shown = {best.config.schedule}
+    for r in ranked:
+        key = (r.config, tuple(r.split.modes))
+        if key in seen or (len(out) >= ALTERNATIVES and r.config.schedule in shown):
+            continue
+        seen.add(key)
+        shown.add(r.config.schedule)
+        c = r.config
+        k = len(r.split.modes)
+        modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
+        note = "" if r.recompute == "auto" else "one mode for all stages"
+        if len(out) >= ALTERNATIVES:
+            note = f"best {c.schedule}" + (f", {note}" if note else "")
+        out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note,
+                               replicas))
+    return out

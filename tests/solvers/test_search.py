@@ -143,7 +143,7 @@ def test_1f1b_memory_instead_of_recomputation() -> None:
 def test_the_ilp_refines_only_the_winner_of_a_dag() -> None:
     prof = _sized(transformer_dag(2), micro=2, batch=8)  # 18 layers with skips beside one order
     plan = partition(prof, devices=["a", "b", "c"], time_limit=5, **AUTO)  # type: ignore[arg-type]
-    assert plan.method == "exact" and _fits(plan)  # the order is the DAG's only one
+    assert plan.method in ("exact", "step") and _fits(plan)  # the order is the DAG's only one: no ILP
     dp = partition(prof, devices=["a", "b", "c"], method="dp", **AUTO)  # type: ignore[arg-type]
     assert plan.iteration_time <= dp.iteration_time
     assert plan.solver.status in ("optimal", "time_limit", "feasible") or "simulated" in plan.solver.status
@@ -176,7 +176,8 @@ def test_search_800_layers_16_devices_solves_few_dps(monkeypatch: pytest.MonkeyP
     """The search's work on 802 layers and 16 devices, counted, not timed (~5 s on 2 idle
     cores, 20-40 s beside other jobs; the search's seconds are benchmarks/auto_plan.py's): the
     bounds prune the 265 configurations to 40 DP solves (42 passes with the 2 for other
-    schedules' alternatives) and 12 simulations, in at most 3765 block evaluations that compute
+    schedules' alternatives) and 12 simulations, 14 with the interleaving schedules' best splits
+    again for their step ([Note: the step, not the bottleneck]), in at most 3765 block evaluations that compute
     at most 960 cached arrays (blocks are cached per memory terms, whose d ([Note: an input kept
     once]) sets apart some that were one). The counts are deterministic: nothing reads a clock."""
     counts = {"passes": 0, "blocks": 0, "simulated": 0}
@@ -216,7 +217,7 @@ def test_search_800_layers_16_devices_solves_few_dps(monkeypatch: pytest.MonkeyP
     said = re.fullmatch(r"best of (\d+) simulated configurations \((\d+) DP solves\)", plan.solver.status)
     assert said is not None and int(said[1]) == counts["simulated"], plan.solver.status
     assert int(said[2]) <= 40 and counts["passes"] <= int(said[2]) + 2  # + other schedules' alternatives
-    assert counts["simulated"] <= 12 and counts["blocks"] <= 3765
+    assert counts["simulated"] <= 14 and counts["blocks"] <= 3765
     assert len(fresh) <= 960
 
 

@@ -128,3 +128,15 @@ def test_step_takes_one_configuration_in_one_line() -> None:
                                              r"'auto' choices use method='auto', 'exact' or 'ilp'$"):
         partition(random_chain(6, 0), stages="auto", devices=["cpu:0", "cpu:1"], method="step")
 
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved1f1b"])
+def test_the_automatic_search_takes_its_configurations_fastest_step(schedule: str, seed: int) -> None:
+    # stages chosen by the search, its winner split again for the step: the fastest of every
+    # split of the configuration it chose
+    prof = random_chain(9, seed + 20, split=True)
+    plan = partition(prof, stages="auto", devices=["d0", "d1", "d2", "d3"], chunks=8, schedule=schedule,
+                     recompute="never", progress=False)
+    assert plan.num_stages > 1
+    assert plan.iteration_time == pytest.approx(min(p.iteration_time for p in _every_split(prof, plan)), rel=1e-9)
