@@ -28,8 +28,9 @@ It never returns a split slower than its seeds, so never slower than the DP's or
 Each evaluation costs a millisecond or two of Python, which is why the enumeration is bounded.
 ``method="step"`` asks for it; ``method="auto"`` (the default) takes it under the schedules that
 interleave forwards and backwards when it is faster than the DP's split, with a descent budget
-that shrinks with layers x stages (autopipe/solvers/fixed_config.py). Under GPipe the DP's split
-was within 1% of the fastest in every case measured, so auto keeps it there.
+that shrinks with layers x stages (:func:`shortest` for one configuration; the automatic search
+for each such schedule's best configuration, search.py). Under GPipe the DP's split was within
+1% of the fastest in every case measured, so auto keeps it there.
 """
 
 from __future__ import annotations
