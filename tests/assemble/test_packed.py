@@ -19,6 +19,7 @@ import autopipe
 from autopipe import BuildError
 from executor.errors import DistributedError, ExecutorError
 from tests.assemble.test_hf_batches import V, _gpt2, _llama
+from tests.conftest import skip_if_no_cuda
 
 
 def packed(lengths: list[int], seed: int = 0) -> dict[str, Tensor]:
@@ -186,3 +187,19 @@ def test_trainer_trains_a_pipeline_on_packed_batches_as_the_plain_model(tmp_path
     trained = pipe.state_dict()
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@skip_if_no_cuda
+def test_a_packed_row_on_two_cuda_stages_equals_the_plain_model_on_cuda() -> None:
+    # the model on the CPU, the packed batch on the GPU: profiled, planned and run on CUDA
+    model = _llama()
+    reference = copy.deepcopy(model).cuda()
+    batch = {k: v.cuda() for k, v in packed([5, 7, 3, 9, 4]).items()}
+    pipe = autopipe.pipeline(model, example_kwargs=batch, devices=["cuda", "cuda"], chunks=3)
+    out, expected = pipe(**batch), reference(**batch, use_cache=False)
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss)
+    out.loss.backward()
+    expected.loss.backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
