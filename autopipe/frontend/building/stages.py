@@ -19,9 +19,12 @@ received input is a leaf that needs a gradient wherever a runtime made it one (a
 micro-batch's kept input, a PipelineStage's receive buffer), and autograd refuses to write a leaf
 in place; and a checkpointed micro-batch keeps its input to recompute from, which the write
 would change before the recomputation reads it. In the whole model the op writes a tensor its
-producer made, which nobody keeps, so the copy is the only change. The write must be the input's
-own op (a module with ``inplace=True``, a method or function whose name ends in ``_``, an
-augmented assignment or an item assignment); a write through a view of an input is not seen.
+producer made, which nobody keeps, so the copy is the only change. A write is a module with
+``inplace=True``, a method or function whose name ends in ``_``, an aten op whose schema writes
+its first argument, an augmented assignment or an item assignment, on the input itself or on a
+view of it (``x.t().add_(1)``: the view methods and functions, and aten ops whose schema returns
+an alias, followed to any depth; a ``reshape`` that copies is taken for a view, so such an input
+is copied without need).
 """
 
 from __future__ import annotations
@@ -188,12 +191,50 @@ def _writes_first_argument(node: fx.Node, stage: fx.GraphModule) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "unsqueeze",
+                 "squeeze", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind", "flatten",
+                 "unflatten", "__getitem__", "detach", "as_strided", "diagonal", "movedim", "swapaxes",
+                 "swapdims", "unfold", "contiguous"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.narrow, torch.select, torch.squeeze, torch.unsqueeze,
+                   torch.flatten, torch.split, torch.chunk, torch.permute, torch.reshape, torch.unbind,
+                   torch.movedim, torch.swapaxes, torch.diagonal, torch.t, torch.detach}
+
+
+def _may_alias_first_argument(node: fx.Node) -> bool:
+    """Whether ``node``'s result may be a view of its first argument (a write to it then writes
+    that argument): a view method or function, or an aten op whose schema returns an alias."""
+    if node.op == "call_method":
+        return str(node.target) in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target in _VIEW_FUNCTIONS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+    return bool(alias is not None and not alias.is_write)
+
+
+def _written(value: fx.Node, stage: fx.GraphModule) -> bool:
+    """Whether the stage writes ``value`` in place, itself or through a view of it."""
+    todo, seen = [value], {value}
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if not user.args or user.args[0] is not node:
+                continue
+            if _writes_first_argument(user, stage):
+                return True
+            if _may_alias_first_argument(user) and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
 def _copy_written_inputs(stage: fx.GraphModule) -> None:
     """[Note: a stage writes a copy of its input]"""
     graph = stage.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    written = [p for p in inputs if any(u.args and u.args[0] is p and _writes_first_argument(u, stage)
-                                        for u in p.users)]
+    written = [p for p in inputs if _written(p, stage)]
     if not written:
         return
     for p in written:

@@ -7,7 +7,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autopipe import BuildError, PlanError
 from autopipe.core.plan import Plan
@@ -169,6 +169,34 @@ class _WritesItsInput(nn.Module):
         h = self.act(self.a(x))  # a module with inplace=True
         h = self.b(h).relu_()  # an in-place method
         return self.c(h).add_(1.0) * 2.0  # an in-place method with an argument
+
+
+class _WritesThroughViews(nn.Module):
+    """A stage's graph that writes its input through a view of a view."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h.t()[:2].mul_(3.0)  # two features of every row
+        return h * 2.0
+
+
+def test_a_write_through_a_view_of_an_input_gets_the_input_copied() -> None:
+    # a received input is a leaf that needs a gradient: written through a view without the copy,
+    # autograd refuses ("a view of a leaf Variable that requires grad is being used in an
+    # in-place operation"); with it, the gradient is the whole model's
+    from autopipe.frontend.building.stages import _copy_written_inputs
+
+    stage = fx.symbolic_trace(_WritesThroughViews())
+    _copy_written_inputs(stage)
+    assert sum(n.op == "call_method" and n.target == "clone" for n in stage.graph.nodes) == 1
+    received = torch.randn(4, 8, requires_grad=True)
+    out = stage(received)
+    expected = received.detach().clone()
+    expected[:, :2] *= 3.0
+    torch.testing.assert_close(out, expected * 2.0)
+    out.sum().backward()
+    grad = torch.full((4, 8), 2.0)
+    grad[:, :2] *= 3.0
+    torch.testing.assert_close(received.grad, grad)
 
 
 @pytest.mark.parametrize("mode", ["always", "except_last", "never"])
