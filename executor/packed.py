@@ -48,7 +48,7 @@ from executor.errors import MicroBatchError
 from executor.model_loss import ModelLoss, weighted
 
 __all__ = ["POSITIONS", "LABELS", "PAD_MULTIPLE", "packed_sizes", "split_packed", "gather_packed",
-           "packed_rows", "unpadded", "check_separators"]
+           "packed_rows", "as_rows", "unpadded", "check_separators"]
 
 POSITIONS = "position_ids"  # the keyword input whose restarts mark the sequences (HuggingFace's name)
 LABELS = "labels"  # the keyword input a padding token's label goes to: IGNORED
@@ -155,6 +155,24 @@ def packed_rows(inputs: tuple[Any, ...], sizes: Sequence[int], positions: int,
             padded.append(torch.cat([piece[k], pad], dim=1))
         rows.append(torch.cat(padded))
     return tuple(rows)
+
+
+def as_rows(inputs: tuple[Any, ...], names: Sequence[str], chunks: int,
+            length: int | None = None) -> tuple[tuple[Any, ...], list[int]]:
+    """One packed row (flat ``inputs``, its last ``len(names)`` the keyword inputs of these
+    names) as ``chunks`` padded rows and each micro-batch's tokens ([Note: packed rows on
+    ranks]): rows of ``length`` tokens, refused in one line when a micro-batch needs more, or
+    without one of the longest micro-batch rounded up to :data:`PAD_MULTIPLE`."""
+    first, names = len(inputs) - len(names), list(names)
+    positions = first + names.index(POSITIONS)
+    sizes = packed_sizes(inputs[positions], chunks)
+    if length is not None and max(sizes) > length:
+        raise MicroBatchError(
+            f"a micro-batch of the packed row holds {max(sizes)} tokens, more than the {length} of "
+            "the rows this pipeline was built for: build it with your longest packed batch as "
+            "example_kwargs, or use more chunks")
+    labels = first + names.index(LABELS) if LABELS in names else None
+    return packed_rows(inputs, sizes, positions, labels, multiple=length or PAD_MULTIPLE), sizes
 
 
 def unpadded(output: Any, sizes: Sequence[int]) -> Any:

@@ -36,7 +36,7 @@ from executor.errors import MicroBatchError
 from executor.keywords import InputSignature
 from executor.local.worker import normalize_device
 from executor.model_loss import ModelLoss
-from executor.packed import LABELS, POSITIONS, packed_rows, packed_sizes, split_packed
+from executor.packed import POSITIONS, as_rows, packed_sizes, split_packed
 from executor.spec import check_precision, check_stage_recompute
 
 __all__ = ["DEFAULT_PIPELINE_CHUNKS", "ExampleBatch", "example_batch", "traced", "recompute_asked",
@@ -196,17 +196,16 @@ def _first_piece(inputs: tuple[Any, ...], batched: Mapping[str, Any], chunks: in
     if chunks == 1 or not isinstance(positions, torch.Tensor) or positions.dim() != 2 \
             or positions.shape[0] != 1:
         return None
-    first = len(inputs) - len(batched)
-    names = list(batched)
     try:
-        sizes = packed_sizes(positions, chunks)
-        parts = split_packed(inputs, sizes) if packed else [tuple(
-            x[:1] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == chunks else x
-            for x in packed_rows(inputs, sizes, first + names.index(POSITIONS),
-                                 first + names.index(LABELS) if LABELS in names else None))]
+        if packed:
+            first = split_packed(inputs, packed_sizes(positions, chunks))[0]
+        else:
+            rows, _ = as_rows(inputs, list(batched), chunks)
+            first = tuple(x[:1] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == chunks else x
+                          for x in rows)
     except MicroBatchError as err:
         raise BuildError(str(err)) from None
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in parts[0])
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in first)
 
 
 def traced(model: nn.Module, batch: ExampleBatch, trace_kwargs: Mapping[str, Any]) -> LayerGraph:

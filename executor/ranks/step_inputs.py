@@ -24,7 +24,7 @@ from torch import Tensor
 
 from executor.errors import DistributedError, MicroBatchError
 from executor.model_loss import ModelLoss
-from executor.packed import LABELS, POSITIONS, check_separators, packed_rows, packed_sizes
+from executor.packed import POSITIONS, as_rows, check_separators, split_packed
 from executor.ranks.sized import microbatch_sizes_of
 
 if TYPE_CHECKING:
@@ -72,27 +72,15 @@ def _as_rows(pipe: DistributedPipeline, inputs: tuple[Any, ...], target: Any) ->
         raise DistributedError("a packed row is split with the model's own labels=, not target=: "
                                "pass the labels as a keyword input")
     at = sig.positional + sig.keywords.index(POSITIONS)
-    labels = sig.positional + sig.keywords.index(LABELS) if LABELS in sig.keywords else None
     length = (pipe._sized.example[at] or (0,))[-1]  # the example's rows' length: every step's
     try:
-        sizes = packed_sizes(inputs[at], pipe.chunks)
-        if max(sizes) > length:
-            raise MicroBatchError(
-                f"a micro-batch of the packed row holds {max(sizes)} tokens, more than the {length} of "
-                "the rows this pipeline was built for: build it with your longest packed batch as "
-                "example_kwargs, or use more chunks")
-        padded = packed_rows(inputs, sizes, at, labels, multiple=length)
+        padded, sizes = as_rows(inputs, sig.keywords, pipe.chunks, length)
         if isinstance(pipe._loss_fn, ModelLoss):
-            check_separators(pipe._loss_fn, inputs, [tuple(r) for r in zip(
-                *(x.split(1) if _is_rows(x, pipe.chunks) else [x] * pipe.chunks for x in padded), strict=True)])
+            check_separators(pipe._loss_fn, inputs, split_packed(inputs, sizes))
     except MicroBatchError as err:
         raise DistributedError(str(err)) from None
     pipe._packed = sizes
     return padded
-
-
-def _is_rows(x: Any, chunks: int) -> bool:
-    return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == chunks
 
 
 def schedule_for(pipe: DistributedPipeline, inputs: tuple[Any, ...], target: Any, *,
