@@ -46,6 +46,19 @@ def made_up(model: nn.Module, batch: dict[str, Tensor], chunks: int) -> autopipe
                                  plan=plan, graph=graph)
 
 
+def assert_the_plain_models(pipe: nn.Module, model: nn.Module, reference: nn.Module,
+                            batch: dict[str, Tensor]) -> None:
+    """The pipeline of ``model`` on ``batch``: the logits, loss and every gradient of
+    ``reference`` (a copy of it) called with use_cache=False, as the pipeline traced it."""
+    out, expected = pipe(**batch), reference(**batch, use_cache=False)
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss)
+    out.loss.backward()
+    expected.loss.backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 @pytest.mark.compat  # transformers 5.17's packed mask, on the GPU machine's versions
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
 def test_a_packed_row_equals_the_plain_model_and_its_length_may_change(make: Callable[[], nn.Module]) -> None:
@@ -58,13 +71,7 @@ def test_a_packed_row_equals_the_plain_model_and_its_length_may_change(make: Cal
     for batch in (first, packed([3, 11, 6, 2], seed=1)):  # 28 tokens, then 22: no new trace
         model.zero_grad()
         ref.zero_grad()
-        out, expected = pipe(**batch), ref(**batch, use_cache=False)
-        torch.testing.assert_close(out.logits, expected.logits)
-        torch.testing.assert_close(out.loss, expected.loss)
-        out.loss.backward()
-        expected.loss.backward()
-        for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
-            torch.testing.assert_close(q.grad, p.grad, msg=name)
+        assert_the_plain_models(pipe, model, ref, batch)
 
 
 def test_a_row_packed_without_separators_or_with_too_few_sequences_is_one_line() -> None:
@@ -196,10 +203,4 @@ def test_a_packed_row_on_two_cuda_stages_equals_the_plain_model_on_cuda() -> Non
     reference = copy.deepcopy(model).cuda()
     batch = {k: v.cuda() for k, v in packed([5, 7, 3, 9, 4]).items()}
     pipe = autopipe.pipeline(model, example_kwargs=batch, devices=["cuda", "cuda"], chunks=3)
-    out, expected = pipe(**batch), reference(**batch, use_cache=False)
-    torch.testing.assert_close(out.logits, expected.logits)
-    torch.testing.assert_close(out.loss, expected.loss)
-    out.loss.backward()
-    expected.loss.backward()
-    for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert_the_plain_models(pipe, model, reference, batch)

@@ -94,21 +94,13 @@ def test_plan_is_re_evaluated_for_the_devices_used(devices: list[str]) -> None:
            f"{plan.iteration_time:.3f} ms" in text
 
 
-def test_plan_for_the_devices_used_is_kept_as_is() -> None:
-    ex, graph, _, plan = _mlp_plan(devices=["cpu", "cpu"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan,
-                        graph=graph)
-    assert pipe.plan is plan
-
-
-def test_a_plan_for_the_same_sharing_under_other_names_is_kept() -> None:
-    # "cuda" in a plan and "cuda:0" at run time name one device, as "cpu:1" twice and "cpu" twice
+@pytest.mark.parametrize("planned", [["cpu", "cpu"], ["cpu:1", "cpu:1"]])
+def test_plan_for_the_devices_used_is_kept_as_is(planned: list[str]) -> None:
+    # "cpu:1" twice in a plan and "cpu" twice at run time name one device, as "cuda" and "cuda:0"
     # do: the stages share it either way, so the simulation is the same and no warning is due
     # (on an H200 every pipeline of benchmarks/executor_vs_prediction.py warned "pipe.plan is
     # re-evaluated for them, 27.714 ms per iteration instead of the plan's 27.714 ms")
-    ex, graph, _, plan = _mlp_plan(devices=["cpu:1", "cpu:1"])
+    ex, graph, _, plan = _mlp_plan(devices=planned)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe = pipeline(ex.model, ex.inputs, devices=["cpu", "cpu"], chunks=2, plan=plan,
