@@ -18,6 +18,7 @@ Sub-packages, one runtime each, and what they share:
     grad_norm       the gradient norm over devices, ranks and replicas, and clipping by it
     host_allocator  freed host memory kept in the process, as CUDA's allocator does
     activation_meter  the bytes autograd keeps for backward, per stage
+    memory_meter    every live tensor storage and its peak, as a GPU allocator reports it
     errors          one-line ValueError subclasses
     _torch_compat/  every private torch API, each checked before use (tensors, schedules, groups)
 

@@ -4,8 +4,9 @@
 .ci/compat's subset on 2.11 and 2.15), and private names change between releases without notice. So no module imports a private torch
 name directly: it imports it from here, where
 
-- ``torch.utils._pytree`` (tree_flatten & co.), ``torch.nn.modules.batchnorm._BatchNorm`` and
-  ``torch._subclasses.fake_tensor.FakeTensorMode`` are re-exported: they have kept their names
+- ``torch.utils._pytree`` (tree_flatten & co.), ``torch.nn.modules.batchnorm._BatchNorm``,
+  ``torch._subclasses.fake_tensor.FakeTensorMode`` and ``torch.utils._python_dispatch.TorchDispatchMode``
+  (executor/memory_meter.py's base) are re-exported: they have kept their names
   and signatures since torch 2.0 and are what torch's own public wrappers use; an ImportError
   here names this module, not a deep frame of the tracer or the runtime;
 - the receive-ahead GPipe schedule ([Note: receive ahead] in executor/ranks/prefetch.py) overrides
@@ -97,6 +98,7 @@ from executor._torch_compat.stages import ASKS_EVERY_BUFFER, CompatStage
 from executor._torch_compat.tensors import (
     BatchNormBase,
     FakeTensorMode,
+    TorchDispatchMode,
     TreeSpec,
     fake_dispatch_cache_off,
     symbol_source,
@@ -107,7 +109,7 @@ from executor._torch_compat.tensors import (
 )
 
 __all__ = [
-    "BatchNormBase", "FakeTensorMode", "TreeSpec", "tree_flatten", "tree_leaves", "tree_map_only",
+    "BatchNormBase", "FakeTensorMode", "TorchDispatchMode", "TreeSpec", "tree_flatten", "tree_leaves", "tree_map_only",
     "tree_unflatten", "symbol_source", "fake_dispatch_cache_off",
     "PREFETCH_APIS", "PREFETCH_SIGNATURES", "PREFETCH_SIGNATURES_2_11", "prefetch_support",
     "prefetch_api", "initialize_stage", "maybe_compute_loss", "release_fwd_send", "warn_no_prefetch",

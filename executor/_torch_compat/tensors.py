@@ -1,4 +1,5 @@
-"""Private torch names for tensors and tracing: pytree, FakeTensorMode, _BatchNorm, symbolic sizes.
+"""Private torch names for tensors and tracing: pytree, FakeTensorMode, TorchDispatchMode, _BatchNorm,
+symbolic sizes.
 
 One part of executor._torch_compat: see [Note: private torch API] in its __init__.py.
 """
@@ -10,6 +11,7 @@ from typing import Any
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import (
     TreeSpec,
     tree_flatten,
@@ -18,7 +20,7 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-__all__ = ["BatchNormBase", "FakeTensorMode", "TreeSpec", "tree_flatten", "tree_leaves", "tree_map_only", "tree_unflatten", "symbol_source", "fake_dispatch_cache_off"]
+__all__ = ["BatchNormBase", "FakeTensorMode", "TorchDispatchMode", "TreeSpec", "tree_flatten", "tree_leaves", "tree_map_only", "tree_unflatten", "symbol_source", "fake_dispatch_cache_off"]
 
 BatchNormBase = _BatchNorm
 
