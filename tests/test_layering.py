@@ -107,9 +107,10 @@ def test_building_stages_needs_no_measurement_and_no_runtime() -> None:
 def test_profiling_measures_the_runtime_it_predicts() -> None:
     """Profiling times the runtime's own machinery ([Note: measured overheads], [Note: measured
     transfer]): exactly these runtime modules, and no other (executor.precision: the stages'
-    own autocast, [Note: profiling under a precision])."""
+    own autocast, [Note: profiling under a precision]; executor.memory_meter: the loss's bytes,
+    [Note: the loss's memory])."""
     measured = ("executor.local.gpipe", "executor.ranks.distributed", "executor.ranks.rank_cores",
-                "executor.host_allocator", "executor.precision")
+                "executor.host_allocator", "executor.precision", "executor.memory_meter")
     assert _violations("autopipe/frontend/profiling", ("executor",),
                        allowed=(*RUNTIME_SHARED, *measured)) == []
 

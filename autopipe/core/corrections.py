@@ -134,20 +134,35 @@ class InSequence:
 
 @dataclass(frozen=True)
 class LossCost:
-    """The loss's forward and backward ms on one micro-batch of ``micro_batch_size`` rows."""
+    """The loss's forward and backward ms on one micro-batch of ``micro_batch_size`` rows, and
+    its bytes there ([Note: the loss's memory] in autopipe/core/cost.py): ``held_bytes``, what
+    its forward keeps until its backward (cross-entropy's log-softmax); ``peak_bytes``, the most
+    it has alive at once, its backward's gradients included. Profiles saved before the bytes
+    were counted read them as 0."""
 
     fwd_ms: float
     bwd_ms: float
     micro_batch_size: int
+    held_bytes: int = 0
+    peak_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def scaled(self, rows: int) -> LossCost:
+        """At a micro-batch of ``rows`` rows: every figure grows with the rows."""
+        scale = rows / self.micro_batch_size if self.micro_batch_size > 0 else 1.0
+        return LossCost(self.fwd_ms * scale, self.bwd_ms * scale, rows, round(self.held_bytes * scale),
+                        round(self.peak_bytes * scale))
+
     @classmethod
     def from_json(cls, data: Any, key: str) -> LossCost:
-        d = _fields(data, key, ("fwd_ms", "bwd_ms", "micro_batch_size"))
+        names = ("fwd_ms", "bwd_ms", "micro_batch_size")
+        counted = ("held_bytes", "peak_bytes")  # absent in profiles saved before they were counted
+        d = _fields(data, key, names + tuple(c for c in counted if isinstance(data, Mapping) and c in data))
         return cls(_number(d["fwd_ms"], f"{key}.fwd_ms"), _number(d["bwd_ms"], f"{key}.bwd_ms"),
-                   int(_number(d["micro_batch_size"], f"{key}.micro_batch_size")))
+                   int(_number(d["micro_batch_size"], f"{key}.micro_batch_size")),
+                   *(int(_number(d.get(c, 0), f"{key}.{c}")) for c in counted))
 
 
 @dataclass(frozen=True)
@@ -243,8 +258,7 @@ class Corrections:
         ([Note: micro-batch scaling] in autopipe/core/scaling.py)."""
         if self.loss is None or rows == base or base <= 0:
             return self
-        scale = rows / base
-        return dataclasses.replace(self, loss=LossCost(self.loss.fwd_ms * scale, self.loss.bwd_ms * scale, rows))
+        return dataclasses.replace(self, loss=dataclasses.replace(self.loss, micro_batch_size=base).scaled(rows))
 
     # --- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

@@ -72,10 +72,28 @@ stage that recomputes any micro-batch, on top of its state (an upper bound: para
 never casts, a LayerNorm's, an embedding's, count too). Under ``never`` the cached copies are the
 saved ones, already counted. A profile without ``meta["precision"]`` is fp32: no cache.
 
+[Note: the loss's memory] The last stage holds more than its layers' saves: from a micro-batch's
+forward to its backward, the runtime keeps the model's output (torch.distributed.pipelining's
+stage for the backward it starts; executor.GPipe gathers every micro-batch's for the caller's
+loss), and the loss keeps what it saved (cross-entropy's log-softmax, the size of the logits);
+while the loss back-propagates, its gradients are alive besides. The profile counts the output
+(the ``output_bytes`` of the layers nothing reads) and the loss's bytes on one micro-batch
+(``LossCost.held_bytes`` / ``peak_bytes``, counted as live storage:
+autopipe/frontend/profiling/corrections/loss_timing.py). ``LayerCosts.loss_kept`` is charged
+once per micro-batch the stage holds (``stage_memory.loss_bytes``); the gradients
+(``loss_grads``) once on ranks, where each micro-batch's loss runs alone, and ``chunks`` times in
+one process, where the caller's loss runs once over the whole gathered batch
+(``loss_grad_bytes``). A model that computes its own loss has it among its layers: only its
+output is added. ``StageCost.loss_bytes`` is the sum, kept apart from ``activation_bytes`` (what
+executor.ActivationMeter counts) and inside ``memory_bytes``; measured against live tensor
+bytes in docs/benchmarks.md ("Whole-step memory").
+
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
 member (the executor shares or replicates them); ``ties="colocate"`` forces the whole group onto
-one stage.
+one stage. In one process (executor.GPipe) stages on the same device share one tensor: the
+group is charged to the first of them only; ranks are processes of their own, each holding its
+copy whatever their devices are called.
 """
 
 from __future__ import annotations
@@ -101,6 +119,7 @@ from autopipe.core.stage_memory import (
     activation_bytes,
     activation_peak,
     activation_terms,
+    loss_bytes,
     stage_terms,
     weight_held_bytes,
 )
@@ -123,6 +142,8 @@ __all__ = [
     "activation_terms",
     "activation_bytes",
     "activation_peak",
+    "loss_bytes",
+    "loss_grad_bytes",
     "stage_terms",
     "weight_held_bytes",
     "split_backward_ms",
@@ -223,6 +244,12 @@ def split_backward_ms(bwd_ms: float, bwd_input_ms: float, call_bwd_ms: float,
     return bwd_input_ms + call_bwd_ms / 2, weight + call_bwd_ms / 2
 
 
+def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:
+    """The loss's backward's gradients on the last stage ([Note: the loss's memory]): one
+    micro-batch's on ranks, the whole batch's in one process."""
+    return costs.loss_grads * (chunks if costs.runtime == "gpipe" else 1)
+
+
 def check_split(costs: LayerCosts, schedule: str) -> None:
     """PartitionError in one line when ``schedule`` splits each backward and the profile has no
     split of it ([Note: split backward time])."""
@@ -306,8 +333,10 @@ def stage_costs(
                                    costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
         bwd = float(costs.bwd[mask].sum()) / dev.speed + alone
         params = int(costs.params[mask].sum())
-        for members, nbytes in costs.tie_groups:
-            if mask[list(members)].any():
+        for members, nbytes in costs.tie_groups:  # [Note: tied parameters]
+            shared = costs.runtime == "gpipe" and any(  # held by an earlier stage on this device
+                devices[t].name == dev.name and (stage[list(members)] == t).any() for t in range(s))
+            if mask[list(members)].any() and not shared:
                 params += nbytes
         saved = int(costs.saved[mask].sum()) - sum(segment_freed(costs, r) for r in mine) + (
             int(resaved[s - 1]) if s > 0 else 0)
@@ -316,11 +345,15 @@ def stage_costs(
         input_saved = min(int(costs.saved_input[first]), cut_in, saved) if s > 0 and first > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
         bwd_input, bwd_weight, held = None, None, 0
+        loss = 0
         if costs.bwd_input is not None and costs.weight_grad is not None and split:
             bwd_input, bwd_weight = split_parts(float(costs.bwd_input[mask].sum()) / dev.speed, bwd, costs.split_ratio,
                                                 first=s == 0, whole=bool(mine))
             held = 0 if mine else int(weight_held_bytes(int(costs.weight_grad[mask].sum()), cut_out, s == 0,
                                                         s == k - 1))
+        if s == k - 1:  # [Note: the loss's memory]
+            loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, costs.loss_kept,
+                                  loss_grad_bytes(costs, m)))
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -347,5 +380,6 @@ def stage_costs(
             weight_held_bytes=held,
             input_saved_bytes=input_saved,
             bwd_weight_ms=bwd_weight,
+            loss_bytes=loss,
         ))
     return result

@@ -73,6 +73,11 @@ class LayerCosts:
     # what the two halves of a split backward take over the whole (the profile's
     # ``meta["bwd_split_ratio"]``; 1 where it did not measure it)
     split_ratio: float = 1.0
+    # [Note: the loss's memory] in cost.py: per micro-batch, what the last stage keeps from its
+    # forward to its backward besides its layers' saves (the model's output, the loss's saves),
+    # and what the loss's backward has alive on top of that
+    loss_kept: int = 0
+    loss_grads: int = 0
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -122,6 +127,7 @@ class LayerCosts:
         resaved = np.array([min(int(value[u]), max((int(shared[v]) for v in savers[u]), default=0))
                             for u in range(n)], dtype=np.int64)
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
+        outputs = int(sum(int(b) for b, users in zip(df["output_bytes"], consumers, strict=True) if not users))
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
             bwd[-1] += 0.0 if c.loss is None else c.loss.fwd_ms + c.loss.bwd_ms
         # [Note: ranks sharing a host] (autopipe/frontend/profiling/spawned/rank_contention.py): ranks on one
@@ -165,6 +171,8 @@ class LayerCosts:
             bwd_input=None if bwd_input is None else bwd_input * beside,
             weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
             split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
+            loss_kept=outputs + (0 if c.loss is None else c.loss.held_bytes),
+            loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
         )
 
     def __len__(self) -> int:

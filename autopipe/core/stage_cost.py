@@ -45,6 +45,9 @@ class StageCost:
     # of input_bytes, what the stage's first layer saves: held once by a recomputed micro-batch
     # ([Note: an input kept once] in stage_memory.py); 0 in plans saved before it
     input_saved_bytes: int = 0
+    # what the model's output and its loss add to the last stage's peak (0 elsewhere, and in
+    # plans saved before it): [Note: the loss's memory] in cost.py
+    loss_bytes: int = 0
 
     @property
     def backward_ms(self) -> float:
@@ -63,4 +66,4 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.activation_bytes
+        return self.param_bytes + self.activation_bytes + self.loss_bytes

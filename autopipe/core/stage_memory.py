@@ -48,7 +48,7 @@ import numpy as np
 from autopipe.core.schedules import Op, rank_order, stage_order
 from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
 
-__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "stage_terms",
+__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "loss_bytes", "stage_terms",
            "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
@@ -148,6 +148,16 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
         else:
             out = np.maximum(out, value)
     return out
+
+
+def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount, input_saved: Amount,
+               kept: Amount, grads: Amount) -> Amount:
+    """What the model's output and its loss add to the last stage's peak activations ([Note: the
+    loss's memory] in cost.py): ``kept`` bytes per micro-batch in flight, the micro-batches a
+    term holds (``a + b - d``: a recomputed one is counted in a and b and once in d), and the
+    loss's backward's ``grads`` on top."""
+    with_loss = activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept)
+    return with_loss - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved) + grads
 
 
 def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],

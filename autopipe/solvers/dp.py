@@ -27,6 +27,8 @@ from autopipe.core.cost import (
     activation_bytes,
     cast_cache_bytes,
     layer_work,
+    loss_bytes,
+    loss_grad_bytes,
     schedule_ranks,
     stage_fixed_ms,
     stage_terms,
@@ -93,6 +95,7 @@ class RangeCosts:
         self.rec_n, self.m = rec_n, m
         self.precision = costs.precision  # [Note: mixed precision memory]
         self.ties = costs.tie_groups
+        self.loss = (costs.loss_kept, loss_grad_bytes(costs, m))  # [Note: the loss's memory]
         self.rows = np.arange(n + 1)
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
@@ -132,6 +135,11 @@ class RangeCosts:
                            + cast_cache_bytes(params, self.precision, self.rec_n)
                            + activation_bytes(self.cut[:, None], saved, self.terms, held,
                                               np.minimum(self.input_saved[:, None], saved)))
+        if j1 > self.n and any(self.loss):  # the column j = n, the last stage: [Note: the loss's memory]
+            col = self.n - j0
+            last_held = held[:, col] if isinstance(held, np.ndarray) else held
+            out[:, col] += loss_bytes(self.cut, saved[:, col], self.terms, last_held,
+                                      np.minimum(self.input_saved, saved[:, col]), *self.loss)
         return out
 
 

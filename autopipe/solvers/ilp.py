@@ -38,6 +38,8 @@ from autopipe.core.cost import (
     activation_bytes,
     cast_cache_bytes,
     layer_work,
+    loss_bytes,
+    loss_grad_bytes,
     lower_bound,
     schedule_ranks,
     stage_costs,
@@ -184,9 +186,10 @@ def _solve(
             held = 0 if grads is None else weight_held_bytes(  # [Note: split backward time] in cost.py
                 total(grads, s), crossing(s), s == 0, s == k - 1)
             for term in terms[s]:  # the peak is the largest term: each must fit
-                prob += state + activation_bytes(
+                loss = loss_bytes(0, 0, (term,), 0, 0, costs.loss_kept, loss_grad_bytes(costs, m)) if s == k - 1 else 0
+                prob += state + activation_bytes(  # [Note: the loss's memory]: a constant on the last stage
                     crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
-                    held) <= dev.memory
+                    held) + int(loss) <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

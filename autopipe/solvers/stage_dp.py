@@ -35,6 +35,8 @@ from autopipe.core.cost import (
     activation_bytes,
     cast_cache_bytes,
     layer_work,
+    loss_bytes,
+    loss_grad_bytes,
     schedule_ranks,
     stage_fixed_ms,
     stage_terms,
@@ -83,6 +85,7 @@ class StageBlocks:
         self.input_saved = costs.input_saved_cut().astype(np.float64)  # [Note: an input kept once]
         self.ties = costs.tie_groups
         self.precision = costs.precision  # [Note: mixed precision memory]
+        self.loss = (costs.loss_kept, loss_grad_bytes(costs, options.chunks))  # [Note: the loss's memory]
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
             for members, _ in costs.tie_groups:
@@ -167,6 +170,11 @@ class StageBlocks:
             *ends)) if split else 0
         out: FloatArray = activation_bytes(self.cut[:j1, None], saved, terms, held,  # a new array
                                            np.minimum(self.input_saved[:j1, None], saved))
+        if j1 > self.n and any(self.loss):  # the column j = n, the last stage: [Note: the loss's memory]
+            col = self.n - j0
+            last_held = held[:, col] if isinstance(held, np.ndarray) else held
+            out[:, col] += loss_bytes(self.cut[:j1], saved[:, col], terms, last_held,
+                                      np.minimum(self.input_saved[:j1], saved[:, col]), *self.loss)
         out += self.state(j0, j1)
         if self.precision != "fp32" and recomputed:
             out += cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed)

@@ -26,7 +26,7 @@ BOTH = Corrections(
     stage_calls={"gpipe": {"gpipe": Phases(0.05, 0.07)},
                  "distributed": {"gpipe": Phases(0.2, 0.3), "1f1b": Phases(0.5, 0.7)}},
     recompute_call_ms=0.1, recompute_ratio=1.2, sequence=InSequence(1.1, 0.9, 40),
-    loss=LossCost(0.25, 0.5, 4), transfer=Transfer(0.07, math.inf, 0.9), rank_compute_slowdown=1.25)
+    loss=LossCost(0.25, 0.5, 4, 4096, 12296), transfer=Transfer(0.07, math.inf, 0.9), rank_compute_slowdown=1.25)
 COMM_META = {"stage_call_fwd_ms": 0.2, "stage_call_bwd_ms": 0.3, "stage_call_of": "DistributedPipeline",
              "gpipe_call_fwd_ms": 0.05, "gpipe_call_bwd_ms": 0.07, "stage_call_1f1b_fwd_ms": 0.5,
              "stage_call_1f1b_bwd_ms": 0.7, "comm_latency_ms": 0.07, "comm_bandwidth": 3e9,
@@ -44,6 +44,16 @@ def test_corrections_survive_json_and_a_saved_profile(tmp_path: Path) -> None:
     _chain(BOTH).save(tmp_path / "p")
     again = Profile.load(tmp_path / "p")
     assert again.corrections == BOTH and not any(k.startswith("stage_call") for k in again.meta)
+
+
+def test_a_loss_saved_before_its_bytes_were_counted_loads_with_none() -> None:
+    data = BOTH.to_json()
+    loss = data["loss"]
+    del loss["held_bytes"], loss["peak_bytes"]
+    assert Corrections.from_json(data).loss == LossCost(0.25, 0.5, 4, 0, 0)
+    loss["held_bytes"] = -1
+    with pytest.raises(ProfileError, match=r"^corrections.loss.held_bytes must be a finite number >= 0"):
+        Corrections.from_json(data)
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -145,5 +155,5 @@ def test_corrections_and_flat_keys_together_are_refused() -> None:
 
 def test_the_loss_scales_with_the_rows() -> None:
     half = profile_at(_chain(BOTH), 2)
-    assert half.corrections.loss == LossCost(0.125, 0.25, 2)
+    assert half.corrections.loss == LossCost(0.125, 0.25, 2, 2048, 6148)  # bytes too
     assert half.corrections.stage_calls == BOTH.stage_calls

@@ -76,7 +76,10 @@ def test_stage_costs_hand_computed() -> None:
     assert s1.transfer_ms == pytest.approx(400 * 1000 / 1e6)  # sends their gradients back
     assert s1.fwd_ms == 3.0 and s1.bwd_ms == 6.0  # (2 + 4) / speed 2
     assert s0.param_bytes == 40 * 4 and s0.activation_bytes == 4 * 4000
-    assert s1.memory_bytes == 60 * 4 + 4 * 6000
+    # the last stage keeps the model's output (d's 400 bytes) for each of the 4 micro-batches in
+    # flight ([Note: the loss's memory]); no loss was profiled
+    assert s0.loss_bytes == 0 and s1.loss_bytes == 4 * 400
+    assert s1.memory_bytes == 60 * 4 + 4 * 6000 + 4 * 400
 
 
 @pytest.mark.parametrize(
@@ -101,6 +104,17 @@ def test_tied_bytes_charged_to_every_holder() -> None:
     assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
     (single,) = stage_costs(lc, [0, 0, 0, 0], devs[:1], opts)
     assert single.param_bytes == 50 + 20 + 30
+
+
+def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process() -> None:
+    df = _diamond().df.assign(tie_group=["w", "", "", "w"], param_bytes=[50, 20, 30, 50])
+    prof = Profile.from_frame(df, edges=_diamond().edges)
+    one_cpu = [DeviceSpec("cpu"), DeviceSpec("cpu")]
+    s0, s1 = stage_costs(LayerCosts.from_profile(prof), [0, 0, 1, 1], one_cpu, CostOptions(optimizer="none"))
+    assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30)  # executor.GPipe: one tensor on the one CPU
+    ranks = LayerCosts.from_profile(prof, runtime="distributed")  # each rank its own copy
+    s0, s1 = stage_costs(ranks, [0, 0, 1, 1], one_cpu, CostOptions(optimizer="none"))
+    assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
 
 
 @pytest.mark.parametrize(("mode", "recomputed"), [("never", 0), ("except_last", 5), ("always", 6)])

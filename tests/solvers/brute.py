@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 
 import numpy as np
 
+from autopipe.core.corrections import LossCost, Transfer
 from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
 from autopipe.core.cost_options import CostOptions
+from autopipe.solvers.synthetic import random_chain
 
 
 def best_dag_bottleneck(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
@@ -25,3 +29,26 @@ def best_dag_bottleneck(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOpt
         if all(d.memory is None or c.memory_bytes <= d.memory for c, d in zip(costs, devices, strict=True)):
             best = min(best, max(c.time_ms for c in costs))
     return float(best)
+
+
+def with_loss(seed: int, n: int) -> tuple[LayerCosts, LayerCosts]:
+    """A random chain whose loss holds (and whose backward has alive) several of its largest
+    layer's saves, on ranks for odd seeds, in one process for even; and the same without the
+    loss's bytes ([Note: the loss's memory])."""
+    prof = random_chain(n, seed)
+    big = int(prof.df["saved_bytes"].max())
+    transfer = Transfer(0.01, math.inf, 0.5) if seed % 2 else None  # measured: the ranks' runtime
+    loss = LossCost(0.5, 1.0, 1, held_bytes=3 * big, peak_bytes=5 * big)
+    with_loss = dataclasses.replace(prof, corrections=dataclasses.replace(prof.corrections, loss=loss,
+                                                                          transfer=transfer))
+    without = dataclasses.replace(with_loss, corrections=dataclasses.replace(
+        with_loss.corrections, loss=dataclasses.replace(loss, held_bytes=0, peak_bytes=0)))
+    return LayerCosts.from_profile(with_loss), LayerCosts.from_profile(without)
+
+
+def least_memory(lc: LayerCosts, k: int, opts: CostOptions) -> int:
+    """The smallest largest stage memory over every contiguous split into ``k`` stages."""
+    n = len(lc)
+    return min(max(c.memory_bytes for c in stage_costs(lc, [s for s in range(k) for _ in range(b[s], b[s + 1])],
+                                                        [DeviceSpec(str(s)) for s in range(k)], opts))
+               for cuts in itertools.combinations(range(1, n), k - 1) for b in [(0, *cuts, n)])

@@ -13,6 +13,7 @@ from autopipe.errors import PartitionError
 from autopipe.solvers import stage_dp
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
+from tests.solvers.brute import least_memory, with_loss
 
 
 def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
@@ -149,8 +150,10 @@ def test_memory_message_offers_recomputation_when_it_fits() -> None:
     with pytest.raises(PartitionError, match=r"; 4 stages fit with recompute='except_last' \(--stages 4 "
                        r"--recompute except_last / stages=4, recompute='except_last'\)$"):
         solve_dp(lc, tiny, CostOptions(recompute="never", chunks=8))
+    # the least: one layer's 4 + 7 + 64 MiB, and on the last stage the model's 1 MiB output for each of
+    # the 8 micro-batches in flight ([Note: the loss's memory])
     with pytest.raises(PartitionError, match=r"; no number of stages fits: the least memory any split needs "
-                       r"is 75.0 MiB; raise the limit to that \(--memory / memory_limit=\)$"):
+                       r"is 83.0 MiB; raise the limit to that \(--memory / memory_limit=\)$"):
         solve_dp(lc, [DeviceSpec(str(s), 70 << 20) for s in range(2)], CostOptions(recompute="except_last", chunks=8))
     with pytest.raises(PartitionError, match=r"exceeds some device's limit by at least .* and these 2 devices; "
                        r"give them more memory or use recompute='except_last'$"):
@@ -220,3 +223,21 @@ def test_dp_matches_brute_force_when_skips_are_saved_on_both_sides(seed: int) ->
     free = [DeviceSpec(f"d{s}") for s in range(3)]
     total = stage_costs(lc, [0] * len(lc), free[:1], opts)[0].memory_bytes
     _check(lc, [DeviceSpec(f"d{s}", int(total * rng.uniform(0.4, 0.7))) for s in range(3)], opts)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dp_matches_brute_force_where_the_loss_binds_the_last_stage(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(4, 8)), int(rng.integers(2, 4))
+    lc, without = with_loss(seed, n)
+    assert lc.runtime == ("distributed" if seed % 2 else "gpipe")
+    assert lc.loss_kept - without.loss_kept == 3 * int(random_chain(n, seed).df["saved_bytes"].max())
+    opts = CostOptions(chunks=int(rng.integers(2, 6)), recompute=["always", "except_last", "never"][seed % 3])
+    limit = int(least_memory(lc, k, opts) * rng.uniform(1.0, 1.2))  # fits, and binds
+    devices = [DeviceSpec(f"d{s}", limit) for s in range(k)]
+    _check(lc, devices, opts)
+    # planned blind to the loss's bytes, the last stage is given more than fits
+    if least_memory(without, k, opts) <= limit:
+        blind = solve_dp(without, devices, opts).assignment
+        assert stage_costs(lc, blind, devices, opts)[-1].memory_bytes > limit or blind == solve_dp(
+            lc, devices, opts).assignment

@@ -20,7 +20,7 @@ from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import ILPResult, solve_ilp
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain, transformer_dag
-from tests.solvers.brute import best_dag_bottleneck
+from tests.solvers.brute import best_dag_bottleneck, least_memory, with_loss
 from tests.solvers.cbc_limits import record_cbc_limits
 
 
@@ -263,3 +263,15 @@ def test_partition_refuses_a_progress_that_is_not_a_bool() -> None:
     with pytest.raises(PartitionError, match="progress must be True, False or None") as info:
         partition(transformer_dag(2), stages=3, progress="yes")  # type: ignore[arg-type]
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_ilp_equals_dp_where_the_loss_binds_the_last_stage(seed: int) -> None:
+    lc, _ = with_loss(seed, 7)  # [Note: the loss's memory], on ranks for odd seeds
+    opts = CostOptions(chunks=3, recompute="never", bandwidth=1e9)
+    limit = int(least_memory(lc, 3, opts) * 1.1)
+    devices = [DeviceSpec(s, limit) for s in "abc"]
+    dp = solve_dp(lc, devices, opts)
+    ilp = solve_ilp(lc, devices, opts, time_limit=20)
+    assert ilp.objective == pytest.approx(dp.bottleneck, rel=1e-6)
+    assert all(c.memory_bytes <= limit for c in stage_costs(lc, ilp.assignment, devices, opts))

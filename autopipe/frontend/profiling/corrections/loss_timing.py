@@ -13,7 +13,8 @@ profile's rows, on the profiled device; the output detached as a leaf, so only t
 into ``corrections.loss`` (autopipe/core/corrections.py). The cost model adds both to the LAST
 layer's backward (autopipe/core/layer_costs.py): the last stage always holds the last layer, and
 a backward is never recomputed, so every solver, the Plan and the simulator charge it once per
-micro-batch to the last stage. At another micro-batch size it scales with the rows
+micro-batch to the last stage; what the loss holds in memory is counted beside its time
+(``loss_bytes``, [Note: the loss's memory] in autopipe/core/cost.py). At another micro-batch size it scales with the rows
 ([Note: micro-batch scaling] in autopipe/core/scaling.py). A model on the meta device, or one
 profiled layer by layer (which may not fit the device whole), is never run whole ([Note: layer
 by layer]): its profile keeps no loss time.
@@ -38,11 +39,12 @@ from autopipe.frontend.profiling.harness.preserve import preserved
 from autopipe.frontend.profiling.harness.timing import Timer, median, timer_for
 from autopipe.frontend.profiling.harness.under_autocast import autocast_call
 from executor._torch_compat import tree_map_only
+from executor.memory_meter import MemoryMeter
 
 if TYPE_CHECKING:
     from autopipe.core.profile_table import Profile
 
-__all__ = ["LOSS_REPEATS", "loss_ms", "with_loss"]
+__all__ = ["LOSS_REPEATS", "loss_bytes", "loss_ms", "with_loss"]
 
 LOSS_REPEATS = 10
 LOSS_WARMUP = 2
@@ -77,6 +79,22 @@ def loss_ms(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any], timer:
     return median(fwd), median(bwd)
 
 
+def loss_bytes(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any]) -> tuple[int, int]:
+    """(held, peak) bytes of ``loss_fn(output, target)`` and its backward on a fresh leaf of the
+    output, counted as live tensor storage ([Note: counting live bytes] in
+    executor/memory_meter.py): what the forward keeps for the backward, and the most alive at
+    once; the output itself is the caller's, counted by neither ([Note: the loss's memory] in
+    autopipe/core/cost.py)."""
+    out = tree_map_only(torch.Tensor, _leaf, output)
+    meter = MemoryMeter()
+    with meter:
+        loss = loss_fn(out, target)
+        held = meter.live
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+    return held, meter.peak
+
+
 def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: Any,
               loss_fn: Callable[[Any, Any], Any] | None, device: str | torch.device | None = None) -> Profile:
     """``profile`` with the loss's time per micro-batch in its corrections ([Note: the loss in
@@ -106,7 +124,9 @@ def with_loss(profile: Profile, model: nn.Module, example_inputs: Any, target: A
         with torch.no_grad():
             output = autocast_call(model, precision, dev)(*to_device(inputs, dev))
         on_device = to_device(targets, dev)
-        fwd, bwd = loss_ms(output, on_device if isinstance(target, tuple) else on_device[0],
-                           autocast_call(loss_fn, precision, dev), timer_for(dev))
-    loss = LossCost(round(fwd, 6), round(bwd, 6), micro)
+        target_value = on_device if isinstance(target, tuple) else on_device[0]
+        call = autocast_call(loss_fn, precision, dev)
+        fwd, bwd = loss_ms(output, target_value, call, timer_for(dev))
+        held, peak = loss_bytes(output, target_value, call)
+    loss = LossCost(round(fwd, 6), round(bwd, 6), micro, held, peak)
     return dataclasses.replace(profile, corrections=dataclasses.replace(profile.corrections, loss=loss))

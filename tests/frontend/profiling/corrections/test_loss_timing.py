@@ -40,6 +40,19 @@ def test_the_loss_is_timed_on_one_micro_batch_and_the_model_left_as_it_was() -> 
         torch.testing.assert_close(v, before[k])
 
 
+def test_the_loss_s_bytes_are_what_cross_entropy_keeps_and_has_alive() -> None:
+    model, x, target, prof = _chain()
+    loss = with_loss(prof, model, (x,), target, F.cross_entropy).corrections.loss
+    assert loss is not None
+    logits = 8 * 4 * 4  # one micro-batch's: 8 rows x 4 classes x fp32
+    # the forward keeps its log-softmax (and the loss and nll's total weight, 4 bytes each); its
+    # backward has alive besides the gradient of the log-softmax and that of the logits
+    assert (loss.held_bytes, loss.peak_bytes) == (logits + 8, 3 * logits + 8)
+    twice = profile_at(dataclasses.replace(prof, corrections=dataclasses.replace(prof.corrections, loss=loss)),
+                       16).corrections.loss
+    assert twice is not None and (twice.held_bytes, twice.peak_bytes) == (2 * (logits + 8), 2 * (3 * logits + 8))
+
+
 def test_the_last_layer_and_so_the_last_stage_pays_it() -> None:
     base = random_chain(6, 2)
     prof = Profile(base.df, base.edges, {**base.meta, "loss_fwd_ms": 0.25, "loss_bwd_ms": 0.5})
