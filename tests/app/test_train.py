@@ -91,9 +91,10 @@ def test_cli_train_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_train_clips_with_the_pipelines_norm(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "mlp", "--stages", "2", "--chunks", "2", "--batch-size", "4", "--steps", "2",
-                 "--clip-grad", "1e-3"]) == 0
-    norms = [float(v) for v in re.findall(r"^step \d/2  loss \S+  grad norm (\S+)  ", capsys.readouterr().out,
-                                          flags=re.M)]
+                 "--clip-grad", "1e-3", "--recompute", "never"]) == 0
+    out = capsys.readouterr().out
+    norms = [float(v) for v in re.findall(r"^step \d/2  loss \S+  grad norm (\S+)  ", out, flags=re.M)]
+    assert "2 stages on cpu, cpu (recompute=never, " in out  # the word of the library and the plan
     assert len(norms) == 2 and all(v > 1e-3 for v in norms)  # each step's norm, then clipped
     report = train_example("mlp", stages=2, chunks=2, batch_size=4, steps=1, clip_grad=1e-3, log=None)
     assert report is not None and len(report.grad_norms) == 1
