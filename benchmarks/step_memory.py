@@ -5,7 +5,7 @@
 
 A tied language model (benchmarks/precision.py's: autopipe.examples.TinyGPT, whose head is its
 token embedding) is profiled once with its loss (so the profile holds the loss's bytes: [Note:
-the loss's memory] in autopipe/core/cost.py), planned into 2 stages for each runtime and
+the loss's memory] in autopipe/core/stage_memory.py), planned into 2 stages for each runtime and
 schedule, and trained: one AdamW step to warm up (the optimizer's state appears), then one step
 measured. The measured figure is the most live tensor storage at once over that step, forward,
 loss, backward and ``optimizer.step()`` (executor.MemoryMeter: [Note: counting live bytes]),

@@ -135,7 +135,7 @@ class InSequence:
 @dataclass(frozen=True)
 class LossCost:
     """The loss's forward and backward ms on one micro-batch of ``micro_batch_size`` rows, and
-    its bytes there ([Note: the loss's memory] in autopipe/core/cost.py): ``held_bytes``, what
+    its bytes there ([Note: the loss's memory] in autopipe/core/stage_memory.py): ``held_bytes``, what
     its forward keeps until its backward (cross-entropy's log-softmax); ``peak_bytes``, the most
     it has alive at once, its backward's gradients included. Profiles saved before the bytes
     were counted read them as 0."""

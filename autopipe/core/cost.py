@@ -72,21 +72,8 @@ stage that recomputes any micro-batch, on top of its state (an upper bound: para
 never casts, a LayerNorm's, an embedding's, count too). Under ``never`` the cached copies are the
 saved ones, already counted. A profile without ``meta["precision"]`` is fp32: no cache.
 
-[Note: the loss's memory] The last stage holds more than its layers' saves: from a micro-batch's
-forward to its backward, the runtime keeps the model's output (torch.distributed.pipelining's
-stage for the backward it starts; executor.GPipe gathers every micro-batch's for the caller's
-loss), and the loss keeps what it saved (cross-entropy's log-softmax, the size of the logits);
-while the loss back-propagates, its gradients are alive besides. The profile counts the output
-(the ``output_bytes`` of the layers nothing reads) and the loss's bytes on one micro-batch
-(``LossCost.held_bytes`` / ``peak_bytes``, counted as live storage:
-autopipe/frontend/profiling/corrections/loss_timing.py). ``LayerCosts.loss_kept`` is charged
-once per micro-batch the stage holds (``stage_memory.loss_bytes``); the gradients
-(``loss_grads``) once on ranks, where each micro-batch's loss runs alone, and ``chunks`` times in
-one process, where the caller's loss runs once over the whole gathered batch
-(``loss_grad_bytes``). A model that computes its own loss has it among its layers: only its
-output is added. ``StageCost.loss_bytes`` is the sum, kept apart from ``activation_bytes`` (what
-executor.ActivationMeter counts) and inside ``memory_bytes``; measured against live tensor
-bytes in docs/benchmarks.md ("Whole-step memory").
+[Note: the loss's memory] and [Note: the optimizer step's memory] are in
+autopipe/core/stage_memory.py.
 
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
@@ -120,7 +107,9 @@ from autopipe.core.stage_memory import (
     activation_peak,
     activation_terms,
     loss_bytes,
+    loss_grad_bytes,
     stage_terms,
+    step_bytes,
     weight_held_bytes,
 )
 from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms
@@ -144,6 +133,7 @@ __all__ = [
     "activation_peak",
     "loss_bytes",
     "loss_grad_bytes",
+    "step_bytes",
     "stage_terms",
     "weight_held_bytes",
     "split_backward_ms",
@@ -242,12 +232,6 @@ def split_backward_ms(bwd_ms: float, bwd_input_ms: float, call_bwd_ms: float,
     with half its backward call cost."""
     weight = bwd_ms - bwd_input_ms if bwd_weight_ms is None else bwd_weight_ms
     return bwd_input_ms + call_bwd_ms / 2, weight + call_bwd_ms / 2
-
-
-def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:
-    """The loss's backward's gradients on the last stage ([Note: the loss's memory]): one
-    micro-batch's on ranks, the whole batch's in one process."""
-    return costs.loss_grads * (chunks if costs.runtime == "gpipe" else 1)
 
 
 def check_split(costs: LayerCosts, schedule: str) -> None:
@@ -351,6 +335,9 @@ def stage_costs(
                                                 first=s == 0, whole=bool(mine))
             held = 0 if mine else int(weight_held_bytes(int(costs.weight_grad[mask].sum()), cut_out, s == 0,
                                                         s == k - 1))
+        largest = int(costs.layer_params[mask].max()) if costs.layer_params is not None and mask.any() else 0
+        step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, options.data_parallel,
+                              options.dp_mode))
         if s == k - 1:  # [Note: the loss's memory]
             loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, costs.loss_kept,
                                   loss_grad_bytes(costs, m)))
@@ -381,5 +368,6 @@ def stage_costs(
             input_saved_bytes=input_saved,
             bwd_weight_ms=bwd_weight,
             loss_bytes=loss,
+            step_bytes=step,
         ))
     return result

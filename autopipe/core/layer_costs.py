@@ -73,11 +73,16 @@ class LayerCosts:
     # what the two halves of a split backward take over the whole (the profile's
     # ``meta["bwd_split_ratio"]``; 1 where it did not measure it)
     split_ratio: float = 1.0
-    # [Note: the loss's memory] in cost.py: per micro-batch, what the last stage keeps from its
+    # [Note: the loss's memory] in stage_memory.py: per micro-batch, what the last stage keeps from its
     # forward to its backward besides its layers' saves (the model's output, the loss's saves),
     # and what the loss's backward has alive on top of that
     loss_kept: int = 0
     loss_grads: int = 0
+    # [Note: the optimizer step's memory] in stage_memory.py: each layer's parameter bytes, tied ones
+    # included (the largest tensor a stage steps is at most its largest layer's), and whether
+    # torch's optimizers step one tensor at a time there (the CPU) or all at once (foreach)
+    layer_params: IntArray | None = None
+    one_at_a_time: bool = True
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -172,11 +177,33 @@ class LayerCosts:
             weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
             split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
             loss_kept=outputs + (0 if c.loss is None else c.loss.held_bytes),
+            layer_params=df["param_bytes"].to_numpy(dtype=np.int64),
+            one_at_a_time=str(profile.meta.get("device_type") or "cpu") == "cpu",
             loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
         )
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def largest_params(self, j0: int, j1: int, rows: int) -> FloatArray:
+        """(rows, j1 - j0): the largest ``layer_params[i:j]`` of every range i < j, j0 <= j < j1
+        (0 where i >= j): what a stage of those layers steps one tensor at a time ([Note: the
+        optimizer step's memory] in stage_memory.py). Column by column, each the last's maximum with one
+        more layer."""
+        p = np.zeros(len(self)) if self.layer_params is None else self.layer_params.astype(np.float64)
+        out = np.zeros((rows, j1 - j0))
+        if j1 <= j0:
+            return out
+        column = np.zeros(rows)
+        top = min(j0, rows)
+        if top:
+            column[:top] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
+        out[:, 0] = column
+        for c, j in enumerate(range(j0 + 1, j1), start=1):
+            column = column.copy()
+            column[:min(j, rows)] = np.maximum(column[:min(j, rows)], p[j - 1])
+            out[:, c] = column
+        return out
 
     def cut_bytes(self) -> IntArray:
         """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""

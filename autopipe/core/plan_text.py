@@ -45,8 +45,8 @@ def memory_forced(plan: Plan) -> list[tuple[int, int]]:
         if mode == "never" or dev.memory is None:
             continue
         never = stage_terms(plan.schedule, s, k, plan.chunks, 0, ranks, plan.merge_backward)
-        need = b.param_bytes + b.loss_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never,
-                                                                   b.weight_held_bytes))
+        need = b.param_bytes + max(b.loss_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never,
+                                                                       b.weight_held_bytes)), b.step_bytes)
         share = dev.memory // (k // ranks) if ranks else dev.memory  # [Note: interleaved memory]
         if need > share:
             out.append((s, need))

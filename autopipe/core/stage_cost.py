@@ -46,8 +46,11 @@ class StageCost:
     # ([Note: an input kept once] in stage_memory.py); 0 in plans saved before it
     input_saved_bytes: int = 0
     # what the model's output and its loss add to the last stage's peak (0 elsewhere, and in
-    # plans saved before it): [Note: the loss's memory] in cost.py
+    # plans saved before it): [Note: the loss's memory] in stage_memory.py
     loss_bytes: int = 0
+    # what optimizer.step() holds besides the state, after the activations are freed
+    # ([Note: the optimizer step's memory] in stage_memory.py); 0 in plans saved before it
+    step_bytes: int = 0
 
     @property
     def backward_ms(self) -> float:
@@ -66,4 +69,4 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.activation_bytes + self.loss_bytes
+        return self.param_bytes + max(self.activation_bytes + self.loss_bytes, self.step_bytes)

@@ -35,6 +35,30 @@ executor.GPipe (one process) back-propagates in the reverse order and checkpoint
 mirror-image micro-batches, so the same formula is exact for it
 (benchmarks/memory_vs_prediction.py counts it). The simulator walks the order it ran, so its
 peaks equal these (tests/core/test_simulator.py).
+
+[Note: the loss's memory] The last stage holds more than its layers' saves: from a micro-batch's
+forward to its backward, the runtime keeps the model's output (torch.distributed.pipelining's
+stage for the backward it starts; executor.GPipe gathers every micro-batch's for the caller's
+loss), and the loss keeps what it saved (cross-entropy's log-softmax, the size of the logits);
+while the loss back-propagates, its gradients are alive besides. The profile counts the output
+(the ``output_bytes`` of the layers nothing reads) and the loss's bytes on one micro-batch
+(``LossCost.held_bytes`` / ``peak_bytes``, counted as live storage:
+autopipe/frontend/profiling/corrections/loss_timing.py). ``LayerCosts.loss_kept`` is charged
+once per micro-batch the stage holds (``stage_memory.loss_bytes``); the gradients
+(``loss_grads``) once on ranks, where each micro-batch's loss runs alone, and ``chunks`` times in
+one process, where the caller's loss runs once over the whole gathered batch
+(``loss_grad_bytes``). A model that computes its own loss has it among its layers: only its
+output is added. ``StageCost.loss_bytes`` is the sum, kept apart from ``activation_bytes`` (what
+executor.ActivationMeter counts) and inside ``memory_bytes``; measured against live tensor
+bytes in docs/benchmarks.md ("Whole-step memory").
+
+[Note: the optimizer step's memory] ``optimizer.step()`` runs after the backward has freed the
+activations, with temporaries of its own: Adam and AdamW hold ``exp_avg_sq.sqrt()`` and its
+quotient while they step a tensor. torch steps one tensor at a time on the CPU (two copies of the
+largest: at most twice the stage's largest layer's parameters) and all of a device's tensors at
+once elsewhere (its foreach path: one copy of them all); SGD, with momentum or without, updates
+in place. A stage's peak is its state plus the larger of its activations (with the loss's
+bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
 """
 
 from __future__ import annotations
@@ -45,11 +69,12 @@ from typing import Any
 
 import numpy as np
 
+from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.schedules import Op, rank_order, stage_order
 from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
 
-__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "loss_bytes", "stage_terms",
-           "weight_held_bytes"]
+__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "loss_bytes", "loss_grad_bytes",
+           "stage_terms", "step_bytes", "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
 # (a, b, c, d): a x input + b x saved + c x weight_held - d x input_saved bytes
@@ -153,11 +178,27 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
 def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount, input_saved: Amount,
                kept: Amount, grads: Amount) -> Amount:
     """What the model's output and its loss add to the last stage's peak activations ([Note: the
-    loss's memory] in cost.py): ``kept`` bytes per micro-batch in flight, the micro-batches a
+    loss's memory] in stage_memory.py): ``kept`` bytes per micro-batch in flight, the micro-batches a
     term holds (``a + b - d``: a recomputed one is counted in a and b and once in d), and the
     loss's backward's ``grads`` on top."""
     with_loss = activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept)
     return with_loss - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved) + grads
+
+
+def step_bytes(param_bytes: Amount, largest_bytes: Amount, optimizer: str, one_at_a_time: bool,
+               data_parallel: int = 1, dp_mode: str = "ddp") -> Amount:
+    """What ``optimizer.step()`` holds besides the stage's state ([Note: the optimizer step's
+    memory]): ``param_bytes`` are the stage's, ``largest_bytes`` its largest layer's."""
+    if optimizer not in ("adam", "adamw"):
+        return 0
+    amount = 2 * largest_bytes if one_at_a_time else param_bytes
+    return amount / data_parallel if dp_mode == "fsdp" and data_parallel > 1 else amount
+
+
+def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:
+    """The loss's backward's gradients on the last stage ([Note: the loss's memory]): one
+    micro-batch's on ranks, the whole batch's in one process."""
+    return costs.loss_grads * (chunks if costs.runtime == "gpipe" else 1)
 
 
 def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],

@@ -34,6 +34,7 @@ from autopipe.core.cost import (
     stage_terms,
     stage_time,
     state_bytes,
+    step_bytes,
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
@@ -96,6 +97,7 @@ class RangeCosts:
         self.precision = costs.precision  # [Note: mixed precision memory]
         self.ties = costs.tie_groups
         self.loss = (costs.loss_kept, loss_grad_bytes(costs, m))  # [Note: the loss's memory]
+        self.costs = costs
         self.rows = np.arange(n + 1)
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
@@ -131,15 +133,19 @@ class RangeCosts:
         saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
         held = weight_held_bytes(self.weight_grad[None, j0:j1] - self.weight_grad[:, None],
                                  self.cut[None, j0:j1], True, False) if any(t[2] for t in self.terms) else 0
-        out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
-                           + cast_cache_bytes(params, self.precision, self.rec_n)
-                           + activation_bytes(self.cut[:, None], saved, self.terms, held,
-                                              np.minimum(self.input_saved[:, None], saved)))
+        act: FloatArray = activation_bytes(self.cut[:, None], saved, self.terms, held,
+                                           np.minimum(self.input_saved[:, None], saved))
         if j1 > self.n and any(self.loss):  # the column j = n, the last stage: [Note: the loss's memory]
             col = self.n - j0
             last_held = held[:, col] if isinstance(held, np.ndarray) else held
-            out[:, col] += loss_bytes(self.cut, saved[:, col], self.terms, last_held,
+            act[:, col] += loss_bytes(self.cut, saved[:, col], self.terms, last_held,
                                       np.minimum(self.input_saved, saved[:, col]), *self.loss)
+        if self.optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory]
+            largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
+            act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,
+                                             *self.replicas))
+        out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
+                           + cast_cache_bytes(params, self.precision, self.rec_n) + act)
         return out
 
 

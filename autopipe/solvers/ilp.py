@@ -46,6 +46,7 @@ from autopipe.core.cost import (
     stage_fixed_ms,
     stage_time,
     state_bytes,
+    step_bytes,
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
@@ -185,6 +186,16 @@ def _solve(
                 params, costs.precision, recomputed[s])  # [Note: mixed precision memory]
             held = 0 if grads is None else weight_held_bytes(  # [Note: split backward time] in cost.py
                 total(grads, s), crossing(s), s == 0, s == k - 1)
+            if options.optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory] in stage_memory.py
+                if costs.one_at_a_time and costs.layer_params is not None:  # each layer's tensors must fit
+                    for v in range(n):
+                        if costs.layer_params[v]:
+                            step = step_bytes(params, int(costs.layer_params[v]) * x(v, s), options.optimizer,
+                                                   True, options.data_parallel, options.dp_mode)
+                            prob += state + step <= dev.memory
+                else:
+                    prob += state + step_bytes(params, 0, options.optimizer, False, options.data_parallel,
+                                               options.dp_mode) <= dev.memory
             for term in terms[s]:  # the peak is the largest term: each must fit
                 loss = loss_bytes(0, 0, (term,), 0, 0, costs.loss_kept, loss_grad_bytes(costs, m)) if s == k - 1 else 0
                 prob += state + activation_bytes(  # [Note: the loss's memory]: a constant on the last stage

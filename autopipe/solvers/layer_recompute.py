@@ -29,6 +29,8 @@ __all__ = ["recompute_layers_where_faster"]
 def _saved_to_fit(stage: StageCost, terms: Terms, limit: int) -> float:
     """The largest ``saved_bytes`` with which ``stage``'s state and activations fit ``limit``
     (-inf where even none fit)."""
+    if stage.param_bytes + stage.step_bytes > limit:  # [Note: the optimizer step's memory] in stage_memory.py
+        return -np.inf
     room = limit - stage.param_bytes - stage.loss_bytes  # what its state (and its loss) leave for activations
     fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes + d * stage.input_saved_bytes
              for a, _, c, d in terms]

@@ -42,6 +42,7 @@ from autopipe.core.cost import (
     stage_terms,
     stage_time,
     state_bytes,
+    step_bytes,
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
@@ -86,6 +87,7 @@ class StageBlocks:
         self.ties = costs.tie_groups
         self.precision = costs.precision  # [Note: mixed precision memory]
         self.loss = (costs.loss_kept, loss_grad_bytes(costs, options.chunks))  # [Note: the loss's memory]
+        self.costs = costs
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
             for members, _ in costs.tie_groups:
@@ -175,6 +177,13 @@ class StageBlocks:
             last_held = held[:, col] if isinstance(held, np.ndarray) else held
             out[:, col] += loss_bytes(self.cut[:j1], saved[:, col], terms, last_held,
                                       np.minimum(self.input_saved[:j1], saved[:, col]), *self.loss)
+        optimizer = self.options.optimizer
+        if optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory]
+            one = self.costs.one_at_a_time
+            step = self._cached(("step", j0), lambda: step_bytes(
+                self.param_bytes(j0, j1), self.costs.largest_params(j0, j1, j1) if one else 0, optimizer, one,
+                self.options.data_parallel, self.options.dp_mode))
+            np.maximum(out, step, out=out)
         out += self.state(j0, j1)
         if self.precision != "fp32" and recomputed:
             out += cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -17,6 +20,7 @@ from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.core.schedules import stage_order
 from autopipe.errors import PartitionError
+from autopipe.solvers.synthetic import random_chain
 
 
 def _diamond() -> Profile:
@@ -104,6 +108,28 @@ def test_tied_bytes_charged_to_every_holder() -> None:
     assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
     (single,) = stage_costs(lc, [0, 0, 0, 0], devs[:1], opts)
     assert single.param_bytes == 50 + 20 + 30
+
+
+@pytest.mark.parametrize(("optimizer", "device", "dp_mode", "step"), [
+    ("adam", "cpu", "ddp", 2 * 40),  # one tensor at a time: two copies of the largest layer's (d's)
+    ("adamw", "cuda", "ddp", 60),  # all at once (foreach): one copy of every parameter of the stage
+    ("adamw", "cuda", "fsdp", 60 / 2),  # of its shard
+    ("sgd", "cpu", "ddp", 0), ("momentum", "cuda", "ddp", 0),  # in place
+])
+def test_the_optimizer_step_holds_temporaries_after_the_activations_are_freed(
+        optimizer: str, device: str, dp_mode: str, step: float) -> None:
+    prof = _diamond()
+    prof = Profile.from_frame(prof.df, edges=prof.edges, meta={"device_type": device})
+    opts = CostOptions(chunks=4, recompute="never", optimizer=optimizer, bandwidth=None,
+                       data_parallel=2, dp_mode=dp_mode)
+    _, s1 = stage_costs(LayerCosts.from_profile(prof), [0, 1, 0, 1], [DeviceSpec("x"), DeviceSpec("y")], opts)
+    assert s1.step_bytes == step  # stage 1 holds b (20 bytes) and d (40)
+    assert s1.memory_bytes == s1.param_bytes + max(s1.activation_bytes + s1.loss_bytes, s1.step_bytes)
+    # a stage whose activations are smaller than its step peaks at the step
+    small = dataclasses.replace(LayerCosts.from_profile(prof), saved=np.zeros(4, dtype=np.int64), loss_kept=0,
+                                value_bytes=np.zeros(4, dtype=np.int64))
+    _, bare = stage_costs(small, [0, 1, 0, 1], [DeviceSpec("x"), DeviceSpec("y")], opts)
+    assert bare.activation_bytes == bare.loss_bytes == 0 and bare.memory_bytes == bare.param_bytes + step
 
 
 def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process() -> None:
@@ -207,3 +233,12 @@ def test_a_value_saved_by_an_earlier_consumer_than_its_last_is_held_where_that_o
     assert (first.saved_bytes, second.saved_bytes) == (100, 100)
     first, second = stage_costs(lc, [0, 0, 1], devs, opts)
     assert (first.saved_bytes, second.saved_bytes) == (100, 0)
+
+
+@pytest.mark.parametrize(("j0", "j1", "rows"), [(1, 10, 10), (0, 4, 4), (3, 7, 7), (5, 10, 3)])
+def test_the_largest_layer_of_every_range_is_the_brute_force_one(j0: int, j1: int, rows: int) -> None:
+    lc = LayerCosts.from_profile(random_chain(9, 3))
+    p = lc.layer_params
+    assert p is not None and len(set(p.tolist())) > 3
+    want = [[max(p[i:j]) if i < j else 0 for j in range(j0, j1)] for i in range(rows)]
+    assert lc.largest_params(j0, j1, rows).tolist() == want

@@ -126,10 +126,12 @@ def test_a_layer_too_big_for_the_limit_is_named_with_the_least_memory_any_split_
                          saved_bytes=1 << 20)
     lc = LayerCosts.from_profile(prof)
     opts = CostOptions(optimizer="adam", recompute="never", chunks=4)
+    # the least: its 12 GiB of state, and 6 GiB more while Adam steps its tensor on the CPU, in
+    # two copies ([Note: the optimizer step's memory] in stage_memory.py)
     for k in (2, 4):  # no stage count helps, and the message says so at every count
         with pytest.raises(PartitionError, match=r"^layer 'l1' alone needs 12.0 GiB for its parameters "
                            r"\(3.0 GiB\) with 'adam' optimizer state, more than the 8.0 GiB limit, so no "
-                           r"split fits; the least memory any split needs is 12.0 GiB with recompute='never', "
+                           r"split fits; the least memory any split needs is 18.0 GiB with recompute='never', "
                            r"optimizer='adam': raise the limit to that \(--memory / memory_limit=\) or split "
                            r"that layer into smaller modules$"):
             solve_dp(lc, [DeviceSpec(str(s), 8 << 30) for s in range(k)], opts)
@@ -206,8 +208,9 @@ def test_dp_scales_to_2000_layers_16_stages(monkeypatch: pytest.MonkeyPatch) -> 
     one_pass = sum(j1 * (j1 - j0) for j0, j1 in
                    ((j0, min(j0 + width, n + 1)) for j0 in range(1, n + 1, width)))
     assert sum(j1 * (j1 - j0) for j0, j1, _ in blocks) <= k * one_pass <= k * (n + 1) ** 2
-    # valid, params, state, saved, work, transfers, stage time, masked time: 8 arrays a block
-    assert len(fresh) == len(set(fresh)) <= 8 * columns
+    # valid, params, state, saved, work, transfers, stage time, masked time, and what AdamW's step
+    # holds ([Note: the optimizer step's memory] in stage_memory.py): 9 arrays a block
+    assert len(fresh) == len(set(fresh)) <= 9 * columns
 
 
 @pytest.mark.parametrize("seed", range(4))

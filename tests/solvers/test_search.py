@@ -39,7 +39,7 @@ def test_auto_is_never_slower_than_any_fixed_choice_it_searched() -> None:
     # all six schedules: the profile splits its backward, as the zero-bubble ones need
     prof = _sized(random_chain(10, 4, split=True), micro=4, batch=8)
     pool = ["d0", "d1", "d2"]
-    auto = partition(prof, devices=pool, memory_limit="40MiB", method="dp", **AUTO)  # type: ignore[arg-type]
+    auto = partition(prof, devices=pool, memory_limit="48MiB", method="dp", **AUTO)  # type: ignore[arg-type]
     assert _fits(auto)
     compared, schedules = 0, set()
     for k in range(1, 4):
@@ -55,7 +55,7 @@ def test_auto_is_never_slower_than_any_fixed_choice_it_searched() -> None:
                 for checkpoint in (*RECOMPUTE_MODES, "auto"):
                     try:
                         fixed = partition(prof, devices=devices, chunks=m, batch_size=8, schedule=schedule,
-                                          recompute=checkpoint, memory_limit="40MiB", method="dp", progress=False)
+                                          recompute=checkpoint, memory_limit="48MiB", method="dp", progress=False)
                     except PartitionError:
                         continue  # does not fit
                     compared += 1
@@ -178,8 +178,9 @@ def test_search_800_layers_16_devices_solves_few_dps(monkeypatch: pytest.MonkeyP
     bounds prune the 265 configurations to 40 DP solves (42 passes with the 2 for other
     schedules' alternatives) and 12 simulations, 14 with the interleaving schedules' best splits
     again for their step ([Note: the step, not the bottleneck]), in at most 3765 block evaluations that compute
-    at most 960 cached arrays (blocks are cached per memory terms, whose d ([Note: an input kept
-    once]) sets apart some that were one). The counts are deterministic: nothing reads a clock."""
+    at most 980 cached arrays (blocks are cached per memory terms, whose d ([Note: an input kept
+    once]) sets apart some that were one; one a block for what Adam's step holds: [Note: the
+    optimizer step's memory] in stage_memory.py). The counts are deterministic: nothing reads a clock."""
     counts = {"passes": 0, "blocks": 0, "simulated": 0}
     fresh: list[tuple[object, ...]] = []
     configs: list[int] = []
@@ -218,7 +219,7 @@ def test_search_800_layers_16_devices_solves_few_dps(monkeypatch: pytest.MonkeyP
     assert said is not None and int(said[1]) == counts["simulated"], plan.solver.status
     assert int(said[2]) <= 40 and counts["passes"] <= int(said[2]) + 2  # + other schedules' alternatives
     assert counts["simulated"] <= 14 and counts["blocks"] <= 3765
-    assert len(fresh) <= 960
+    assert len(fresh) <= 980
 
 
 def test_interleaved_with_a_stage_count_puts_two_stages_on_each_rank() -> None:

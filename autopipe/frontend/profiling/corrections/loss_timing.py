@@ -14,7 +14,7 @@ into ``corrections.loss`` (autopipe/core/corrections.py). The cost model adds bo
 layer's backward (autopipe/core/layer_costs.py): the last stage always holds the last layer, and
 a backward is never recomputed, so every solver, the Plan and the simulator charge it once per
 micro-batch to the last stage; what the loss holds in memory is counted beside its time
-(``loss_bytes``, [Note: the loss's memory] in autopipe/core/cost.py). At another micro-batch size it scales with the rows
+(``loss_bytes``, [Note: the loss's memory] in autopipe/core/stage_memory.py). At another micro-batch size it scales with the rows
 ([Note: micro-batch scaling] in autopipe/core/scaling.py). A model on the meta device, or one
 profiled layer by layer (which may not fit the device whole), is never run whole ([Note: layer
 by layer]): its profile keeps no loss time.
