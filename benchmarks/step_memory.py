@@ -155,6 +155,26 @@ def measure(size: Size, schedules: Sequence[str] = ("gpipe", "1f1b"), ranks: boo
     return rows
 
 
+def binding(size: Size, schedule: str = "1f1b", fraction: float = 0.85) -> tuple[int, list[Row]]:
+    """A memory limit that binds: ``fraction`` of the largest rank peak the plan without one
+    predicts; that plan and the one made under the limit (recompute="auto") run on 2 ranks.
+    Returns the limit and the rows (``runtime`` says which plan)."""
+    model, x, y = _model(size)
+    prof = autopipe.profile(model, (x,), chunks=size.chunks, loss_fn=_lm_loss, target=y, repeats=2)
+    free = autopipe.partition(prof, stages=2, chunks=size.chunks, recompute="never", optimizer="adamw",
+                              schedule=schedule, runtime="distributed", bandwidth=None)
+    limit = int(max(free.peak_memory) * fraction)
+    bound = autopipe.partition(prof, stages=2, chunks=size.chunks, recompute="auto", optimizer="adamw",
+                               schedule=schedule, runtime="distributed", bandwidth=None, memory_limit=limit)
+    rows = []
+    for name, plan, peaks in zip(("no limit", "under the limit"), (free, bound), _ranks(size, [free, bound]),
+                                 strict=True):
+        for r, peak in enumerate(peaks):
+            rows.append(Row(f"{name} ({plan.stage_recompute[r]})", schedule, f"rank {r}", peak,
+                            plan.peak_memory[r]))
+    return limit, rows
+
+
 def table(rows: Sequence[Row]) -> str:
     lines = ["| runtime | schedule | where | peak MiB measured | peak MiB predicted | measured / predicted |",
              "|---|---|---|---:|---:|---:|"]
@@ -168,12 +188,23 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--vocab", type=int, default=Size.vocab)
     parser.add_argument("--batch", type=int, default=Size.batch)
+    parser.add_argument("--dim", type=int, default=Size.dim)
+    parser.add_argument("--layers", type=int, default=Size.layers)
+    parser.add_argument("--seq", type=int, default=Size.seq)
+    parser.add_argument("--bind", type=float, metavar="FRACTION",
+                        help="plan 1F1B under this fraction of the unlimited plan's largest rank peak "
+                             "and run both plans on 2 ranks")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    size = Size(vocab=args.vocab, batch=args.batch)
-    rows = measure(size)
+    size = Size(vocab=args.vocab, dim=args.dim, layers=args.layers, seq=args.seq, batch=args.batch)
+    if args.bind is not None:
+        limit, rows = binding(size, fraction=args.bind)
+        print(f"memory limit {limit / 2**20:.2f} MiB; measured over it: "
+              f"{', '.join(f'{r.runtime} {r.where}' for r in rows if r.measured > limit) or 'none'}")
+    else:
+        rows = measure(size)
     print(f"TinyGPT vocab {size.vocab}, dim {size.dim}, {size.layers} layers, seq {size.seq}, batch "
-          f"{size.batch} in {size.chunks} micro-batches, 2 stages, recompute never, AdamW; torch {torch.__version__}")
+          f"{size.batch} in {size.chunks} micro-batches, 2 stages, AdamW; torch {torch.__version__}")
     print(table(rows))
     return rows
 
