@@ -88,6 +88,13 @@ class Pipeline(GPipe):
         self._loss_kwargs = _loss_kwargs(model) if model is not None else (True, True)
 
     @property
+    def hf_device_map(self) -> dict[str, str]:
+        """Each stage's device, as HuggingFace names a model placed over devices: Trainer then
+        leaves a pipeline over several GPUs where it is, and accelerate does not move it
+        ([Note: a pipeline stays where it was placed] in executor/local/placement.py)."""
+        return {f"stages.{i}": str(device) for i, device in enumerate(self.devices)}
+
+    @property
     def accepts_loss_kwargs(self) -> bool:
         """Whether HuggingFace's Trainer passes ``num_items_in_batch``: as it decides for the model
         itself, where the pipeline computes the model's own loss ([Note: the model's call])."""

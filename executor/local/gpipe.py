@@ -43,7 +43,7 @@ from executor.grad_norm import clip_grads_
 from executor.keywords import InputSignature
 from executor.local.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from executor.local.fill_drain import clock_cycles
-from executor.local.placement import check_devices, place
+from executor.local.placement import check_devices, check_move, place
 from executor.local.stage_task import MicroBatchLoss, StageTask
 from executor.local.state_keys import (
     original_keys,
@@ -225,6 +225,18 @@ class GPipe(Checkpointable, nn.Module):
                               after_load=copy_ties if owners else None)
 
     # --- forward -------------------------------------------------------------------------
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:  # [Note: a pipeline stays where it was placed]
+        check_move(self.devices, args, kwargs, "pipe.to(...)")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> GPipe:
+        check_move(self.devices, ("cuda" if device is None else device,), {}, "pipe.cuda()")
+        return super().cuda(device)
+
+    def cpu(self) -> GPipe:
+        check_move(self.devices, ("cpu",), {}, "pipe.cpu()")
+        return super().cpu()
 
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
         # the model's own loss over the items of every batch a step accumulates (HF's loss kwarg)

@@ -11,6 +11,13 @@ micro-batch. The state_dict key of the removed name must then come from the firs
 (autopipe.build registers every alias of a tied tensor on each stage that holds it). The copies
 have registries of their own (parameters, buffers, which buffers are persistent), so the stage
 saves what the user's modules save and changing one never changes the other.
+
+[Note: a pipeline stays where it was placed] Each stage runs on the device it was built for, and
+the runtime sends every micro-batch there. ``pipe.to(device)``, ``.cuda()`` or ``.cpu()`` would
+move every stage onto one device behind the runtime's back (HuggingFace's Trainer and accelerate
+call them on the model they are given), so a move that changes any stage's device is refused in
+one line (torchgpipe refuses every move); one that changes none (a CPU pipeline moved to the CPU)
+and a dtype alone go through.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from torch import nn
 from executor.errors import PlacementError
 from executor.local.worker import normalize_device
 
-__all__ = ["Remote", "check_devices", "place"]
+__all__ = ["Remote", "check_devices", "check_move", "place"]
 
 
 def check_devices(devices: Sequence[torch.device | str | int], n: int) -> list[torch.device]:
@@ -42,6 +49,29 @@ def check_devices(devices: Sequence[torch.device | str | int], n: int) -> list[t
                 f"device {str(dev)!r} requested but CUDA is not available; use 'cpu' devices"
             )
     return [normalize_device(d) for d in devices]
+
+
+def check_move(devices: Sequence[torch.device], args: Sequence[object], kwargs: dict[str, object],
+               call: str) -> None:
+    """PlacementError where ``module.to(*args, **kwargs)`` (or ``call``'s ``.cuda()``/``.cpu()``)
+    would move a stage off its device ([Note: a pipeline stays where it was placed])."""
+    target = kwargs.get("device")
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            target = arg.device
+        elif isinstance(arg, str | int | torch.device):
+            target = arg
+    if target is None:
+        return
+    dev = torch.device("cuda", target) if isinstance(target, int) else torch.device(target)  # type: ignore[call-overload]
+    if dev.type != "cuda" or dev.index is not None or torch.cuda.is_available():
+        dev = normalize_device(dev)  # "cuda" is the current one
+    moved = sorted({str(d) for d in devices if not _same_device(d, dev)})
+    if moved:
+        raise PlacementError(
+            f"{call} would move stages on {', '.join(moved)} onto {dev}, but each stage runs on the device "
+            f"the pipeline was built for ({', '.join(str(d) for d in devices)}); build the pipeline for "
+            f"the devices you want instead: pipeline(model, ..., devices=[...])")
 
 
 @dataclass

@@ -45,7 +45,7 @@ def cost_profile(graph: LayerGraph) -> Profile:
 
 def made_up_pipeline(model: nn.Module, inputs: tuple[Any, ...] = (), *,
                      example_kwargs: dict[str, Any] | None = None, chunks: int = 2,
-                     **kwargs: Any) -> autopipe.Pipeline:
+                     devices: tuple[str, str] = ("cpu", "cpu"), **kwargs: Any) -> autopipe.Pipeline:
     """``model`` on two CPU stages split by made-up costs (:func:`cost_profile`), traced on its
     first micro-batch: no profiling, for tests whose subject is not the plan (``pipe.plan``
     rebuilds the same split, e.g. with ``weights=``). ``kwargs`` go to pipeline()."""
@@ -56,7 +56,7 @@ def made_up_pipeline(model: nn.Module, inputs: tuple[Any, ...] = (), *,
         graph = trace(model, micro[:len(inputs)], example_kwargs=dict(zip(keywords, micro[len(inputs):],
                                                                           strict=True)) or None)
         plan = partition(cost_profile(graph), stages=2, chunks=chunks)
-        return pipeline(model, inputs, example_kwargs=example_kwargs, devices=["cpu", "cpu"], chunks=chunks,
+        return pipeline(model, inputs, example_kwargs=example_kwargs, devices=list(devices), chunks=chunks,
                         plan=plan, graph=graph, **kwargs)
 
 

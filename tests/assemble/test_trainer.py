@@ -18,6 +18,7 @@ from torch.testing import assert_close
 
 from tests.assemble.test_hf_batches import _bert, _gpt2, _llama, causal_batch, masked_batch
 from tests.assemble.test_local import made_up_pipeline
+from tests.conftest import skip_if_no_cuda
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer's own dependency
@@ -152,3 +153,23 @@ def test_trainer_checkpoints_the_pipeline_and_resumes_as_an_uninterrupted_run(tm
     start.load_state_dict(load_file(tmp_path / "final" / "model.safetensors"))
     for key, value in start.state_dict().items():
         assert_close(value, uninterrupted[key], rtol=0, atol=0, msg=key)
+
+
+def test_the_pipeline_names_each_stage_s_device_as_huggingface_does(tmp_path: Path) -> None:
+    """Trainer and accelerate leave a model alone whose ``hf_device_map`` names two GPUs, and
+    move any other onto their device ([Note: a pipeline stays where it was placed])."""
+    pipe = made_up_pipeline(_llama(), example_kwargs=causal_batch(rows=PER_STEP))
+    assert pipe.hf_device_map == {"stages.0": "cpu", "stages.1": "cpu"}
+    trainer = transformers.Trainer(model=pipe, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True), train_dataset=_Rows(causal_batch(rows=ROWS)))
+    assert not trainer.is_model_parallel and trainer.model is pipe  # on the CPU: moved to where it is
+
+
+@skip_if_no_cuda
+def test_trainer_moving_a_pipeline_over_a_gpu_and_the_cpu_is_refused_in_one_line(tmp_path: Path) -> None:
+    # one GPU in the map: Trainer moves the model onto its device, which would take the CPU stage
+    pipe = made_up_pipeline(_llama(), example_kwargs=causal_batch(rows=PER_STEP), devices=("cuda:0", "cpu"))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    with pytest.raises(ValueError, match=r"^pipe\.to\(\.\.\.\) would move stages on cpu onto cuda:0, but each "
+                       r"stage runs on the device the pipeline was built for \(cuda:0, cpu\)"):
+        transformers.Trainer(model=pipe, args=args, train_dataset=_Rows(causal_batch(rows=ROWS)))

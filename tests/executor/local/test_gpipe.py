@@ -485,3 +485,21 @@ def test_checkpoint_is_recomputes_old_name_for_one_release() -> None:
                                                  r"GPipe\(recompute='never'\)"):
         pipe = GPipe(stages, ["cpu", "cpu"], chunks=2, checkpoint="never")
     assert pipe.recompute == "never" and pipe.recompute_modes == ["never", "never"]
+
+
+def test_a_move_off_the_stages_devices_is_refused_in_one_line() -> None:
+    """[Note: a pipeline stays where it was placed]: as HuggingFace's Trainer and accelerate
+    move the model they are given."""
+    pipe = GPipe([nn.Linear(4, 4), nn.Linear(4, 2)], ["cpu", "cpu"], chunks=2)
+    for move, call in [(lambda: pipe.to("meta"), r"pipe\.to\(\.\.\.\)"), (lambda: pipe.cuda(), r"pipe\.cuda\(\)"),
+                       (lambda: pipe.to(device="meta"), r"pipe\.to\(\.\.\.\)"),
+                       (lambda: pipe.to(torch.empty(0, device="meta")), r"pipe\.to\(\.\.\.\)")]:
+        with pytest.raises(PlacementError, match=rf"^{call} would move stages on cpu onto (meta|cuda)\S*, but "
+                           r"each stage runs on the device the pipeline was built for \(cpu, cpu\); build the "
+                           r"pipeline for the devices you want instead: pipeline\(model, \.\.\., devices=\[\.\.\.\]\)$"):
+            move()
+    assert all(p.device.type == "cpu" for p in pipe.parameters())
+    assert pipe.to("cpu") is pipe and pipe.cpu() is pipe  # nothing moves: allowed
+    pipe.to(torch.float64)  # a dtype alone
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+    assert pipe(torch.ones(4, 4, dtype=torch.float64)).dtype == torch.float64
