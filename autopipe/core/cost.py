@@ -106,6 +106,7 @@ from autopipe.core.stage_memory import (
     activation_bytes,
     activation_peak,
     activation_terms,
+    kept_bytes,
     loss_bytes,
     loss_grad_bytes,
     stage_terms,
@@ -131,6 +132,7 @@ __all__ = [
     "activation_terms",
     "activation_bytes",
     "activation_peak",
+    "kept_bytes",
     "loss_bytes",
     "loss_grad_bytes",
     "step_bytes",
@@ -338,9 +340,9 @@ def stage_costs(
         largest = int(costs.layer_params[mask].max()) if costs.layer_params is not None and mask.any() else 0
         step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, options.data_parallel,
                               options.dp_mode))
-        if s == k - 1:  # [Note: the loss's memory]
-            loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, costs.loss_kept,
-                                  loss_grad_bytes(costs, m)))
+        kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
+        if kept or grads:  # [Note: the loss's memory]
+            loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,

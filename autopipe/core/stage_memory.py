@@ -48,7 +48,10 @@ once per micro-batch the stage holds (``stage_memory.loss_bytes``); the gradient
 (``loss_grads``) once on ranks, where each micro-batch's loss runs alone, and ``chunks`` times in
 one process, where the caller's loss runs once over the whole gathered batch
 (``loss_grad_bytes``). A model that computes its own loss has it among its layers: only its
-output is added. ``StageCost.loss_bytes`` is the sum, kept apart from ``activation_bytes`` (what
+output is added. On ranks every other stage keeps its output too, per micro-batch in flight
+(torch's stage keeps it for the backward the received gradient starts; in one process the next
+stage's input is that tensor, counted there): ``kept_bytes``, the bytes crossing the stage's
+last cut. ``StageCost.loss_bytes`` is the sum, kept apart from ``activation_bytes`` (what
 executor.ActivationMeter counts) and inside ``memory_bytes``; measured against live tensor
 bytes in docs/benchmarks.md ("Whole-step memory").
 
@@ -73,8 +76,8 @@ from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.schedules import Op, rank_order, stage_order
 from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
 
-__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "loss_bytes", "loss_grad_bytes",
-           "stage_terms", "step_bytes", "weight_held_bytes"]
+__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "kept_bytes", "loss_bytes",
+           "loss_grad_bytes", "stage_terms", "step_bytes", "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
 # (a, b, c, d): a x input + b x saved + c x weight_held - d x input_saved bytes
@@ -193,6 +196,15 @@ def step_bytes(param_bytes: Amount, largest_bytes: Amount, optimizer: str, one_a
         return 0
     amount = 2 * largest_bytes if one_at_a_time else param_bytes
     return amount / data_parallel if dp_mode == "fsdp" and data_parallel > 1 else amount
+
+
+def kept_bytes(costs: LayerCosts, output_bytes: Amount, last: Amount) -> Amount:
+    """Per micro-batch in flight, what a stage keeps besides its layers' saves ([Note: the loss's
+    memory]): the last stage (``last`` true) its model output and its loss's saves; on ranks
+    any other its ``output_bytes``, the bytes crossing its last cut. ``last`` may be an array."""
+    other = output_bytes if costs.runtime == "distributed" else 0
+    return np.where(last, costs.loss_kept, other) if isinstance(last, np.ndarray) else (
+        costs.loss_kept if last else other)
 
 
 def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:

@@ -26,6 +26,7 @@ from autopipe.core.cost import (
     Terms,
     activation_bytes,
     cast_cache_bytes,
+    kept_bytes,
     layer_work,
     loss_bytes,
     loss_grad_bytes,
@@ -135,11 +136,11 @@ class RangeCosts:
                                  self.cut[None, j0:j1], True, False) if any(t[2] for t in self.terms) else 0
         act: FloatArray = activation_bytes(self.cut[:, None], saved, self.terms, held,
                                            np.minimum(self.input_saved[:, None], saved))
-        if j1 > self.n and any(self.loss):  # the column j = n, the last stage: [Note: the loss's memory]
-            col = self.n - j0
-            last_held = held[:, col] if isinstance(held, np.ndarray) else held
-            act[:, col] += loss_bytes(self.cut, saved[:, col], self.terms, last_held,
-                                      np.minimum(self.input_saved, saved[:, col]), *self.loss)
+        last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
+        kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
+        if np.any(kept) or (last.any() and self.loss[1]):
+            act += loss_bytes(self.cut[:, None], saved, self.terms, held, np.minimum(self.input_saved[:, None], saved),
+                              kept, np.where(last, self.loss[1], 0)[None, :])
         if self.optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
             act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,

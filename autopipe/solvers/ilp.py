@@ -37,6 +37,7 @@ from autopipe.core.cost import (
     LayerCosts,
     activation_bytes,
     cast_cache_bytes,
+    kept_bytes,
     layer_work,
     loss_bytes,
     loss_grad_bytes,
@@ -197,10 +198,12 @@ def _solve(
                     prob += state + step_bytes(params, 0, options.optimizer, False, options.data_parallel,
                                                options.dp_mode) <= dev.memory
             for term in terms[s]:  # the peak is the largest term: each must fit
-                loss = loss_bytes(0, 0, (term,), 0, 0, costs.loss_kept, loss_grad_bytes(costs, m)) if s == k - 1 else 0
-                prob += state + activation_bytes(  # [Note: the loss's memory]: a constant on the last stage
+                last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
+                loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last),
+                                  loss_grad_bytes(costs, m) if last else 0)
+                prob += state + activation_bytes(
                     crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
-                    held) + int(loss) <= dev.memory
+                    held) + loss <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

@@ -34,6 +34,7 @@ from autopipe.core.cost import (
     Terms,
     activation_bytes,
     cast_cache_bytes,
+    kept_bytes,
     layer_work,
     loss_bytes,
     loss_grad_bytes,
@@ -172,11 +173,12 @@ class StageBlocks:
             *ends)) if split else 0
         out: FloatArray = activation_bytes(self.cut[:j1, None], saved, terms, held,  # a new array
                                            np.minimum(self.input_saved[:j1, None], saved))
-        if j1 > self.n and any(self.loss):  # the column j = n, the last stage: [Note: the loss's memory]
-            col = self.n - j0
-            last_held = held[:, col] if isinstance(held, np.ndarray) else held
-            out[:, col] += loss_bytes(self.cut[:j1], saved[:, col], terms, last_held,
-                                      np.minimum(self.input_saved[:j1], saved[:, col]), *self.loss)
+        cols = np.arange(j0, j1)
+        last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
+        kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
+        if np.any(kept) or (last.any() and self.loss[1]):
+            out += loss_bytes(self.cut[:j1, None], saved, terms, held, np.minimum(self.input_saved[:j1, None], saved),
+                              kept, np.where(last, self.loss[1], 0)[None, :])
         optimizer = self.options.optimizer
         if optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory]
             one = self.costs.one_at_a_time
