@@ -45,8 +45,9 @@ class StageCost:
     # of input_bytes, what the stage's first layer saves: held once by a recomputed micro-batch
     # ([Note: an input kept once] in stage_memory.py); 0 in plans saved before it
     input_saved_bytes: int = 0
-    # what the model's output and its loss add to the last stage's peak (0 elsewhere, and in
-    # plans saved before it): [Note: the loss's memory] in stage_memory.py
+    # what the outputs a stage keeps per micro-batch in flight (on ranks) and, on the last stage,
+    # the model's output and its loss add to its peak (0 in plans saved before it): [Note: the
+    # loss's memory] in stage_memory.py
     loss_bytes: int = 0
     # what optimizer.step() holds besides the state, after the activations are freed
     # ([Note: the optimizer step's memory] in stage_memory.py); 0 in plans saved before it

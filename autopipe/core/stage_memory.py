@@ -180,10 +180,10 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
 
 def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount, input_saved: Amount,
                kept: Amount, grads: Amount) -> Amount:
-    """What the model's output and its loss add to the last stage's peak activations ([Note: the
-    loss's memory] in stage_memory.py): ``kept`` bytes per micro-batch in flight, the micro-batches a
-    term holds (``a + b - d``: a recomputed one is counted in a and b and once in d), and the
-    loss's backward's ``grads`` on top."""
+    """What a stage's kept outputs (and the last stage's loss) add to its peak activations ([Note:
+    the loss's memory]): ``kept`` bytes per micro-batch in flight, the micro-batches a term holds
+    (``a + b - d``: a recomputed one is counted in a and b and once in d), and the loss's
+    backward's ``grads`` on top."""
     with_loss = activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept)
     return with_loss - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved) + grads
 
