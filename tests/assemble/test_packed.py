@@ -204,3 +204,55 @@ def test_a_packed_row_on_two_cuda_stages_equals_the_plain_model_on_cuda() -> Non
     batch = {k: v.cuda() for k, v in packed([5, 7, 3, 9, 4]).items()}
     pipe = autopipe.pipeline(model, example_kwargs=batch, devices=["cuda", "cuda"], chunks=3)
     assert_the_plain_models(pipe, model, reference, batch)
+
+
+def _packed_on_replicas(rank: int, plan: dict[str, Any], rows: list[dict[str, Tensor]]) -> dict[str, Any]:
+    """One step of this rank's replica on its own packed row (replica r: ``rows[r]``)."""
+    from autopipe.assemble.ranks import distributed_pipeline
+    from autopipe.core.plan import Plan
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = distributed_pipeline(_llama(), example_kwargs=rows[0], chunks=2, plan=Plan.from_dict(plan),
+                                    timeout=30)
+    loss = pipe.step(**rows[pipe.dp_rank])
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.stage_module.named_parameters()}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_replicas_of_two_stages_train_their_packed_rows_as_the_plain_model_the_whole_batch() -> None:
+    # each replica packs sequences of its own, of unequal token counts; together they are the
+    # plain model's packed batch of all of them: the loss over every token of both rows, and its
+    # gradients ([Note: tokens over replicas] in executor/ranks/replicated.py)
+    from autopipe.assemble.setup import example_batch
+    from autopipe.frontend.tracing.graph import trace
+    from autopipe.solvers.partitioner import partition
+    from tests.assemble.test_local import cost_profile
+    from tests.assemble.test_ranks import _ok, spawn
+
+    lengths = [[5, 7, 3, 9], [12, 2, 6, 20, 8]]
+    features = packed([n for part in lengths for n in part])  # all sequences, one row
+    cut = sum(lengths[0])
+    rows = [{k: v[:, :cut] for k, v in features.items()}, {k: v[:, cut:] for k, v in features.items()}]
+    assert torch.equal(rows[1]["position_ids"][0, :12], torch.arange(12))  # the second row starts a sequence
+    torch.manual_seed(0)
+    model = _llama()
+    graph = trace(model, (), example_kwargs=example_batch(model, (), rows[0], 2, packed=False).micro_kwargs)
+    plan = partition(cost_profile(graph), stages=2, method="dp", chunks=2, recompute="never", data_parallel=2,
+                     dp_mode="ddp").to_dict()
+    values = _ok(spawn(_packed_on_replicas, plan, rows, world=4, timeout=140))
+    reference = copy.deepcopy(model)
+    expected = reference(**features, use_cache=False)
+    expected.loss.backward()
+    losses = [v["loss"] for v in values if v["loss"] is not None]
+    assert len(losses) == 2  # each replica's last stage
+    for loss in losses:
+        torch.testing.assert_close(loss, expected.loss.detach())
+    covered = set()
+    for rank, v in enumerate(values):
+        for name, grad in v["grads"].items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, msg=f"rank {rank} {name}")
+            covered.add(name)
+    assert covered == {n for n, _ in reference.named_parameters()}
