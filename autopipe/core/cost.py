@@ -102,10 +102,12 @@ from autopipe.core.recomputed_layers import (
 from autopipe.core.schedules import rank_layout
 from autopipe.core.stage_cost import StageCost
 from autopipe.core.stage_memory import (
+    STEP_TEMPORARIES,
     Terms,
     activation_bytes,
     activation_peak,
     activation_terms,
+    kept_activation_bytes,
     kept_bytes,
     loss_bytes,
     loss_grad_bytes,
@@ -132,6 +134,8 @@ __all__ = [
     "activation_terms",
     "activation_bytes",
     "activation_peak",
+    "STEP_TEMPORARIES",
+    "kept_activation_bytes",
     "kept_bytes",
     "loss_bytes",
     "loss_grad_bytes",

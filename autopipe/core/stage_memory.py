@@ -76,8 +76,9 @@ from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.schedules import Op, rank_order, stage_order
 from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
 
-__all__ = ["Terms", "activation_bytes", "activation_peak", "activation_terms", "kept_bytes", "loss_bytes",
-           "loss_grad_bytes", "stage_terms", "step_bytes", "weight_held_bytes"]
+__all__ = ["STEP_TEMPORARIES", "Terms", "activation_bytes", "activation_peak", "activation_terms",
+           "kept_activation_bytes", "kept_bytes", "loss_bytes", "loss_grad_bytes", "stage_terms", "step_bytes",
+           "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
 # (a, b, c, d): a x input + b x saved + c x weight_held - d x input_saved bytes
@@ -178,21 +179,30 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
     return out
 
 
+def kept_activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount,
+                          input_saved: Amount, kept: Amount, grads: Amount) -> Amount:
+    """Peak activations of a stage that also keeps ``kept`` bytes per micro-batch in flight, the
+    micro-batches a term holds (``a + b - d``: a recomputed one is counted in a and b and once in
+    d), with the last stage's loss ``grads`` on top ([Note: the loss's memory])."""
+    return activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept) + grads
+
+
 def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount, input_saved: Amount,
                kept: Amount, grads: Amount) -> Amount:
-    """What a stage's kept outputs (and the last stage's loss) add to its peak activations ([Note:
-    the loss's memory]): ``kept`` bytes per micro-batch in flight, the micro-batches a term holds
-    (``a + b - d``: a recomputed one is counted in a and b and once in d), and the loss's
-    backward's ``grads`` on top."""
-    with_loss = activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept)
-    return with_loss - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved) + grads
+    """What a stage's kept outputs (and the last stage's loss) add to its peak activations:
+    :func:`kept_activation_bytes` less :func:`activation_bytes` ([Note: the loss's memory])."""
+    return (kept_activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved, kept, grads)
+            - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved))
+
+
+STEP_TEMPORARIES = ("adam", "adamw")  # the optimizers whose step allocates: [Note: the optimizer step's memory]
 
 
 def step_bytes(param_bytes: Amount, largest_bytes: Amount, optimizer: str, one_at_a_time: bool,
                data_parallel: int = 1, dp_mode: str = "ddp") -> Amount:
     """What ``optimizer.step()`` holds besides the stage's state ([Note: the optimizer step's
     memory]): ``param_bytes`` are the stage's, ``largest_bytes`` its largest layer's."""
-    if optimizer not in ("adam", "adamw"):
+    if optimizer not in STEP_TEMPORARIES:
         return 0
     amount = 2 * largest_bytes if one_at_a_time else param_bytes
     return amount / data_parallel if dp_mode == "fsdp" and data_parallel > 1 else amount

@@ -21,14 +21,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopipe.core.cost import (
+    STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
     Terms,
     activation_bytes,
     cast_cache_bytes,
+    kept_activation_bytes,
     kept_bytes,
     layer_work,
-    loss_bytes,
     loss_grad_bytes,
     schedule_ranks,
     stage_fixed_ms,
@@ -97,7 +98,7 @@ class RangeCosts:
         self.rec_n, self.m = rec_n, m
         self.precision = costs.precision  # [Note: mixed precision memory]
         self.ties = costs.tie_groups
-        self.loss = (costs.loss_kept, loss_grad_bytes(costs, m))  # [Note: the loss's memory]
+        self.loss_grads = loss_grad_bytes(costs, m)  # [Note: the loss's memory]
         self.costs = costs
         self.rows = np.arange(n + 1)
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
@@ -134,14 +135,14 @@ class RangeCosts:
         saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
         held = weight_held_bytes(self.weight_grad[None, j0:j1] - self.weight_grad[:, None],
                                  self.cut[None, j0:j1], True, False) if any(t[2] for t in self.terms) else 0
-        act: FloatArray = activation_bytes(self.cut[:, None], saved, self.terms, held,
-                                           np.minimum(self.input_saved[:, None], saved))
         last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
         kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
-        if np.any(kept) or (last.any() and self.loss[1]):
-            act += loss_bytes(self.cut[:, None], saved, self.terms, held, np.minimum(self.input_saved[:, None], saved),
-                              kept, np.where(last, self.loss[1], 0)[None, :])
-        if self.optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory]
+        grads = np.where(last, self.loss_grads, 0)[None, :]
+        input_saved = np.minimum(self.input_saved[:, None], saved)
+        act: FloatArray = (  # most blocks keep nothing and take the plain walk
+            kept_activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved, kept, grads)
+            if kept.any() or grads.any() else activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved))
+        if self.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
             act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,
                                              *self.replicas))

@@ -33,6 +33,7 @@ import numpy.typing as npt
 import pulp
 
 from autopipe.core.cost import (
+    STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
     activation_bytes,
@@ -187,12 +188,12 @@ def _solve(
                 params, costs.precision, recomputed[s])  # [Note: mixed precision memory]
             held = 0 if grads is None else weight_held_bytes(  # [Note: split backward time] in cost.py
                 total(grads, s), crossing(s), s == 0, s == k - 1)
-            if options.optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory] in stage_memory.py
+            if options.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory] in stage_memory.py
                 if costs.one_at_a_time and costs.layer_params is not None:  # each layer's tensors must fit
                     for v in range(n):
                         if costs.layer_params[v]:
                             step = step_bytes(params, int(costs.layer_params[v]) * x(v, s), options.optimizer,
-                                                   True, options.data_parallel, options.dp_mode)
+                                              True, options.data_parallel, options.dp_mode)
                             prob += state + step <= dev.memory
                 else:
                     prob += state + step_bytes(params, 0, options.optimizer, False, options.data_parallel,

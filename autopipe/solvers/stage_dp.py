@@ -29,14 +29,15 @@ import numpy as np
 import numpy.typing as npt
 
 from autopipe.core.cost import (
+    STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
     Terms,
     activation_bytes,
     cast_cache_bytes,
+    kept_activation_bytes,
     kept_bytes,
     layer_work,
-    loss_bytes,
     loss_grad_bytes,
     schedule_ranks,
     stage_fixed_ms,
@@ -87,7 +88,7 @@ class StageBlocks:
         self.input_saved = costs.input_saved_cut().astype(np.float64)  # [Note: an input kept once]
         self.ties = costs.tie_groups
         self.precision = costs.precision  # [Note: mixed precision memory]
-        self.loss = (costs.loss_kept, loss_grad_bytes(costs, options.chunks))  # [Note: the loss's memory]
+        self.loss_grads = loss_grad_bytes(costs, options.chunks)  # [Note: the loss's memory]
         self.costs = costs
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
@@ -171,16 +172,16 @@ class StageBlocks:
         held = self._cached(("held", j0, ends), lambda: weight_held_bytes(
             self.weight_grad[None, j0:j1] - self.weight_grad[:j1, None], self.cut[None, j0:j1],
             *ends)) if split else 0
-        out: FloatArray = activation_bytes(self.cut[:j1, None], saved, terms, held,  # a new array
-                                           np.minimum(self.input_saved[:j1, None], saved))
         cols = np.arange(j0, j1)
         last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
         kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
-        if np.any(kept) or (last.any() and self.loss[1]):
-            out += loss_bytes(self.cut[:j1, None], saved, terms, held, np.minimum(self.input_saved[:j1, None], saved),
-                              kept, np.where(last, self.loss[1], 0)[None, :])
+        grads = np.where(last, self.loss_grads, 0)[None, :]
+        input_saved = np.minimum(self.input_saved[:j1, None], saved)
+        out: FloatArray = (  # a new array; most blocks keep nothing and take the plain walk
+            kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads)
+            if kept.any() or grads.any() else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
         optimizer = self.options.optimizer
-        if optimizer in ("adam", "adamw"):  # [Note: the optimizer step's memory]
+        if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             one = self.costs.one_at_a_time
             step = self._cached(("step", j0), lambda: step_bytes(
                 self.param_bytes(j0, j1), self.costs.largest_params(j0, j1, j1) if one else 0, optimizer, one,
