@@ -82,11 +82,8 @@ class MemoryMeter(TorchDispatchMode):
                 self._track(value)
 
     def _charge(self, t: Any) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage
+        storage = _storage(t)
+        if storage is None or t.device.type == "meta":
             return
         key = id(storage)
         if key in self._held and self._held[key]() is storage:
@@ -104,18 +101,19 @@ class MemoryMeter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # a view or an in-place result is no new storage, though the input's may predate the
         # meter; but torch.tensor(data) is made outside the dispatcher and only lifted in it
-        read = set() if func in _LIFTS else {_storage_id(t) for t in tree_leaves((args, kwargs))}
+        read = set() if func in _LIFTS else {id(_storage(t)) for t in tree_leaves((args, kwargs))}
         for t in tree_leaves(out):
-            if _storage_id(t) not in read:
+            if id(_storage(t)) not in read:
                 self._charge(t)
         self.peak = max(self.peak, self.live)
         return out
 
 
-def _storage_id(t: Any) -> int | None:
+def _storage(t: Any) -> Any:
+    """``t``'s untyped storage; None for what is not a tensor or has no storage."""
     if not isinstance(t, torch.Tensor):
         return None
     try:
-        return id(t.untyped_storage())
+        return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
