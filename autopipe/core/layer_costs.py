@@ -194,15 +194,12 @@ class LayerCosts:
         out = np.zeros((rows, j1 - j0))
         if j1 <= j0:
             return out
-        column = np.zeros(rows)
         top = min(j0, rows)
         if top:
-            column[:top] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
-        out[:, 0] = column
+            out[:top, 0] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
         for c, j in enumerate(range(j0 + 1, j1), start=1):
-            column = column.copy()
-            column[:min(j, rows)] = np.maximum(column[:min(j, rows)], p[j - 1])
-            out[:, c] = column
+            top = min(j, rows)
+            out[:top, c] = np.maximum(out[:top, c - 1], p[j - 1])
         return out
 
     def cut_bytes(self) -> IntArray:

@@ -84,7 +84,7 @@ def loss_bytes(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any]) -> 
     output, counted as live tensor storage ([Note: counting live bytes] in
     executor/memory_meter.py): what the forward keeps for the backward, and the most alive at
     once; the output itself is the caller's, counted by neither ([Note: the loss's memory] in
-    autopipe/core/cost.py)."""
+    autopipe/core/stage_memory.py)."""
     out = tree_map_only(torch.Tensor, _leaf, output)
     meter = MemoryMeter()
     with meter:
