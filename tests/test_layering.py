@@ -125,6 +125,7 @@ def test_profiling_by_job() -> None:
     assert _violations(f"{jobs}/harness", (corrections, spawned)) == []
     assert _violations(f"{jobs}/corrections", (spawned,)) == []
     assert _violations(f"{jobs}/spawned", (corrections,)) == []
+    assert _violations(f"{jobs}/estimated", (spawned,)) == []  # an estimate starts no process
 
 
 def test_assembling_never_reaches_the_command_line() -> None:

@@ -3,6 +3,7 @@
     config.py            the config dataclasses: every CLI choice and default, in one place
     flag_groups.py       flag groups commands share: PrecisionFlags, LoopFlags, one check each
     checkpoint_flags.py  the checkpoint and restart flags that TrainConfig and RunConfig inherit
+    sheet_flags.py       the device-sheet flags: profile's --estimate (EstimateFlags)
     flags.py             argparse from the config dataclasses: one flag per field
     cli.py               argv -> config -> one library call; AutopipeError -> one line, exit 2
     model_spec.py        MODEL strings (bundled example or package.module:factory) -> model, inputs

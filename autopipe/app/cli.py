@@ -100,6 +100,7 @@ def _profile(args: argparse.Namespace) -> int:
         threads=config.threads, progress=not config.no_progress, mode=config.mode,
         meta=config.meta, micro_batch_sizes=config.micro_batch_sizes, comm=config.comm,
         comm_from=config.comm_from, host_allocator=config.host_allocator, precision=config.precision,
+        estimate=config.estimate,
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")

@@ -31,6 +31,7 @@ from autopipe.app.flag_groups import (
     flag,
     positional,
 )
+from autopipe.app.sheet_flags import EstimateFlags
 from autopipe.errors import BuildError, PartitionError
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
 from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
@@ -90,7 +91,7 @@ def resolve(value: int | None, *made_for: Any, default: int) -> int:
 
 
 @dataclass(frozen=True)
-class ProfileConfig(PrecisionFlags):
+class ProfileConfig(PrecisionFlags, EstimateFlags):
     model: str = positional(_EXAMPLE_MODEL, metavar="MODEL")
     batch_size: int | None = flag(None, f"mini-batch size B (default {DEFAULT_BATCH}; a factory without a "
                                         f"batch_size parameter: its own inputs' batch)")
@@ -124,7 +125,6 @@ class ProfileConfig(PrecisionFlags):
     comm_from: str | None = flag(None, "the link between two hosts as `autopipe comm` measured it "
                                        "(its --out FILE.json): its latency, bandwidth and call costs "
                                        "go into the profile instead of measuring this host's", metavar="FILE")
-
 
 
 @dataclass(frozen=True)

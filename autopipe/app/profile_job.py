@@ -17,6 +17,8 @@ from torch import nn
 
 from autopipe.app.config import DEFAULT_CHUNKS, resolve
 from autopipe.app.model_spec import load_model
+from autopipe.core.device_sheet import load_sheet
+from autopipe.core.estimated import estimate_text
 from autopipe.core.profile_table import Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
@@ -62,11 +64,12 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
         f"{'':>10} {format_bytes(float(df['saved_bytes'].sum())):>10}"
     )
     m = prof.meta
+    how = ("counted once" if estimate_text(m) is not None else
+           f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s)")
     lines.append(
         f"device {m.get('device')}, micro-batch {m.get('micro_batch_size')} "
         f"(batch {m.get('batch_size')} / chunks {m.get('chunks')}), {m.get('dtype')}, "
-        f"median of {m.get('repeats')} repeats, {m.get('cpu_threads')} CPU thread(s), "
-        f"fingerprint {m.get('fingerprint')}"
+        f"{how}, fingerprint {m.get('fingerprint')}"
     )
     grouped = m.get("grouped")
     if grouped:  # [Note: automatic granularity] in autopipe/frontend/tracing/granularity.py
@@ -77,7 +80,11 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
                      + " are one layer each; trace with leaf_modules= or max_depth= to choose")
     c = prof.corrections
     ranks = c.stage_calls.get("distributed", {})
-    if c.transfer is not None:
+    estimated = estimate_text(m)
+    if c.transfer is not None and estimated is not None:
+        lines.append(f"between stages: {format_bytes(c.transfer.bandwidth)}/s, the sheet's inter-host link "
+                     "(partition --bandwidth BYTES_PER_S for stages on one host)")
+    elif c.transfer is not None:
         t, call = c.transfer, c.call_for("distributed", "gpipe")
         on = " on 2 nodes" if m.get("comm_nodes") == 2 else ""
         lines.append(f"between two ranks{on} ({m.get('comm_backend')}): {t.latency_ms} ms + bytes / "
@@ -92,7 +99,10 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
                      "from this profile predict ranks")
     if c.loss is not None:
         lines.append(f"the loss: {c.loss.fwd_ms} + {c.loss.bwd_ms} ms per micro-batch, paid by the last stage")
-    if m.get("mode") == "layers":
+    if estimated is not None:  # [Note: estimated or measured]
+        lines.append(f"ESTIMATED on device sheet {estimated}, not measured: {m.get('measured_layers')} of "
+                     f"{len(df)} layers counted (the others are identical to one of them, column measured_as)")
+    elif m.get("mode") == "layers":
         peak = m.get("peak_memory_bytes")
         lines.append(
             f"profiled layer by layer: {m.get('measured_layers')} of {len(df)} layers measured, "
@@ -174,6 +184,7 @@ def profile_to_file(
     comm_from: str | os.PathLike[str] | None = None,
     host_allocator: str = "retain",
     precision: str = "fp32",
+    estimate: str | None = None,
 ) -> tuple[Profile, Path]:
     """Profile the model named ``model`` (see autopipe.app.model_spec) and save it.
 
@@ -185,16 +196,23 @@ def profile_to_file(
     two ranks and the distributed runtime's call cost ([Note: measured transfer]); ``comm_from``
     takes them from a file of ``autopipe comm`` instead (the link between two hosts).
     ``host_allocator`` and ``precision`` are profile()'s, "retain" as the command line trains.
+    ``estimate``: a device sheet to estimate the layers on instead of measuring them (the model
+    built on the meta device; [Note: counted, not timed]).
     """
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be >= 1, got {threads}; pass --threads 1 for reproducible CPU timings")
     if comm and comm_from is not None:
         raise ProfileError(f"--comm and --comm-from {comm_from}: pass one; --comm measures two ranks on this "
                            "host, --comm-from takes the link `autopipe comm` measured")
+    if estimate is not None and comm_from is not None:
+        raise ProfileError(f"--estimate {estimate} and --comm-from {comm_from}: an estimated profile takes its "
+                           "link from the sheet; drop --comm-from")
+    if estimate is not None:
+        load_sheet(estimate)  # a bad sheet: before building the model
     measured = load_comm(comm_from) if comm_from is not None else None  # a bad file: before measuring
     shape = parse_shape(input_shape) if input_shape is not None else None
     sizes = _parse_sizes(micro_batch_sizes) if micro_batch_sizes is not None else None
-    loaded = load_model(model, batch_size, input_shape=shape, meta=meta)
+    loaded = load_model(model, batch_size, input_shape=shape, meta=meta or estimate is not None)
     csv_path, json_path = _csv_json(out if out is not None else Path("profiles") / f"{loaded.name}.csv")
     existing = [str(p) for p in (csv_path, json_path) if p.exists()]
     if existing and not force:  # fail before measuring, and leave the files untouched
@@ -217,8 +235,8 @@ def profile_to_file(
             repeats=DEFAULT_REPEATS if repeats is None else repeats,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             name=loaded.name, progress=progress, mode=mode, micro_batch_sizes=sizes,
-            host_allocator=host_allocator, comm=comm, precision=precision, **_loss_of(loaded),
-            **kwargs,
+            host_allocator=host_allocator, comm=comm, precision=precision, estimate=estimate,
+            **_loss_of(loaded), **kwargs,
         )
     finally:
         torch.set_num_threads(before)

@@ -6,6 +6,7 @@
     units.py              byte sizes: parse "16GiB", format for humans
     devices.py            DeviceSpec: a device's name, memory limit and relative speed
     device_sheet.py       DeviceSheet: a device's peak rates, memory and links; [Note: roofline]
+    estimated.py          whether a profile was measured or estimated, and on which sheet; never both
     schedules.py          each rank's operation order per schedule (torch's own)
     zero_bubble.py        the zero-bubble schedules' per-rank orders (backward split into I and W)
     scaling.py            a Profile at another micro-batch size

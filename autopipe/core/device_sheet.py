@@ -8,6 +8,7 @@ user's own; ``autopipe calibrate`` writes one for the device it runs on) of thes
 one required:
 
     name, device              the sheet's short name and the device in words
+    device_type               torch's device type: cuda (NVIDIA and ROCm GPUs) or cpu
     peak_flops_bf16/_fp16/_fp32   dense peak FLOP/s in each compute dtype (no sparsity)
     memory_bandwidth          device memory (HBM) bytes/s
     memory_bytes              device memory, bytes
@@ -50,7 +51,8 @@ SHEET_FORMAT = "autopipe-device-sheet/1"
 OP_CLASSES: tuple[str, ...] = ("matmul", "attention", "elementwise")
 COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 SHEETS_DIR = Path(__file__).resolve().parent / "sheets"
-TEXTS: tuple[str, ...] = ("name", "device")
+TEXTS: tuple[str, ...] = ("name", "device", "device_type")
+DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 NUMBERS: tuple[str, ...] = (
     "peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32", "memory_bandwidth", "memory_bytes",
     "intra_host_bandwidth", "inter_host_bandwidth", "efficiency_matmul", "efficiency_attention",
@@ -66,6 +68,7 @@ class DeviceSheet:
 
     name: str
     device: str
+    device_type: str
     peak_flops_bf16: float
     peak_flops_fp16: float
     peak_flops_fp32: float
@@ -85,6 +88,9 @@ class DeviceSheet:
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ProfileError(f"{where}: field {key!r} must be a non-empty string, got "
                                    f"{getattr(self, key)!r}; {_FIX}")
+        if self.device_type not in DEVICE_TYPES:
+            raise ProfileError(f"{where}: field 'device_type' must be one of {list(DEVICE_TYPES)}, got "
+                               f"{self.device_type!r}; {_FIX}")
         for key in NUMBERS:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

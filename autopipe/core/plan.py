@@ -21,7 +21,9 @@ pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data 
 cost.py) with mixed precision; ``skipped_schedules`` (default none: the schedules a search could
 not weigh, each with why) with the zero-bubble schedules; ``merge_backward`` (default
 ``unwaited``: which adjacent halves of a split backward run whole, [Note: adjacent I and W] in
-executor/spec.py) with the planner's choice of it. A plan made for another micro-batch
+executor/spec.py) with the planner's choice of it; ``estimated_from`` (default none: the device
+sheet of an estimated profile, in words, [Note: estimated or measured] in estimated.py) with
+estimated profiles. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -51,6 +53,7 @@ from autopipe.core.cost import (
     stage_costs,
 )
 from autopipe.core.cost_options import CostOptions
+from autopipe.core.estimated import estimate_text
 from autopipe.core.plan_checks import check_types
 from autopipe.core.plan_fit import assign_stages, check_plan
 from autopipe.core.profile_table import Profile
@@ -136,6 +139,7 @@ class Plan:
     precision: str = "fp32"  # its profile's, what its costs predict ([Note: mixed precision memory])
     skipped_schedules: dict[str, str] = field(default_factory=dict)  # a search's, each with why
     merge_backward: str = "unwaited"  # zero-bubble schedules: [Note: adjacent I and W]
+    estimated_from: str | None = None  # the sheet of an estimated profile ([Note: estimated or measured])
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -220,7 +224,7 @@ class Plan:
             data_parallel=data_parallel, dp_mode=dp_mode,
             recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
             precision=costs.precision, skipped_schedules=dict(skipped_schedules or {}),
-            merge_backward=rule,
+            merge_backward=rule, estimated_from=estimate_text(profile.meta),
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -327,7 +331,7 @@ class Plan:
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
                     "recompute_layers", "runtime", "precision", "skipped_schedules",
-                    "merge_backward")  # older plans lack them
+                    "merge_backward", "estimated_from")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")

@@ -51,6 +51,8 @@ def check_types(plan: Plan) -> None:
     if not isinstance(plan.skipped_schedules, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in plan.skipped_schedules.items()):
         raise TypeError("'skipped_schedules' must map schedule names to reasons")
+    if plan.estimated_from is not None and not isinstance(plan.estimated_from, str):
+        raise TypeError(f"'estimated_from' must be a device sheet's name or null, got {plan.estimated_from!r}")
     if plan.runtime not in (None, *RUNTIMES):
         raise TypeError(f"'runtime' must be one of {list(RUNTIMES)} or null, got {plan.runtime!r}")
     where = {n: s for s, names in enumerate(plan.stages) for n in names}

@@ -153,6 +153,9 @@ def explain(plan: Plan) -> str:
     if weighed:
         parts.append(weighed)
     text = " ".join(parts)
+    if plan.estimated_from is not None:  # [Note: estimated or measured]: said first
+        text = (f"ESTIMATED, not measured: every time and byte below was counted on device sheet "
+                f"{plan.estimated_from} ([Note: roofline]), no layer was timed.\n{text}")
     if plan.alternatives:
         text += "\n\nNext best alternatives searched:\n" + alternatives_table(plan)
     return text

@@ -37,6 +37,8 @@ ONE micro-batch):
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
                    shared parameter's bytes on every member (or on one member and 0 elsewhere).
     kind, module_type   optional: free text ("call_module", "nn.Linear", ...)
+    estimated      optional: the device sheet a row was estimated from, never beside measured
+                   rows ([Note: estimated or measured] in estimated.py)
     bwd_input_ms, bwd_weight_ms, weight_grad_bytes   optional, all three or none: the backward
                    split as torch.distributed.pipelining's zero-bubble schedules run it, into
                    the gradients of the layer's inputs and of its weights (their sum is
@@ -78,6 +80,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from autopipe.core.atomic_files import atomic_write_text
 from autopipe.core.corrections import Corrections, is_legacy_key
+from autopipe.core.estimated import check_estimated
 from autopipe.errors import ProfileError
 
 if TYPE_CHECKING:  # imported where a table is built or read: a plan alone never loads pandas
@@ -124,6 +127,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         self.df = _validate_frame(self.df, where=str(self.meta.get("_source", "profile")))
+        check_estimated(self.df, self.meta, str(self.meta.get("_source", "the profile")))  # [Note: estimated or measured]
         self.edges = _validate_edges(self.edges, self.layers)
         flat = [k for k in self.meta if is_legacy_key(k)]
         if not isinstance(self.corrections, Corrections):

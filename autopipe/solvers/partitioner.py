@@ -28,6 +28,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.data_parallel import check_data_parallel, replica_devices
+from autopipe.core.estimated import sheet_memory
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import measured_sizes, profile_at, rows_for
@@ -137,7 +138,8 @@ def partition(
     or ``"distributed"`` (torch.distributed.pipelining: its call costs, the transfer and the
     ranks' slowdown); default: the distributed one where the profile measured it, else gpipe
     ([Note: one profile, two runtimes] in autopipe/core/corrections.py); ``plan.runtime``
-    records it. Raises PartitionError when no split fits.
+    records it. A profile estimated on a device sheet limits every device to the sheet's memory
+    unless ``memory_limit`` or a DeviceSpec says otherwise. Raises PartitionError when no split fits.
     """
     recompute = renamed_recompute(recompute, checkpoint, "partition")
     if not isinstance(profile, Profile):
@@ -158,6 +160,8 @@ def partition(
         raise PartitionError(f"runtime={runtime!r} is unknown; use one of {list(RUNTIMES)} (gpipe: executor.GPipe "
                              "in one process, distributed: torch.distributed.pipelining), or None: the profile's")
     profile = profile.for_runtime(runtime)  # every cost below is this runtime's
+    if memory_limit is None:  # an estimated profile's devices: the sheet's ([Note: estimated or measured])
+        memory_limit = sheet_memory(profile.meta)
     if isinstance(devices, int) and not isinstance(devices, bool):
         if devices < 1:
             raise PartitionError(f"devices={devices}: need at least one device, or a list of names")

@@ -90,6 +90,8 @@ def test_corrupt_json_unknown_fields_and_missing_files_are_one_line(tmp_path: Pa
         load_sheet(_write(tmp_path, _sheet(peak_flops_fp8=1e15)))
     with pytest.raises(ProfileError, match="'sources' names unknown field 'speed'"):
         load_sheet(_write(tmp_path, _sheet(sources={"speed": "a guess"})))
+    with pytest.raises(ProfileError, match=r"field 'device_type' must be one of \['cuda', 'cpu'\]"):
+        load_sheet(_write(tmp_path, _sheet(device_type="tpu")))
     with pytest.raises(ProfileError, match="does not exist"):
         load_sheet(tmp_path / "absent.json")
     with pytest.raises(ProfileError, match="takes a device sheet's name"):

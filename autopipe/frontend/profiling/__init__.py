@@ -4,6 +4,7 @@
 
 Modules:
     profiler          profile(): every layer of one micro-batch, then the corrections -> Profile
+    batches           the example batch as profile() takes it: keyword inputs, one row set per size
     steps             the measurement steps in order, each filling one field of Corrections
     layer_rows        every layer measured into its profile row
     _whole_or_layers  the choice between one real run of the whole model and each layer alone
@@ -11,7 +12,8 @@ Modules:
     harness/          the per-layer measuring harness: a layer alone, timed and measured
     corrections/      what layers alone miss, measured on the whole model
     spawned/          experiments that start processes: ranks and neighbours
+    estimated/        profile(estimate=SHEET): the harness with a counting timer, on fake tensors
 
-harness/ imports neither corrections/ nor spawned/, and those two never import each other
-(tests/test_layering.py).
+harness/ imports neither corrections/ nor spawned/, and those two never import each other;
+estimated/ starts no process (no spawned/) (tests/test_layering.py).
 """

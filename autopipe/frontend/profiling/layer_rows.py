@@ -58,12 +58,12 @@ def measure_rows(
     the edges (their bytes re-measured under a precision: [Note: profiling under a precision]),
     each measured layer's split backward ([Note: split backward measured])."""
     meter = memory_meter_for(dev)
-    fwd_extra, bwd_extra = harness_overhead(timer, dev, precision)
+    fwd_extra, bwd_extra = harness_overhead(timer, dev, precision) if timer.harness_cost else (0.0, 0.0)
     sampler = RecomputeSampler(timer, repeats, warmup)
     rows: list[dict[str, Any]] = []
     measured: dict[str, tuple[float, float, int, int | None]] = {}
     splits: dict[str, BackwardSplit] = {}
-    split_extra = split_overhead(timer, dev, precision)
+    split_extra = split_overhead(timer, dev, precision) if timer.harness_cost else (0.0, 0.0)
     ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
     kept: dict[str, int] = {}  # saved bytes of its inputs from other layers, not written in place
     outs: dict[str, list[int]] = {}  # under a precision: each layer's output bytes, measured

@@ -26,18 +26,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import pandas as pd
 import torch
 from torch import fx, nn
 
+from autopipe.core.device_sheet import DeviceSheet, load_sheet
 from autopipe.core.profile_table import Profile
-from autopipe.core.scaling import SCALED_COLUMNS
-from autopipe.errors import ProfileError, TraceError
+from autopipe.errors import ProfileError
 from autopipe.frontend.profiling._whole_or_layers import choose_mode
+from autopipe.frontend.profiling.batches import Measured, keyword_inputs, measure_sizes
 from autopipe.frontend.profiling.corrections.in_sequence import (
     SequenceScales,
     measure_sequence,
@@ -46,6 +46,8 @@ from autopipe.frontend.profiling.corrections.in_sequence import (
 )
 from autopipe.frontend.profiling.corrections.overheads import stage_call_ms
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
+from autopipe.frontend.profiling.estimated.estimate import check_estimate
+from autopipe.frontend.profiling.estimated.estimate import estimate as run_estimate
 from autopipe.frontend.profiling.harness.backward_split import split_columns, split_ratio
 from autopipe.frontend.profiling.harness.inputs import (
     device_name,
@@ -54,7 +56,6 @@ from autopipe.frontend.profiling.harness.inputs import (
     other_sizes,
     target_device,
     to_device,
-    with_rows,
 )
 from autopipe.frontend.profiling.harness.layer_timing import fresh, storage_key, time_runs
 from autopipe.frontend.profiling.harness.layerwise import LayerRun, layer_by_layer
@@ -63,12 +64,10 @@ from autopipe.frontend.profiling.harness.process_memory import PeakRss
 from autopipe.frontend.profiling.harness.replay import graph_args, layer_calls, record_values
 from autopipe.frontend.profiling.harness.timing import Timer, timer_for
 from autopipe.frontend.profiling.harness.under_autocast import autocast_call
-from autopipe.frontend.profiling.layer_rows import Edges, measure_rows
+from autopipe.frontend.profiling.layer_rows import measure_rows
 from autopipe.frontend.profiling.steps import check_steps, later_steps, measured_corrections
-from autopipe.frontend.tracing.capture import default_kwargs
 from autopipe.frontend.tracing.granularity import grouped_meta
-from autopipe.frontend.tracing.graph import LayerGraph, trace
-from autopipe.frontend.tracing.keyword_inputs import KeywordCall, split_keywords
+from autopipe.frontend.tracing.graph import LayerGraph
 from executor.host_allocator import check_host_allocator, host_allocator_in_use, use_host_allocator
 from executor.precision import precision_autocast
 from executor.spec import check_precision
@@ -77,19 +76,6 @@ __all__ = ["profile", "time_model", "DEFAULT_REPEATS", "DEFAULT_WARMUP"]
 
 RSS_INTERVAL_S = 0.005  # how often profile() samples the process's RssAnon (CPU)
 _TRACE_KWARGS = ("leaf_modules", "max_depth", "kwargs")
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One micro-batch size measured, whole or layer by layer."""
-
-    graph: LayerGraph
-    rows: list[dict[str, Any]]  # every layer's profile row
-    harness_ms: tuple[float, float]  # the layer harness's own forward, backward call
-    recompute_ratio: float
-    scales: SequenceScales  # the whole graph in sequence ([Note: layers in sequence])
-    edges: Edges
-    split_ratio: float | None  # the split backward's (I + W) / backward ([Note: split backward measured])
 
 
 # --- the public entry points -------------------------------------------------------------------
@@ -200,6 +186,7 @@ def profile(
     target: Any = None,
     comm: bool = False,
     precision: str = "fp32",
+    estimate: str | os.PathLike[str] | DeviceSheet | None = None,
     **trace_kwargs: Any,
 ) -> Profile:
     """Measure every layer of ``model`` on one micro-batch of ``example_inputs``.
@@ -245,6 +232,12 @@ def profile(
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: what the pipeline will compute in; every
             forward is measured under its autocast, so times and bytes are the precision's, and
             ``meta["precision"]`` records it ([Note: profiling under a precision]).
+        estimate: a device sheet (a shipped sheet's name, ``"h100"``, a sheet file's path or a
+            DeviceSheet) to ESTIMATE every layer on instead of measuring it: counted FLOPs and
+            bytes on fake tensors, no weights allocated, nothing timed ([Note: counted, not
+            timed] in estimated/op_counts.py); ``meta["estimated"]`` records the sheet ([Note:
+            estimated or measured]). ``device``, ``mode``, ``timer`` and ``comm`` then do not apply,
+            and ``repeats`` / ``warmup`` are not needed (a count is the same every time).
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
         The steps run in one order: [Note: one list of measurement steps] in steps.py.
 
@@ -266,14 +259,20 @@ def profile(
     if progress is not None and not isinstance(progress, bool):
         raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
                            f"terminal), got {progress!r}")
-    whole, example_inputs, tracer = _keyword_inputs(model, example_inputs, example_kwargs, trace_kwargs)
+    whole, example_inputs, tracer = keyword_inputs(model, example_inputs, example_kwargs, trace_kwargs)
     inputs, batch, micro = micro_batch(example_inputs, chunks)
+    if graph is not None:
+        _check_graph(graph, inputs, micro, chunks)
+    if estimate is not None:  # [Note: counted, not timed]
+        sheet = load_sheet(estimate)
+        check_estimate(device, mode, comm, timer)
+        return run_estimate(model, example_inputs, inputs, sheet=sheet, graph=graph, tracer=tracer, batch=batch,
+                            micro=micro, chunks=chunks, others=other_sizes(micro_batch_sizes, micro), name=name,
+                            precision=precision, progress=progress, dedupe=dedupe, loss_fn=loss_fn, target=target)
     dev = target_device(device)
     check_host_allocator(host_allocator)
     if dev.type == "cpu":
         use_host_allocator(host_allocator)  # [Note: freed memory stays in the process]
-    if graph is not None:
-        _check_graph(graph, inputs, micro, chunks)
     chosen = choose_mode(mode, model, dev, memory_budget)
     timer = timer or timer_for(dev)
     others = other_sizes(micro_batch_sizes, micro)
@@ -290,20 +289,8 @@ def profile(
     with rss or contextlib.nullcontext():
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        measured = measure_at(inputs, graph)
+        measured, frame, fingerprints = measure_sizes(measure_at, inputs, graph, example_inputs, micro, others)
         g = measured.graph
-        frame = pd.DataFrame(measured.rows)
-        fingerprints = {str(micro): g.fingerprint}
-        for r in others:  # [Note: micro-batch scaling] in autopipe/core/scaling.py
-            at_r = measure_at(with_rows(example_inputs, r), None)
-            g_r, rows_r = at_r.graph, at_r.rows
-            if g_r.layers != g.layers:
-                raise ProfileError(f"at {r} rows the model traces to other layers than at {micro} "
-                                   f"({len(g_r.layers)} vs {len(g.layers)}); profile each size on "
-                                   "its own (micro_batch_sizes=None)")
-            for column in SCALED_COLUMNS:
-                frame[f"{column}@{r}"] = [row[column] for row in rows_r]
-            fingerprints[str(r)] = g_r.fingerprint
     peak = (int(torch.cuda.max_memory_allocated(dev)), "cuda max_memory_allocated") \
         if dev.type == "cuda" else (rss.bytes if rss is not None else None, "RssAnon of the process")
     meta = {
@@ -337,36 +324,6 @@ def profile(
                                        measured.scales, chosen == "whole")
     return later_steps(Profile(frame, measured.edges, meta, corrections), whole, example_inputs, device=dev,
                        loss_fn=loss_fn, target=target, comm=comm)
-
-
-def _keyword_inputs(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
-                   trace_kwargs: Mapping[str, Any]
-                   ) -> tuple[nn.Module, Any, Callable[[tuple[Any, ...]], LayerGraph]]:
-    """(what runs the whole model on the graph's inputs, those inputs as one tuple, the tracer
-    of a micro-batch of them): with ``example_kwargs``, the positional inputs then the batched
-    keyword ones (split_keywords' order, as the pipelines take them), traced with the keywords
-    and the constants as ``setup.traced`` traces a pipeline's, so that the fingerprints agree."""
-    if example_kwargs is None:
-        return model, example_inputs, lambda args: trace(model, args, **trace_kwargs)
-    if not isinstance(example_kwargs, Mapping):
-        raise ProfileError(f"example_kwargs must be a mapping of keyword inputs (an HF batch), got "
-                           f"{type(example_kwargs).__name__}")
-    try:
-        batched, constants = split_keywords(model, example_kwargs, None)
-    except TraceError as err:
-        raise ProfileError(str(err)) from None
-    if not batched:
-        raise ProfileError("example_kwargs holds no tensor with a batch dimension: pass the batch's "
-                           "tensors (input_ids=..., attention_mask=...), not only constants")
-    positional = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    names, p = tuple(batched), len(positional)
-
-    def tracer(args: tuple[Any, ...]) -> LayerGraph:
-        keywords = {**dict(zip(names, args[p:], strict=True)), **constants}
-        return trace(model, args[:p], example_kwargs=keywords, **trace_kwargs)
-
-    whole = KeywordCall(model, p, names, {**constants, **default_kwargs(model, trace_kwargs.get("kwargs"))})
-    return whole, (*positional, *batched.values()), tracer
 
 
 def time_model(

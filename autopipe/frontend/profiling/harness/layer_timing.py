@@ -80,6 +80,8 @@ def backward_roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     try:
         storage = t.untyped_storage()
+        if storage.device.type == "meta":  # meta and fake tensors have no address: the storage object is
+            return id(storage), int(storage.nbytes())  # one per live storage ([Note: counted, not timed])
         return int(storage.data_ptr()), int(storage.nbytes())
     except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested ...)
         return id(t), int(t.numel()) * t.element_size()

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from autopipe.frontend.building.materialize import retarget_graph_module
+from autopipe.frontend.profiling.harness.layer_timing import storage_key
 from autopipe.frontend.profiling.harness.replay import LayerCall, Values, graph_args, layer_calls
 from autopipe.frontend.tracing.graph import LayerGraph
 from executor._torch_compat import tree_map_only
@@ -142,7 +143,7 @@ def _made_up(value: Any, device: torch.device) -> Any:
 
 
 def _state(module: nn.Module) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    return {storage_key(t)[0] for t in (*module.parameters(), *module.buffers())}
 
 
 def layer_by_layer(

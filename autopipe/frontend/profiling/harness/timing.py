@@ -36,7 +36,14 @@ T = TypeVar("T")
 
 
 class Timer:
-    """Times one call of a zero-argument function; returns its result and milliseconds."""
+    """Times one call of a zero-argument function; returns its result and milliseconds.
+
+    ``harness_cost``: whether calling a layer through the harness costs time this timer sees
+    (a clock does: [Note: harness overhead], [Note: split backward measured]); a timer that
+    counts the layer's own kernels does not ([Note: counted, not timed]), and nothing is
+    subtracted from its times."""
+
+    harness_cost = True
 
     def __call__(self, fn: Callable[[], T]) -> tuple[T, float]:
         raise NotImplementedError
