@@ -3,12 +3,13 @@
     config.py            the config dataclasses: every CLI choice and default, in one place
     flag_groups.py       flag groups commands share: PrecisionFlags, LoopFlags, one check each
     checkpoint_flags.py  the checkpoint and restart flags that TrainConfig and RunConfig inherit
-    sheet_flags.py       the device-sheet flags: profile's --estimate (EstimateFlags)
+    sheet_flags.py       the device-sheet flags: profile's --estimate, calibrate's config
     flags.py             argparse from the config dataclasses: one flag per field
     cli.py               argv -> config -> one library call; AutopipeError -> one line, exit 2
     model_spec.py        MODEL strings (bundled example or package.module:factory) -> model, inputs
     profile_job.py       `autopipe profile`: measure and save, print a summary
     comm_job.py          `autopipe comm`: two ranks time the link between them, for --comm-from
+    calibrate_job.py     `autopipe calibrate`: this device measured into a device sheet
     train.py             `autopipe train`: the whole job in one process
     run_checkpoints.py   checkpoints of train and run: when to save, what a resume loads
     launch.py            `autopipe run`: start rank_main under torchrun

@@ -7,6 +7,7 @@
     autopipe train EXAMPLE ...       the whole job in one process     (app.train)
     autopipe run MODEL ...           train with torchrun              (app.launch, app.rank_main)
     autopipe comm --out FILE ...     time the link between two ranks  (app.comm_job)
+    autopipe calibrate --device DEV  this device into a device sheet  (app.calibrate_job)
 
 Flags, choices and defaults come from the config dataclasses in autopipe.app.config.
 
@@ -32,6 +33,7 @@ from autopipe.app.config import (
     TrainConfig,
 )
 from autopipe.app.flags import add_arguments, from_namespace
+from autopipe.app.sheet_flags import CalibrateConfig
 from autopipe.errors import AutopipeError
 from executor.errors import ExecutorError
 
@@ -104,6 +106,21 @@ def _profile(args: argparse.Namespace) -> int:
     )
     print(summary_table(prof, where=path))
     print(f"wrote {path} and {path.with_suffix('.json')}")
+    return 0
+
+
+@_register
+def _calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    _command(sub, "calibrate", CalibrateConfig, _calibrate,
+             "measure this device (matmuls, attention, elementwise) into a device sheet for --estimate")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from autopipe.app.calibrate_job import calibrate_to_file, sheet_summary
+
+    sheet, path = calibrate_to_file(from_namespace(CalibrateConfig, args))
+    print(sheet_summary(sheet))
+    print(f"wrote {path}; estimate on it with: autopipe profile MODEL --estimate {path}")
     return 0
 
 

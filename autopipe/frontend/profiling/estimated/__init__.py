@@ -2,4 +2,5 @@
 
     op_counts.py   OpCounter, CountingTimer: every op counted, its time on the sheet's roofline
     estimate.py    estimate(): profile(estimate=)'s rows, loss, metadata and corrections
+    calibrate.py   calibrate(): this device measured into a sheet, efficiencies and launch fitted
 """

@@ -16,7 +16,8 @@ same code as when measured.
 Per op: FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` counts them (matmuls,
 convolutions, attention; the CPU's flash attention, which torch's registry lacks, by torch's own
 ``sdpa_flop_count`` formulas, half of it under ``is_causal``: a flash kernel skips the masked
-blocks); bytes as what the op reads and writes, every tensor argument and result once, whole.
+blocks); bytes as what the op reads and writes, every tensor argument and result once, whole
+(an in-place op reads and writes its first argument; ``copy_`` only writes it).
 Ops that launch no kernel cost nothing: views (``func.is_view``, and ``_unsafe_view``, which
 its schema does not mark), ``prim`` ops, and allocations (``empty`` & co.). The class is ``attention`` for the attention kernels, ``matmul`` for any
 other op with FLOPs, ``elementwise`` for the rest (norms, activations, casts, copies, sums).
@@ -135,7 +136,7 @@ class OpCounter(TorchDispatchMode):
         if func.namespace == "prim" or func.is_view or name in FREE_OPS:
             return out
         flops = int(self._flops.get_total_flops() - before)
-        read, dtype = _tensor_bytes((args, kwargs))
+        read, dtype = _tensor_bytes((args[1:], kwargs) if name == "copy_" else (args, kwargs))  # copy_ reads no dst
         written, out_dtype = _tensor_bytes(out)
         self.ops.append(Op(op_class(name, flops), dtype or out_dtype or "fp32", flops, read + written))
         return out
