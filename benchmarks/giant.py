@@ -2,6 +2,8 @@
 
     python benchmarks/giant.py                       # TinyLlama-1.1B's shape, 8 stages
     python benchmarks/giant.py --layers 4 --hidden 256 --intermediate 512 --vocab 1000
+    python benchmarks/giant.py --layers 80 --hidden 8192 --intermediate 28672 --heads 64 --kv-heads 8 \
+        --estimate h100 --precision bf16     # the Llama-70B shape estimated for an H100, on this CPU
 
 Each phase runs in this process, one after the other; the table reports its wall time and the
 process's peak anonymous resident memory while it ran (RssAnon: [Note: RssAnon] in
@@ -53,6 +55,12 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--device", default="cpu", help="where each layer is profiled (cuda: peak "
                         "max_memory_allocated is reported in the profile's metadata)")
+    parser.add_argument("--estimate", metavar="SHEET", help="estimate each layer on this device sheet instead "
+                        "of measuring it ([Note: counted, not timed]): nothing runs on --device")
+    parser.add_argument("--precision", default="fp32", help="the profile's precision (fp32, bf16, fp16)")
+    parser.add_argument("--devices", type=int, default=64, help="with --estimate: the devices partition "
+                        "--stages auto --chunks auto --recompute auto plans for (default 64; 0: no partition)")
+    parser.add_argument("--out", help="save the profile here (NAME.csv + NAME.json)")
     args = parser.parse_args(argv)
     import transformers
 
@@ -69,17 +77,32 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     micro = ids[: -(-args.batch // args.chunks)]
     graph = _timed("trace", lambda: autopipe.trace(model, (micro,)), phases)
-    prof = _timed("profile (layer by layer)", lambda: autopipe.profile(
-        model, (ids,), chunks=args.chunks, graph=graph, repeats=args.repeats, warmup=1,
-        progress=False, device=args.device), phases)
+    how = {"estimate": args.estimate} if args.estimate else {"repeats": args.repeats, "warmup": 1, "device": args.device}
+    prof = _timed(f"profile ({'estimated on ' + args.estimate if args.estimate else 'layer by layer'})",
+                  lambda: autopipe.profile(model, (ids,), chunks=args.chunks, graph=graph, progress=False,
+                                           precision=args.precision, **how), phases)
     peak = prof.meta.get("peak_memory_bytes")
-    phases[-1].note = (f"{prof.meta['measured_layers']} of {len(prof)} layers measured, "
-                       f"{prof.meta['mode']} on {args.device}; peak "
-                       f"{format_bytes(peak) if peak is not None else 'n/a'} "
-                       f"({prof.meta.get('peak_memory_of')})")
-    plan = _timed(f"partition into {args.stages} stages", lambda: autopipe.partition(
-        prof, stages=args.stages, chunks=args.chunks, progress=False), phases)
-    phases[-1].note = f"{plan.method}, bottleneck {plan.bottleneck:.1f} ms, {plan.solver.status}"
+    phases[-1].note = (f"{prof.meta['measured_layers']} of {len(prof)} layers "
+                       + ("counted" if args.estimate else f"measured, {prof.meta['mode']} on {args.device}; peak "
+                          f"{format_bytes(peak) if peak is not None else 'n/a'} ({prof.meta.get('peak_memory_of')})"))
+    if args.out:
+        prof.save(args.out, overwrite=True)
+    if args.estimate and not args.devices:
+        plan = None
+    elif args.estimate:  # what a cluster of the sheet's devices runs: every choice the planner's
+        plan = _timed(f"partition: stages, chunks, recompute auto on {args.devices} devices",
+                      lambda: autopipe.partition(prof, stages="auto", devices=args.devices, chunks="auto",
+                                                 recompute="auto", progress=False), phases)
+    else:
+        plan = _timed(f"partition into {args.stages} stages", lambda: autopipe.partition(
+            prof, stages=args.stages, chunks=args.chunks, progress=False), phases)
+    if plan is not None:
+        phases[-1].note = (f"{plan.num_stages} stages, {plan.chunks} micro-batches, {plan.method}, bottleneck "
+                           f"{plan.bottleneck:.1f} ms, step {plan.iteration_time / 1e3:.2f} s, peak "
+                           f"{format_bytes(max(plan.device_memory.values(), default=0))} per device, "
+                           f"{plan.solver.status}")
+        if args.estimate:
+            print(plan.explain().splitlines()[0])
     total = sum(p.seconds for p in phases)
     print(f"HF Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: "
           f"{format_bytes(size)} of fp32 parameters on the meta device; batch {args.batch} x "

@@ -139,7 +139,8 @@ def partition(
     ranks' slowdown); default: the distributed one where the profile measured it, else gpipe
     ([Note: one profile, two runtimes] in autopipe/core/corrections.py); ``plan.runtime``
     records it. A profile estimated on a device sheet limits every device to the sheet's memory
-    unless ``memory_limit`` or a DeviceSpec says otherwise. Raises PartitionError when no split fits.
+    unless ``memory_limit`` says otherwise (a DeviceSpec's own memory still binds where it is
+    less). Raises PartitionError when no split fits.
     """
     recompute = renamed_recompute(recompute, checkpoint, "partition")
     if not isinstance(profile, Profile):

@@ -132,6 +132,13 @@ def test_giant_benchmark_runs_tiny() -> None:
                                         "partition into 2 stages"]
     assert all(p.seconds > 0 for p in phases)
     assert "layers measured, layers" in phases[2].note and "bottleneck" in phases[3].note
+    # estimated on a sheet, then planned for its devices with every choice the planner's
+    tiny = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+            "--vocab", "128", "--seq", "16", "--batch", "4", "--chunks", "2", "--threads", "1"]
+    phases = main([*tiny, "--estimate", "h100", "--precision", "bf16", "--devices", "4"])
+    assert [p.name for p in phases][2:] == ["profile (estimated on h100)",
+                                            "partition: stages, chunks, recompute auto on 4 devices"]
+    assert "layers counted" in phases[2].note and "per device" in phases[3].note
 
 
 def test_several_micro_batch_sizes_feed_chunks_auto() -> None:
