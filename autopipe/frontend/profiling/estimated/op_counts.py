@@ -19,10 +19,13 @@ convolutions, attention; the CPU's flash attention, which torch's registry lacks
 blocks); bytes as what the op reads and writes, every tensor argument and result once, whole
 (an in-place op reads and writes its first argument; ``copy_`` only writes it).
 Ops that launch no kernel cost nothing: views (``func.is_view``, and ``_unsafe_view``, which
-its schema does not mark), ``prim`` ops, and allocations (``empty`` & co.). The class is ``attention`` for the attention kernels, ``matmul`` for any
-other op with FLOPs, ``elementwise`` for the rest (norms, activations, casts, copies, sums).
+its schema does not mark), ``prim`` ops, and allocations (``empty`` & co.). The class is
+``attention`` for the attention kernels, ``matmul`` for any other op with FLOPs, ``elementwise``
+for the rest (norms, activations, casts, copies, sums).
 The compute dtype is the first floating tensor argument's. Cache effects, fusion and the
-overlap of a kernel with the next one's launch are not modelled.
+overlap of a kernel with the next one's launch are not modelled. A parameter's gradient is
+accumulated into the one before (an ``add_``), as for every micro-batch but a step's first: the
+probe the harness runs first leaves one, as when measured.
 
 What the harness adds is not counted: the timer sees only kernels, so no empty layer's cost is
 subtracted ([Note: harness overhead]: a clock sees the harness's calls, a count does not), and
