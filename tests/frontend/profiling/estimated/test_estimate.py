@@ -125,3 +125,13 @@ def test_the_loss_is_counted_on_a_fake_output() -> None:
     assert loss is not None and loss.micro_batch_size == M
     # cross-entropy keeps its log-softmax for the backward: M x N floats (and its one scalar)
     assert loss.held_bytes >= 4 * M * N and loss.peak_bytes >= loss.held_bytes
+
+
+def test_every_micro_batch_size_is_estimated_at_its_own_rows(chain) -> None:
+    model, x, _ = chain
+    prof = autopipe.profile(model, (x,), chunks=CHUNKS, estimate=_compute_only(), micro_batch_sizes=[2],
+                            progress=False)
+    assert prof.meta["micro_batch_sizes"] == [2, M]
+    first = prof.df.set_index("layer").loc["0"]
+    assert first["saved_bytes@2"] == 4 * 2 * K and first["saved_bytes"] == 4 * M * K
+    assert first["fwd_ms@2"] == pytest.approx(_ms(2 * 2 * K * N), abs=1e-6)
