@@ -107,8 +107,11 @@ from autopipe.core.stage_memory import (
     activation_bytes,
     activation_peak,
     activation_terms,
+    backward_extras,
+    first_backward_bytes,
     kept_activation_bytes,
     kept_bytes,
+    lazy_grad_bytes,
     loss_bytes,
     loss_grad_bytes,
     stage_terms,
@@ -134,6 +137,9 @@ __all__ = [
     "activation_terms",
     "activation_bytes",
     "activation_peak",
+    "backward_extras",
+    "first_backward_bytes",
+    "lazy_grad_bytes",
     "STEP_TEMPORARIES",
     "kept_activation_bytes",
     "kept_bytes",
@@ -347,6 +353,17 @@ def stage_costs(
         kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
+        lazy, first, working, backward = 0, 0, 0, 0
+        if costs.working is not None and mask.any():  # [Note: the backward's memory] in stage_memory.py
+            lazy = int(lazy_grad_bytes(params, OPTIMIZER_FACTOR[options.optimizer], options.data_parallel,
+                                       options.dp_mode, options.schedule))
+            first = int(first_backward_bytes(costs.saved[mask].astype(np.float64),
+                                             costs.params[mask].astype(np.float64) * (lazy > 0),
+                                             costs.working[mask].astype(np.float64)))
+            working = int(costs.working[mask].max())
+            backward = int(kept_activation_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads,
+                                                 backward_extras(lazy, first, working))
+                           - activation_bytes(cut_in, saved, terms[s], held, input_saved)) - loss
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -375,5 +392,9 @@ def stage_costs(
             bwd_weight_ms=bwd_weight,
             loss_bytes=loss,
             step_bytes=step,
+            lazy_grad_bytes=lazy,
+            first_backward_bytes=first,
+            working_bytes=working,
+            backward_bytes=backward,
         ))
     return result

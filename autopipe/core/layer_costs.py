@@ -27,9 +27,9 @@ import numpy.typing as npt
 
 from autopipe.core.corrections import call_fallbacks
 from autopipe.core.planned_precision import precision_of
-from autopipe.core.profile_table import SPLIT_COLUMNS, Profile
+from autopipe.core.profile_table import SPLIT_COLUMNS, WORKING_COLUMN, Profile
 
-__all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS"]
+__all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS", "range_max"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -83,6 +83,11 @@ class LayerCosts:
     # torch's optimizers step one tensor at a time there (the CPU) or all at once (foreach)
     layer_params: IntArray | None = None
     one_at_a_time: bool = True
+    # [Note: the backward's memory] in stage_memory.py: per layer, what its backward has alive
+    # beyond its saves, the gradient it receives included (output + the profile's
+    # ``bwd_working_bytes``; a model output's gradient is the loss's, in ``loss_grads``); None
+    # where the profile did not measure it
+    working: IntArray | None = None
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -180,6 +185,9 @@ class LayerCosts:
             layer_params=df["param_bytes"].to_numpy(dtype=np.int64),
             one_at_a_time=str(profile.meta.get("device_type") or "cpu") == "cpu",
             loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
+            working=(df[WORKING_COLUMN].to_numpy(dtype=np.int64) + np.where(  # the model's output's: the loss's
+                [bool(users) for users in consumers], df["output_bytes"].to_numpy(dtype=np.int64), 0)
+                     if WORKING_COLUMN in df.columns else None),
         )
 
     def __len__(self) -> int:
@@ -188,19 +196,8 @@ class LayerCosts:
     def largest_params(self, j0: int, j1: int, rows: int) -> FloatArray:
         """(rows, j1 - j0): the largest ``layer_params[i:j]`` of every range i < j, j0 <= j < j1
         (0 where i >= j): what a stage of those layers steps one tensor at a time ([Note: the
-        optimizer step's memory] in stage_memory.py). Column by column, each the last's maximum with one
-        more layer."""
-        p = np.zeros(len(self)) if self.layer_params is None else self.layer_params.astype(np.float64)
-        out = np.zeros((rows, j1 - j0))
-        if j1 <= j0:
-            return out
-        top = min(j0, rows)
-        if top:
-            out[:top, 0] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
-        for c, j in enumerate(range(j0 + 1, j1), start=1):
-            top = min(j, rows)
-            out[:top, c] = np.maximum(out[:top, c - 1], p[j - 1])
-        return out
+        optimizer step's memory] in stage_memory.py)."""
+        return range_max(np.zeros(len(self)) if self.layer_params is None else self.layer_params, j0, j1, rows)
 
     def cut_bytes(self) -> IntArray:
         """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
@@ -231,3 +228,20 @@ class LayerCosts:
                 diff[u + 1] += values[u]
                 diff[until[u] + 1] -= values[u]
         return np.cumsum(diff)[: n + 1]
+
+
+def range_max(values: npt.ArrayLike, j0: int, j1: int, rows: int) -> FloatArray:
+    """(rows, j1 - j0): the largest ``values[i:j]`` of every range i < j, j0 <= j < j1 (0 where
+    i >= j). Column by column, each the last's maximum with one more layer."""
+    p = np.asarray(values, dtype=np.float64)
+    out = np.full((rows, j1 - j0), -np.inf)
+    if j1 <= j0:
+        return np.zeros((rows, 0))
+    top = min(j0, rows)
+    if top:
+        out[:top, 0] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
+    for c, j in enumerate(range(j0 + 1, j1), start=1):
+        top = min(j, rows)
+        out[:top, c] = np.maximum(out[:top, c - 1], p[j - 1])
+    out[np.isneginf(out)] = 0.0
+    return out

@@ -48,6 +48,7 @@ from autopipe.core.cost import (
     LayerCosts,
     StageCost,
     activation_peak,
+    backward_extras,
     crossing_ms,
     receive_ms,
     recompute_ms,
@@ -275,15 +276,19 @@ def simulate_stages(
     saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}
     held = {s: float(st.weight_held_bytes) for s, st in enumerate(stages)}
     kept = {s: float(st.input_saved_bytes) for s, st in enumerate(stages)}  # [Note: an input kept once]
+    # [Note: the backward's memory] and [Note: the optimizer step's memory] in stage_memory.py
+    extras = {s: backward_extras(st.lazy_grad_bytes, st.first_backward_bytes, st.working_bytes)
+              for s, st in enumerate(stages)}
     peaks = [st.param_bytes + max(st.loss_bytes + int(activation_peak([op for op in ran[device_of[s]] if op[0] == s],
-                                                                      recomputed, inputs, saved, held, kept)),
-                                  st.step_bytes)  # [Note: the optimizer step's memory] in stage_memory.py
+                                                                      recomputed, inputs, saved, held, kept, extras)),
+                                  st.step_bytes)
              for s, st in enumerate(stages)]
     device_memory: dict[str, int] = {}
     for r, ops in enumerate(ran):
         owners = [s for s in range(k) if device_of[s] == r]
         device_memory[names[owners[0]]] = (sum(stages[s].param_bytes for s in owners) + max(
-            sum(stages[s].loss_bytes for s in owners) + int(activation_peak(ops, recomputed, inputs, saved, held, kept)),
+            sum(stages[s].loss_bytes for s in owners)
+            + int(activation_peak(ops, recomputed, inputs, saved, held, kept, extras)),
             sum(stages[s].step_bytes for s in owners)))
     bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))

@@ -62,27 +62,65 @@ largest: at most twice the stage's largest layer's parameters) and all of a devi
 once elsewhere (its foreach path: one copy of them all); SGD, with momentum or without, updates
 in place. A stage's peak is its state plus the larger of its activations (with the loss's
 bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
-"""
+
+[Note: the backward's memory] Two things of a step's peak happen in the backward, not between
+the operations the walk counts. The gradients: ``zero_grad()`` (set_to_none, torch's default,
+Trainer's and autopipe's) frees them after each step, so a stage holds none until its first
+backward, which makes them layer by layer while it frees that micro-batch's saves; GPipe's
+peak falls in that first backward, every other schedule's in a later one, beside all of them
+(DistributedDataParallel keeps them in its buckets: charged throughout, ``lazy_grad_bytes``).
+And the working set: a layer's backward allocates its inputs' and its weights' gradients (the
+accumulation into existing ones allocates them again) and its kernels' temporaries, beside the
+gradient it received; the profile measures it per layer as live storage
+(``bwd_working_bytes``, autopipe/frontend/profiling/harness/layer_timing.py ``probe``). So each
+backward of the walk is an allocation at its start, with its micro-batch still held, and every
+allocation carries what it happens beside (the walk's e): ``BEFORE_BACKWARD`` none of the lazy
+gradients, ``FIRST_BACKWARD`` the first backward's most over its layers in reverse
+(``first_backward_bytes``: the later layers' gradients less their freed saves, plus the
+layer's working set), ``GRADIENTS`` all of them, ``IN_BACKWARD`` all of them and the stage's
+largest working set (the gradient a layer receives included, but the model output's, which is
+the loss's: [Note: the loss's memory]). ``backward_extras`` gives these relative to a state
+that holds every gradient; the DPs take their range maxima (``range_extras``), the ILP bounds
+them by a variable per stage. A profile measured before the working sets keeps the old rule:
+every gradient from the start, no working set. Measured against live tensor bytes in
+docs/benchmarks.md ("Whole-step memory")."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from autopipe.core.layer_costs import LayerCosts
+from autopipe.core.layer_costs import FloatArray, LayerCosts, range_max
 from autopipe.core.schedules import Op, rank_order, stage_order
-from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    is_recomputed,
+    stage_rank,
+)
 
-__all__ = ["STEP_TEMPORARIES", "Terms", "activation_bytes", "activation_peak", "activation_terms",
-           "kept_activation_bytes", "kept_bytes", "loss_bytes", "loss_grad_bytes", "stage_terms", "step_bytes",
-           "weight_held_bytes"]
+__all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Extras",
+           "Terms", "activation_bytes", "activation_peak", "activation_terms", "backward_extras",
+           "first_backward_bytes", "kept_activation_bytes", "kept_bytes", "lazy_grad_bytes", "loss_bytes",
+           "loss_grad_bytes", "range_extras", "stage_terms", "step_bytes", "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
-# (a, b, c, d): a x input + b x saved + c x weight_held - d x input_saved bytes
-Terms = tuple[tuple[int, int, int, int], ...]
+# (a, b, c, d, e): a x input + b x saved + c x weight_held - d x input_saved bytes, plus the
+# backward's extra number e ([Note: the backward's memory]: BEFORE_BACKWARD ... IN_BACKWARD)
+Term = tuple[int, int, int, int, int]
+Terms = tuple[Term, ...]
+Extras = tuple[Amount, Amount, Amount, Amount]
+
+# [Note: the backward's memory]: what an allocation of a stage's walk happens beside
+BEFORE_BACKWARD, FIRST_BACKWARD, GRADIENTS, IN_BACKWARD = range(4)
+# e >= f in this order: BEFORE <= FIRST <= IN, BEFORE <= GRADIENTS <= IN
+_AT_LEAST = {(e, f) for e in range(4) for f in range(4)
+             if e == f or f == BEFORE_BACKWARD or e == IN_BACKWARD}
 
 
 def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, last: bool) -> Amount:
@@ -93,83 +131,87 @@ def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, la
     return (0 if first else weight_grad) + (0 if last else output_bytes)
 
 
-Held = tuple[int, int, int, int, int, bool]
+Held = tuple[int, int, int, int, int, bool, int]
 
 
 def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[Held]:
     """(stage, inputs held, saved activations held, weight gradients held, micro-batches
-    recomputed and held, after an allocation?) after each change of what a stage holds, walking
-    ``ops`` in order ([Note: stage memory]); stage s checkpoints its last ``recomputed[s]``
-    micro-batches ([Note: which micro-batches recompute] in executor/spec.py)."""
+    recomputed and held, after an allocation?, what it is beside: ``BEFORE_BACKWARD`` ...
+    ``IN_BACKWARD``) after each change of what a stage holds, walking ``ops`` in order ([Note:
+    stage memory], [Note: the backward's memory]); stage s checkpoints its last
+    ``recomputed[s]`` micro-batches ([Note: which micro-batches recompute] in executor/spec.py).
+    A backward (whole, I or W) is an allocation at its start, with its micro-batch still held."""
     ops = list(ops)
     chunks: dict[int, int] = {}
     for s, _, i in ops:
         chunks[s] = max(chunks.get(s, 0), i + 1)
     held: dict[int, list[int]] = {}
+    graded: set[int] = set()  # the stages whose parameters have gradients
     for s, kind, i in ops:
         h = held.setdefault(s, [0, 0, 0, 0])
         checkpointed = is_recomputed(i, chunks[s], recomputed[s])
+        backward = IN_BACKWARD if s in graded else FIRST_BACKWARD
         if kind == "F":
             h[0 if checkpointed else 1] += 1
-            yield s, h[0], h[1], h[2], h[3], True
+            yield s, h[0], h[1], h[2], h[3], True, GRADIENTS if s in graded else BEFORE_BACKWARD
         elif kind == "I":  # the recomputed forward next to its input, then what W starts from
             h[1] += 1 if checkpointed else 0
             h[2] += 1
             h[3] += 1 if checkpointed else 0
-            yield s, h[0], h[1], h[2], h[3], True
-        elif kind == "W":
+            yield s, h[0], h[1], h[2], h[3], True, backward
+        else:
+            if kind != "W" and checkpointed:  # the recomputed forward, next to its input
+                h[1] += 1
+                h[3] += 1  # [Note: an input kept once]
+            yield s, h[0], h[1], h[2], h[3], True, backward
+            graded.add(s)  # a whole backward or a W leaves its weights' gradients
             h[0] -= 1 if checkpointed else 0
             h[1] -= 1
-            h[2] -= 1
+            h[2] -= 1 if kind == "W" else 0
             h[3] -= 1 if checkpointed else 0
-            yield s, h[0], h[1], h[2], h[3], False
-        elif checkpointed:  # a whole backward
-            h[1] += 1  # the recomputed forward, next to the input it was recomputed from
-            h[3] += 1  # [Note: an input kept once]
-            yield s, h[0], h[1], h[2], h[3], True
-            h[0] -= 1
-            h[1] -= 1
-            h[3] -= 1
-            yield s, h[0], h[1], h[2], h[3], False
-        else:
-            h[1] -= 1
-            yield s, h[0], h[1], h[2], h[3], False
+            yield s, h[0], h[1], h[2], h[3], False, GRADIENTS
 
 
 @lru_cache(maxsize=4096)
 def _terms(ops: tuple[Op, ...], recomputed: int) -> Terms:
     stage = ops[0][0] if ops else 0
-    seen = {(a, b, c, d) for _, a, b, c, d, alloc in _held(ops, {stage: recomputed}) if alloc}
+    seen = {(a, b, c, d, e) for _, a, b, c, d, alloc, e in _held(ops, {stage: recomputed}) if alloc}
     top = [t for t in seen if not any(u != t and _covers(u, t) for u in seen)]
-    return tuple(sorted(top)) or ((0, 0, 0, 0),)
+    return tuple(sorted(top)) or ((0, 0, 0, 0, 0),)
 
 
-def _covers(u: tuple[int, int, int, int], t: tuple[int, int, int, int]) -> bool:
+def _covers(u: Term, t: Term) -> bool:
     """Whether term ``u``'s level is at least ``t``'s whatever the bytes. input_saved is part of
     both input and saved, so with input = I' + X and saved = S' + X a level is ``a I' + b S' + c
-    held + (a + b - d) X`` over independent non-negative amounts."""
-    return u[0] >= t[0] and u[1] >= t[1] and u[2] >= t[2] and u[0] + u[1] - u[3] >= t[0] + t[1] - t[3]
+    held + (a + b - d) X`` over independent non-negative amounts, plus the backward's extra e,
+    ordered as ``_AT_LEAST`` says ([Note: the backward's memory])."""
+    return (u[0] >= t[0] and u[1] >= t[1] and u[2] >= t[2] and u[0] + u[1] - u[3] >= t[0] + t[1] - t[3]
+            and (u[4], t[4]) in _AT_LEAST)
 
 
 def activation_terms(ops: Sequence[Op], recomputed: int) -> Terms:
-    """The Pareto-maximal (a, b, c, d) held after an allocation by one stage running ``ops``:
+    """The Pareto-maximal (a, b, c, d, e) held after an allocation by one stage running ``ops``:
     its peak activations are ``max(a x input + b x saved + c x weight_held - d x input_saved)``
-    ([Note: stage memory])."""
+    ([Note: stage memory]), its peak beside the backward's the same plus ``extras[e]`` ([Note:
+    the backward's memory])."""
     return _terms(tuple(ops), recomputed)
 
 
 def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount = 0,
-                     input_saved: Amount = 0) -> Amount:
+                     input_saved: Amount = 0, extras: Extras | None = None) -> Amount:
     """Peak activation bytes of a stage: the largest ``a x input + b x saved + c x weight_held -
-    d x input_saved`` over its ``terms``. Floats and numpy arrays take the maximum; a PuLP
-    expression needs one term at a time (a constraint per term)."""
+    d x input_saved`` over its ``terms``, plus ``extras[e]`` where given (:func:`backward_extras`).
+    Floats and numpy arrays take the maximum; a PuLP expression needs one term at a time (a
+    constraint per term)."""
     out: Amount = None
-    for a, b, c, d in terms:
+    for a, b, c, d, e in terms:
         value = b * saved_bytes + a * input_bytes  # a new value, whatever the operands
         if c:
             value = value + c * weight_held
         if d:
             value = value - d * input_saved
+        if extras is not None:
+            value = value + extras[e]
         if out is None:
             out = value
         elif isinstance(out, np.ndarray) and isinstance(value, np.ndarray) and out.shape == value.shape:
@@ -180,11 +222,13 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
 
 
 def kept_activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount,
-                          input_saved: Amount, kept: Amount, grads: Amount) -> Amount:
+                          input_saved: Amount, kept: Amount, grads: Amount, extras: Extras | None = None) -> Amount:
     """Peak activations of a stage that also keeps ``kept`` bytes per micro-batch in flight, the
     micro-batches a term holds (``a + b - d``: a recomputed one is counted in a and b and once in
-    d), with the last stage's loss ``grads`` on top ([Note: the loss's memory])."""
-    return activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept) + grads
+    d), with the last stage's loss ``grads`` on top ([Note: the loss's memory]), and the
+    backward's ``extras`` ([Note: the backward's memory])."""
+    return activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept,
+                            extras) + grads
 
 
 def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount, input_saved: Amount,
@@ -193,6 +237,52 @@ def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_he
     :func:`kept_activation_bytes` less :func:`activation_bytes` ([Note: the loss's memory])."""
     return (kept_activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved, kept, grads)
             - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved))
+
+
+def lazy_grad_bytes(param_bytes: Amount, optimizer_factor: int, data_parallel: int, dp_mode: str,
+                    schedule: str) -> Amount:
+    """Of a stage's state, the gradients that do not exist before its first backward ([Note: the
+    backward's memory]): all of them (``zero_grad()`` frees them), but where none are kept
+    (``optimizer_factor`` 1) or DistributedDataParallel keeps them in its buckets."""
+    if optimizer_factor < 2:
+        return 0
+    bucketed = dp_mode == "ddp" and data_parallel > 1 and schedule not in ZERO_BUBBLE_SCHEDULES
+    return 0 if bucketed else param_bytes
+
+
+def first_backward_bytes(saved: FloatArray, grads: FloatArray, working: FloatArray) -> float:
+    """What a stage's first backward has beside its activations ([Note: the backward's memory]):
+    over its layers j (``saved``, lazy ``grads`` and ``working`` per layer, in order), the
+    gradients of the layers after j less their freed saves, plus j's working set; or, once j is
+    done, j's gradients less its saves too."""
+    if not len(working):
+        return 0.0
+    after = np.concatenate([np.cumsum((grads - saved)[::-1])[::-1], [0.0]])  # after[j]: layers j, j + 1, ...
+    return float(np.maximum(after[1:] + working, after[:-1]).max())
+
+
+def backward_extras(lazy_grads: Amount, first: Amount, working: Amount) -> Extras:
+    """``extras`` for :func:`activation_bytes`, indexed by the walk's e ([Note: the backward's
+    memory]): relative to a state that holds every gradient, before the first backward none of
+    the lazy ones, in the first backward ``first``, after it all of them, in a later backward
+    the largest layer's working set on top."""
+    return (-lazy_grads, first - lazy_grads, 0, working)
+
+
+def range_extras(costs: LayerCosts, params: FloatArray, j0: int, j1: int, rows: int, optimizer_factor: int,
+                 data_parallel: int, dp_mode: str, schedule: str) -> Extras | None:
+    """``extras`` of every range i < j, j0 <= j < j1, as a stage holding ``params`` (rows, j1 -
+    j0) ([Note: the backward's memory]): the range maxima of :func:`first_backward_bytes`' terms
+    and of the working sets; None where the profile did not measure them."""
+    if costs.working is None:
+        return None
+    lazy = lazy_grad_bytes(params, optimizer_factor, data_parallel, dp_mode, schedule)
+    grads = costs.params * (lazy_grad_bytes(1, optimizer_factor, data_parallel, dp_mode, schedule) > 0)
+    # net[t]: saves less lazy gradients of the layers before t, so a range's first backward holds
+    # max over its layers t of (net[t + 1] + working[t], net[t]) - net[j]
+    net = np.concatenate([[0.0], np.cumsum(costs.saved - grads.astype(np.float64))])
+    first = range_max(np.maximum(net[1:] + costs.working, net[:-1]), j0, j1, rows) - net[None, j0:j1]
+    return backward_extras(lazy, first, range_max(costs.working, j0, j1, rows))
 
 
 STEP_TEMPORARIES = ("adam", "adamw")  # the optimizers whose step allocates: [Note: the optimizer step's memory]
@@ -225,17 +315,21 @@ def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:
 
 def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
                     saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None = None,
-                    input_saved: Mapping[int, float] | None = None) -> float:
+                    input_saved: Mapping[int, float] | None = None,
+                    extras: Mapping[int, Extras] | None = None) -> float:
     """Peak activation bytes of a device running ``ops`` of one or more stages in that order
-    (a rank of a multi-stage schedule holds several stages at once)."""
-    level: dict[int, float] = {}
-    peak = 0.0
-    for s, a, b, c, d, alloc in _held(ops, recomputed):
+    (a rank of a multi-stage schedule holds several stages at once), with each stage's
+    backward ``extras`` where given ([Note: the backward's memory])."""
+    ops = list(ops)
+    level = {s: float(extras[s][BEFORE_BACKWARD]) for s, _, _ in ops} if extras else {}
+    peak = -math.inf
+    for s, a, b, c, d, alloc, e in _held(ops, recomputed):
         level[s] = (a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
-                    - (d * input_saved[s] if d and input_saved else 0.0))
+                    - (d * input_saved[s] if d and input_saved else 0.0)
+                    + (float(extras[s][e]) if extras else 0.0))
         if alloc:
             peak = max(peak, sum(level.values()))
-    return peak
+    return 0.0 if peak == -math.inf else peak
 
 
 @lru_cache(maxsize=65536)

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from autopipe.core.cost import (
+    OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
@@ -49,6 +50,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
+from autopipe.core.stage_memory import range_extras
 from executor.spec import RECOMPUTE_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]
@@ -177,9 +179,13 @@ class StageBlocks:
         kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
         grads = np.where(last, self.loss_grads, 0)[None, :]
         input_saved = np.minimum(self.input_saved[:j1, None], saved)
+        o = self.options  # [Note: the backward's memory]
+        extras = range_extras(self.costs, self.param_bytes(j0, j1), j0, j1, j1, OPTIMIZER_FACTOR[o.optimizer],
+                              o.data_parallel, o.dp_mode, o.schedule)
         out: FloatArray = (  # a new array; most blocks keep nothing and take the plain walk
-            kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads)
-            if kept.any() or grads.any() else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
+            kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads, extras)
+            if kept.any() or grads.any() or extras is not None
+            else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
         optimizer = self.options.optimizer
         if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             one = self.costs.one_at_a_time

@@ -19,6 +19,7 @@ from autopipe.core.cost import (
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.core.schedules import stage_order
+from autopipe.core.stage_memory import FIRST_BACKWARD, IN_BACKWARD, backward_extras
 from autopipe.errors import PartitionError
 from autopipe.solvers.synthetic import random_chain
 
@@ -148,20 +149,32 @@ def test_gpipe_activation_terms_in_closed_form(mode: str, recomputed: int) -> No
     # ScheduleGPipe holds every micro-batch after the forwards: the R checkpointed ones (the last
     # R, back-propagated last) as inputs, the others whole; its first recomputation comes after
     # those others are freed: R inputs + max(M - R, 1) saved ([Note: which micro-batches recompute]);
-    # where all M are, that one recomputing holds its input once ([Note: an input kept once])
+    # where all M are, that one recomputing holds its input once ([Note: an input kept once]).
+    # The first backward holds the most; a later one (IN_BACKWARD) one micro-batch less, beside
+    # every gradient ([Note: the backward's memory])
     m = 6
-    expected = {0: ((0, m, 0, 0),), 5: ((5, 1, 0, 0),), 6: ((6, 1, 0, 1),)}[recomputed]
+    first, later = FIRST_BACKWARD, IN_BACKWARD
+    expected = {0: ((0, m - 1, 0, 0, later), (0, m, 0, 0, first)),
+                5: ((5, 1, 0, 0, first), (5, 1, 0, 1, later)),
+                6: ((5, 1, 0, 1, later), (6, 1, 0, 1, first))}[recomputed]
     assert stage_terms("gpipe", 2, 4, m, recomputed) == expected
-    assert activation_bytes(10, 1000, expected) == expected[-1][0] * 10 + expected[-1][1] * 1000
-    assert activation_bytes(10, 1000, expected, input_saved=4) == (
-        expected[-1][0] * 10 + expected[-1][1] * 1000 - expected[-1][3] * 4)
+    top = max(expected, key=lambda t: t[0] * 10 + t[1] * 1000)  # the activations alone
+    assert activation_bytes(10, 1000, expected) == top[0] * 10 + top[1] * 1000
+    assert activation_bytes(10, 1000, expected, input_saved=4) == max(
+        t[0] * 10 + t[1] * 1000 - t[3] * 4 for t in expected)
+    # beside the backward: before it none of the lazy gradients (-50), in the first 30 - 50, in a
+    # later one a working set of 40 (backward_extras' order)
+    extras = backward_extras(50, 30, 40)
+    assert activation_bytes(10, 1000, expected, extras=extras) == max(
+        t[0] * 10 + t[1] * 1000 + extras[t[4]] for t in expected)
 
 
 def test_1f1b_holds_at_most_k_minus_s_micro_batches() -> None:
-    for s in range(4):
-        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s, 0, 0),)  # never: K - s saved
-        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1, 0, 1),)  # always: inputs + one recompute
-    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 2, 0, 0),)  # fewer micro-batches than stages
+    for s in range(4):  # each backward but the first holds as many: a later one is the peak
+        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s, 0, 0, IN_BACKWARD),)  # never: K - s saved
+        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1, 0, 1, IN_BACKWARD),)  # always: inputs + one recompute
+    # fewer micro-batches than stages: the first backward holds both
+    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 1, 0, 0, IN_BACKWARD), (0, 2, 0, 0, FIRST_BACKWARD))
 
 
 def test_peak_is_the_walk_over_the_order() -> None:
