@@ -78,8 +78,9 @@ autopipe/core/stage_memory.py.
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
 member (the executor shares or replicates them); ``ties="colocate"`` forces the whole group onto
-one stage. In one process (executor.GPipe) stages on the same device share one tensor: the
-group is charged to the first of them only; ranks are processes of their own, each holding its
+one stage. In one process (executor.GPipe) stages on the same device share one tensor, and so
+do the stages a rank of a multi-stage schedule holds (its device name is the rank): the group
+is charged to the first of them only; other ranks are processes of their own, each holding its
 copy whatever their devices are called.
 """
 
@@ -109,6 +110,9 @@ from autopipe.core.stage_memory import (
     activation_terms,
     backward_extras,
     first_backward_bytes,
+    gather_peak,
+    gather_terms,
+    gathered_bytes,
     kept_activation_bytes,
     kept_bytes,
     lazy_grad_bytes,
@@ -117,6 +121,7 @@ from autopipe.core.stage_memory import (
     stage_terms,
     step_bytes,
     weight_held_bytes,
+    working_beside_loss,
 )
 from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms
 from autopipe.errors import PartitionError
@@ -139,6 +144,9 @@ __all__ = [
     "activation_peak",
     "backward_extras",
     "first_backward_bytes",
+    "gather_peak",
+    "gather_terms",
+    "gathered_bytes",
     "lazy_grad_bytes",
     "STEP_TEMPORARIES",
     "kept_activation_bytes",
@@ -329,8 +337,9 @@ def stage_costs(
                                    costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
         bwd = float(costs.bwd[mask].sum()) / dev.speed + alone
         params = int(costs.params[mask].sum())
+        one_holder = costs.runtime == "gpipe" or options.schedule in MULTI_STAGE_SCHEDULES  # a device, a rank
         for members, nbytes in costs.tie_groups:  # [Note: tied parameters]
-            shared = costs.runtime == "gpipe" and any(  # held by an earlier stage on this device
+            shared = one_holder and any(  # held by an earlier stage on this device
                 devices[t].name == dev.name and (stage[list(members)] == t).any() for t in range(s))
             if mask[list(members)].any() and not shared:
                 params += nbytes
@@ -353,17 +362,21 @@ def stage_costs(
         kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
-        lazy, first, working, backward = 0, 0, 0, 0
+        lazy, first, working, gathered, backward = 0, 0, 0, 0, 0
         if costs.working is not None and mask.any():  # [Note: the backward's memory] in stage_memory.py
             lazy = int(lazy_grad_bytes(params, OPTIMIZER_FACTOR[options.optimizer], options.data_parallel,
                                        options.dp_mode, options.schedule))
             first = int(first_backward_bytes(costs.saved[mask].astype(np.float64),
                                              costs.params[mask].astype(np.float64) * (lazy > 0),
                                              costs.working[mask].astype(np.float64)))
-            working = int(costs.working[mask].max())
-            backward = int(kept_activation_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads,
-                                                 backward_extras(lazy, first, working))
-                           - activation_bytes(cut_in, saved, terms[s], held, input_saved)) - loss
+            working = int(working_beside_loss(int(costs.working[mask].max()), grads, costs.returned))
+            gathered = int(gathered_bytes(costs, m, s == k - 1))
+            extras = backward_extras(lazy, first, working)
+            joint = kept_activation_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads, extras)
+            if gathered:
+                joint = max(joint, kept_activation_bytes(cut_in, saved, gather_terms(terms[s]), held, input_saved,
+                                                         costs.returned, 0, extras) + gathered)
+            backward = int(joint - activation_bytes(cut_in, saved, terms[s], held, input_saved)) - loss
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -395,6 +408,7 @@ def stage_costs(
             lazy_grad_bytes=lazy,
             first_backward_bytes=first,
             working_bytes=working,
+            gathered_bytes=gathered,
             backward_bytes=backward,
         ))
     return result

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from autopipe.core.corrections import call_fallbacks
 from autopipe.core.planned_precision import precision_of
-from autopipe.core.profile_table import SPLIT_COLUMNS, WORKING_COLUMN, Profile
+from autopipe.core.profile_table import RETURNED_COLUMN, SPLIT_COLUMNS, WORKING_COLUMN, Profile
 
 __all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS", "range_max"]
 
@@ -77,6 +77,7 @@ class LayerCosts:
     # forward to its backward besides its layers' saves (the model's output, the loss's saves),
     # and what the loss's backward has alive on top of that
     loss_kept: int = 0
+    returned: int = 0  # of loss_kept, the model's outputs (executor.GPipe gathers them: [Note: the backward's memory])
     loss_grads: int = 0
     # [Note: the optimizer step's memory] in stage_memory.py: each layer's parameter bytes, tied ones
     # included (the largest tensor a stage steps is at most its largest layer's), and whether
@@ -84,9 +85,9 @@ class LayerCosts:
     layer_params: IntArray | None = None
     one_at_a_time: bool = True
     # [Note: the backward's memory] in stage_memory.py: per layer, what its backward has alive
-    # beyond its saves, the gradient it receives included (output + the profile's
-    # ``bwd_working_bytes``; a model output's gradient is the loss's, in ``loss_grads``); None
-    # where the profile did not measure it
+    # beyond its saves, the gradient it receives included (the bytes its readers read + the
+    # profile's ``bwd_working_bytes``; what only the loss reads has the loss's gradient, in
+    # ``loss_grads``); None where the profile did not measure it
     working: IntArray | None = None
 
     def call_ms(self, schedule: str = "gpipe") -> float:
@@ -137,7 +138,8 @@ class LayerCosts:
         resaved = np.array([min(int(value[u]), max((int(shared[v]) for v in savers[u]), default=0))
                             for u in range(n)], dtype=np.int64)
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
-        outputs = int(sum(int(b) for b, users in zip(df["output_bytes"], consumers, strict=True) if not users))
+        outputs = int(df[RETURNED_COLUMN].sum()) if RETURNED_COLUMN in df.columns else int(  # the model's
+            sum(int(b) for b, users in zip(df["output_bytes"], consumers, strict=True) if not users))
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
             bwd[-1] += 0.0 if c.loss is None else c.loss.fwd_ms + c.loss.bwd_ms
         # [Note: ranks sharing a host] (autopipe/frontend/profiling/spawned/rank_contention.py): ranks on one
@@ -182,11 +184,11 @@ class LayerCosts:
             weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
             split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
             loss_kept=outputs + (0 if c.loss is None else c.loss.held_bytes),
+            returned=outputs,
             layer_params=df["param_bytes"].to_numpy(dtype=np.int64),
             one_at_a_time=str(profile.meta.get("device_type") or "cpu") == "cpu",
             loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
-            working=(df[WORKING_COLUMN].to_numpy(dtype=np.int64) + np.where(  # the model's output's: the loss's
-                [bool(users) for users in consumers], df["output_bytes"].to_numpy(dtype=np.int64), 0)
+            working=(df[WORKING_COLUMN].to_numpy(dtype=np.int64) + value  # + the gradient its readers send
                      if WORKING_COLUMN in df.columns else None),
         )
 

@@ -38,6 +38,9 @@ ONE micro-batch):
                    weights' gradients, its kernels' temporaries: [Note: the backward's memory]
                    in stage_memory.py). Without it the planner charges every gradient from the
                    step's start and no working set, as before it was measured
+    returned_bytes optional: of ``output_bytes``, what the model returns (the runtime keeps it
+                   per micro-batch in flight: [Note: the loss's memory] in stage_memory.py).
+                   Without it, the outputs of the layers nothing reads are taken as the model's
     tie_group      optional: layers sharing a parameter carry the same non-empty id, default "".
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
                    shared parameter's bytes on every member (or on one member and 0 elsewhere).
@@ -88,11 +91,12 @@ from autopipe.errors import ProfileError
 if TYPE_CHECKING:  # imported where a table is built or read: a plan alone never loads pandas
     import pandas as pd
 
-__all__ = ["Profile", "SPLIT_COLUMNS", "WORKING_COLUMN", "fingerprint_mismatch", "micro_batch_text"]
+__all__ = ["Profile", "RETURNED_COLUMN", "SPLIT_COLUMNS", "WORKING_COLUMN", "fingerprint_mismatch", "micro_batch_text"]
 
 # A backward's input- and weight-gradient parts and what W starts from: optional, all or none.
 SPLIT_COLUMNS: tuple[str, ...] = ("bwd_input_ms", "bwd_weight_ms", "weight_grad_bytes")
-WORKING_COLUMN = "bwd_working_bytes"
+# optional, measured since issue 41: [Note: the backward's memory], [Note: the loss's memory]
+WORKING_COLUMN, RETURNED_COLUMN = "bwd_working_bytes", "returned_bytes"
 
 _RERUN = "re-run `autopipe profile ...`"
 _FROM_META = Corrections()  # not given: read from the flat meta keys of earlier releases
@@ -364,7 +368,7 @@ def _validate_frame(df: pd.DataFrame, where: str) -> pd.DataFrame:
         missing = [c for c in SPLIT_COLUMNS if c not in df.columns]
         raise ProfileError(f"{where} has {present} but not {missing}: the split backward takes all of "
                            f"{list(SPLIT_COLUMNS)} or none; {_RERUN}")
-    for col in [*present, *([WORKING_COLUMN] if WORKING_COLUMN in df.columns else [])]:
+    for col in [*present, *(c for c in (WORKING_COLUMN, RETURNED_COLUMN) if c in df.columns)]:
         values = pd.to_numeric(df[col], errors="coerce")
         if values.isna().any() or (values < 0).any():
             row = int((values.isna() | (values < 0)).to_numpy().argmax())

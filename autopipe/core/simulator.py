@@ -50,6 +50,7 @@ from autopipe.core.cost import (
     activation_peak,
     backward_extras,
     crossing_ms,
+    gather_peak,
     receive_ms,
     recompute_ms,
     split_backward_ms,
@@ -279,17 +280,20 @@ def simulate_stages(
     # [Note: the backward's memory] and [Note: the optimizer step's memory] in stage_memory.py
     extras = {s: backward_extras(st.lazy_grad_bytes, st.first_backward_bytes, st.working_bytes)
               for s, st in enumerate(stages)}
-    peaks = [st.param_bytes + max(st.loss_bytes + int(activation_peak([op for op in ran[device_of[s]] if op[0] == s],
-                                                                      recomputed, inputs, saved, held, kept, extras)),
-                                  st.step_bytes)
-             for s, st in enumerate(stages)]
+    # executor.GPipe's gathered outputs: (per micro-batch, their copy) on the last stage
+    gathered = {s: (st.gathered_bytes / m, float(st.gathered_bytes)) for s, st in enumerate(stages)}
+    maps = (recomputed, inputs, saved, held, kept, extras)
+    peaks = []
+    for s, st in enumerate(stages):
+        mine = [op for op in ran[device_of[s]] if op[0] == s]
+        peaks.append(st.param_bytes + int(max(st.loss_bytes + activation_peak(mine, *maps), st.step_bytes,
+                                              gather_peak(mine, *maps, gathered))))
     device_memory: dict[str, int] = {}
     for r, ops in enumerate(ran):
         owners = [s for s in range(k) if device_of[s] == r]
-        device_memory[names[owners[0]]] = (sum(stages[s].param_bytes for s in owners) + max(
-            sum(stages[s].loss_bytes for s in owners)
-            + int(activation_peak(ops, recomputed, inputs, saved, held, kept, extras)),
-            sum(stages[s].step_bytes for s in owners)))
+        device_memory[names[owners[0]]] = sum(stages[s].param_bytes for s in owners) + int(max(
+            sum(stages[s].loss_bytes for s in owners) + activation_peak(ops, *maps),
+            sum(stages[s].step_bytes for s in owners), gather_peak(ops, *maps, gathered)))
     bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))
     return SimulationResult(schedule, timeline, total, bubble, peaks, device_memory)

@@ -59,6 +59,7 @@ class StageCost:
     lazy_grad_bytes: int = 0
     first_backward_bytes: int = 0
     working_bytes: int = 0
+    gathered_bytes: int = 0  # executor.GPipe's gathered outputs, on the last stage after its last forward
     backward_bytes: int = 0
 
     @property

@@ -78,10 +78,14 @@ allocation carries what it happens beside (the walk's e): ``BEFORE_BACKWARD`` no
 gradients, ``FIRST_BACKWARD`` the first backward's most over its layers in reverse
 (``first_backward_bytes``: the later layers' gradients less their freed saves, plus the
 layer's working set), ``GRADIENTS`` all of them, ``IN_BACKWARD`` all of them and the stage's
-largest working set (the gradient a layer receives included, but the model output's, which is
-the loss's: [Note: the loss's memory]). ``backward_extras`` gives these relative to a state
+largest working set (with the gradient a layer receives: the bytes its readers read; what only
+the loss reads gets the loss's gradient, [Note: the loss's memory]). ``backward_extras`` gives these relative to a state
 that holds every gradient; the DPs take their range maxima (``range_extras``), the ILP bounds
-them by a variable per stage. A profile measured before the working sets keeps the old rule:
+them by a variable per stage. In one process the last stage has one more instant: after its
+last forward executor.GPipe gathers every micro-batch's outputs into the batch's, a copy of
+them (``gathered_bytes``) beside everything then held (``gather_terms``), for a model
+that computes its own loss as for one whose caller's loss reads the gathered batch. A
+profile measured before the working sets keeps the old rule:
 every gradient from the start, no working set. Measured against live tensor bytes in
 docs/benchmarks.md ("Whole-step memory")."""
 
@@ -106,8 +110,8 @@ from executor.spec import (
 
 __all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Extras",
            "Terms", "activation_bytes", "activation_peak", "activation_terms", "backward_extras",
-           "first_backward_bytes", "kept_activation_bytes", "kept_bytes", "lazy_grad_bytes", "loss_bytes",
-           "loss_grad_bytes", "range_extras", "stage_terms", "step_bytes", "weight_held_bytes"]
+           "first_backward_bytes", "gather_peak", "gathered_bytes", "kept_activation_bytes", "kept_bytes", "gather_terms", "lazy_grad_bytes", "loss_bytes",
+           "loss_grad_bytes", "range_extras", "working_beside_loss", "stage_terms", "step_bytes", "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
 # (a, b, c, d, e): a x input + b x saved + c x weight_held - d x input_saved bytes, plus the
@@ -269,8 +273,32 @@ def backward_extras(lazy_grads: Amount, first: Amount, working: Amount) -> Extra
     return (-lazy_grads, first - lazy_grads, 0, working)
 
 
+def gather_terms(terms: Terms) -> Terms:
+    """What a stage holds just after its last forward, at most what its first backward starts
+    with (a recomputed micro-batch's recompute on top) and at least what a later one does: its
+    backward terms, before any gradient ([Note: the backward's memory])."""
+    return tuple(sorted({t[:4] + (BEFORE_BACKWARD,) for t in terms if t[4] in (FIRST_BACKWARD, IN_BACKWARD)}))
+
+
+def gathered_bytes(costs: LayerCosts, chunks: int, last: Amount) -> Amount:
+    """What executor.GPipe's gathering of every micro-batch's outputs into the batch's allocates
+    on the last stage (``last`` true, or an array) after its last forward, beside them, for an
+    instant ([Note: the backward's memory]; the level then is :func:`gather_terms`'); nothing on
+    ranks."""
+    amount = costs.returned * chunks if costs.runtime == "gpipe" else 0
+    return np.where(last, amount, 0) if isinstance(last, np.ndarray) else (amount if last else 0)
+
+
+def working_beside_loss(working: Amount, loss_grads: Amount, returned: int) -> Amount:
+    """The last stage's working set beside the loss's backward, which is charged on its own
+    (``loss_grad_bytes``): that backward ends before the layers' starts, and leaves them the
+    gradient of the model's ``returned`` outputs, so together they hold the larger of its
+    gradients and the working set with that one ([Note: the backward's memory])."""
+    return np.where(np.asarray(loss_grads) > 0, np.maximum(working + returned - loss_grads, 0), working)
+
+
 def range_extras(costs: LayerCosts, params: FloatArray, j0: int, j1: int, rows: int, optimizer_factor: int,
-                 data_parallel: int, dp_mode: str, schedule: str) -> Extras | None:
+                 data_parallel: int, dp_mode: str, schedule: str, chunks: int) -> Extras | None:
     """``extras`` of every range i < j, j0 <= j < j1, as a stage holding ``params`` (rows, j1 -
     j0) ([Note: the backward's memory]): the range maxima of :func:`first_backward_bytes`' terms
     and of the working sets; None where the profile did not measure them."""
@@ -282,7 +310,10 @@ def range_extras(costs: LayerCosts, params: FloatArray, j0: int, j1: int, rows: 
     # max over its layers t of (net[t + 1] + working[t], net[t]) - net[j]
     net = np.concatenate([[0.0], np.cumsum(costs.saved - grads.astype(np.float64))])
     first = range_max(np.maximum(net[1:] + costs.working, net[:-1]), j0, j1, rows) - net[None, j0:j1]
-    return backward_extras(lazy, first, range_max(costs.working, j0, j1, rows))
+    last = np.arange(j0, j1)[None, :] == len(costs)
+    working = working_beside_loss(range_max(costs.working, j0, j1, rows),
+                                  np.where(last, loss_grad_bytes(costs, chunks), 0), costs.returned)
+    return backward_extras(lazy, first, working)
 
 
 STEP_TEMPORARIES = ("adam", "adamw")  # the optimizers whose step allocates: [Note: the optimizer step's memory]
@@ -313,6 +344,20 @@ def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:
     return costs.loss_grads * (chunks if costs.runtime == "gpipe" else 1)
 
 
+def _levels(ops: list[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
+            saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None,
+            input_saved: Mapping[int, float] | None,
+            extras: Mapping[int, Extras] | None) -> Iterator[tuple[int, float, bool, int, int]]:
+    """(stage, the device's level, after an allocation?, e, micro-batches the stage holds) after
+    each change of what a device running ``ops`` holds."""
+    level = {s: float(extras[s][BEFORE_BACKWARD]) for s, _, _ in ops} if extras else {}
+    for s, a, b, c, d, alloc, e in _held(ops, recomputed):
+        level[s] = (a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
+                    - (d * input_saved[s] if d and input_saved else 0.0)
+                    + (float(extras[s][e]) if extras else 0.0))
+        yield s, sum(level.values()), alloc, e, a + b - d
+
+
 def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
                     saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None = None,
                     input_saved: Mapping[int, float] | None = None,
@@ -320,16 +365,35 @@ def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_byte
     """Peak activation bytes of a device running ``ops`` of one or more stages in that order
     (a rank of a multi-stage schedule holds several stages at once), with each stage's
     backward ``extras`` where given ([Note: the backward's memory])."""
+    levels = _levels(list(ops), recomputed, input_bytes, saved_bytes, weight_held, input_saved, extras)
+    return max((level for _, level, alloc, _, _ in levels if alloc), default=0.0)
+
+
+def gather_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
+                saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None,
+                input_saved: Mapping[int, float] | None, extras: Mapping[int, Extras] | None,
+                gathered: Mapping[int, tuple[float, float]]) -> float:
+    """The device's level when executor.GPipe gathers a stage's outputs, just after its last
+    forward: the walk's, its outputs per micro-batch held and their copy (``gathered[s]``:
+    (per micro-batch, copy)); -inf where no stage gathers ([Note: the backward's memory])."""
     ops = list(ops)
-    level = {s: float(extras[s][BEFORE_BACKWARD]) for s, _, _ in ops} if extras else {}
-    peak = -math.inf
-    for s, a, b, c, d, alloc, e in _held(ops, recomputed):
-        level[s] = (a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
-                    - (d * input_saved[s] if d and input_saved else 0.0)
-                    + (float(extras[s][e]) if extras else 0.0))
-        if alloc:
-            peak = max(peak, sum(level.values()))
-    return 0.0 if peak == -math.inf else peak
+    forwards = {s: sum(1 for op in ops if op[:2] == (s, "F")) for s, _, _ in ops}
+    out = -math.inf
+    for s, level, alloc, e, held in _levels(ops, recomputed, input_bytes, saved_bytes, weight_held, input_saved,
+                                            extras):
+        if alloc and e in (BEFORE_BACKWARD, GRADIENTS):  # a forward
+            forwards[s] -= 1
+            if forwards[s] == 0 and gathered.get(s, (0.0, 0.0))[1]:
+                out = max(out, level + held * gathered[s][0] + gathered[s][1])
+    return out
+
+
+def _stage_ops(schedule: str, stage: int, stages: int, chunks: int, ranks: int | None, merge: str) -> list[Op]:
+    if schedule in MULTI_STAGE_SCHEDULES:
+        w = ranks if ranks is not None else stages // 2 if schedule in V_SCHEDULES else stages
+        rank = stage_rank(schedule, stage, w)
+        return [op for op in rank_order(schedule, rank, w, chunks, stages // w, merge) if op[0] == stage]
+    return stage_order(schedule, stage, stages, chunks)
 
 
 @lru_cache(maxsize=65536)
@@ -339,10 +403,5 @@ def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed:
     micro-batches; a schedule of several stages per rank needs the number of ``ranks`` (default:
     one stage per rank, or two under the V schedules); ``merge``: the zero-bubble schedules'
     merge rule ([Note: adjacent I and W] in executor/spec.py)."""
-    if schedule in MULTI_STAGE_SCHEDULES:
-        w = ranks if ranks is not None else stages // 2 if schedule in V_SCHEDULES else stages
-        rank = stage_rank(schedule, stage, w)
-        ops = [op for op in rank_order(schedule, rank, w, chunks, stages // w, merge) if op[0] == stage]
-    else:
-        ops = stage_order(schedule, stage, stages, chunks)
-    return activation_terms(ops, recomputed)
+    return activation_terms(_stage_ops(schedule, stage, stages, chunks, ranks, merge), recomputed)
+

@@ -42,7 +42,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
-from autopipe.core.stage_memory import range_extras
+from autopipe.core.stage_memory import gather_terms, gathered_bytes, range_extras
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.stage_dp import solve_split
@@ -143,11 +143,15 @@ class RangeCosts:
         grads = np.where(last, self.loss_grads, 0)[None, :]
         input_saved = np.minimum(self.input_saved[:, None], saved)
         extras = range_extras(self.costs, params, j0, j1, self.n + 1, OPTIMIZER_FACTOR[self.optimizer],
-                              *self.replicas, self.schedule)  # [Note: the backward's memory]
+                              *self.replicas, self.schedule, self.m)  # [Note: the backward's memory]
         act: FloatArray = (  # most blocks keep nothing and take the plain walk
             kept_activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved, kept, grads, extras)
             if kept.any() or grads.any() or extras is not None
             else activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved))
+        if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
+            gather = kept_activation_bytes(self.cut[:, None], saved, gather_terms(self.terms), held, input_saved,
+                                           self.costs.returned, 0, extras) + gathered_bytes(self.costs, self.m, True)
+            act = np.where(last[None, :], np.maximum(act, gather), act)
         if self.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
             act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,

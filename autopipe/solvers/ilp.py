@@ -57,7 +57,7 @@ from autopipe.core.cost import (
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
-from autopipe.core.stage_memory import Extras
+from autopipe.core.stage_memory import Extras, gather_terms, gathered_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 from executor.spec import ZERO_BUBBLE_SCHEDULES
@@ -78,7 +78,7 @@ class ILPResult:
 
 
 def _backward_extras(prob: pulp.LpProblem, costs: LayerCosts, options: CostOptions,
-                     params: pulp.LpAffineExpression, s: int, x: Callable[[int, int], Any]) -> Extras:
+                     params: pulp.LpAffineExpression, s: int, last: int, x: Callable[[int, int], Any]) -> Extras:
     """Stage s's backward extras as PuLP expressions ([Note: the backward's memory] in
     stage_memory.py): its largest working set and its first backward's maximum over its layers
     in index order (``first_backward_bytes``), each a variable bounded below by every layer's
@@ -89,6 +89,10 @@ def _backward_extras(prob: pulp.LpProblem, costs: LayerCosts, options: CostOptio
     assert costs.working is not None
     net = [float(g) - float(b) for g, b in zip(grads, costs.saved, strict=True)]
     working, first = pulp.LpVariable(f"working_{s}", lowBound=0), pulp.LpVariable(f"first_{s}")
+    grads = loss_grad_bytes(costs, options.chunks) if s == last else 0
+    beside = pulp.LpVariable(f"beside_{s}", lowBound=0) if grads else working  # working_beside_loss's
+    if grads:
+        prob += beside >= working + costs.returned - grads
     after: Any = 0  # r[v] for v = n - 1; a variable each, so no constraint holds a sum over layers
     for v in range(n - 1, -1, -1):
         prob += working >= float(costs.working[v]) * x(v, s)
@@ -97,7 +101,7 @@ def _backward_extras(prob: pulp.LpProblem, costs: LayerCosts, options: CostOptio
         prob += done == after + net[v] * x(v, s)
         prob += first >= done  # once v is done
         after = done
-    return backward_extras(lazy, first, working)
+    return backward_extras(lazy, first, beside)
 
 
 def solve_ilp(
@@ -227,7 +231,7 @@ def _solve(
                 else:
                     prob += state + step_bytes(params, 0, options.optimizer, False, options.data_parallel,
                                                options.dp_mode) <= dev.memory
-            extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, x)
+            extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, k - 1, x)
             for term in terms[s]:  # the peak is the largest term: each must fit
                 last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
                 loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last),
@@ -235,6 +239,12 @@ def _solve(
                 prob += state + activation_bytes(
                     crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
                     held, extras=extras) + loss <= dev.memory
+            gathered = gathered_bytes(costs, m, s == k - 1) if extras is not None else 0
+            for term in gather_terms(terms[s]) if gathered else ():  # executor.GPipe's gathered outputs
+                kept = loss_bytes(0, 0, (term,), 0, 0, costs.returned, 0)
+                prob += state + activation_bytes(
+                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
+                    held, extras=extras) + kept + gathered <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

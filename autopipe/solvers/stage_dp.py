@@ -50,7 +50,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
-from autopipe.core.stage_memory import range_extras
+from autopipe.core.stage_memory import gather_terms, gathered_bytes, range_extras
 from executor.spec import RECOMPUTE_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]
@@ -181,11 +181,15 @@ class StageBlocks:
         input_saved = np.minimum(self.input_saved[:j1, None], saved)
         o = self.options  # [Note: the backward's memory]
         extras = range_extras(self.costs, self.param_bytes(j0, j1), j0, j1, j1, OPTIMIZER_FACTOR[o.optimizer],
-                              o.data_parallel, o.dp_mode, o.schedule)
+                              o.data_parallel, o.dp_mode, o.schedule, o.chunks)
         out: FloatArray = (  # a new array; most blocks keep nothing and take the plain walk
             kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads, extras)
             if kept.any() or grads.any() or extras is not None
             else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
+        if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
+            gather = kept_activation_bytes(self.cut[:j1, None], saved, gather_terms(terms), held, input_saved,
+                                           self.costs.returned, 0, extras) + gathered_bytes(self.costs, o.chunks, True)
+            out[:, last] = np.maximum(out[:, last], gather[:, last])
         optimizer = self.options.optimizer
         if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             one = self.costs.one_at_a_time

@@ -95,3 +95,19 @@ def test_scaling_keeps_the_weights_gradients_and_scales_the_rest() -> None:
     prof.df["bwd_working_bytes"] = [140]
     prof.meta["micro_batch_size"] = 2
     assert profile_at(prof, 4).df["bwd_working_bytes"].tolist() == [100 + 2 * 40]
+
+
+def test_one_process_gathers_the_outputs_after_the_last_forward() -> None:
+    # the last layer's output (200 per micro-batch) is the model's: kept per micro-batch, and
+    # executor.GPipe copies both into the batch's after the last forward. Then: 300 - 150 lazy
+    # gradients + 2 x (60 + 200) + 2 x 200 = 770, above the first backward's 300 + 460
+    prof = chain_profile([1.0, 1.0, 1.0], param_bytes=[100, 0, 50], output_bytes=[5, 5, 200],
+                         saved_bytes=[10, 20, 30])
+    prof.df["bwd_working_bytes"] = [1, 2, 3]
+    opts = CostOptions(chunks=2, recompute="never", optimizer="sgd", bandwidth=None)
+    (one,) = stage_costs(LayerCosts.from_profile(prof), [0, 0, 0], [DeviceSpec("cpu")], opts)
+    assert (one.gathered_bytes, one.memory_bytes) == (400, 300 + 770)
+    (rank,) = stage_costs(LayerCosts.from_profile(prof, runtime="distributed"), [0, 0, 0], [DeviceSpec("cpu")], opts)
+    assert (rank.gathered_bytes, rank.memory_bytes) == (0, 300 + 2 * 260 + 90 - 150)
+    plan = Plan.from_stages(prof, [["l0", "l1", "l2"]], chunks=2, recompute="never", optimizer="sgd", bandwidth=None)
+    assert plan.peak_memory == [300 + 770]  # the simulator's walk, at the same instant

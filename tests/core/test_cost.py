@@ -133,7 +133,7 @@ def test_the_optimizer_step_holds_temporaries_after_the_activations_are_freed(
     assert bare.activation_bytes == bare.loss_bytes == 0 and bare.memory_bytes == bare.param_bytes + step
 
 
-def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process() -> None:
+def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process_or_a_rank() -> None:
     df = _diamond().df.assign(tie_group=["w", "", "", "w"], param_bytes=[50, 20, 30, 50])
     prof = Profile.from_frame(df, edges=_diamond().edges)
     one_cpu = [DeviceSpec("cpu"), DeviceSpec("cpu")]
@@ -142,6 +142,13 @@ def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process() -> 
     ranks = LayerCosts.from_profile(prof, runtime="distributed")  # each rank its own copy
     s0, s1 = stage_costs(ranks, [0, 0, 1, 1], one_cpu, CostOptions(optimizer="none"))
     assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
+    # ZB-V on 2 ranks: rank 0 holds stages 0 and 3, one module's tensor for both
+    split = df.assign(bwd_input_ms=df["bwd_ms"] / 2, bwd_weight_ms=df["bwd_ms"] / 2, weight_grad_bytes=0)
+    v = [DeviceSpec("r0"), DeviceSpec("r1"), DeviceSpec("r1"), DeviceSpec("r0")]
+    stages = stage_costs(LayerCosts.from_profile(Profile.from_frame(split, edges=_diamond().edges),
+                                                 runtime="distributed"),
+                         [0, 1, 2, 3], v, CostOptions(optimizer="none", schedule="zbv"))
+    assert [st.param_bytes for st in stages] == [50, 20, 30, 0]
 
 
 @pytest.mark.parametrize(("mode", "recomputed"), [("never", 0), ("except_last", 5), ("always", 6)])

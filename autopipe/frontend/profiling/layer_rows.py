@@ -100,8 +100,15 @@ def measure_rows(
     edges, out_bytes = measured_edges(g, node_bytes) if precision != "fp32" else (g.edges(), {})
     return [{**r, "saved_shared_bytes": shared[r["layer"]],
              "saved_input_bytes": max(kept[r["layer"]], 0),
-             "output_bytes": out_bytes.get(r["layer"], r["output_bytes"])} for r in rows], \
+             "output_bytes": out_bytes.get(r["layer"], r["output_bytes"]),
+             "returned_bytes": _measured_share(r["returned_bytes"], r["output_bytes"], out_bytes.get(r["layer"]))}
+            for r in rows], \
         (fwd_extra, bwd_extra, sampler.ratio()), edges, (splits, split_extra)
+
+
+def _measured_share(returned: int, traced: int, measured: int | None) -> int:
+    """What a layer returns, in its measured output's precision: the traced share of it."""
+    return returned if measured is None or not traced else round(returned * measured / traced)
 
 
 def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,
@@ -113,6 +120,7 @@ def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, pe
         "bwd_ms": round(bwd_ms, 6),
         "param_bytes": int(a["param_bytes"]),
         "output_bytes": int(a["output_bytes"]),
+        "returned_bytes": int(a.get("returned_bytes", 0)),
         "saved_bytes": saved,
         "peak_bytes": float("nan") if peak is None else float(peak),
         "bwd_working_bytes": working,
