@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopipe.core.backward_memory import backward_extras, stage_backward
 from autopipe.core.data_parallel import grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import SPLIT_COLUMNS, FloatArray, LayerCosts
@@ -108,20 +109,14 @@ from autopipe.core.stage_memory import (
     activation_bytes,
     activation_peak,
     activation_terms,
-    backward_extras,
-    first_backward_bytes,
     gather_peak,
-    gather_terms,
-    gathered_bytes,
     kept_activation_bytes,
     kept_bytes,
-    lazy_grad_bytes,
     loss_bytes,
     loss_grad_bytes,
     stage_terms,
     step_bytes,
     weight_held_bytes,
-    working_beside_loss,
 )
 from autopipe.core.transfer import DEFAULT_BANDWIDTH, Amount, crossing_ms, receive_ms, transfer_ms
 from autopipe.errors import PartitionError
@@ -143,11 +138,7 @@ __all__ = [
     "activation_bytes",
     "activation_peak",
     "backward_extras",
-    "first_backward_bytes",
     "gather_peak",
-    "gather_terms",
-    "gathered_bytes",
-    "lazy_grad_bytes",
     "STEP_TEMPORARIES",
     "kept_activation_bytes",
     "kept_bytes",
@@ -362,21 +353,9 @@ def stage_costs(
         kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
-        lazy, first, working, gathered, backward = 0, 0, 0, 0, 0
-        if costs.working is not None and mask.any():  # [Note: the backward's memory] in stage_memory.py
-            lazy = int(lazy_grad_bytes(params, OPTIMIZER_FACTOR[options.optimizer], options.data_parallel,
-                                       options.dp_mode, options.schedule))
-            first = int(first_backward_bytes(costs.saved[mask].astype(np.float64),
-                                             costs.params[mask].astype(np.float64) * (lazy > 0),
-                                             costs.working[mask].astype(np.float64)))
-            working = int(working_beside_loss(int(costs.working[mask].max()), grads, costs.returned))
-            gathered = int(gathered_bytes(costs, m, s == k - 1))
-            extras = backward_extras(lazy, first, working)
-            joint = kept_activation_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads, extras)
-            if gathered:
-                joint = max(joint, kept_activation_bytes(cut_in, saved, gather_terms(terms[s]), held, input_saved,
-                                                         costs.returned, 0, extras) + gathered)
-            backward = int(joint - activation_bytes(cut_in, saved, terms[s], held, input_saved)) - loss
+        lazy, first, working, gathered, backward = stage_backward(  # [Note: the backward's memory]
+            costs, mask, params, OPTIMIZER_FACTOR[options.optimizer], options, s == k - 1, terms[s],
+            (cut_in, saved, held, input_saved, kept, grads))
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,

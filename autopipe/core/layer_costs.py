@@ -84,7 +84,7 @@ class LayerCosts:
     # torch's optimizers step one tensor at a time there (the CPU) or all at once (foreach)
     layer_params: IntArray | None = None
     one_at_a_time: bool = True
-    # [Note: the backward's memory] in stage_memory.py: per layer, what its backward has alive
+    # [Note: the backward's memory] in backward_memory.py: per layer, what its backward has alive
     # beyond its saves, the gradient it receives included (the bytes its readers read + the
     # profile's ``bwd_working_bytes``; what only the loss reads has the loss's gradient, in
     # ``loss_grads``); None where the profile did not measure it

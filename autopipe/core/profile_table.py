@@ -33,14 +33,11 @@ ONE micro-batch):
                    the caller's batch): where the layer starts a stage, the input the stage
                    keeps to recompute from ([Note: an input kept once] in stage_memory.py), default 0
     peak_bytes     optional: measured peak memory, may be NaN
-    bwd_working_bytes   optional: the most bytes one backward of the layer has alive at once
-                   beyond its saves, its output and the gradient it receives (its inputs' and
-                   weights' gradients, its kernels' temporaries: [Note: the backward's memory]
-                   in stage_memory.py). Without it the planner charges every gradient from the
-                   step's start and no working set, as before it was measured
-    returned_bytes optional: of ``output_bytes``, what the model returns (the runtime keeps it
-                   per micro-batch in flight: [Note: the loss's memory] in stage_memory.py).
-                   Without it, the outputs of the layers nothing reads are taken as the model's
+    bwd_working_bytes, returned_bytes   optional: the most bytes one backward of the layer has
+                   alive beyond what it starts from ([Note: the backward's memory] in
+                   backward_memory.py; without it: every gradient from the start, no working
+                   set), and of ``output_bytes`` what the model returns ([Note: the loss's
+                   memory]; without it: the outputs of the layers nothing reads)
     tie_group      optional: layers sharing a parameter carry the same non-empty id, default "".
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
                    shared parameter's bytes on every member (or on one member and 0 elsewhere).

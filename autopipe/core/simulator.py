@@ -277,7 +277,7 @@ def simulate_stages(
     saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}
     held = {s: float(st.weight_held_bytes) for s, st in enumerate(stages)}
     kept = {s: float(st.input_saved_bytes) for s, st in enumerate(stages)}  # [Note: an input kept once]
-    # [Note: the backward's memory] and [Note: the optimizer step's memory] in stage_memory.py
+    # [Note: the backward's memory] in backward_memory.py, [Note: the optimizer step's memory] in stage_memory.py
     extras = {s: backward_extras(st.lazy_grad_bytes, st.first_backward_bytes, st.working_bytes)
               for s, st in enumerate(stages)}
     # executor.GPipe's gathered outputs: (per micro-batch, their copy) on the last stage

@@ -52,7 +52,7 @@ class StageCost:
     # what optimizer.step() holds besides the state, after the activations are freed
     # ([Note: the optimizer step's memory] in stage_memory.py); 0 in plans saved before it
     step_bytes: int = 0
-    # [Note: the backward's memory] in stage_memory.py (0 in plans saved before it): the gradients
+    # [Note: the backward's memory] in backward_memory.py (0 in plans saved before it): the gradients
     # the stage holds only from its first backward on, what that first backward has beside its
     # activations, the largest working set of a later one, and what the three change of its peak
     # (in memory_bytes; negative where the gradients' absence before the backward outweighs them)

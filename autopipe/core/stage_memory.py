@@ -63,31 +63,9 @@ once elsewhere (its foreach path: one copy of them all); SGD, with momentum or w
 in place. A stage's peak is its state plus the larger of its activations (with the loss's
 bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
 
-[Note: the backward's memory] Two things of a step's peak happen in the backward, not between
-the operations the walk counts. The gradients: ``zero_grad()`` (set_to_none, torch's default,
-Trainer's and autopipe's) frees them after each step, so a stage holds none until its first
-backward, which makes them layer by layer while it frees that micro-batch's saves; GPipe's
-peak falls in that first backward, every other schedule's in a later one, beside all of them
-(DistributedDataParallel keeps them in its buckets: charged throughout, ``lazy_grad_bytes``).
-And the working set: a layer's backward allocates its inputs' and its weights' gradients (the
-accumulation into existing ones allocates them again) and its kernels' temporaries, beside the
-gradient it received; the profile measures it per layer as live storage
-(``bwd_working_bytes``, autopipe/frontend/profiling/harness/layer_timing.py ``probe``). So each
-backward of the walk is an allocation at its start, with its micro-batch still held, and every
-allocation carries what it happens beside (the walk's e): ``BEFORE_BACKWARD`` none of the lazy
-gradients, ``FIRST_BACKWARD`` the first backward's most over its layers in reverse
-(``first_backward_bytes``: the later layers' gradients less their freed saves, plus the
-layer's working set), ``GRADIENTS`` all of them, ``IN_BACKWARD`` all of them and the stage's
-largest working set (with the gradient a layer receives: the bytes its readers read; what only
-the loss reads gets the loss's gradient, [Note: the loss's memory]). ``backward_extras`` gives these relative to a state
-that holds every gradient; the DPs take their range maxima (``range_extras``), the ILP bounds
-them by a variable per stage. In one process the last stage has one more instant: after its
-last forward executor.GPipe gathers every micro-batch's outputs into the batch's, a copy of
-them (``gathered_bytes``) beside everything then held (``gather_terms``), for a model
-that computes its own loss as for one whose caller's loss reads the gathered batch. A
-profile measured before the working sets keeps the old rule:
-every gradient from the start, no working set. Measured against live tensor bytes in
-docs/benchmarks.md ("Whole-step memory")."""
+[Note: the backward's memory] is in autopipe/core/backward_memory.py: the walk's e (``BEFORE_BACKWARD``
+... ``IN_BACKWARD``) marks what each allocation happens beside.
+"""
 
 from __future__ import annotations
 
@@ -98,20 +76,18 @@ from typing import Any
 
 import numpy as np
 
-from autopipe.core.layer_costs import FloatArray, LayerCosts, range_max
+from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.schedules import Op, rank_order, stage_order
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
     V_SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
     is_recomputed,
     stage_rank,
 )
 
-__all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Extras",
-           "Terms", "activation_bytes", "activation_peak", "activation_terms", "backward_extras",
-           "first_backward_bytes", "gather_peak", "gathered_bytes", "kept_activation_bytes", "kept_bytes", "gather_terms", "lazy_grad_bytes", "loss_bytes",
-           "loss_grad_bytes", "range_extras", "working_beside_loss", "stage_terms", "step_bytes", "weight_held_bytes"]
+__all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Amount", "Extras",
+           "Terms", "activation_bytes", "activation_peak", "activation_terms", "gather_peak", "kept_activation_bytes",
+           "kept_bytes", "loss_bytes", "loss_grad_bytes", "stage_terms", "step_bytes", "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
 # (a, b, c, d, e): a x input + b x saved + c x weight_held - d x input_saved bytes, plus the
@@ -241,79 +217,6 @@ def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_he
     :func:`kept_activation_bytes` less :func:`activation_bytes` ([Note: the loss's memory])."""
     return (kept_activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved, kept, grads)
             - activation_bytes(input_bytes, saved_bytes, terms, weight_held, input_saved))
-
-
-def lazy_grad_bytes(param_bytes: Amount, optimizer_factor: int, data_parallel: int, dp_mode: str,
-                    schedule: str) -> Amount:
-    """Of a stage's state, the gradients that do not exist before its first backward ([Note: the
-    backward's memory]): all of them (``zero_grad()`` frees them), but where none are kept
-    (``optimizer_factor`` 1) or DistributedDataParallel keeps them in its buckets."""
-    if optimizer_factor < 2:
-        return 0
-    bucketed = dp_mode == "ddp" and data_parallel > 1 and schedule not in ZERO_BUBBLE_SCHEDULES
-    return 0 if bucketed else param_bytes
-
-
-def first_backward_bytes(saved: FloatArray, grads: FloatArray, working: FloatArray) -> float:
-    """What a stage's first backward has beside its activations ([Note: the backward's memory]):
-    over its layers j (``saved``, lazy ``grads`` and ``working`` per layer, in order), the
-    gradients of the layers after j less their freed saves, plus j's working set; or, once j is
-    done, j's gradients less its saves too."""
-    if not len(working):
-        return 0.0
-    after = np.concatenate([np.cumsum((grads - saved)[::-1])[::-1], [0.0]])  # after[j]: layers j, j + 1, ...
-    return float(np.maximum(after[1:] + working, after[:-1]).max())
-
-
-def backward_extras(lazy_grads: Amount, first: Amount, working: Amount) -> Extras:
-    """``extras`` for :func:`activation_bytes`, indexed by the walk's e ([Note: the backward's
-    memory]): relative to a state that holds every gradient, before the first backward none of
-    the lazy ones, in the first backward ``first``, after it all of them, in a later backward
-    the largest layer's working set on top."""
-    return (-lazy_grads, first - lazy_grads, 0, working)
-
-
-def gather_terms(terms: Terms) -> Terms:
-    """What a stage holds just after its last forward, at most what its first backward starts
-    with (a recomputed micro-batch's recompute on top) and at least what a later one does: its
-    backward terms, before any gradient ([Note: the backward's memory])."""
-    return tuple(sorted({t[:4] + (BEFORE_BACKWARD,) for t in terms if t[4] in (FIRST_BACKWARD, IN_BACKWARD)}))
-
-
-def gathered_bytes(costs: LayerCosts, chunks: int, last: Amount) -> Amount:
-    """What executor.GPipe's gathering of every micro-batch's outputs into the batch's allocates
-    on the last stage (``last`` true, or an array) after its last forward, beside them, for an
-    instant ([Note: the backward's memory]; the level then is :func:`gather_terms`'); nothing on
-    ranks."""
-    amount = costs.returned * chunks if costs.runtime == "gpipe" else 0
-    return np.where(last, amount, 0) if isinstance(last, np.ndarray) else (amount if last else 0)
-
-
-def working_beside_loss(working: Amount, loss_grads: Amount, returned: int) -> Amount:
-    """The last stage's working set beside the loss's backward, which is charged on its own
-    (``loss_grad_bytes``): that backward ends before the layers' starts, and leaves them the
-    gradient of the model's ``returned`` outputs, so together they hold the larger of its
-    gradients and the working set with that one ([Note: the backward's memory])."""
-    return np.where(np.asarray(loss_grads) > 0, np.maximum(working + returned - loss_grads, 0), working)
-
-
-def range_extras(costs: LayerCosts, params: FloatArray, j0: int, j1: int, rows: int, optimizer_factor: int,
-                 data_parallel: int, dp_mode: str, schedule: str, chunks: int) -> Extras | None:
-    """``extras`` of every range i < j, j0 <= j < j1, as a stage holding ``params`` (rows, j1 -
-    j0) ([Note: the backward's memory]): the range maxima of :func:`first_backward_bytes`' terms
-    and of the working sets; None where the profile did not measure them."""
-    if costs.working is None:
-        return None
-    lazy = lazy_grad_bytes(params, optimizer_factor, data_parallel, dp_mode, schedule)
-    grads = costs.params * (lazy_grad_bytes(1, optimizer_factor, data_parallel, dp_mode, schedule) > 0)
-    # net[t]: saves less lazy gradients of the layers before t, so a range's first backward holds
-    # max over its layers t of (net[t + 1] + working[t], net[t]) - net[j]
-    net = np.concatenate([[0.0], np.cumsum(costs.saved - grads.astype(np.float64))])
-    first = range_max(np.maximum(net[1:] + costs.working, net[:-1]), j0, j1, rows) - net[None, j0:j1]
-    last = np.arange(j0, j1)[None, :] == len(costs)
-    working = working_beside_loss(range_max(costs.working, j0, j1, rows),
-                                  np.where(last, loss_grad_bytes(costs, chunks), 0), costs.returned)
-    return backward_extras(lazy, first, working)
 
 
 STEP_TEMPORARIES = ("adam", "adamw")  # the optimizers whose step allocates: [Note: the optimizer step's memory]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autopipe.core.backward_memory import gather_terms, gathered_bytes, range_extras
 from autopipe.core.cost import (
     OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
@@ -42,7 +43,6 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
-from autopipe.core.stage_memory import gather_terms, gathered_bytes, range_extras
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.stage_dp import solve_split

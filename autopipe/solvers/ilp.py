@@ -34,6 +34,7 @@ from typing import Any
 import numpy.typing as npt
 import pulp
 
+from autopipe.core.backward_memory import gather_terms, gathered_bytes, lazy_grad_bytes
 from autopipe.core.cost import (
     OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
@@ -44,7 +45,6 @@ from autopipe.core.cost import (
     cast_cache_bytes,
     kept_bytes,
     layer_work,
-    lazy_grad_bytes,
     loss_bytes,
     loss_grad_bytes,
     lower_bound,
@@ -57,7 +57,7 @@ from autopipe.core.cost import (
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
-from autopipe.core.stage_memory import Extras, gather_terms, gathered_bytes
+from autopipe.core.stage_memory import Extras
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 from executor.spec import ZERO_BUBBLE_SCHEDULES

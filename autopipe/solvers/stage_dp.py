@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from autopipe.core.backward_memory import gather_terms, gathered_bytes, range_extras
 from autopipe.core.cost import (
     OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
@@ -50,7 +51,6 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
-from autopipe.core.stage_memory import gather_terms, gathered_bytes, range_extras
 from executor.spec import RECOMPUTE_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]

@@ -1,4 +1,4 @@
-"""[Note: the backward's memory] (autopipe/core/stage_memory.py): the gradients appear at a
+"""[Note: the backward's memory] (autopipe/core/backward_memory.py): the gradients appear at a
 stage's first backward, and every backward has its layer's working set on top. Checked by hand
 on one stage, and against the plan's own simulation."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from autopipe.core.backward_memory import first_backward_bytes, lazy_grad_bytes
 from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import range_max
@@ -14,7 +15,6 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at
 from autopipe.core.simulator import simulate
-from autopipe.core.stage_memory import first_backward_bytes, lazy_grad_bytes
 from autopipe.errors import ProfileError
 from autopipe.solvers.synthetic import chain_profile
 

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from autopipe.core.backward_memory import backward_extras
 from autopipe.core.cost import (
     DeviceSpec,
     LayerCosts,
@@ -19,7 +20,7 @@ from autopipe.core.cost import (
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.core.schedules import stage_order
-from autopipe.core.stage_memory import FIRST_BACKWARD, IN_BACKWARD, backward_extras
+from autopipe.core.stage_memory import FIRST_BACKWARD, IN_BACKWARD
 from autopipe.errors import PartitionError
 from autopipe.solvers.synthetic import random_chain
 
