@@ -73,7 +73,7 @@ from autopipe.solvers.search_space import (
 )
 from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
-from autopipe.solvers.step_split import auto_evaluations, fastest_step
+from autopipe.solvers.step_split import fastest_step
 from executor.spec import RECOMPUTE_MODES, check_schedule, merge_rules
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
@@ -252,14 +252,14 @@ class _Search:
         firsts: dict[str, Result] = {}
         for r in sorted(self.results, key=lambda r: r.time):
             firsts.setdefault(r.config.schedule, r)
-        for r in (r for schedule, r in firsts.items() if schedule != "gpipe"):
+        for r in firsts.values():
             c, costs = r.config, self.at(r.config.chunks)[1]
             devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
             if config_bound(c.schedule, costs, [d.speed for d in devices], c.chunks) >= self.best_time():
                 continue  # no split of it beats the best
             opts = replace(self.options(c.schedule, c.chunks, r.recompute), recompute=tuple(r.split.modes))
             found = fastest_step(costs, devices, budget_devices(devices, c.schedule), opts, [r.split.assignment],
-                                 auto_evaluations(len(costs), len(devices)))
+                                 auto=True)
             if found is not None and found.iteration < r.time * (1 - 1e-9):
                 times = [st.time_ms for st in stage_costs(costs, found.assignment, devices, opts)]
                 self.evaluate(c, r.recompute, Split(found.assignment, max(times), r.split.modes), always=True)

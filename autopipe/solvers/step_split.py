@@ -57,36 +57,55 @@ from autopipe.solvers.baselines import (
 )
 from autopipe.solvers.bounds import config_bound
 from autopipe.solvers.dag_bound import forced_order
+from autopipe.solvers.split_steps import SplitSteps
 from executor.spec import merge_rules
 
-__all__ = ["StepSplit", "fastest_step", "step_split", "shortest", "auto_evaluations", "ENUMERATE_SPLITS",
-           "DESCENT_EVALUATIONS"]
+__all__ = ["StepSplit", "fastest_step", "step_split", "shortest", "ENUMERATE_SPLITS", "DESCENT_EVALUATIONS"]
 
-ENUMERATE_SPLITS = 500  # every split scored when there are at most this many
-DESCENT_EVALUATIONS = 120  # splits a descent scores at most
-# method="auto": the descent scores at most this many layer x stage terms in all (a split of N
-# layers into K stages costs about N x K of them, ~2.5 us each here), and at least
-# AUTO_MIN_EVALUATIONS splits: under a second for the 802-layer, 16-stage TinyLlama shape, the
-# whole DESCENT_EVALUATIONS for a model of a few hundred layers
+ENUMERATE_SPLITS = 500  # every split simulated when there are at most this many (no batch bound)
+DESCENT_EVALUATIONS = 120  # splits a descent simulates at most
+# With the batch bound ([Note: steps in a batch]): every split bounded where splits x operations
+# is at most BOUNDED_WORK (about a second of numpy here), BOUNDED_BLOCK of them at a time; at
+# most BOUNDED_SIMULATIONS simulated; a split whose bound is within BOUND_TOLERANCE of the best
+# step is ruled out (the step found is the fastest to that relative tolerance). A descent walks
+# the bound over its wide moves at most DESCENT_WALKS times.
+BOUNDED_WORK = 30_000_000
+BOUNDED_BLOCK = 2_000_000
+BOUNDED_SIMULATIONS = 500
+BOUND_TOLERANCE = 1e-9
+DESCENT_WALKS = 400
+NEAR_SHIFTS = (1, 2)  # a descent's moves of one cut, in layers
+WIDE_SHIFTS = (1, 2, 3, 4, 6, 8, 12, 16)  # the same where the batch bound ranks the moves
+# method="auto" budgets its descent by time: a split simulated costs about N x K layer x stage
+# terms plus SIMULATED_OPERATION terms for each operation simulated (~2.5 us a term here), and
+# the descent simulates at most AUTO_STEP_WORK terms' worth, at least AUTO_MIN_EVALUATIONS splits
+# (~0.4 s); a batch walk costs about one term per operation, and it walks at most AUTO_WALK_WORK.
 AUTO_STEP_WORK = 150_000
-AUTO_MIN_EVALUATIONS = 16
+AUTO_MIN_EVALUATIONS = 4
+SIMULATED_OPERATION = 10
+AUTO_WALK_WORK = 150_000
+AUTO_MIN_WALKS = 8
 
 
-def auto_evaluations(layers: int, stages: int) -> int:
-    """The descent's budget of splits under method="auto" (see AUTO_STEP_WORK)."""
-    return min(DESCENT_EVALUATIONS, max(AUTO_MIN_EVALUATIONS, AUTO_STEP_WORK // (layers * stages)))
+def auto_budget(layers: int, stages: int, operations: int) -> tuple[int, int]:
+    """method="auto"'s budgets of splits simulated and of batch walks for a descent over
+    ``layers`` into ``stages``, whose schedule simulates ``operations`` per split."""
+    simulated = layers * stages + SIMULATED_OPERATION * operations
+    return (min(DESCENT_EVALUATIONS, max(AUTO_MIN_EVALUATIONS, AUTO_STEP_WORK // simulated)),
+            min(DESCENT_WALKS, max(AUTO_MIN_WALKS, AUTO_WALK_WORK // max(1, operations))))
 
 
 @dataclass(frozen=True)
 class StepSplit:
     """The fastest split found: each layer's stage, its simulated iteration (ms), whether every
-    split was scored, the bound no split beats (ms) and the relative gap to it."""
+    split was scored, the bound no split beats (ms), the splits simulated, and how it searched."""
 
     assignment: list[int]
     iteration: float
     exhaustive: bool
     bound: float
     evaluated: int
+    search: str  # "every split", "every split bounded", or what it scored when not every split
 
     @property
     def gap(self) -> float:
@@ -94,88 +113,148 @@ class StepSplit:
 
 
 def fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec],
-                 options: CostOptions, seeds: Sequence[Sequence[int]],
-                 evaluations: int = DESCENT_EVALUATIONS) -> StepSplit | None:
+                 options: CostOptions, seeds: Sequence[Sequence[int]], auto: bool = False) -> StepSplit | None:
     """The contiguous split of ``costs``' layers over ``devices`` with the shortest simulated
     step under ``options`` ([Note: the step, not the bottleneck]); ``bounded``: the devices whose
-    memory each stage must fit (the DP's); ``evaluations``: the descent's budget of splits scored.
-    None when no seed is a contiguous split that fits."""
+    memory each stage must fit (the DP's); ``auto``: a descent within method="auto"'s budgets
+    (``auto_budget``), else DESCENT_EVALUATIONS and DESCENT_WALKS. None when no seed is a
+    contiguous split that fits."""
     n, k = len(costs), len(devices)
-    step = _Scorer(costs, devices, bounded, options)
+    steps = SplitSteps.of(costs, devices, options) if k > 1 else None
+    step = _Scorer(costs, devices, bounded, options, steps)
     seeds = [*seeds, *_baselines(costs, options, k)]
     starts = [c for c in (_cuts(s, k) for s in seeds) if c is not None and step(c) < math.inf]
     if not starts:
         return None
-    if math.comb(n - 1, k - 1) <= ENUMERATE_SPLITS:
+    best = min(starts, key=lambda c: (step(c), c))
+    splits = math.comb(n - 1, k - 1)
+    if steps is not None and splits * steps.operations <= BOUNDED_WORK:
+        return _bounded(step, steps, best, n, k, splits)
+    if splits <= ENUMERATE_SPLITS:
         best = min(itertools.combinations(range(1, n), k - 1), key=lambda c: (step(c), c))
-        iteration = step(best)
-        return StepSplit(_assignment(best, n), iteration, True, iteration, len(step.seen))
-    ends = [_descend(step, start, n, evaluations) for start in sorted(set(starts), key=step)]
+        return StepSplit(_assignment(best, n), step(best), True, step(best), step.simulated, "every split")
+    evaluations, walks = (auto_budget(n, k, steps.operations if steps else SIMULATED_OPERATION * n) if auto
+                          else (DESCENT_EVALUATIONS, DESCENT_WALKS))
+    budget = [walks]
+    ends = [_descend(step, start, n, evaluations, budget) for start in sorted(set(starts), key=step)]
     best = min(ends, key=lambda c: (step(c), c))
     bound = config_bound(options.schedule, costs, [d.speed for d in devices], options.chunks)
-    return StepSplit(_assignment(best, n), step(best), False, min(bound, step(best)), len(step.seen))
+    return StepSplit(_assignment(best, n), step(best), False, min(bound, step(best)), step.simulated,
+                     f"descent over {len(step.seen)} splits ({step.simulated} simulated)")
+
+
+def _bounded(step: _Scorer, steps: SplitSteps, best: tuple[int, ...], n: int, k: int, splits: int) -> StepSplit:
+    """Every split ranked by its batch bound ([Note: steps in a batch]) and scored from the lowest
+    on, until the next bound is no lower than the best step (the best is then the fastest) or
+    ``BOUNDED_SIMULATIONS`` splits were simulated (no split left beats that next bound)."""
+    cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, n), k - 1)),
+                       dtype=np.int32, count=splits * (k - 1)).reshape(splits, k - 1)
+    rows = max(1, BOUNDED_BLOCK // steps.operations)
+    lows = np.concatenate([steps(cuts[i:i + rows]) for i in range(0, splits, rows)])
+    for index in np.argsort(lows, kind="stable"):
+        if lows[index] >= step(best) * (1 - BOUND_TOLERANCE):
+            break
+        if step.simulated >= BOUNDED_SIMULATIONS:
+            return StepSplit(_assignment(best, n), step(best), False, float(lows[index]), step.simulated,
+                             f"{step.simulated} of {splits} splits simulated, the rest bounded")
+        cut = tuple(int(x) for x in cuts[index])
+        step.known(cut, float(lows[index]))
+        if step(cut) < step(best):
+            best = cut
+    return StepSplit(_assignment(best, n), step(best), True, step(best), step.simulated, "every split bounded")
 
 
 def step_split(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec],
                options: CostOptions, seed: list[int], info: SolverInfo,
-               evaluations: int = DESCENT_EVALUATIONS) -> tuple[list[int], str, SolverInfo]:
+               auto: bool = False) -> tuple[list[int], str, SolverInfo]:
     """method="step": the split with the shortest simulated step, seeded by ``seed`` (the DP's)
     and the baselines' splits, with what is proven of it; ``seed`` and ``info`` when no seed fits."""
     start = time.perf_counter()
-    found = fastest_step(costs, devices, bounded, options, [seed], evaluations)
+    found = fastest_step(costs, devices, bounded, options, [seed], auto)
     if found is None:
         return seed, "step", info
     seconds = info.seconds + time.perf_counter() - start
     if found.exhaustive:
         status = "optimal" if forced_order(costs) else "optimal over the topological order"
         return found.assignment, "step", SolverInfo(status, found.iteration, found.iteration, 0.0, seconds)
-    return found.assignment, "step", SolverInfo(f"descent over {found.evaluated} splits", found.iteration,
-                                                found.bound, found.gap, seconds)
+    return found.assignment, "step", SolverInfo(found.search, found.iteration, found.bound, found.gap, seconds)
 
 
 def shortest(best: Plan, plan: Callable[[list[int], str, SolverInfo], Plan], costs: LayerCosts,
              devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec], options: CostOptions,
              seed: list[int], info: SolverInfo) -> Plan:
-    """method="auto": ``best`` (the slowest stage's optimum), or, under a schedule that
-    interleaves forwards and backwards, the split with a shorter simulated step where one exists
-    (``plan`` builds a Plan of an assignment; see [Note: the step, not the bottleneck])."""
-    if options.schedule == "gpipe":
-        return best
-    step = plan(*step_split(costs, devices, bounded, options, seed, info,
-                            auto_evaluations(len(costs), len(devices))))
-    return step if step.iteration_time < best.iteration_time * (1 - 1e-9) else best
+    """method="auto": the split with the shortest simulated step ([Note: the step, not the
+    bottleneck]; ``plan`` builds a Plan of an assignment) where it is shorter than ``best``'s (the
+    slowest stage's optimum, or the ILP's), or where its search was not exhaustive and it is no
+    longer (so the plan states the step's gap); else ``best``."""
+    step = plan(*step_split(costs, devices, bounded, options, seed, info, auto=True))
+    if step.iteration_time < best.iteration_time * (1 - 1e-9):
+        return step
+    searched = step.method == "step" and step.solver.gap is not None and step.solver.gap > 0
+    return step if searched and step.iteration_time <= best.iteration_time * (1 + 1e-9) else best
 
 
-def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int) -> tuple[int, ...]:
-    """From ``cuts``, the first shorter step one move away, while there is one and the budget
-    (``evaluations`` splits scored in all, every seed's descent together) lasts."""
-    improved = True
-    while improved:
-        improved = False
-        for move in _moves(cuts, n):
-            if len(step.seen) >= evaluations and move not in step.seen:
+def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int, walks: list[int]) -> tuple[int, ...]:
+    """From ``cuts``, a shorter step one move away while there is one and the budgets last
+    (``evaluations`` splits simulated and ``walks[0]`` batch walks, every seed's descent
+    together): with the batch bound ([Note: steps in a batch]) the wide moves, the lowest
+    bound first and none whose bound is no shorter; without it the first shorter near move."""
+    while True:
+        current = step(cuts)
+        if step.steps is not None:
+            if walks[0] <= 0:
                 return cuts
-            if step(move) < step(cuts) * (1 - 1e-12):
-                cuts, improved = move, True
+            walks[0] -= 1
+            moves = _moves(cuts, n, WIDE_SHIFTS)
+            lows = step.steps(np.array(moves)) if moves else np.zeros(0)
+            for move, low in zip(moves, lows, strict=True):
+                step.known(move, float(low))
+            moves = [moves[i] for i in np.argsort(lows, kind="stable") if lows[i] < current * (1 - 1e-12)]
+        else:
+            moves = _moves(cuts, n, NEAR_SHIFTS)
+        for move in moves:
+            if step.simulated >= evaluations and not step.cached(move):
+                return cuts
+            if step(move) < current * (1 - 1e-12):
+                cuts = move
                 break
-    return cuts
+        else:
+            return cuts
 
 
 class _Scorer:
-    """A split's simulated iteration (ms; inf when a stage does not fit), each scored once."""
+    """A split's simulated iteration (ms; inf when a stage does not fit), each scored once; where
+    the batch bound equals the simulated step and nothing is checked (one replica, no memory
+    limit, no ties kept together), the bound itself ([Note: steps in a batch])."""
 
     def __init__(self, costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequence[DeviceSpec],
-                 options: CostOptions) -> None:
+                 options: CostOptions, steps: SplitSteps | None) -> None:
         self.costs, self.devices, self.bounded, self.options = costs, list(devices), list(bounded), options
+        self.steps = steps
         self.names = [d.name for d in devices]
         self.memory = {d.name: d.memory for d in devices if d.memory is not None}
         self.modes = options.modes(len(devices))
         self.ties = [list(members) for members, _ in costs.tie_groups] if options.ties == "colocate" else []
+        self.free = (steps is not None and steps.exact and not self.memory and not self.ties
+                     and all(d.memory is None for d in bounded))
         self.seen: dict[tuple[int, ...], float] = {}
+        self.simulated = 0
+
+    def known(self, cuts: tuple[int, ...], low: float) -> None:
+        """``low``, the batch bound of ``cuts``: its step where the bound is the step."""
+        if self.free:
+            self.seen.setdefault(cuts, low)
+
+    def cached(self, cuts: tuple[int, ...]) -> bool:
+        return cuts in self.seen
 
     def __call__(self, cuts: tuple[int, ...]) -> float:
         if cuts not in self.seen:
-            self.seen[cuts] = self._score(_assignment(cuts, len(self.costs)))
+            if self.free and self.steps is not None:
+                self.seen[cuts] = float(self.steps(np.array([cuts]))[0])
+            else:
+                self.simulated += 1
+                self.seen[cuts] = self._score(_assignment(cuts, len(self.costs)))
         return self.seen[cuts]
 
     def _score(self, assignment: list[int]) -> float:
@@ -223,15 +302,16 @@ def _assignment(cuts: Sequence[int], n: int) -> list[int]:
     return np.searchsorted(np.asarray(cuts, dtype=np.int64), np.arange(n), side="right").tolist()
 
 
-def _moves(cuts: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
-    """Splits one move away: one cut by 1 or 2 layers, or two neighbouring cuts by 1 together."""
-    out = []
-    shifts: list[tuple[tuple[int, ...], int]] = [((i,), d) for i in range(len(cuts)) for d in (-1, 1, -2, 2)]
-    shifts += [((i, i + 1), d) for i in range(len(cuts) - 1) for d in (-1, 1)]
-    for moved, d in shifts:
-        c = list(cuts)
-        for i in moved:
-            c[i] += d
-        if 0 < c[0] and c[-1] < n and all(x < y for x, y in zip(c, c[1:], strict=False)):
-            out.append(tuple(c))
-    return out
+def _moves(cuts: tuple[int, ...], n: int, shifts: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Splits one move away: one cut by any of ``shifts`` layers either way, or two neighbouring
+    cuts together by 1 or 2."""
+    k1 = len(cuts)
+    one = [(i, d) for i in range(k1) for s in shifts for d in (-s, s)]
+    deltas = np.zeros((len(one) + 4 * max(k1 - 1, 0), k1), dtype=np.int64)
+    for row, (i, d) in enumerate(one):
+        deltas[row, i] = d
+    for row, (i, d) in enumerate(((i, d) for i in range(k1 - 1) for d in (-1, 1, -2, 2)), start=len(one)):
+        deltas[row, i:i + 2] = d
+    moved = np.asarray(cuts, dtype=np.int64) + deltas
+    ok = (moved[:, 0] > 0) & (moved[:, -1] < n) & (np.diff(moved, axis=1) > 0).all(axis=1)
+    return [tuple(row) for row in moved[ok].tolist()]
