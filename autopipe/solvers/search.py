@@ -328,15 +328,19 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     stages = [[layers[v] for v in range(len(assignment)) if assignment[v] == st]
               for st in range(len(devices))]
     seconds = time.perf_counter() - start
-    info = info or SolverInfo(f"best of {len(s.results)} simulated configurations "
-                              f"({s.solved} DP solves)", best.split.bottleneck, None, None, seconds)
+    status = f"best of {len(s.results)} simulated configurations ({s.solved} DP solves)"
     plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, recompute=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
-                            method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
-                            alternatives=others, data_parallel=setting.data_parallel,
+                            method=name, solver=replace(info or SolverInfo(status), seconds=seconds),
+                            schedule=c.schedule, alternatives=others, data_parallel=setting.data_parallel,
                             dp_mode=setting.dp_mode, skipped_schedules=s.skipped)
-    auto = "auto" in setting.checkpoints  # [Note: recomputed layers]: a few layers, not a stage
-    return recompute_layers_where_faster(plan, prof) if auto else plan
+    if "auto" in setting.checkpoints:  # [Note: recomputed layers]: a few layers, not a stage
+        plan = recompute_layers_where_faster(plan, prof)
+    if info is not None:
+        return plan  # the ILP's, with its own gap
+    # what is proven of the whole space: no configuration of it iterates faster than its bound
+    t, bound = plan.iteration_time, min(x.bound for x in s.configs())
+    return replace(plan, solver=SolverInfo(status, t, bound, max(0.0, 1 - bound / t) if t > 0 else 0.0, seconds))
 
 
 def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: Result, setting: Setting,

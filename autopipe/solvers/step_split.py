@@ -55,7 +55,7 @@ from autopipe.solvers.baselines import (
     sizes_to_assignment,
     uniform_sizes,
 )
-from autopipe.solvers.bounds import config_bound
+from autopipe.solvers.bounds import config_bound, pipeline_bound
 from autopipe.solvers.dag_bound import forced_order
 from autopipe.solvers.split_steps import SplitSteps
 from executor.spec import merge_rules
@@ -138,9 +138,15 @@ def fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequ
     budget = [walks]
     ends = [_descend(step, start, n, evaluations, budget) for start in sorted(set(starts), key=step)]
     best = min(ends, key=lambda c: (step(c), c))
-    bound = config_bound(options.schedule, costs, [d.speed for d in devices], options.chunks)
-    return StepSplit(_assignment(best, n), step(best), False, min(bound, step(best)), step.simulated,
-                     f"descent over {len(step.seen)} splits ({step.simulated} simulated)")
+    return StepSplit(_assignment(best, n), step(best), False, min(_bound(costs, devices, options), step(best)),
+                     step.simulated, f"descent over {len(step.seen)} splits ({step.simulated} simulated)")
+
+
+def _bound(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions) -> float:
+    """What no split of the configuration beats: the larger of the totals' bound and, under
+    GPipe and 1F1B, the pipeline's (autopipe/solvers/bounds.py)."""
+    return max(config_bound(options.schedule, costs, [d.speed for d in devices], options.chunks),
+               pipeline_bound(costs, devices, options) or 0.0)
 
 
 def _bounded(step: _Scorer, steps: SplitSteps, best: tuple[int, ...], n: int, k: int, splits: int) -> StepSplit:
@@ -154,8 +160,9 @@ def _bounded(step: _Scorer, steps: SplitSteps, best: tuple[int, ...], n: int, k:
     for index in np.argsort(lows, kind="stable"):
         if lows[index] >= step(best) * (1 - BOUND_TOLERANCE):
             break
-        if step.simulated >= BOUNDED_SIMULATIONS:
-            return StepSplit(_assignment(best, n), step(best), False, float(lows[index]), step.simulated,
+        if step.simulated >= BOUNDED_SIMULATIONS:  # the rest no faster than this bound
+            bound = max(min(float(lows[index]), step(best)), _bound(step.costs, step.devices, step.options))
+            return StepSplit(_assignment(best, n), step(best), False, bound, step.simulated,
                              f"{step.simulated} of {splits} splits simulated, the rest bounded")
         cut = tuple(int(x) for x in cuts[index])
         step.known(cut, float(lows[index]))

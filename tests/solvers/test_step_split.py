@@ -14,11 +14,11 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
 from autopipe.solvers import step_split
-from autopipe.solvers.bounds import config_bound
+from autopipe.solvers.bounds import config_bound, pipeline_bound
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.stage_dp import budget_devices
-from autopipe.solvers.synthetic import random_chain
+from autopipe.solvers.synthetic import random_chain, torch_workloads
 
 # schedule -> the device of each of 4 stages (two ranks hold two each; None: one per stage)
 LAYOUTS = {"gpipe": None, "1f1b": None, "interleaved1f1b": ["r0", "r1", "r0", "r1"], "zbv": ["r0", "r1", "r1", "r0"]}
@@ -33,7 +33,7 @@ def _every_split(prof: Profile, like: Plan, memory: int | None = None) -> list[P
         bounds = (0, *cuts, len(layers))
         plan = Plan.from_stages(prof, [layers[a:b] for a, b in itertools.pairwise(bounds)],
                                 devices=like.devices, chunks=like.chunks, schedule=like.schedule,
-                                recompute=like.recompute)
+                                recompute=like.recompute, bandwidth=like.bandwidth)
         if memory is None or max(plan.stage_memory) <= memory:
             plans.append(plan)
     return plans
@@ -150,3 +150,52 @@ def test_the_automatic_search_takes_its_configurations_fastest_step(schedule: st
                      recompute="never", progress=False)
     assert plan.num_stages > 1
     assert plan.iteration_time == pytest.approx(min(p.iteration_time for p in _every_split(prof, plan)), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
+def test_where_auto_does_not_search_every_split_it_states_the_gap(schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # as for a model of many layers: a descent, whose plan states its gap to a bound no split
+    # beats (the pipeline's under GPipe, the totals' under ZB-V), even where it kept the DP's split
+    monkeypatch.setattr(step_split, "ENUMERATE_SPLITS", 0)
+    monkeypatch.setattr(step_split, "BOUNDED_WORK", 0)
+    prof = random_chain(30, 1, split=True)
+    plan = partition(prof, stages=4, devices=LAYOUTS[schedule], chunks=8, schedule=schedule)
+    assert plan.method == "step" and plan.solver.status.startswith("descent over ")
+    costs, devices = LayerCosts.from_profile(prof), plan.devices
+    options = CostOptions(8, plan.recompute, schedule=schedule)
+    bound = max(config_bound(schedule, costs, [1.0] * 4, 8), pipeline_bound(costs, devices, options) or 0.0)
+    assert plan.solver.bound == pytest.approx(bound) and 0 < plan.solver.gap < 1
+    assert plan.solver.gap == pytest.approx(1 - bound / plan.iteration_time)
+    assert f"gap {100 * plan.solver.gap:.2f}%" in plan.explain()
+
+
+def test_an_enumeration_cut_short_states_the_bound_of_the_splits_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # under a memory limit each split the batch cannot rule out is simulated; after one, the
+    # splits left are no faster than the next one's batch bound (seed 0: the seeds' splits,
+    # simulated first, are 2% slower than the fastest)
+    monkeypatch.setattr(step_split, "BOUNDED_SIMULATIONS", 1)
+    prof = random_chain(12, 0, split=True)
+    kw = dict(stages=4, chunks=8, schedule="1f1b", recompute="never")
+    limit = max(partition(prof, **kw).stage_memory) * 2  # type: ignore[arg-type]
+    plan = partition(prof, method="step", memory_limit=limit, **kw)  # type: ignore[arg-type]
+    said = re.fullmatch(r"(\d+) of 165 splits simulated, the rest bounded", plan.solver.status)
+    assert said is not None, plan.solver.status
+    fastest = min(p.iteration_time for p in _every_split(prof, plan))
+    assert plan.solver.bound is not None and plan.solver.bound <= fastest <= plan.iteration_time
+    assert f"gap {100 * plan.solver.gap:.2f}%" in plan.explain()
+
+
+@pytest.mark.parametrize(("name", "schedule", "ranks"), [
+    ("rebalance x8", "1f1b", ["r0", "r1", "r2", "r3"]),  # torch's own regression case
+    ("heavy cuts x12", "interleaved1f1b", ["r0", "r1", "r2", "r3"] * 2),  # 8 stages on 4 ranks
+])
+def test_on_torchs_workloads_the_default_is_the_fastest_split(name: str, schedule: str, ranks: list[str]) -> None:
+    # torch.distributed.pipelining's auto_partition tests (autopipe.solvers.synthetic): the DP's
+    # split, torch's starting point too, steps over 4% slower than the fastest
+    w = next(w for w in torch_workloads() if w.name == name)
+    kw = dict(stages=len(ranks), devices=ranks, chunks=w.chunks, schedule=schedule, recompute="never",
+              bandwidth=w.bandwidth)
+    plan, exact = partition(w.profile, **kw), partition(w.profile, method="exact", **kw)  # type: ignore[arg-type]
+    fastest = min(p.iteration_time for p in _every_split(w.profile, plan))
+    assert plan.iteration_time == pytest.approx(fastest, rel=1e-9) and plan.solver.gap == 0.0
+    assert exact.iteration_time > fastest * 1.04
