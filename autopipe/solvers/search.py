@@ -23,9 +23,10 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
                  (simulated) than any single-mode plan it searched
 
 Each configuration's split is the exact min-max DP over the topological order; the simulator
-then times it; under method="auto" each interleaving schedule's best configuration is split again
-for its shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain() lists the next best configurations and the best of every
-schedule weighed. A lower bound on the iteration of every configuration, from totals only
+then times it; under method="auto" each schedule's best configuration is split again for its
+shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain()
+lists the next best configurations and the best of every schedule weighed, and ``plan.solver``
+the gap to the least bound over every configuration of the space. A lower bound on the iteration of every configuration, from totals only
 (``config_bound``), orders the work and prunes: configurations are solved from the most
 promising on, and the search stops when the next bound is no better than the best simulated
 time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
@@ -245,7 +246,7 @@ class _Search:
                 self.evaluate(c, first, split, always=True)
 
     def shorter_steps(self) -> set[int]:
-        """Each interleaving schedule's best configuration split again for its shortest step
+        """Each schedule's best configuration split again for its shortest step
         where a split can beat the best ([Note: the step, not the bottleneck]); the ids of the
         results that did, each evaluated beside its DP split's."""
         out: set[int] = set()

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -55,43 +56,80 @@ from executor.spec import (
 
 __all__ = ["SplitSteps", "program"]
 
-# (device, stage, kind, micro-batch) of each operation, each after those it waits for
-Program = tuple[tuple[int, int, str, int], ...]
+# One operation: the operation before it on its device (-1: none), the one whose end makes it
+# ready (-1: none) and whether that end is before its send, the durations added before its own
+# ((row, stage): receiving, recomputing), its own, and its send (or None); then the operations
+# whose ends it is the last to read. Ends are kept as an operation's own end and its end after
+# its send.
+Step = tuple[int, int, bool, tuple[tuple[str, int], ...], tuple[str, int], tuple[str, int] | None, tuple[int, ...]]
 
 
 @lru_cache(maxsize=256)
-def program(schedule: str, names: tuple[str, ...], chunks: int, merge: str) -> tuple[Program, tuple[bool, ...]] | None:
+def program(schedule: str, names: tuple[str, ...], chunks: int, merge: str,
+            recomputed: tuple[int, ...]) -> tuple[tuple[Step, ...], tuple[int, ...]] | None:
     """The operations of one configuration in an order where each follows what it waits for (the
-    simulator's own rules of readiness), and whether each cut lies within one rank (no message);
-    None where stages share a device outside a multi-stage schedule."""
+    simulator's rules of readiness and durations, autopipe.core.simulator's ``execute``, less the
+    collectives), and each device's last operation; None where stages share a device outside a
+    multi-stage schedule."""
     queues, resource, device_of = operation_queues(schedule, list(names), chunks, merge)
     if len(set(resource)) != len(resource):
         return None
-    k = len(names)
-    local = tuple(schedule in MULTI_STAGE_SCHEDULES and device_of[s] == device_of[s + 1] for s in range(k - 1))
-    done: set[tuple[str, int, int]] = {("F", 0, i) for i in range(chunks)}
-    pos, out = [0] * len(queues), []
+    k, m = len(names), chunks
+    local = [schedule in MULTI_STAGE_SCHEDULES and device_of[s] == device_of[s + 1] for s in range(k - 1)]
+    made: dict[tuple[str, int, int], tuple[int, bool]] = {}  # what is ready: by which operation, before its send
+    last: dict[int, int] = {}
+    pos = [0] * len(queues)
+    out: list[tuple[int, int, bool, tuple[tuple[str, int], ...], tuple[str, int], tuple[str, int] | None]] = []
+    reads: list[list[tuple[int, bool]]] = []
     progress = True
     while progress:
         progress = False
         for q, queue in enumerate(queues):
             while pos[q] < len(queue):
                 s, kind, i = queue[pos[q]]
-                if ("B" if kind == "I" else kind, s, i) not in done:
+                key = ("B" if kind == "I" else kind, s, i)
+                if key not in made and not (kind == "F" and s == 0):
                     break
-                out.append((resource[q], s, kind, i))
+                dep, main = made.pop(key, (-1, False))
+                before: list[tuple[str, int]] = []
+                send: tuple[str, int] | None = None
+                j = len(out)
+                if kind == "F":
+                    if s > 0 and not local[s - 1]:
+                        before.append(("receive in", s))
+                    if s == k - 1:
+                        made["B", s, i] = (j, False)
+                    else:
+                        send = None if local[s] else ("send out", s)
+                        made["F", s + 1, i] = (j, False)
+                elif kind != "W":
+                    if s < k - 1 and not local[s]:
+                        before.append(("receive out", s))
+                    if is_recomputed(i, m, recomputed[s]):
+                        before.append(("recompute", s))
+                    if kind == "I":
+                        made["W", s, i] = (j, True)
+                    if s > 0:
+                        send = None if local[s - 1] else ("send in", s)
+                        made["B", s - 1, i] = (j, False)
+                prev = last.get(resource[q], -1)
+                reads.append([(prev, False)] * (prev >= 0) + [(dep, main)] * (dep >= 0))
+                out.append((prev, dep, main, tuple(before), (kind, s), send))
+                last[resource[q]] = j
                 pos[q] += 1
                 progress = True
-                if kind == "F":
-                    done.add(("B", s, i) if s == k - 1 else ("F", s + 1, i))
-                else:
-                    if kind == "I":
-                        done.add(("W", s, i))
-                    if kind != "W" and s > 0:
-                        done.add(("B", s - 1, i))
     if any(p < len(queue) for p, queue in zip(pos, queues, strict=True)):  # pragma: no cover - a bug
         raise RuntimeError("schedule deadlocked")
-    return tuple(out), local
+    finals = set(last.values())
+    last_read: dict[int, int] = {}  # each end's last reader, so a walk lets it go there
+    for j, rs in enumerate(reads):
+        for op, _ in rs:
+            last_read[op] = j
+    drops: list[list[int]] = [[] for _ in out]
+    for op, j in last_read.items():
+        if op not in finals:
+            drops[j].append(op)
+    return tuple((*step, tuple(drop)) for step, drop in zip(out, drops, strict=True)), tuple(sorted(finals))
 
 
 @dataclass(frozen=True)
@@ -102,7 +140,7 @@ class SplitSteps:
     costs: LayerCosts
     devices: tuple[DeviceSpec, ...]
     options: CostOptions
-    programs: tuple[tuple[Program, tuple[bool, ...]], ...]
+    programs: tuple[tuple[tuple[Step, ...], tuple[int, ...]], ...]
 
     @classmethod
     def of(cls, costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions) -> SplitSteps | None:
@@ -110,7 +148,9 @@ class SplitSteps:
         if options.recompute_layers:
             return None
         names = tuple(d.name for d in devices)
-        programs = [program(options.schedule, names, options.chunks, rule) for rule in merge_rules(options.schedule)]
+        recomputed = tuple(recomputed_microbatches(mode, options.chunks) for mode in options.modes(len(devices)))
+        programs = [program(options.schedule, names, options.chunks, rule, recomputed)
+                    for rule in merge_rules(options.schedule)]
         if any(p is None for p in programs):
             return None
         return cls(costs, tuple(devices), options, tuple(p for p in programs if p is not None))
@@ -131,7 +171,7 @@ class SplitSteps:
         increasing), a lower bound on its simulated iteration (ms), under the best merge rule."""
         cuts = np.asarray(cuts, dtype=np.int64).reshape(-1, len(self.devices) - 1)
         parts = self._durations(cuts)
-        return np.min([self._walk(prog, local, parts) for prog, local in self.programs], axis=0)
+        return np.min([_walk(steps, finals, parts) for steps, finals in self.programs], axis=0)
 
     def _durations(self, cuts: np.ndarray) -> dict[str, np.ndarray]:
         """Each stage's operation durations, (stages, splits), as autopipe.core.cost has them."""
@@ -164,42 +204,23 @@ class SplitSteps:
             out["W"] = np.array([np.broadcast_to(w, bwd.shape[1]) for _, w in halves])
         return {key: np.broadcast_to(value, fwd.shape) for key, value in out.items()}  # a formula's 0.0 too
 
-    def _walk(self, prog: Program, local: tuple[bool, ...], d: dict[str, np.ndarray]) -> np.ndarray:
-        """The simulator's clock over ``prog`` with every duration a column (autopipe.core.simulator's
-        ``execute``, less the collectives)."""
-        k, m = len(self.devices), self.options.chunks
-        rec = [recomputed_microbatches(mode, m) for mode in self.options.modes(k)]
-        zero = np.zeros(d["F"].shape[1])
-        free: dict[int, np.ndarray] = {}
-        ready: dict[tuple[str, int, int], np.ndarray] = {}
-        for dev, s, kind, i in prog:
-            at = free.get(dev, zero)
-            if kind == "F":
-                start = np.maximum(at, ready.pop(("F", s, i))) if s > 0 else at
-                if s > 0 and not local[s - 1]:
-                    start = start + d["receive in"][s]
-                end = start + d["F"][s]
-                if s == k - 1:
-                    ready["B", s, i] = end
-                elif local[s]:
-                    ready["F", s + 1, i] = end
-                else:
-                    end = ready["F", s + 1, i] = end + d["send out"][s]
-            elif kind == "W":
-                end = np.maximum(at, ready.pop(("W", s, i))) + d["W"][s]
-            else:
-                start = np.maximum(at, ready.pop(("B", s, i)))
-                if s < k - 1 and not local[s]:
-                    start = start + d["receive out"][s]
-                if is_recomputed(i, m, rec[s]):
-                    start = start + d["recompute"][s]
-                end = start + d[kind][s]
-                if kind == "I":
-                    ready["W", s, i] = end
-                if s > 0 and local[s - 1]:
-                    ready["B", s - 1, i] = end
-                elif s > 0:
-                    end = ready["B", s - 1, i] = end + d["send in"][s]
-            free[dev] = end
-        return np.max(list(free.values()), axis=0)
 
+
+def _walk(steps: tuple[Step, ...], finals: tuple[int, ...], durations: dict[str, np.ndarray]) -> np.ndarray:
+    """The simulator's clock over a program with every duration a column: the step's end."""
+    rows = {key: list(value) for key, value in durations.items()}  # a row per stage
+    zero = np.zeros(durations["F"].shape[1])
+    own: list[Any] = []  # each operation's end, and after its send (None once read for the last time)
+    sent: list[Any] = []
+    for prev, dep, main, before, (kind, s), send, drop in steps:
+        start = sent[prev] if prev >= 0 else zero
+        if dep >= 0:
+            start = np.maximum(start, own[dep] if main else sent[dep])
+        for key, t in before:
+            start = start + rows[key][t]
+        end = start + rows[kind][s]
+        own.append(end)
+        sent.append(end if send is None else end + rows[send[0]][send[1]])
+        for j in drop:
+            own[j] = sent[j] = None
+    return np.max([sent[j] for j in finals], axis=0)

@@ -1,36 +1,42 @@
-"""The split with the shortest simulated step, for one configuration: exact by enumeration where
-the splits are few, else a descent over the cuts, with the gap to a proven bound.
+"""The split with the shortest simulated step, for one configuration: exact where every split
+can be bounded or simulated, else a descent over the cuts, with the gap to a proven bound.
 
     best = fastest_step(costs, devices, bounded, options, seeds=[dp.assignment])
     best.assignment, best.iteration, best.exhaustive, best.bound, best.gap
 
 [Note: the step, not the bottleneck] A user pays for the step: the simulated iteration of the
-plan's own schedule. The min-max DP (autopipe.solvers.dp) minimises the slowest stage, which
-under GPipe nearly always gives the fastest step, but under 1F1B, interleaved 1F1B and the
-zero-bubble schedules a split whose slowest stage is a little slower can fill the pipeline's
-warm-up and cool-down better: the step depends on every stage's time, where it sits, and which
-rank holds it. So for one configuration (stages, devices, micro-batches, recomputation,
-schedule) the planner scores contiguous splits of the topological order by the simulator
-itself (``stage_costs`` then ``simulate_stages``, under each merge rule the schedule has), under
-the DP's memory rule (each stage within its device's budget, [Note: interleaved memory]) and
-each device's simulated peak within its memory, as the plan reports it (tied layers together
-when ``ties="colocate"``):
+plan's own schedule. The min-max DP (autopipe.solvers.dp) minimises the slowest stage; under
+1F1B, interleaved 1F1B and the zero-bubble schedules a split whose slowest stage is a little
+slower can fill the pipeline's warm-up and cool-down better, and even under GPipe, whose step is
+the sum of the stages plus M - 1 times the slowest forward and the slowest backward, the DP's
+split (one of several with the same slowest stage) was up to 1% slower than the fastest. So for
+one configuration (stages, devices, micro-batches, recomputation, schedule) the planner scores
+contiguous splits of the topological order by the simulator itself (``stage_costs`` then
+``simulate_stages``, under each merge rule the schedule has), under the DP's memory rule (each
+stage within its device's budget, [Note: interleaved memory]) and each device's simulated peak
+within its memory, as the plan reports it (tied layers together when ``ties="colocate"``). The
+batch of splits ([Note: steps in a batch] in split_steps.py) gives every split's step at once
+where each device runs a queue of its own, without the data-parallel collectives: a lower bound,
+and the step itself for one replica; where nothing else is checked (no memory limit, no ties
+kept together) it is the score and nothing is simulated.
 
-- when the splits number at most ``ENUMERATE_SPLITS``, every one of them: the step is then
-  optimal over the topological order (and optimal outright for a chain, whose order is the only
-  one);
-- else a descent from each seed (the caller's, the DP's, and the baselines': equal layer counts,
-  parameters, torchgpipe's blockpartition), moving one cut or two neighbouring ones by one or two
-  layers while the step gets shorter, for at most ``DESCENT_EVALUATIONS`` splits in all; its gap
-  is stated against ``config_bound`` (autopipe/solvers/bounds.py), which no split beats.
+- Where splits x operations is at most ``BOUNDED_WORK``, every split is bounded and they are
+  scored from the lowest bound on until the next bound is no lower than the best step (at most
+  ``BOUNDED_SIMULATIONS`` simulated; cut short, the next bound is what the rest cannot beat); else
+  where the splits number at most ``ENUMERATE_SPLITS``, every one is simulated. The step is then
+  optimal over the topological order (optimal outright for a chain, whose order is the only one).
+- Else a descent from each seed (the caller's, the DP's, and the baselines': equal layer counts,
+  parameters, torchgpipe's blockpartition): with the batch, the lowest-bounded of the moves of
+  one cut by up to 16 layers and of two neighbouring cuts together, and at a local minimum of
+  those, of any two cuts by up to ``_reach`` layers each; without it, the first shorter move of
+  one cut or two by one or two layers. Its gap is stated against ``config_bound`` and, under GPipe
+  and 1F1B, ``pipeline_bound`` (autopipe/solvers/bounds.py), which no split beats.
 
 It never returns a split slower than its seeds, so never slower than the DP's or a baseline's.
-Each evaluation costs a millisecond or two of Python, which is why the enumeration is bounded.
-``method="step"`` asks for it; ``method="auto"`` (the default) takes it under the schedules that
-interleave forwards and backwards when it is faster than the DP's split, with a descent budget
-that shrinks with layers x stages (:func:`shortest` for one configuration; the automatic search
-for each such schedule's best configuration, search.py). Under GPipe the DP's split was within
-1% of the fastest in every case measured, so auto keeps it there.
+``method="step"`` asks for it; ``method="auto"`` (the default) takes it under every schedule
+(:func:`shortest` for one configuration, with budgets of time, ``auto_budget``; the automatic
+search for each schedule's best configuration, search.py) where it is faster than the DP's (or
+the ILP's) split, or where its search was not exhaustive, so that the plan states the gap.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -67,32 +74,33 @@ DESCENT_EVALUATIONS = 120  # splits a descent simulates at most
 # With the batch bound ([Note: steps in a batch]): every split bounded where splits x operations
 # is at most BOUNDED_WORK (about a second of numpy here), BOUNDED_BLOCK of them at a time; at
 # most BOUNDED_SIMULATIONS simulated; a split whose bound is within BOUND_TOLERANCE of the best
-# step is ruled out (the step found is the fastest to that relative tolerance). A descent walks
-# the bound over its wide moves at most DESCENT_WALKS times.
+# step is ruled out (the step found is the fastest to that relative tolerance).
 BOUNDED_WORK = 30_000_000
 BOUNDED_BLOCK = 2_000_000
 BOUNDED_SIMULATIONS = 500
 BOUND_TOLERANCE = 1e-9
-DESCENT_WALKS = 400
 NEAR_SHIFTS = (1, 2)  # a descent's moves of one cut, in layers
 WIDE_SHIFTS = (1, 2, 3, 4, 6, 8, 12, 16)  # the same where the batch bound ranks the moves
-# method="auto" budgets its descent by time: a split simulated costs about N x K layer x stage
-# terms plus SIMULATED_OPERATION terms for each operation simulated (~2.5 us a term here), and
-# the descent simulates at most AUTO_STEP_WORK terms' worth, at least AUTO_MIN_EVALUATIONS splits
-# (~0.4 s); a batch walk costs about one term per operation, and it walks at most AUTO_WALK_WORK.
+MOVE_WORK = 2_000_000  # moves x operations of a descent's far moves (see _reach)
+# A walk of the batch over C splits costs about operations x (C + WALK_OVERHEAD) units (~6 ns a
+# unit here); a descent walks at most DESCENT_WALK_WORK units (~4 s), AUTO_WALK_WORK (~0.4 s)
+# under method="auto".
+WALK_OVERHEAD = 333
+DESCENT_WALK_WORK = 600_000_000
+AUTO_WALK_WORK = 60_000_000
+# Under method="auto" a descent that simulates (under a memory limit) simulates at most
+# AUTO_STEP_WORK terms' worth, at least AUTO_MIN_EVALUATIONS splits: a split simulated costs about
+# N x K layer x stage terms plus SIMULATED_OPERATION terms for each operation (~2.5 us a term).
 AUTO_STEP_WORK = 150_000
 AUTO_MIN_EVALUATIONS = 4
 SIMULATED_OPERATION = 10
-AUTO_WALK_WORK = 150_000
-AUTO_MIN_WALKS = 8
 
 
 def auto_budget(layers: int, stages: int, operations: int) -> tuple[int, int]:
-    """method="auto"'s budgets of splits simulated and of batch walks for a descent over
-    ``layers`` into ``stages``, whose schedule simulates ``operations`` per split."""
+    """method="auto"'s budgets for a descent over ``layers`` into ``stages`` whose schedule runs
+    ``operations`` per split: splits simulated, and units of batch walks."""
     simulated = layers * stages + SIMULATED_OPERATION * operations
-    return (min(DESCENT_EVALUATIONS, max(AUTO_MIN_EVALUATIONS, AUTO_STEP_WORK // simulated)),
-            min(DESCENT_WALKS, max(AUTO_MIN_WALKS, AUTO_WALK_WORK // max(1, operations))))
+    return min(DESCENT_EVALUATIONS, max(AUTO_MIN_EVALUATIONS, AUTO_STEP_WORK // simulated)), AUTO_WALK_WORK
 
 
 @dataclass(frozen=True)
@@ -117,13 +125,13 @@ def fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequ
     """The contiguous split of ``costs``' layers over ``devices`` with the shortest simulated
     step under ``options`` ([Note: the step, not the bottleneck]); ``bounded``: the devices whose
     memory each stage must fit (the DP's); ``auto``: a descent within method="auto"'s budgets
-    (``auto_budget``), else DESCENT_EVALUATIONS and DESCENT_WALKS. None when no seed is a
+    (``auto_budget``), else DESCENT_EVALUATIONS and DESCENT_WALK_WORK. None when no seed is a
     contiguous split that fits."""
     n, k = len(costs), len(devices)
     steps = SplitSteps.of(costs, devices, options) if k > 1 else None
     step = _Scorer(costs, devices, bounded, options, steps)
     seeds = [*seeds, *_baselines(costs, options, k)]
-    starts = [c for c in (_cuts(s, k) for s in seeds) if c is not None and step(c) < math.inf]
+    starts = _starts(step, [c for c in (_cuts(s, k) for s in seeds) if c is not None])
     if not starts:
         return None
     best = min(starts, key=lambda c: (step(c), c))
@@ -134,12 +142,12 @@ def fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequ
         best = min(itertools.combinations(range(1, n), k - 1), key=lambda c: (step(c), c))
         return StepSplit(_assignment(best, n), step(best), True, step(best), step.simulated, "every split")
     evaluations, walks = (auto_budget(n, k, steps.operations if steps else SIMULATED_OPERATION * n) if auto
-                          else (DESCENT_EVALUATIONS, DESCENT_WALKS))
+                          else (DESCENT_EVALUATIONS, DESCENT_WALK_WORK))
     budget = [walks]
     ends = [_descend(step, start, n, evaluations, budget) for start in sorted(set(starts), key=step)]
     best = min(ends, key=lambda c: (step(c), c))
     return StepSplit(_assignment(best, n), step(best), False, min(_bound(costs, devices, options), step(best)),
-                     step.simulated, f"descent over {len(step.seen)} splits ({step.simulated} simulated)")
+                     step.simulated, f"descent over {len(step.weighed | set(step.seen))} splits ({step.simulated} simulated)")
 
 
 def _bound(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions) -> float:
@@ -147,6 +155,21 @@ def _bound(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOption
     GPipe and 1F1B, the pipeline's (autopipe/solvers/bounds.py)."""
     return max(config_bound(options.schedule, costs, [d.speed for d in devices], options.chunks),
                pipeline_bound(costs, devices, options) or 0.0)
+
+
+def _starts(step: _Scorer, seeds: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The seeds that fit, each a start of the descent; where they must be simulated, only those
+    whose batch bound is below the step of the lowest-bounded one that fits."""
+    lows = step.bound_all(seeds)
+    if step.steps is None or step.free:
+        return [c for c in seeds if step(c) < math.inf]
+    out: list[tuple[int, ...]] = []
+    for i in np.argsort(lows, kind="stable"):
+        if out and lows[i] >= step(out[0]):
+            break
+        if step(seeds[i]) < math.inf:
+            out.append(seeds[i])
+    return out
 
 
 def _bounded(step: _Scorer, steps: SplitSteps, best: tuple[int, ...], n: int, k: int, splits: int) -> StepSplit:
@@ -201,21 +224,21 @@ def shortest(best: Plan, plan: Callable[[list[int], str, SolverInfo], Plan], cos
     return step if searched and step.iteration_time <= best.iteration_time * (1 + 1e-9) else best
 
 
-def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int, walks: list[int]) -> tuple[int, ...]:
+def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int, walk: list[int]) -> tuple[int, ...]:
     """From ``cuts``, a shorter step one move away while there is one and the budgets last
-    (``evaluations`` splits simulated and ``walks[0]`` batch walks, every seed's descent
-    together): with the batch bound ([Note: steps in a batch]) the wide moves, the lowest
-    bound first and none whose bound is no shorter; without it the first shorter near move."""
+    (``evaluations`` splits simulated and ``walk[0]`` units of batch walks, every seed's descent
+    together). With the batch bound ([Note: steps in a batch]) the wide moves, the lowest bound
+    first and none whose bound is no shorter, and where none is shorter the far ones (``_reach``);
+    without it the first shorter near move."""
+    far = False
     while True:
         current = step(cuts)
         if step.steps is not None:
-            if walks[0] <= 0:
+            moves = _moves(cuts, n, WIDE_SHIFTS, _reach(len(cuts), step.steps.operations) if far else 0)
+            walk[0] -= step.steps.operations * (len(moves) + WALK_OVERHEAD)
+            if walk[0] < 0:
                 return cuts
-            walks[0] -= 1
-            moves = _moves(cuts, n, WIDE_SHIFTS)
-            lows = step.steps(np.array(moves)) if moves else np.zeros(0)
-            for move, low in zip(moves, lows, strict=True):
-                step.known(move, float(low))
+            lows = step.bound_all(moves)
             moves = [moves[i] for i in np.argsort(lows, kind="stable") if lows[i] < current * (1 - 1e-12)]
         else:
             moves = _moves(cuts, n, NEAR_SHIFTS)
@@ -223,10 +246,19 @@ def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int, wal
             if step.simulated >= evaluations and not step.cached(move):
                 return cuts
             if step(move) < current * (1 - 1e-12):
-                cuts = move
+                cuts, far = move, False
                 break
         else:
-            return cuts
+            if step.steps is None or far:
+                return cuts
+            far = True
+
+
+def _reach(cuts: int, operations: int) -> int:
+    """How far a descent's two-cut moves reach: every pair of cuts moved by up to this many
+    layers each, about MOVE_WORK / operations moves in all (at least 1 layer)."""
+    pairs = max(1, cuts * (cuts - 1) // 2)
+    return max(1, int((math.sqrt(MOVE_WORK / operations / pairs)) / 2))
 
 
 class _Scorer:
@@ -245,12 +277,24 @@ class _Scorer:
         self.free = (steps is not None and steps.exact and not self.memory and not self.ties
                      and all(d.memory is None for d in bounded))
         self.seen: dict[tuple[int, ...], float] = {}
+        self.weighed: set[tuple[int, ...]] = set()  # bounded or scored
         self.simulated = 0
 
     def known(self, cuts: tuple[int, ...], low: float) -> None:
         """``low``, the batch bound of ``cuts``: its step where the bound is the step."""
         if self.free:
             self.seen.setdefault(cuts, low)
+
+    def bound_all(self, splits: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """The batch bounds of ``splits`` in one walk (none without the batch), each kept as its
+        step where the bound is the step."""
+        if self.steps is None or not splits:
+            return np.zeros(0)
+        lows = self.steps(np.array(splits))
+        self.weighed.update(splits)
+        for cuts, low in zip(splits, lows, strict=True):
+            self.known(cuts, float(low))
+        return lows
 
     def cached(self, cuts: tuple[int, ...]) -> bool:
         return cuts in self.seen
@@ -309,16 +353,25 @@ def _assignment(cuts: Sequence[int], n: int) -> list[int]:
     return np.searchsorted(np.asarray(cuts, dtype=np.int64), np.arange(n), side="right").tolist()
 
 
-def _moves(cuts: tuple[int, ...], n: int, shifts: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Splits one move away: one cut by any of ``shifts`` layers either way, or two neighbouring
-    cuts together by 1 or 2."""
-    k1 = len(cuts)
-    one = [(i, d) for i in range(k1) for s in shifts for d in (-s, s)]
-    deltas = np.zeros((len(one) + 4 * max(k1 - 1, 0), k1), dtype=np.int64)
-    for row, (i, d) in enumerate(one):
-        deltas[row, i] = d
-    for row, (i, d) in enumerate(((i, d) for i in range(k1 - 1) for d in (-1, 1, -2, 2)), start=len(one)):
-        deltas[row, i:i + 2] = d
-    moved = np.asarray(cuts, dtype=np.int64) + deltas
+def _moves(cuts: tuple[int, ...], n: int, shifts: tuple[int, ...], reach: int = 0) -> list[tuple[int, ...]]:
+    """Splits one move away (:func:`_deltas`) that keep every stage non-empty."""
+    moved = np.asarray(cuts, dtype=np.int64) + _deltas(len(cuts), shifts, reach)
     ok = (moved[:, 0] > 0) & (moved[:, -1] < n) & (np.diff(moved, axis=1) > 0).all(axis=1)
     return [tuple(row) for row in moved[ok].tolist()]
+
+
+@lru_cache(maxsize=64)
+def _deltas(cuts: int, shifts: tuple[int, ...], reach: int) -> np.ndarray:
+    """The moves of ``cuts`` cuts: one cut by any of ``shifts`` layers either way; two
+    neighbouring cuts together by 1 or 2; and any two cuts by up to ``reach`` layers each (a
+    stage's layers passed to a stage far off, or to another stage of the same rank)."""
+    rows: list[tuple[tuple[int, int], ...]] = [((i, d),) for i in range(cuts) for s in shifts for d in (-s, s)]
+    rows += [((i, d), (i + 1, d)) for i in range(cuts - 1) for d in (-1, 1, -2, 2)]
+    span = range(-reach, reach + 1)
+    rows += [((i, di), (j, dj)) for i, j in itertools.combinations(range(cuts), 2) for di in span for dj in span
+             if di and dj]
+    out = np.zeros((len(rows), cuts), dtype=np.int64)
+    for r, pairs in enumerate(rows):
+        for i, d in pairs:
+            out[r, i] += d
+    return np.unique(out, axis=0)
