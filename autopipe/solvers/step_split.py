@@ -82,6 +82,7 @@ BOUND_TOLERANCE = 1e-9
 NEAR_SHIFTS = (1, 2)  # a descent's moves of one cut, in layers
 WIDE_SHIFTS = (1, 2, 3, 4, 6, 8, 12, 16)  # the same where the batch bound ranks the moves
 MOVE_WORK = 2_000_000  # moves x operations of a descent's far moves (see _reach)
+FAR_MOVES = 4096  # and at most this many
 # A walk of the batch over C splits costs about operations x (C + WALK_OVERHEAD) units (~6 ns a
 # unit here); a descent walks at most DESCENT_WALK_WORK units (~4 s), AUTO_WALK_WORK (~0.4 s)
 # under method="auto".
@@ -256,9 +257,9 @@ def _descend(step: _Scorer, cuts: tuple[int, ...], n: int, evaluations: int, wal
 
 def _reach(cuts: int, operations: int) -> int:
     """How far a descent's two-cut moves reach: every pair of cuts moved by up to this many
-    layers each, about MOVE_WORK / operations moves in all (at least 1 layer)."""
+    layers each, about MOVE_WORK / operations moves in all, at most FAR_MOVES (at least 1 layer)."""
     pairs = max(1, cuts * (cuts - 1) // 2)
-    return max(1, int((math.sqrt(MOVE_WORK / operations / pairs)) / 2))
+    return max(1, int((math.sqrt(min(FAR_MOVES, MOVE_WORK / operations) / pairs)) / 2))
 
 
 class _Scorer:
