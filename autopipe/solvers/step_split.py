@@ -72,11 +72,13 @@ __all__ = ["StepSplit", "fastest_step", "step_split", "shortest", "ENUMERATE_SPL
 ENUMERATE_SPLITS = 500  # every split simulated when there are at most this many (no batch bound)
 DESCENT_EVALUATIONS = 120  # splits a descent simulates at most
 # With the batch bound ([Note: steps in a batch]): every split bounded where splits x operations
-# is at most BOUNDED_WORK (about a second of numpy here), BOUNDED_BLOCK of them at a time; at
-# most BOUNDED_SIMULATIONS simulated; a split whose bound is within BOUND_TOLERANCE of the best
-# step is ruled out (the step found is the fastest to that relative tolerance).
+# is at most BOUNDED_WORK (about a second of numpy here) and the splits at most BOUNDED_SPLITS,
+# BOUNDED_BLOCK operations x splits at a time; at most BOUNDED_SIMULATIONS simulated; a split
+# whose bound is within BOUND_TOLERANCE of the best step is ruled out (the step found is the
+# fastest to that relative tolerance).
 BOUNDED_WORK = 30_000_000
-BOUNDED_BLOCK = 2_000_000
+BOUNDED_SPLITS = 1_000_000
+BOUNDED_BLOCK = 1_000_000
 BOUNDED_SIMULATIONS = 500
 BOUND_TOLERANCE = 1e-9
 NEAR_SHIFTS = (1, 2)  # a descent's moves of one cut, in layers
@@ -137,7 +139,7 @@ def fastest_step(costs: LayerCosts, devices: Sequence[DeviceSpec], bounded: Sequ
         return None
     best = min(starts, key=lambda c: (step(c), c))
     splits = math.comb(n - 1, k - 1)
-    if steps is not None and splits * steps.operations <= BOUNDED_WORK:
+    if steps is not None and splits * steps.operations <= BOUNDED_WORK and splits <= BOUNDED_SPLITS:
         return _bounded(step, steps, best, n, k, splits)
     if splits <= ENUMERATE_SPLITS:
         best = min(itertools.combinations(range(1, n), k - 1), key=lambda c: (step(c), c))
