@@ -53,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--device", default="cpu", help="where each layer is profiled (cuda: peak "
                         "max_memory_allocated is reported in the profile's metadata)")
+    parser.add_argument("--save-profile", default=None, metavar="NAME", help="also write the profile to "
+                        "NAME.csv / NAME.json (benchmarks/partition_speed.py --default --profile NAME:K)")
     args = parser.parse_args(argv)
     import transformers
 
@@ -72,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     prof = _timed("profile (layer by layer)", lambda: autopipe.profile(
         model, (ids,), chunks=args.chunks, graph=graph, repeats=args.repeats, warmup=1,
         progress=False, device=args.device), phases)
+    if args.save_profile:
+        prof.save(args.save_profile)
     peak = prof.meta.get("peak_memory_bytes")
     phases[-1].note = (f"{prof.meta['measured_layers']} of {len(prof)} layers measured, "
                        f"{prof.meta['mode']} on {args.device}; peak "

@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from autopipe.core.plan import Plan
     from autopipe.core.profile_table import Profile
 
-__all__ = ["SIMULATED_SCHEDULES", "SimulationResult", "simulate", "simulate_stages"]
+__all__ = ["SIMULATED_SCHEDULES", "SimulationResult", "operation_queues", "simulate", "simulate_stages"]
 
 # The runtime's schedules (executor.spec.SCHEDULES): the simulator models every one of them.
 SIMULATED_SCHEDULES: tuple[str, ...] = SCHEDULES
@@ -128,8 +128,10 @@ def _split(stage: StageCost, schedule: str) -> tuple[float, float]:
     return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms, stage.bwd_weight_ms)
 
 
-def _queues(schedule: str, names: list[str], m: int, merge: str) -> tuple[list[list[Op]], list[int], list[int]]:
-    """The operation queues, the device (resource) each runs on, and each stage's device."""
+def operation_queues(schedule: str, names: list[str], m: int,
+                     merge: str) -> tuple[list[list[Op]], list[int], list[int]]:
+    """The operation queues, the device (resource) each runs on, and each stage's device (also
+    the step's batch of splits: [Note: steps in a batch] in autopipe/solvers/split_steps.py)."""
     k = len(names)
     if schedule in MULTI_STAGE_SCHEDULES:
         try:
@@ -174,7 +176,7 @@ def simulate_stages(
         check_merge_rule(merge)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    queues, resource, device_of = _queues(schedule, names, m, merge)
+    queues, resource, device_of = operation_queues(schedule, names, m, merge)
     n_res = max(resource) + 1
     # a cut between two stages of one rank carries no message ([Note: stage to rank])
     local = [schedule in MULTI_STAGE_SCHEDULES and device_of[s] == device_of[s + 1] for s in range(k - 1)]
