@@ -234,16 +234,21 @@ class LayerCosts:
 
 def range_max(values: npt.ArrayLike, j0: int, j1: int, rows: int) -> FloatArray:
     """(rows, j1 - j0): the largest ``values[i:j]`` of every range i < j, j0 <= j < j1 (0 where
-    i >= j). Column by column, each the last's maximum with one more layer."""
+    i >= j): rows below j0 take the larger of their suffix up to j0 and the columns' prefix from
+    j0; rows from j0 a running maximum along their row of the columns they precede."""
     p = np.asarray(values, dtype=np.float64)
-    out = np.full((rows, j1 - j0), -np.inf)
-    if j1 <= j0:
-        return np.zeros((rows, 0))
+    cols = max(j1 - j0, 0)
+    out = np.zeros((rows, cols))
+    if not cols:
+        return out
+    grown = np.maximum.accumulate(np.concatenate([[-np.inf], p[j0:j1 - 1]]))  # max(p[j0:j]) per column
     top = min(j0, rows)
     if top:
-        out[:top, 0] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
-    for c, j in enumerate(range(j0 + 1, j1), start=1):
-        top = min(j, rows)
-        out[:top, c] = np.maximum(out[:top, c - 1], p[j - 1])
-    out[np.isneginf(out)] = 0.0
+        out[:top] = np.maximum(np.maximum.accumulate(p[:j0][::-1])[::-1][:top, None], grown[None, :])
+    lo, hi = j0, min(j1 - 1, rows)  # rows i in [j0, j1 - 1): columns j > i
+    if hi > lo:
+        i = np.arange(lo, hi)[:, None]
+        j = np.arange(j0, j1)[None, :]
+        block = np.maximum.accumulate(np.where(j - 1 >= i, p[np.maximum(j - 1, 0)], -np.inf), axis=1)
+        out[lo:hi] = np.where(j > i, block, 0.0)
     return out

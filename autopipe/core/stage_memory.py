@@ -70,6 +70,7 @@ bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -280,7 +281,9 @@ def gather_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: M
     forward: the walk's, its outputs per micro-batch held and their copy (``gathered[s]``:
     (per micro-batch, copy)); -inf where no stage gathers ([Note: the backward's memory])."""
     ops = list(ops)
-    forwards = {s: sum(1 for op in ops if op[:2] == (s, "F")) for s, _, _ in ops}
+    if not any(gathered.get(s, (0.0, 0.0))[1] for s in {op[0] for op in ops}):
+        return -math.inf
+    forwards = Counter(s for s, kind, _ in ops if kind == "F")
     out = -math.inf
     for s, level, alloc, e, held in _levels(ops, recomputed, input_bytes, saved_bytes, weight_held, input_saved,
                                             extras):

@@ -59,11 +59,15 @@ def test_replicas_in_ddp_buckets_keep_their_gradients() -> None:
     assert lazy_grad_bytes(10, 1, 1, "ddp", "gpipe") == 0  # optimizer "none": no gradients kept
 
 
-def test_range_max_of_negative_values() -> None:
-    values = np.array([-3.0, -1.0, -2.0])
-    out = range_max(values, 1, 4, 4)  # columns j = 1, 2, 3; rows i < j
-    expected = np.array([[max(values[i:j]) if i < j else 0.0 for j in range(1, 4)] for i in range(4)])
-    assert np.array_equal(out, expected)
+def test_range_max_is_every_ranges_maximum() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # negative values too: an empty range is not 0 inside the walk
+        n = int(rng.integers(1, 12))
+        values = rng.normal(size=n)
+        j0 = int(rng.integers(0, n + 1))
+        j1, rows = int(rng.integers(j0, n + 2)), int(rng.integers(0, n + 2))
+        expected = [[max(values[i:j]) if i < j else 0.0 for j in range(j0, j1)] for i in range(rows)]
+        assert np.array_equal(range_max(values, j0, j1, rows), np.array(expected).reshape(rows, j1 - j0))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbv"])
