@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing import start_processes
@@ -68,6 +69,7 @@ class Case:
     model: str = "tied"
     precision: str = "fp32"
     recompute: str = "never"
+    even: bool = False  # equal layer counts instead of the planner's split (which follows the timings)
 
     @property
     def ranks(self) -> int:
@@ -215,12 +217,16 @@ def _profile(size: Size, model: str, precision: str) -> autopipe.Profile:
 def _plan(prof: autopipe.Profile, size: Size, case: Case, **limits: Any) -> Plan:
     common: dict[str, Any] = dict(chunks=size.chunks, recompute=case.recompute, optimizer="adamw",
                                   schedule=case.schedule)
-    if case.runtime == "one process":
+    if case.runtime == "one process" and not case.even:
         return autopipe.partition(prof, stages=2, runtime="gpipe", devices=["cpu", "cpu"], **common, **limits)
     if case.runtime == "2x2 fsdp":
         return autopipe.partition(prof, devices=4, data_parallel=2, dp_mode="fsdp", runtime="distributed",
                                   bandwidth=None, batch_size=size.batch, **common, **limits)
     devices = ["rank0", "rank1", "rank1", "rank0"] if case.schedule == "zbv" else None
+    if case.even:
+        parts = [list(p) for p in np.array_split(np.array(prof.layers), 4 if devices else 2)]
+        return Plan.from_stages(prof, parts, devices=devices or (["cpu", "cpu"] if case.ranks == 0 else None),
+                                bandwidth=None, runtime="gpipe" if case.ranks == 0 else "distributed", **common)
     return autopipe.partition(prof, stages=4 if devices else 2, devices=devices, runtime="distributed",
                               bandwidth=None, **common, **limits)
 
