@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     parser.add_argument("--precision", default="fp32", help="the profile's precision (fp32, bf16, fp16)")
     parser.add_argument("--devices", type=int, default=64, help="with --estimate: the devices partition "
                         "--stages auto --chunks auto --recompute auto plans for (default 64; 0: no partition)")
-    parser.add_argument("--out", help="save the profile here (NAME.csv + NAME.json)")
+    parser.add_argument("--save-profile", default=None, metavar="NAME", help="also write the profile to "
+                        "NAME.csv / NAME.json (benchmarks/partition_speed.py --default --profile NAME:K)")
     args = parser.parse_args(argv)
     import transformers
 
@@ -81,12 +82,12 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     prof = _timed(f"profile ({'estimated on ' + args.estimate if args.estimate else 'layer by layer'})",
                   lambda: autopipe.profile(model, (ids,), chunks=args.chunks, graph=graph, progress=False,
                                            precision=args.precision, **how), phases)
+    if args.save_profile:
+        prof.save(args.save_profile)
     peak = prof.meta.get("peak_memory_bytes")
     phases[-1].note = (f"{prof.meta['measured_layers']} of {len(prof)} layers "
                        + ("counted" if args.estimate else f"measured, {prof.meta['mode']} on {args.device}; peak "
                           f"{format_bytes(peak) if peak is not None else 'n/a'} ({prof.meta.get('peak_memory_of')})"))
-    if args.out:
-        prof.save(args.out, overwrite=True)
     if args.estimate and not args.devices:
         plan = None
     elif args.estimate:  # what a cluster of the sheet's devices runs: every choice the planner's

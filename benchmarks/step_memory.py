@@ -1,20 +1,27 @@
 """Whole-step peak memory, predicted vs measured as live tensor bytes, in one process and per rank.
 
-    python benchmarks/step_memory.py    # the table in docs/benchmarks.md, and what
-                                        # tests/test_benchmark_step_memory.py holds within 10%
+    python benchmarks/step_memory.py                 # the tied LM: one process, GPipe and 1F1B on 2 ranks
+    python benchmarks/step_memory.py --all           # every configuration of docs/benchmarks.md's table
+    python benchmarks/step_memory.py --bind 0.85     # a memory limit that binds, planned and run
 
-A tied language model (benchmarks/precision.py's: autopipe.examples.TinyGPT, whose head is its
-token embedding) is profiled once with its loss (so the profile holds the loss's bytes: [Note:
-the loss's memory] in autopipe/core/stage_memory.py), planned into 2 stages for each runtime and
-schedule, and trained: one AdamW step to warm up (the optimizer's state appears), then one step
-measured. The measured figure is the most live tensor storage at once over that step, forward,
-loss, backward and ``optimizer.step()`` (executor.MemoryMeter: [Note: counting live bytes]),
-what ``torch.cuda.max_memory_allocated`` reports on a GPU; the batch is included and the model's
+A language model is profiled once per precision with its loss (so the profile holds the loss's
+bytes: [Note: the loss's memory] in autopipe/core/stage_memory.py, and each layer's backward
+working set: [Note: the backward's memory]), planned into 2 stages for each configuration
+(:class:`Case`: the model, its runtime, schedule, precision and recomputation), and trained:
+one AdamW step to warm up (the optimizer's state appears), then one step measured. The
+measured figure is the most live tensor storage at once over that step, forward, loss,
+backward and ``optimizer.step()`` (executor.MemoryMeter: [Note: counting live bytes]), what
+``torch.cuda.max_memory_allocated`` reports on a GPU; the batch is included and the model's
 weights, gradients and optimizer state are tracked from before the step. In one process the
 step holds the pipeline's output through the backward, as a training loop that keeps
-``outputs`` does (the prediction counts it; a loop that drops it peaks lower). The prediction is the
-plan's: per rank, ``plan.peak_memory[rank]``; in one process, ``plan.device_memory`` (both
-stages on the one CPU). Bytes do not drift with the machine's load.
+``outputs`` does (the prediction counts it; a loop that drops it peaks lower), and computes
+the loss under autocast in bf16, as an AMP loop does and as the profile measured it. The prediction
+is the plan's: per rank, ``plan.peak_memory[rank]`` (ZB-V: the rank's two stages,
+``plan.device_memory``); in one process, ``plan.device_memory`` (both stages on the one CPU).
+The models: ``tied``, TinyGPT whose head is its token embedding (autopipe.examples); ``llama``,
+HF LlamaForCausalLM from a config, computing its own loss. ``2x2 fsdp``: 2 stages x 2 replicas
+under FSDP2 on 4 ranks, each replica on half the batch. Bytes do not drift with the machine's
+load.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import argparse
 import os
 import socket
 import tempfile
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing import start_processes
@@ -37,7 +46,7 @@ from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
 from executor.memory_meter import MemoryMeter
 
-__all__ = ["Row", "Size", "main", "measure"]
+__all__ = ["ALL", "Case", "Row", "Size", "main", "measure"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +60,33 @@ class Size:
 
 
 @dataclass(frozen=True)
+class Case:
+    """One configuration: ``runtime`` "one process" (executor.GPipe, 2 stages on the one CPU),
+    "2 ranks" or "2x2 fsdp" (2 stages x 2 FSDP2 replicas on 4 ranks)."""
+
+    runtime: str = "2 ranks"
+    schedule: str = "1f1b"
+    model: str = "tied"
+    precision: str = "fp32"
+    recompute: str = "never"
+    even: bool = False  # equal layer counts instead of the planner's split (which follows the timings)
+
+    @property
+    def ranks(self) -> int:
+        return {"one process": 0, "2 ranks": 2, "2x2 fsdp": 4}[self.runtime]
+
+
+DEFAULT = (Case("one process", "gpipe"), Case("2 ranks", "gpipe"), Case("2 ranks", "1f1b"))
+ALL = (*DEFAULT, Case("2 ranks", "zbv"), Case("2 ranks", "1f1b", recompute="always"),
+       Case("one process", "gpipe", precision="bf16"), Case("2 ranks", "1f1b", precision="bf16"),
+       Case("2 ranks", "gpipe", model="llama"), Case("2 ranks", "1f1b", model="llama"),
+       Case("one process", "gpipe", model="llama"), Case("2x2 fsdp", "1f1b"))
+
+
+@dataclass(frozen=True)
 class Row:
-    runtime: str  # "one process" or "2 ranks"
-    schedule: str
-    where: str  # "process", "rank 0", "rank 1"
+    case: Case
+    where: str  # "process", "rank 0", ...
     measured: int
     predicted: int
 
@@ -67,11 +99,29 @@ def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _model(size: Size) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+def _model(size: Size, model: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The seeded model and its batch, as ``pipeline(**batch)`` / ``profile(...)`` keywords."""
     torch.manual_seed(0)
-    model = TinyGPT(vocab=size.vocab, dim=size.dim, layers=size.layers, max_len=size.seq)
     x = torch.randint(0, size.vocab, (size.batch, size.seq))
-    return model, x, torch.randint(0, size.vocab, (size.batch, size.seq))
+    y = torch.randint(0, size.vocab, (size.batch, size.seq))
+    if model == "tied":
+        return (TinyGPT(vocab=size.vocab, dim=size.dim, layers=size.layers, max_len=size.seq),
+                {"args": (x,), "loss_fn": _lm_loss, "target": y})
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=2 * size.dim,
+                                   num_hidden_layers=size.layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=size.seq)
+    return transformers.LlamaForCausalLM(cfg), {"kwargs": {"input_ids": x, "labels": y}}
+
+
+def _half(batch: dict[str, Any], replica: int) -> dict[str, Any]:
+    """The replica's half of every batch tensor."""
+    def cut(v: Any) -> Any:
+        return v.tensor_split(2)[replica] if isinstance(v, torch.Tensor) else v
+    return {"args": tuple(cut(a) for a in batch.get("args", ())), "loss_fn": batch.get("loss_fn"),
+            "target": cut(batch.get("target")), "kwargs": {k: cut(v) for k, v in batch.get("kwargs", {}).items()}}
 
 
 def _peak(step: Any, track: Sequence[Any]) -> int:
@@ -82,44 +132,60 @@ def _peak(step: Any, track: Sequence[Any]) -> int:
     return meter.peak
 
 
-def _one_process(size: Size, plan: Plan) -> int:
-    model, x, y = _model(size)
-    pipe = autopipe.pipeline(model, (x,), devices=["cpu", "cpu"], plan=plan, chunks=plan.chunks,
-                             recompute=plan.recompute)
+def _one_process(size: Size, case: Case, plan: Plan) -> int:
+    model, batch = _model(size, case.model)
+    args, kwargs = batch.get("args", ()), batch.get("kwargs", {})
+    pipe = autopipe.pipeline(model, args, example_kwargs=kwargs or None, devices=["cpu", "cpu"], plan=plan,
+                             chunks=plan.chunks, recompute=plan.recompute, precision=case.precision)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 
     def step() -> None:
-        out = pipe(x)  # held through the backward, as a training loop holds its outputs
-        _lm_loss(out, y).backward()
+        out = pipe(*args, **kwargs)  # held through the backward, as a training loop holds its outputs
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):  # as an AMP loop
+            loss = out.loss if kwargs else _lm_loss(out, batch["target"])
+        loss.backward()
         del out
         opt.step()
         opt.zero_grad()
 
-    return _peak(step, (pipe, opt, x, y))
+    return _peak(step, (pipe, opt, args, kwargs, batch.get("target")))
 
 
-def _rank_peak(size: Size, plan: Plan) -> int:
-    model, x, y = _model(size)
-    pipe = autopipe.distributed_pipeline(model, (x,), loss_fn=_lm_loss, plan=plan)
+def _rank_peak(size: Size, case: Case, plan: Plan) -> int:
+    model, batch = _model(size, case.model)
+    if case.ranks == 4:
+        import torch.distributed as dist
+
+        batch = _half(batch, dist.get_rank() // 2)  # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
+    args, kwargs, target = batch.get("args", ()), batch.get("kwargs", {}), batch.get("target")
+    pipe = autopipe.distributed_pipeline(model, args, example_kwargs=kwargs or None, loss_fn=batch.get("loss_fn"),
+                                         plan=plan, precision=case.precision)
     del model
-    opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=1e-3)
+    params = list(pipe.stage_module.parameters())  # a stage of the loss alone may have none
+    opt = torch.optim.AdamW(params, lr=1e-3) if params else None
 
     def step() -> None:
-        pipe.step(x, target=y)
-        opt.step()
-        opt.zero_grad()
+        if kwargs:
+            pipe.step(**kwargs)
+        else:
+            pipe.step(*args, target=target)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
 
-    return _peak(step, (pipe.stage_module, opt, x, y))
+    return _peak(step, (pipe.stage_module, opt or (), args, kwargs, target))
 
 
-def _rank(rank: int, port: int, out: str, size: Size, plans: Sequence[Plan]) -> None:
+def _rank(rank: int, port: int, out: str, world: int, size: Size, work: Sequence[tuple[Case, Plan]]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:  # one pipeline after another, each measured alone
-        torch.save([_rank_peak(size, plan) for plan in plans], Path(out) / f"{rank}.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.save([_rank_peak(size, case, plan) for case, plan in work], Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -130,57 +196,93 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ranks(size: Size, plans: Sequence[Plan]) -> list[list[int]]:
-    """Per plan, each rank's peak: one pair of spawned ranks runs them all."""
+def _ranks(size: Size, world: int, work: Sequence[tuple[Case, Plan]]) -> list[list[int]]:
+    """Per (case, plan), each rank's peak: one set of spawned ranks runs them all."""
+    if not work:
+        return []
     with tempfile.TemporaryDirectory() as out:
-        start_processes(_rank, args=(_free_port(), out, size, list(plans)), nprocs=2, start_method="spawn")
-        per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]
+        start_processes(_rank, args=(_free_port(), out, world, size, list(work)), nprocs=world,
+                        start_method="spawn")
+        per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]
     return [list(peaks) for peaks in zip(*per_rank, strict=True)]
 
 
-def measure(size: Size, schedules: Sequence[str] = ("gpipe", "1f1b"), ranks: bool = True) -> list[Row]:
-    """One process under GPipe, and 2 ranks under each of ``schedules``."""
-    model, x, y = _model(size)
-    prof = autopipe.profile(model, (x,), chunks=size.chunks, loss_fn=_lm_loss, target=y, repeats=2)
-    rows = []
-    plan = autopipe.partition(prof, stages=2, chunks=size.chunks, recompute="never", optimizer="adamw",
-                              runtime="gpipe", devices=["cpu", "cpu"])
-    rows.append(Row("one process", "gpipe", "process", _one_process(size, plan), sum(plan.device_memory.values())))
-    plans = [autopipe.partition(prof, stages=2, chunks=size.chunks, recompute="never", optimizer="adamw",
-                                schedule=schedule, runtime="distributed", bandwidth=None)
-             for schedule in (schedules if ranks else ())]
-    for plan, peaks in zip(plans, _ranks(size, plans) if plans else [], strict=True):
-        for r, peak in enumerate(peaks):
-            rows.append(Row("2 ranks", plan.schedule, f"rank {r}", peak, plan.peak_memory[r]))
+def _profile(size: Size, model: str, precision: str) -> autopipe.Profile:
+    module, batch = _model(size, model)
+    return autopipe.profile(module, batch.get("args", ()), example_kwargs=batch.get("kwargs") or None,
+                            chunks=size.chunks, loss_fn=batch.get("loss_fn"), target=batch.get("target"),
+                            repeats=2, precision=precision)
+
+
+def _plan(prof: autopipe.Profile, size: Size, case: Case, **limits: Any) -> Plan:
+    common: dict[str, Any] = dict(chunks=size.chunks, recompute=case.recompute, optimizer="adamw",
+                                  schedule=case.schedule)
+    if case.runtime == "one process" and not case.even:
+        return autopipe.partition(prof, stages=2, runtime="gpipe", devices=["cpu", "cpu"], **common, **limits)
+    if case.runtime == "2x2 fsdp":
+        return autopipe.partition(prof, devices=4, data_parallel=2, dp_mode="fsdp", runtime="distributed",
+                                  bandwidth=None, batch_size=size.batch, **common, **limits)
+    devices = ["rank0", "rank1", "rank1", "rank0"] if case.schedule == "zbv" else None
+    if case.even:
+        parts = [list(p) for p in np.array_split(np.array(prof.layers), 4 if devices else 2)]
+        return Plan.from_stages(prof, parts, devices=devices or (["cpu", "cpu"] if case.ranks == 0 else None),
+                                bandwidth=None, runtime="gpipe" if case.ranks == 0 else "distributed", **common)
+    return autopipe.partition(prof, stages=4 if devices else 2, devices=devices, runtime="distributed",
+                              bandwidth=None, **common, **limits)
+
+
+def _predicted(plan: Plan, case: Case, where: int) -> int:
+    if case.runtime == "one process":
+        return sum(plan.device_memory.values())
+    if case.schedule == "zbv":  # a rank holds two stages
+        return plan.device_memory[f"rank{where}"]
+    return plan.peak_memory[where % 2]  # under replicas, rank r holds stage r mod 2
+
+
+def measure(size: Size, cases: Sequence[Case] = DEFAULT) -> list[Row]:
+    """Each case's rows, in order: one process, then each rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unmeasured distributed call cost: not a memory matter
+        profiles = {(c.model, c.precision): _profile(size, c.model, c.precision) for c in cases}
+        plans = [_plan(profiles[c.model, c.precision], size, c) for c in cases]
+        peaks: dict[int, list[int]] = {}
+        for world in sorted({c.ranks for c in cases} - {0}):
+            mine = [i for i, c in enumerate(cases) if c.ranks == world]
+            peaks.update(zip(mine, _ranks(size, world, [(cases[i], plans[i]) for i in mine]), strict=True))
+        rows = []
+        for i, (case, plan) in enumerate(zip(cases, plans, strict=True)):
+            if case.ranks == 0:
+                rows.append(Row(case, "process", _one_process(size, case, plan), _predicted(plan, case, 0)))
+            else:
+                rows += [Row(case, f"rank {r}", peak, _predicted(plan, case, r)) for r, peak in enumerate(peaks[i])]
     return rows
 
 
-def binding(size: Size, schedule: str = "1f1b", fraction: float = 0.85) -> tuple[int, list[Row]]:
+def binding(size: Size, case: Case = Case(), fraction: float = 0.85) -> tuple[int, list[Row]]:
     """A memory limit that binds: ``fraction`` of the largest rank peak the plan without one
     predicts; that plan and the one made under the limit (recompute="auto") run on 2 ranks.
-    Returns the limit and the rows (``runtime`` says which plan)."""
-    model, x, y = _model(size)
-    prof = autopipe.profile(model, (x,), chunks=size.chunks, loss_fn=_lm_loss, target=y, repeats=2)
-    free = autopipe.partition(prof, stages=2, chunks=size.chunks, recompute="never", optimizer="adamw",
-                              schedule=schedule, runtime="distributed", bandwidth=None)
-    limit = int(max(free.peak_memory) * fraction)
-    bound = autopipe.partition(prof, stages=2, chunks=size.chunks, recompute="auto", optimizer="adamw",
-                               schedule=schedule, runtime="distributed", bandwidth=None, memory_limit=limit)
-    rows = []
-    for name, plan, peaks in zip(("no limit", "under the limit"), (free, bound), _ranks(size, [free, bound]),
-                                 strict=True):
-        for r, peak in enumerate(peaks):
-            rows.append(Row(f"{name} ({plan.stage_recompute[r]})", schedule, f"rank {r}", peak,
-                            plan.peak_memory[r]))
+    Returns the limit and the rows (the cases' ``recompute`` says which plan)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = _profile(size, case.model, case.precision)
+        free = _plan(prof, size, case)
+        limit = int(max(free.peak_memory) * fraction)
+        bound = _plan(prof, size, replace(case, recompute="auto"), memory_limit=limit)
+        work = [(replace(case, recompute=f"no limit: {'/'.join(free.stage_recompute)}"), free),
+                (replace(case, recompute=f"under the limit: {'/'.join(bound.stage_recompute)}"), bound)]
+        rows = []
+        for (c, plan), peaks in zip(work, _ranks(size, 2, work), strict=True):
+            rows += [Row(c, f"rank {r}", peak, plan.peak_memory[r]) for r, peak in enumerate(peaks)]
     return limit, rows
 
 
 def table(rows: Sequence[Row]) -> str:
-    lines = ["| runtime | schedule | where | peak MiB measured | peak MiB predicted | measured / predicted |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = ["| runtime | schedule | model | precision | recompute | where | peak MiB measured | "
+             "peak MiB predicted | measured / predicted |", "|---|---|---|---|---|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.runtime} | {r.schedule} | {r.where} | {r.measured / 2**20:.2f} | "
-                     f"{r.predicted / 2**20:.2f} | {r.ratio:.2f} |")
+        c = r.case
+        lines.append(f"| {c.runtime} | {c.schedule} | {c.model} | {c.precision} | {c.recompute} | {r.where} | "
+                     f"{r.measured / 2**20:.2f} | {r.predicted / 2**20:.2f} | {r.ratio:.2f} |")
     return "\n".join(lines)
 
 
@@ -191,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--dim", type=int, default=Size.dim)
     parser.add_argument("--layers", type=int, default=Size.layers)
     parser.add_argument("--seq", type=int, default=Size.seq)
+    parser.add_argument("--all", action="store_true", help="every configuration (the ALL cases), not the default three")
     parser.add_argument("--bind", type=float, metavar="FRACTION",
                         help="plan 1F1B under this fraction of the unlimited plan's largest rank peak "
                              "and run both plans on 2 ranks")
@@ -200,11 +303,11 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     if args.bind is not None:
         limit, rows = binding(size, fraction=args.bind)
         print(f"memory limit {limit / 2**20:.2f} MiB; measured over it: "
-              f"{', '.join(f'{r.runtime} {r.where}' for r in rows if r.measured > limit) or 'none'}")
+              f"{', '.join(f'{r.case.recompute} {r.where}' for r in rows if r.measured > limit) or 'none'}")
     else:
-        rows = measure(size)
-    print(f"TinyGPT vocab {size.vocab}, dim {size.dim}, {size.layers} layers, seq {size.seq}, batch "
-          f"{size.batch} in {size.chunks} micro-batches, 2 stages, AdamW; torch {torch.__version__}")
+        rows = measure(size, ALL if args.all else DEFAULT)
+    print(f"vocab {size.vocab}, dim {size.dim}, {size.layers} layers, seq {size.seq}, batch {size.batch} in "
+          f"{size.chunks} micro-batches, 2 stages, AdamW; torch {torch.__version__}")
     print(table(rows))
     return rows
 

@@ -140,7 +140,8 @@ class PartitionConfig(Checked):
     method: Method = flag("auto", "partition method: exact (the DP over the topological order; "
                                   "dp is an alias), ilp (over the DAG), step (the shortest simulated "
                                   "step, not the smallest slowest stage), a baseline, or auto "
-                                  "(default: exact, then the ILP only where a bound shows it can gain)")
+                                  "(default: exact, then the ILP only where a bound shows it can "
+                                  "gain, then step where it steps faster)")
     memory: str | None = flag(None, "per-device memory limit, e.g. 16GiB")
     chunks: str | None = flag(None, _chunks("the profile's"), metavar="M|auto")
     batch_size: int | None = flag(None, "mini-batch size B: --chunks M plans micro-batches of "

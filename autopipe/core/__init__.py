@@ -14,6 +14,7 @@
     cost.py               [Note: cost model] every formula of stage time and memory, written once
     cost_options.py       CostOptions: how stages run (chunks, recompute, optimizer, schedule...), checked
     stage_memory.py       a stage's activation memory: the walk over its schedule's order
+    backward_memory.py    what a backward adds: gradients from the first one, each layer's working set
     transfer.py           what crossing a cut costs: the one place a transfer is priced
     recomputed_layers.py  chosen layers recomputed inside a stage: what they free, what they cost
     data_parallel.py      replicas of the pipeline: what data parallelism adds to a stage

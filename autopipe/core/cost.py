@@ -78,8 +78,9 @@ autopipe/core/stage_memory.py.
 [Note: tied parameters] Layers with the same ``tie_group`` share a parameter whose bytes are the
 largest ``param_bytes`` in the group. ``ties="share"`` charges them to every stage that holds a
 member (the executor shares or replicates them); ``ties="colocate"`` forces the whole group onto
-one stage. In one process (executor.GPipe) stages on the same device share one tensor: the
-group is charged to the first of them only; ranks are processes of their own, each holding its
+one stage. In one process (executor.GPipe) stages on the same device share one tensor, and so
+do the stages a rank of a multi-stage schedule holds (its device name is the rank): the group
+is charged to the first of them only; other ranks are processes of their own, each holding its
 copy whatever their devices are called.
 """
 
@@ -90,6 +91,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopipe.core.backward_memory import backward_extras, stage_backward
 from autopipe.core.data_parallel import grad_sync_ms, param_gather_ms, state_factor
 from autopipe.core.devices import DeviceSpec, resolve_devices
 from autopipe.core.layer_costs import SPLIT_COLUMNS, FloatArray, LayerCosts
@@ -107,6 +109,7 @@ from autopipe.core.stage_memory import (
     activation_bytes,
     activation_peak,
     activation_terms,
+    gather_peak,
     kept_activation_bytes,
     kept_bytes,
     loss_bytes,
@@ -134,6 +137,8 @@ __all__ = [
     "activation_terms",
     "activation_bytes",
     "activation_peak",
+    "backward_extras",
+    "gather_peak",
     "STEP_TEMPORARIES",
     "kept_activation_bytes",
     "kept_bytes",
@@ -323,8 +328,9 @@ def stage_costs(
                                    costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
         bwd = float(costs.bwd[mask].sum()) / dev.speed + alone
         params = int(costs.params[mask].sum())
+        one_holder = costs.runtime == "gpipe" or options.schedule in MULTI_STAGE_SCHEDULES  # a device, a rank
         for members, nbytes in costs.tie_groups:  # [Note: tied parameters]
-            shared = costs.runtime == "gpipe" and any(  # held by an earlier stage on this device
+            shared = one_holder and any(  # held by an earlier stage on this device
                 devices[t].name == dev.name and (stage[list(members)] == t).any() for t in range(s))
             if mask[list(members)].any() and not shared:
                 params += nbytes
@@ -347,6 +353,9 @@ def stage_costs(
         kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
+        lazy, first, working, gathered, backward = stage_backward(  # [Note: the backward's memory]
+            costs, mask, params, OPTIMIZER_FACTOR[options.optimizer], options, s == k - 1, terms[s],
+            (cut_in, saved, held, input_saved, kept, grads))
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -375,5 +384,10 @@ def stage_costs(
             bwd_weight_ms=bwd_weight,
             loss_bytes=loss,
             step_bytes=step,
+            lazy_grad_bytes=lazy,
+            first_backward_bytes=first,
+            working_bytes=working,
+            gathered_bytes=gathered,
+            backward_bytes=backward,
         ))
     return result

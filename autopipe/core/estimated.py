@@ -59,10 +59,11 @@ def sheet_memory(meta: Mapping[str, Any]) -> int | None:
     return int(memory) if isinstance(memory, int | float) and not isinstance(memory, bool) else None
 
 
-def check_estimated(df: pd.DataFrame, meta: Mapping[str, Any], where: str) -> None:
-    """[Note: estimated or measured] One ProfileError line unless every row is measured (and the
-    metadata says nothing of a sheet) or every row was estimated from the sheet the metadata
-    names."""
+def check_estimated(df: pd.DataFrame, meta: Mapping[str, Any]) -> pd.DataFrame:
+    """[Note: estimated or measured] ``df`` itself, unless its rows mix measured and estimated
+    ones, or sheets, or disagree with what the metadata names: then one ProfileError line
+    naming the profile (``meta["_source"]``, its file, where it was loaded)."""
+    where = str(meta.get("_source", "the profile"))
     named = estimated_from(meta)
     rows = [str(x) for x in df[ESTIMATED].fillna("")] if ESTIMATED in df.columns else [""] * len(df)
     layers = [str(x) for x in df["layer"]]
@@ -82,3 +83,4 @@ def check_estimated(df: pd.DataFrame, meta: Mapping[str, Any], where: str) -> No
     if named is not None and not sheets:
         raise ProfileError(f"{where}: meta says it was estimated from device sheet {named!r} but its rows were "
                            f"measured (no 'estimated' column); {fix}")
+    return df

@@ -27,9 +27,9 @@ import numpy.typing as npt
 
 from autopipe.core.corrections import call_fallbacks
 from autopipe.core.planned_precision import precision_of
-from autopipe.core.profile_table import SPLIT_COLUMNS, Profile
+from autopipe.core.profile_table import RETURNED_COLUMN, SPLIT_COLUMNS, WORKING_COLUMN, Profile
 
-__all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS"]
+__all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS", "range_max"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -77,12 +77,18 @@ class LayerCosts:
     # forward to its backward besides its layers' saves (the model's output, the loss's saves),
     # and what the loss's backward has alive on top of that
     loss_kept: int = 0
+    returned: int = 0  # of loss_kept, the model's outputs (executor.GPipe gathers them: [Note: the backward's memory])
     loss_grads: int = 0
     # [Note: the optimizer step's memory] in stage_memory.py: each layer's parameter bytes, tied ones
     # included (the largest tensor a stage steps is at most its largest layer's), and whether
     # torch's optimizers step one tensor at a time there (the CPU) or all at once (foreach)
     layer_params: IntArray | None = None
     one_at_a_time: bool = True
+    # [Note: the backward's memory] in backward_memory.py: per layer, what its backward has alive
+    # beyond its saves, the gradient it receives included (the bytes its readers read + the
+    # profile's ``bwd_working_bytes``; what only the loss reads has the loss's gradient, in
+    # ``loss_grads``); None where the profile did not measure it
+    working: IntArray | None = None
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -132,7 +138,8 @@ class LayerCosts:
         resaved = np.array([min(int(value[u]), max((int(shared[v]) for v in savers[u]), default=0))
                             for u in range(n)], dtype=np.int64)
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
-        outputs = int(sum(int(b) for b, users in zip(df["output_bytes"], consumers, strict=True) if not users))
+        outputs = int(df[RETURNED_COLUMN].sum()) if RETURNED_COLUMN in df.columns else int(  # the model's
+            sum(int(b) for b, users in zip(df["output_bytes"], consumers, strict=True) if not users))
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
             bwd[-1] += 0.0 if c.loss is None else c.loss.fwd_ms + c.loss.bwd_ms
         # [Note: ranks sharing a host] (autopipe/frontend/profiling/spawned/rank_contention.py): ranks on one
@@ -177,9 +184,12 @@ class LayerCosts:
             weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
             split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
             loss_kept=outputs + (0 if c.loss is None else c.loss.held_bytes),
+            returned=outputs,
             layer_params=df["param_bytes"].to_numpy(dtype=np.int64),
             one_at_a_time=str(profile.meta.get("device_type") or "cpu") == "cpu",
             loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
+            working=(df[WORKING_COLUMN].to_numpy(dtype=np.int64) + value  # + the gradient its readers send
+                     if WORKING_COLUMN in df.columns else None),
         )
 
     def __len__(self) -> int:
@@ -188,19 +198,8 @@ class LayerCosts:
     def largest_params(self, j0: int, j1: int, rows: int) -> FloatArray:
         """(rows, j1 - j0): the largest ``layer_params[i:j]`` of every range i < j, j0 <= j < j1
         (0 where i >= j): what a stage of those layers steps one tensor at a time ([Note: the
-        optimizer step's memory] in stage_memory.py). Column by column, each the last's maximum with one
-        more layer."""
-        p = np.zeros(len(self)) if self.layer_params is None else self.layer_params.astype(np.float64)
-        out = np.zeros((rows, j1 - j0))
-        if j1 <= j0:
-            return out
-        top = min(j0, rows)
-        if top:
-            out[:top, 0] = np.maximum.accumulate(p[:j0][::-1])[::-1][:top]
-        for c, j in enumerate(range(j0 + 1, j1), start=1):
-            top = min(j, rows)
-            out[:top, c] = np.maximum(out[:top, c - 1], p[j - 1])
-        return out
+        optimizer step's memory] in stage_memory.py)."""
+        return range_max(np.zeros(len(self)) if self.layer_params is None else self.layer_params, j0, j1, rows)
 
     def cut_bytes(self) -> IntArray:
         """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
@@ -231,3 +230,25 @@ class LayerCosts:
                 diff[u + 1] += values[u]
                 diff[until[u] + 1] -= values[u]
         return np.cumsum(diff)[: n + 1]
+
+
+def range_max(values: npt.ArrayLike, j0: int, j1: int, rows: int) -> FloatArray:
+    """(rows, j1 - j0): the largest ``values[i:j]`` of every range i < j, j0 <= j < j1 (0 where
+    i >= j): rows below j0 take the larger of their suffix up to j0 and the columns' prefix from
+    j0; rows from j0 a running maximum along their row of the columns they precede."""
+    p = np.asarray(values, dtype=np.float64)
+    cols = max(j1 - j0, 0)
+    out = np.zeros((rows, cols))
+    if not cols:
+        return out
+    grown = np.maximum.accumulate(np.concatenate([[-np.inf], p[j0:j1 - 1]]))  # max(p[j0:j]) per column
+    top = min(j0, rows)
+    if top:
+        out[:top] = np.maximum(np.maximum.accumulate(p[:j0][::-1])[::-1][:top, None], grown[None, :])
+    lo, hi = j0, min(j1 - 1, rows)  # rows i in [j0, j1 - 1): columns j > i
+    if hi > lo:
+        i = np.arange(lo, hi)[:, None]
+        j = np.arange(j0, j1)[None, :]
+        block = np.maximum.accumulate(np.where(j - 1 >= i, p[np.maximum(j - 1, 0)], -np.inf), axis=1)
+        out[lo:hi] = np.where(j > i, block, 0.0)
+    return out

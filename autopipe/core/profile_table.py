@@ -33,12 +33,16 @@ ONE micro-batch):
                    the caller's batch): where the layer starts a stage, the input the stage
                    keeps to recompute from ([Note: an input kept once] in stage_memory.py), default 0
     peak_bytes     optional: measured peak memory, may be NaN
+    bwd_working_bytes, returned_bytes   optional: the most bytes one backward of the layer has
+                   alive beyond what it starts from ([Note: the backward's memory] in
+                   backward_memory.py; without it: every gradient from the start, no working
+                   set), and of ``output_bytes`` what the model returns ([Note: the loss's
+                   memory]; without it: the outputs of the layers nothing reads)
     tie_group      optional: layers sharing a parameter carry the same non-empty id, default "".
                    The shared bytes are the largest ``param_bytes`` in the group, so give the
                    shared parameter's bytes on every member (or on one member and 0 elsewhere).
-    kind, module_type   optional: free text ("call_module", "nn.Linear", ...)
-    estimated      optional: the device sheet a row was estimated from, never beside measured
-                   rows ([Note: estimated or measured] in estimated.py)
+    kind, module_type, estimated   optional text: "call_module", "nn.Linear", the device sheet a
+                   row was estimated from ([Note: estimated or measured] in estimated.py)
     bwd_input_ms, bwd_weight_ms, weight_grad_bytes   optional, all three or none: the backward
                    split as torch.distributed.pipelining's zero-bubble schedules run it, into
                    the gradients of the layer's inputs and of its weights (their sum is
@@ -86,10 +90,12 @@ from autopipe.errors import ProfileError
 if TYPE_CHECKING:  # imported where a table is built or read: a plan alone never loads pandas
     import pandas as pd
 
-__all__ = ["Profile", "SPLIT_COLUMNS", "fingerprint_mismatch", "micro_batch_text"]
+__all__ = ["Profile", "RETURNED_COLUMN", "SPLIT_COLUMNS", "WORKING_COLUMN", "fingerprint_mismatch", "micro_batch_text"]
 
 # A backward's input- and weight-gradient parts and what W starts from: optional, all or none.
 SPLIT_COLUMNS: tuple[str, ...] = ("bwd_input_ms", "bwd_weight_ms", "weight_grad_bytes")
+# optional, measured since issue 41: [Note: the backward's memory], [Note: the loss's memory]
+WORKING_COLUMN, RETURNED_COLUMN = "bwd_working_bytes", "returned_bytes"
 
 _RERUN = "re-run `autopipe profile ...`"
 _FROM_META = Corrections()  # not given: read from the flat meta keys of earlier releases
@@ -118,16 +124,14 @@ class Profile:
     # read from ``meta``'s flat keys as earlier releases saved them, which then leave ``meta``
     corrections: Corrections = _FROM_META
 
-    REQUIRED_COLUMNS: ClassVar[tuple[str, ...]] = (
-        "layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes", "saved_bytes",
-    )
+    REQUIRED_COLUMNS: ClassVar[tuple[str, ...]] = ("layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes",
+                                                   "saved_bytes")
     NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes", "saved_shared_bytes",
                                                    "saved_input_bytes")
     TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type", "measured_as")
 
     def __post_init__(self) -> None:
-        self.df = _validate_frame(self.df, where=str(self.meta.get("_source", "profile")))
-        check_estimated(self.df, self.meta, str(self.meta.get("_source", "the profile")))  # [Note: estimated or measured]
+        self.df = check_estimated(_validate_frame(self.df, where=str(self.meta.get("_source", "profile"))), self.meta)
         self.edges = _validate_edges(self.edges, self.layers)
         flat = [k for k in self.meta if is_legacy_key(k)]
         if not isinstance(self.corrections, Corrections):
@@ -362,7 +366,7 @@ def _validate_frame(df: pd.DataFrame, where: str) -> pd.DataFrame:
         missing = [c for c in SPLIT_COLUMNS if c not in df.columns]
         raise ProfileError(f"{where} has {present} but not {missing}: the split backward takes all of "
                            f"{list(SPLIT_COLUMNS)} or none; {_RERUN}")
-    for col in present:
+    for col in [*present, *(c for c in (WORKING_COLUMN, RETURNED_COLUMN) if c in df.columns)]:
         values = pd.to_numeric(df[col], errors="coerce")
         if values.isna().any() or (values < 0).any():
             row = int((values.isna() | (values < 0)).to_numpy().argmax())

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from autopipe.core.profile_table import SPLIT_COLUMNS, Profile
+from autopipe.core.profile_table import RETURNED_COLUMN, SPLIT_COLUMNS, WORKING_COLUMN, Profile
 from autopipe.errors import ProfileError
 
 __all__ = ["SCALED_COLUMNS", "measured_sizes", "profile_at", "rows_for", "scaled"]
@@ -127,6 +127,14 @@ def profile_at(profile: Profile, rows: int, *, batch_size: int | None = None,
         df["bwd_weight_ms"] = df["bwd_ms"].to_numpy(dtype=np.float64) - df["bwd_input_ms"]
         df["weight_grad_bytes"] = np.rint(profile.df["weight_grad_bytes"].to_numpy(dtype=np.float64)
                                           * np.array([ratio[n] for n in profile.layers])).astype(np.int64)
+    if WORKING_COLUMN in df.columns:  # the weights' gradients stay, the rest scales with the output
+        old = profile.df[WORKING_COLUMN].to_numpy(dtype=np.float64)
+        weights = np.minimum(old, profile.df["param_bytes"].to_numpy(dtype=np.float64))
+        df[WORKING_COLUMN] = np.rint(weights + (old - weights) * np.array([ratio[n] for n in profile.layers])
+                                     ).astype(np.int64)
+    if RETURNED_COLUMN in df.columns:
+        df[RETURNED_COLUMN] = np.rint(profile.df[RETURNED_COLUMN].to_numpy(dtype=np.float64)
+                                      * np.array([ratio[n] for n in profile.layers])).astype(np.int64)
     edges = [(u, v, int(round(b * ratio[u]))) for u, v, b in profile.edges]
     meta["fingerprint"] = _fingerprint(profile, rows)
     return profile._derived(df, edges, meta, corrections)  # scaled from validated columns

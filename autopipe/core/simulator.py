@@ -48,7 +48,9 @@ from autopipe.core.cost import (
     LayerCosts,
     StageCost,
     activation_peak,
+    backward_extras,
     crossing_ms,
+    gather_peak,
     receive_ms,
     recompute_ms,
     split_backward_ms,
@@ -73,7 +75,7 @@ if TYPE_CHECKING:
     from autopipe.core.plan import Plan
     from autopipe.core.profile_table import Profile
 
-__all__ = ["SIMULATED_SCHEDULES", "SimulationResult", "simulate", "simulate_stages"]
+__all__ = ["SIMULATED_SCHEDULES", "SimulationResult", "operation_queues", "simulate", "simulate_stages"]
 
 # The runtime's schedules (executor.spec.SCHEDULES): the simulator models every one of them.
 SIMULATED_SCHEDULES: tuple[str, ...] = SCHEDULES
@@ -126,8 +128,10 @@ def _split(stage: StageCost, schedule: str) -> tuple[float, float]:
     return split_backward_ms(stage.bwd_ms, stage.bwd_input_ms, stage.call_bwd_ms, stage.bwd_weight_ms)
 
 
-def _queues(schedule: str, names: list[str], m: int, merge: str) -> tuple[list[list[Op]], list[int], list[int]]:
-    """The operation queues, the device (resource) each runs on, and each stage's device."""
+def operation_queues(schedule: str, names: list[str], m: int,
+                     merge: str) -> tuple[list[list[Op]], list[int], list[int]]:
+    """The operation queues, the device (resource) each runs on, and each stage's device (also
+    the step's batch of splits: [Note: steps in a batch] in autopipe/solvers/split_steps.py)."""
     k = len(names)
     if schedule in MULTI_STAGE_SCHEDULES:
         try:
@@ -172,7 +176,7 @@ def simulate_stages(
         check_merge_rule(merge)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    queues, resource, device_of = _queues(schedule, names, m, merge)
+    queues, resource, device_of = operation_queues(schedule, names, m, merge)
     n_res = max(resource) + 1
     # a cut between two stages of one rank carries no message ([Note: stage to rank])
     local = [schedule in MULTI_STAGE_SCHEDULES and device_of[s] == device_of[s + 1] for s in range(k - 1)]
@@ -275,16 +279,23 @@ def simulate_stages(
     saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}
     held = {s: float(st.weight_held_bytes) for s, st in enumerate(stages)}
     kept = {s: float(st.input_saved_bytes) for s, st in enumerate(stages)}  # [Note: an input kept once]
-    peaks = [st.param_bytes + max(st.loss_bytes + int(activation_peak([op for op in ran[device_of[s]] if op[0] == s],
-                                                                      recomputed, inputs, saved, held, kept)),
-                                  st.step_bytes)  # [Note: the optimizer step's memory] in stage_memory.py
-             for s, st in enumerate(stages)]
+    # [Note: the backward's memory] in backward_memory.py, [Note: the optimizer step's memory] in stage_memory.py
+    extras = {s: backward_extras(st.lazy_grad_bytes, st.first_backward_bytes, st.working_bytes)
+              for s, st in enumerate(stages)}
+    # executor.GPipe's gathered outputs: (per micro-batch, their copy) on the last stage
+    gathered = {s: (st.gathered_bytes / m, float(st.gathered_bytes)) for s, st in enumerate(stages)}
+    maps = (recomputed, inputs, saved, held, kept, extras)
+    peaks = []
+    for s, st in enumerate(stages):
+        mine = [op for op in ran[device_of[s]] if op[0] == s]
+        peaks.append(st.param_bytes + int(max(st.loss_bytes + activation_peak(mine, *maps), st.step_bytes,
+                                              gather_peak(mine, *maps, gathered))))
     device_memory: dict[str, int] = {}
     for r, ops in enumerate(ran):
         owners = [s for s in range(k) if device_of[s] == r]
-        device_memory[names[owners[0]]] = (sum(stages[s].param_bytes for s in owners) + max(
-            sum(stages[s].loss_bytes for s in owners) + int(activation_peak(ops, recomputed, inputs, saved, held, kept)),
-            sum(stages[s].step_bytes for s in owners)))
+        device_memory[names[owners[0]]] = sum(stages[s].param_bytes for s in owners) + int(max(
+            sum(stages[s].loss_bytes for s in owners) + activation_peak(ops, *maps),
+            sum(stages[s].step_bytes for s in owners), gather_peak(ops, *maps, gathered)))
     bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))
     return SimulationResult(schedule, timeline, total, bubble, peaks, device_memory)

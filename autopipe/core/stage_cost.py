@@ -52,6 +52,15 @@ class StageCost:
     # what optimizer.step() holds besides the state, after the activations are freed
     # ([Note: the optimizer step's memory] in stage_memory.py); 0 in plans saved before it
     step_bytes: int = 0
+    # [Note: the backward's memory] in backward_memory.py (0 in plans saved before it): the gradients
+    # the stage holds only from its first backward on, what that first backward has beside its
+    # activations, the largest working set of a later one, and what the three change of its peak
+    # (in memory_bytes; negative where the gradients' absence before the backward outweighs them)
+    lazy_grad_bytes: int = 0
+    first_backward_bytes: int = 0
+    working_bytes: int = 0
+    gathered_bytes: int = 0  # executor.GPipe's gathered outputs, on the last stage after its last forward
+    backward_bytes: int = 0
 
     @property
     def backward_ms(self) -> float:
@@ -70,4 +79,5 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + max(self.activation_bytes + self.loss_bytes, self.step_bytes)
+        return self.param_bytes + max(self.activation_bytes + self.loss_bytes + self.backward_bytes,
+                                      self.step_bytes)

@@ -62,10 +62,15 @@ largest: at most twice the stage's largest layer's parameters) and all of a devi
 once elsewhere (its foreach path: one copy of them all); SGD, with momentum or without, updates
 in place. A stage's peak is its state plus the larger of its activations (with the loss's
 bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
+
+[Note: the backward's memory] is in autopipe/core/backward_memory.py: the walk's e (``BEFORE_BACKWARD``
+... ``IN_BACKWARD``) marks what each allocation happens beside.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -74,15 +79,29 @@ import numpy as np
 
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.schedules import Op, rank_order, stage_order
-from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, is_recomputed, stage_rank
+from executor.spec import (
+    MULTI_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    is_recomputed,
+    stage_rank,
+)
 
-__all__ = ["STEP_TEMPORARIES", "Terms", "activation_bytes", "activation_peak", "activation_terms",
-           "kept_activation_bytes", "kept_bytes", "loss_bytes", "loss_grad_bytes", "stage_terms", "step_bytes",
-           "weight_held_bytes"]
+__all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Amount", "Extras",
+           "Terms", "activation_bytes", "activation_peak", "activation_terms", "gather_peak", "kept_activation_bytes",
+           "kept_bytes", "loss_bytes", "loss_grad_bytes", "stage_terms", "step_bytes", "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
-# (a, b, c, d): a x input + b x saved + c x weight_held - d x input_saved bytes
-Terms = tuple[tuple[int, int, int, int], ...]
+# (a, b, c, d, e): a x input + b x saved + c x weight_held - d x input_saved bytes, plus the
+# backward's extra number e ([Note: the backward's memory]: BEFORE_BACKWARD ... IN_BACKWARD)
+Term = tuple[int, int, int, int, int]
+Terms = tuple[Term, ...]
+Extras = tuple[Amount, Amount, Amount, Amount]
+
+# [Note: the backward's memory]: what an allocation of a stage's walk happens beside
+BEFORE_BACKWARD, FIRST_BACKWARD, GRADIENTS, IN_BACKWARD = range(4)
+# e >= f in this order: BEFORE <= FIRST <= IN, BEFORE <= GRADIENTS <= IN
+_AT_LEAST = {(e, f) for e in range(4) for f in range(4)
+             if e == f or f == BEFORE_BACKWARD or e == IN_BACKWARD}
 
 
 def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, last: bool) -> Amount:
@@ -93,83 +112,87 @@ def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, la
     return (0 if first else weight_grad) + (0 if last else output_bytes)
 
 
-Held = tuple[int, int, int, int, int, bool]
+Held = tuple[int, int, int, int, int, bool, int]
 
 
 def _held(ops: Iterable[Op], recomputed: Mapping[int, int]) -> Iterator[Held]:
     """(stage, inputs held, saved activations held, weight gradients held, micro-batches
-    recomputed and held, after an allocation?) after each change of what a stage holds, walking
-    ``ops`` in order ([Note: stage memory]); stage s checkpoints its last ``recomputed[s]``
-    micro-batches ([Note: which micro-batches recompute] in executor/spec.py)."""
+    recomputed and held, after an allocation?, what it is beside: ``BEFORE_BACKWARD`` ...
+    ``IN_BACKWARD``) after each change of what a stage holds, walking ``ops`` in order ([Note:
+    stage memory], [Note: the backward's memory]); stage s checkpoints its last
+    ``recomputed[s]`` micro-batches ([Note: which micro-batches recompute] in executor/spec.py).
+    A backward (whole, I or W) is an allocation at its start, with its micro-batch still held."""
     ops = list(ops)
     chunks: dict[int, int] = {}
     for s, _, i in ops:
         chunks[s] = max(chunks.get(s, 0), i + 1)
     held: dict[int, list[int]] = {}
+    graded: set[int] = set()  # the stages whose parameters have gradients
     for s, kind, i in ops:
         h = held.setdefault(s, [0, 0, 0, 0])
         checkpointed = is_recomputed(i, chunks[s], recomputed[s])
+        backward = IN_BACKWARD if s in graded else FIRST_BACKWARD
         if kind == "F":
             h[0 if checkpointed else 1] += 1
-            yield s, h[0], h[1], h[2], h[3], True
+            yield s, h[0], h[1], h[2], h[3], True, GRADIENTS if s in graded else BEFORE_BACKWARD
         elif kind == "I":  # the recomputed forward next to its input, then what W starts from
             h[1] += 1 if checkpointed else 0
             h[2] += 1
             h[3] += 1 if checkpointed else 0
-            yield s, h[0], h[1], h[2], h[3], True
-        elif kind == "W":
+            yield s, h[0], h[1], h[2], h[3], True, backward
+        else:
+            if kind != "W" and checkpointed:  # the recomputed forward, next to its input
+                h[1] += 1
+                h[3] += 1  # [Note: an input kept once]
+            yield s, h[0], h[1], h[2], h[3], True, backward
+            graded.add(s)  # a whole backward or a W leaves its weights' gradients
             h[0] -= 1 if checkpointed else 0
             h[1] -= 1
-            h[2] -= 1
+            h[2] -= 1 if kind == "W" else 0
             h[3] -= 1 if checkpointed else 0
-            yield s, h[0], h[1], h[2], h[3], False
-        elif checkpointed:  # a whole backward
-            h[1] += 1  # the recomputed forward, next to the input it was recomputed from
-            h[3] += 1  # [Note: an input kept once]
-            yield s, h[0], h[1], h[2], h[3], True
-            h[0] -= 1
-            h[1] -= 1
-            h[3] -= 1
-            yield s, h[0], h[1], h[2], h[3], False
-        else:
-            h[1] -= 1
-            yield s, h[0], h[1], h[2], h[3], False
+            yield s, h[0], h[1], h[2], h[3], False, GRADIENTS
 
 
 @lru_cache(maxsize=4096)
 def _terms(ops: tuple[Op, ...], recomputed: int) -> Terms:
     stage = ops[0][0] if ops else 0
-    seen = {(a, b, c, d) for _, a, b, c, d, alloc in _held(ops, {stage: recomputed}) if alloc}
+    seen = {(a, b, c, d, e) for _, a, b, c, d, alloc, e in _held(ops, {stage: recomputed}) if alloc}
     top = [t for t in seen if not any(u != t and _covers(u, t) for u in seen)]
-    return tuple(sorted(top)) or ((0, 0, 0, 0),)
+    return tuple(sorted(top)) or ((0, 0, 0, 0, 0),)
 
 
-def _covers(u: tuple[int, int, int, int], t: tuple[int, int, int, int]) -> bool:
+def _covers(u: Term, t: Term) -> bool:
     """Whether term ``u``'s level is at least ``t``'s whatever the bytes. input_saved is part of
     both input and saved, so with input = I' + X and saved = S' + X a level is ``a I' + b S' + c
-    held + (a + b - d) X`` over independent non-negative amounts."""
-    return u[0] >= t[0] and u[1] >= t[1] and u[2] >= t[2] and u[0] + u[1] - u[3] >= t[0] + t[1] - t[3]
+    held + (a + b - d) X`` over independent non-negative amounts, plus the backward's extra e,
+    ordered as ``_AT_LEAST`` says ([Note: the backward's memory])."""
+    return (u[0] >= t[0] and u[1] >= t[1] and u[2] >= t[2] and u[0] + u[1] - u[3] >= t[0] + t[1] - t[3]
+            and (u[4], t[4]) in _AT_LEAST)
 
 
 def activation_terms(ops: Sequence[Op], recomputed: int) -> Terms:
-    """The Pareto-maximal (a, b, c, d) held after an allocation by one stage running ``ops``:
+    """The Pareto-maximal (a, b, c, d, e) held after an allocation by one stage running ``ops``:
     its peak activations are ``max(a x input + b x saved + c x weight_held - d x input_saved)``
-    ([Note: stage memory])."""
+    ([Note: stage memory]), its peak beside the backward's the same plus ``extras[e]`` ([Note:
+    the backward's memory])."""
     return _terms(tuple(ops), recomputed)
 
 
 def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount = 0,
-                     input_saved: Amount = 0) -> Amount:
+                     input_saved: Amount = 0, extras: Extras | None = None) -> Amount:
     """Peak activation bytes of a stage: the largest ``a x input + b x saved + c x weight_held -
-    d x input_saved`` over its ``terms``. Floats and numpy arrays take the maximum; a PuLP
-    expression needs one term at a time (a constraint per term)."""
+    d x input_saved`` over its ``terms``, plus ``extras[e]`` where given (:func:`backward_extras`).
+    Floats and numpy arrays take the maximum; a PuLP expression needs one term at a time (a
+    constraint per term)."""
     out: Amount = None
-    for a, b, c, d in terms:
+    for a, b, c, d, e in terms:
         value = b * saved_bytes + a * input_bytes  # a new value, whatever the operands
         if c:
             value = value + c * weight_held
         if d:
             value = value - d * input_saved
+        if extras is not None:
+            value = value + extras[e]
         if out is None:
             out = value
         elif isinstance(out, np.ndarray) and isinstance(value, np.ndarray) and out.shape == value.shape:
@@ -180,11 +203,13 @@ def activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, wei
 
 
 def kept_activation_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount,
-                          input_saved: Amount, kept: Amount, grads: Amount) -> Amount:
+                          input_saved: Amount, kept: Amount, grads: Amount, extras: Extras | None = None) -> Amount:
     """Peak activations of a stage that also keeps ``kept`` bytes per micro-batch in flight, the
     micro-batches a term holds (``a + b - d``: a recomputed one is counted in a and b and once in
-    d), with the last stage's loss ``grads`` on top ([Note: the loss's memory])."""
-    return activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept) + grads
+    d), with the last stage's loss ``grads`` on top ([Note: the loss's memory]), and the
+    backward's ``extras`` ([Note: the backward's memory])."""
+    return activation_bytes(input_bytes + kept, saved_bytes + kept, terms, weight_held, input_saved + kept,
+                            extras) + grads
 
 
 def loss_bytes(input_bytes: Amount, saved_bytes: Amount, terms: Terms, weight_held: Amount, input_saved: Amount,
@@ -223,19 +248,58 @@ def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:
     return costs.loss_grads * (chunks if costs.runtime == "gpipe" else 1)
 
 
+def _levels(ops: list[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
+            saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None,
+            input_saved: Mapping[int, float] | None,
+            extras: Mapping[int, Extras] | None) -> Iterator[tuple[int, float, bool, int, int]]:
+    """(stage, the device's level, after an allocation?, e, micro-batches the stage holds) after
+    each change of what a device running ``ops`` holds."""
+    level = {s: float(extras[s][BEFORE_BACKWARD]) for s, _, _ in ops} if extras else {}
+    for s, a, b, c, d, alloc, e in _held(ops, recomputed):
+        level[s] = (a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
+                    - (d * input_saved[s] if d and input_saved else 0.0)
+                    + (float(extras[s][e]) if extras else 0.0))
+        yield s, sum(level.values()), alloc, e, a + b - d
+
+
 def activation_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
                     saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None = None,
-                    input_saved: Mapping[int, float] | None = None) -> float:
+                    input_saved: Mapping[int, float] | None = None,
+                    extras: Mapping[int, Extras] | None = None) -> float:
     """Peak activation bytes of a device running ``ops`` of one or more stages in that order
-    (a rank of a multi-stage schedule holds several stages at once)."""
-    level: dict[int, float] = {}
-    peak = 0.0
-    for s, a, b, c, d, alloc in _held(ops, recomputed):
-        level[s] = (a * input_bytes[s] + b * saved_bytes[s] + (c * weight_held[s] if c and weight_held else 0.0)
-                    - (d * input_saved[s] if d and input_saved else 0.0))
-        if alloc:
-            peak = max(peak, sum(level.values()))
-    return peak
+    (a rank of a multi-stage schedule holds several stages at once), with each stage's
+    backward ``extras`` where given ([Note: the backward's memory])."""
+    levels = _levels(list(ops), recomputed, input_bytes, saved_bytes, weight_held, input_saved, extras)
+    return max((level for _, level, alloc, _, _ in levels if alloc), default=0.0)
+
+
+def gather_peak(ops: Iterable[Op], recomputed: Mapping[int, int], input_bytes: Mapping[int, float],
+                saved_bytes: Mapping[int, float], weight_held: Mapping[int, float] | None,
+                input_saved: Mapping[int, float] | None, extras: Mapping[int, Extras] | None,
+                gathered: Mapping[int, tuple[float, float]]) -> float:
+    """The device's level when executor.GPipe gathers a stage's outputs, just after its last
+    forward: the walk's, its outputs per micro-batch held and their copy (``gathered[s]``:
+    (per micro-batch, copy)); -inf where no stage gathers ([Note: the backward's memory])."""
+    ops = list(ops)
+    if not any(gathered.get(s, (0.0, 0.0))[1] for s in {op[0] for op in ops}):
+        return -math.inf
+    forwards = Counter(s for s, kind, _ in ops if kind == "F")
+    out = -math.inf
+    for s, level, alloc, e, held in _levels(ops, recomputed, input_bytes, saved_bytes, weight_held, input_saved,
+                                            extras):
+        if alloc and e in (BEFORE_BACKWARD, GRADIENTS):  # a forward
+            forwards[s] -= 1
+            if forwards[s] == 0 and gathered.get(s, (0.0, 0.0))[1]:
+                out = max(out, level + held * gathered[s][0] + gathered[s][1])
+    return out
+
+
+def _stage_ops(schedule: str, stage: int, stages: int, chunks: int, ranks: int | None, merge: str) -> list[Op]:
+    if schedule in MULTI_STAGE_SCHEDULES:
+        w = ranks if ranks is not None else stages // 2 if schedule in V_SCHEDULES else stages
+        rank = stage_rank(schedule, stage, w)
+        return [op for op in rank_order(schedule, rank, w, chunks, stages // w, merge) if op[0] == stage]
+    return stage_order(schedule, stage, stages, chunks)
 
 
 @lru_cache(maxsize=65536)
@@ -245,10 +309,5 @@ def stage_terms(schedule: str, stage: int, stages: int, chunks: int, recomputed:
     micro-batches; a schedule of several stages per rank needs the number of ``ranks`` (default:
     one stage per rank, or two under the V schedules); ``merge``: the zero-bubble schedules'
     merge rule ([Note: adjacent I and W] in executor/spec.py)."""
-    if schedule in MULTI_STAGE_SCHEDULES:
-        w = ranks if ranks is not None else stages // 2 if schedule in V_SCHEDULES else stages
-        rank = stage_rank(schedule, stage, w)
-        ops = [op for op in rank_order(schedule, rank, w, chunks, stages // w, merge) if op[0] == stage]
-    else:
-        ops = stage_order(schedule, stage, stages, chunks)
-    return activation_terms(ops, recomputed)
+    return activation_terms(_stage_ops(schedule, stage, stages, chunks, ranks, merge), recomputed)
+

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autopipe.core.backward_memory import gather_terms, gathered_bytes, range_extras
 from autopipe.core.cost import (
+    OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
@@ -100,6 +102,7 @@ class RangeCosts:
         self.ties = costs.tie_groups
         self.loss_grads = loss_grad_bytes(costs, m)  # [Note: the loss's memory]
         self.costs = costs
+        self.schedule = options.schedule
         self.rows = np.arange(n + 1)
         forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
         if options.ties == "colocate":
@@ -139,9 +142,16 @@ class RangeCosts:
         kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
         grads = np.where(last, self.loss_grads, 0)[None, :]
         input_saved = np.minimum(self.input_saved[:, None], saved)
+        extras = range_extras(self.costs, params, j0, j1, self.n + 1, OPTIMIZER_FACTOR[self.optimizer],
+                              *self.replicas, self.schedule, self.m)  # [Note: the backward's memory]
         act: FloatArray = (  # most blocks keep nothing and take the plain walk
-            kept_activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved, kept, grads)
-            if kept.any() or grads.any() else activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved))
+            kept_activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved, kept, grads, extras)
+            if kept.any() or grads.any() or extras is not None
+            else activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved))
+        if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
+            gather = kept_activation_bytes(self.cut[:, None], saved, gather_terms(self.terms), held, input_saved,
+                                           self.costs.returned, 0, extras) + gathered_bytes(self.costs, self.m, True)
+            act = np.where(last[None, :], np.maximum(act, gather), act)
         if self.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
             act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,

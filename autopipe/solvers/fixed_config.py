@@ -66,8 +66,10 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
                                   bandwidth=bandwidth, ties=ties, schedule=schedule,
                                   data_parallel=data_parallel, dp_mode=dp_mode)
 
+    layers = profile.layers  # a list built from the table on every read
+
     def plan(assignment: Sequence[int], name: str, solver: SolverInfo | None = None) -> Plan:
-        split = [[profile.layers[v] for v in range(n) if assignment[v] == s] for s in range(k)]
+        split = [[layers[v] for v in range(n) if assignment[v] == s] for s in range(k)]
         return Plan.from_stages(profile, split, method=name, solver=solver, **common)
 
     if method in ("uniform", "params", "blockpartition"):

@@ -13,7 +13,9 @@ The model minimises T subject to ``T >= time(s)`` and ``memory(s) <= limit(s)`` 
 (one memory constraint per activation term of the stage's schedule and recompute mode: the
 peak is a maximum of linear terms, [Note: stage memory]; which layer comes first in a stage is
 not linear in y, so a recomputed micro-batch's input and its first layer's save of it are held
-apart here, on the safe side of [Note: an input kept once]),
+apart here, on the safe side of [Note: an input kept once]; a stage's largest working set and its
+first backward's maximum over its layers are variables bounded below by each layer's term,
+[Note: the backward's memory]),
 with autopipe.core.cost's formulas applied to PuLP expressions, tie groups shared (a member anywhere charges the group's
 bytes to that stage) or colocated (members' y rows equal), and non-empty stages. CBC is
 warm-started from the exact DP split, so it never returns worse than the DP. CBC runs through
@@ -32,11 +34,14 @@ from typing import Any
 import numpy.typing as npt
 import pulp
 
+from autopipe.core.backward_memory import gather_terms, gathered_bytes, lazy_grad_bytes
 from autopipe.core.cost import (
+    OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
     activation_bytes,
+    backward_extras,
     cast_cache_bytes,
     kept_bytes,
     layer_work,
@@ -52,6 +57,7 @@ from autopipe.core.cost import (
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
+from autopipe.core.stage_memory import Extras
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 from executor.spec import ZERO_BUBBLE_SCHEDULES
@@ -69,6 +75,33 @@ class ILPResult:
     gap: float  # (objective - bound) / objective
     status: str  # "optimal", "time_limit" or "feasible"
     seconds: float
+
+
+def _backward_extras(prob: pulp.LpProblem, costs: LayerCosts, options: CostOptions,
+                     params: pulp.LpAffineExpression, s: int, last: int, x: Callable[[int, int], Any]) -> Extras:
+    """Stage s's backward extras as PuLP expressions ([Note: the backward's memory] in
+    stage_memory.py): its largest working set and its first backward's maximum over its layers
+    in index order (``first_backward_bytes``), each a variable bounded below by every layer's
+    term; ``r[v]``, the lazy gradients less the saves of the stage's layers after v."""
+    n, factor = len(costs), OPTIMIZER_FACTOR[options.optimizer]
+    lazy = lazy_grad_bytes(params, factor, options.data_parallel, options.dp_mode, options.schedule)
+    grads = costs.params * (lazy_grad_bytes(1, factor, options.data_parallel, options.dp_mode, options.schedule) > 0)
+    assert costs.working is not None
+    net = [float(g) - float(b) for g, b in zip(grads, costs.saved, strict=True)]
+    working, first = pulp.LpVariable(f"working_{s}", lowBound=0), pulp.LpVariable(f"first_{s}")
+    grads = loss_grad_bytes(costs, options.chunks) if s == last else 0
+    beside = pulp.LpVariable(f"beside_{s}", lowBound=0) if grads else working  # working_beside_loss's
+    if grads:
+        prob += beside >= working + costs.returned - grads
+    after: Any = 0  # r[v] for v = n - 1; a variable each, so no constraint holds a sum over layers
+    for v in range(n - 1, -1, -1):
+        prob += working >= float(costs.working[v]) * x(v, s)
+        prob += first >= after + float(costs.working[v]) * x(v, s)
+        done = pulp.LpVariable(f"after_{s}_{v}")
+        prob += done == after + net[v] * x(v, s)
+        prob += first >= done  # once v is done
+        after = done
+    return backward_extras(lazy, first, beside)
 
 
 def solve_ilp(
@@ -198,13 +231,20 @@ def _solve(
                 else:
                     prob += state + step_bytes(params, 0, options.optimizer, False, options.data_parallel,
                                                options.dp_mode) <= dev.memory
+            extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, k - 1, x)
             for term in terms[s]:  # the peak is the largest term: each must fit
                 last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
                 loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last),
                                   loss_grad_bytes(costs, m) if last else 0)
                 prob += state + activation_bytes(
                     crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
-                    held) + loss <= dev.memory
+                    held, extras=extras) + loss <= dev.memory
+            gathered = gathered_bytes(costs, m, s == k - 1) if extras is not None else 0
+            for term in gather_terms(terms[s]) if gathered else ():  # executor.GPipe's gathered outputs
+                kept = loss_bytes(0, 0, (term,), 0, 0, costs.returned, 0)
+                prob += state + activation_bytes(
+                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
+                    held, extras=extras) + kept + gathered <= dev.memory
 
     warm_value = math.inf
     if warm_start is not None:

@@ -17,7 +17,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from autopipe.core.cost import LayerCosts, StageCost, Terms, schedule_ranks, stage_costs
+from autopipe.core.cost import (
+    LayerCosts,
+    StageCost,
+    Terms,
+    backward_extras,
+    schedule_ranks,
+    stage_costs,
+)
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.recomputed_layers import choose
@@ -32,8 +39,9 @@ def _saved_to_fit(stage: StageCost, terms: Terms, limit: int) -> float:
     if stage.param_bytes + stage.step_bytes > limit:  # [Note: the optimizer step's memory] in stage_memory.py
         return -np.inf
     room = limit - stage.param_bytes - stage.loss_bytes  # what its state (and its loss) leave for activations
-    fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes + d * stage.input_saved_bytes
-             for a, _, c, d in terms]
+    extras = backward_extras(stage.lazy_grad_bytes, stage.first_backward_bytes, stage.working_bytes)
+    fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes + d * stage.input_saved_bytes - extras[e]
+             for a, _, c, d, e in terms]
     bounds = [left / t[1] for left, t in zip(fixed, terms, strict=True) if t[1] > 0]
     if any(left < 0 for left, t in zip(fixed, terms, strict=True) if t[1] == 0):
         return -np.inf

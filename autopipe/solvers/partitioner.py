@@ -110,11 +110,12 @@ def partition(
     then the ILP only where it can gain: not when the order is the DAG's only one, nor when the
     DP is within the ILP's gap of a lower bound on every DAG split, [Note: when the ILP can
     gain] in autopipe/solvers/dag_bound.py; the DP split is kept unless the ILP beats it in
-    time; ``plan.solver`` says which ran, its status, bound and gap), ``step`` (the split with
-    the shortest simulated step of the plan's own schedule rather than the smallest slowest
-    stage: every split of the layer order where they are few, else a descent from the DP's and
-    the baselines' splits, its gap to a bound stated in ``plan.solver``; one configuration only:
-    [Note: the step, not the bottleneck] in autopipe/solvers/step_split.py), or a baseline:
+    time; then the ``step`` split where it steps faster or its search was not exhaustive;
+    ``plan.solver`` says which ran, its status, bound and gap), ``step`` (the split with the
+    shortest simulated step of the plan's own schedule rather than the smallest slowest stage:
+    every split of the layer order where they can all be bounded, else a descent from the DP's
+    and the baselines' splits, its gap to a bound stated in ``plan.solver``; one configuration
+    only: [Note: the step, not the bottleneck] in autopipe/solvers/step_split.py), or a baseline:
     ``uniform``, ``params``, ``blockpartition`` (torchgpipe). ``ties``: ``share`` charges a tied parameter to every stage using it,
     ``colocate`` keeps each tie group on one stage. ``bandwidth`` in bytes/s between
     neighbouring stages (None or 0: free; ``"measured"``, the default: the profile's own from

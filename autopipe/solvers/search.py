@@ -23,9 +23,10 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
                  (simulated) than any single-mode plan it searched
 
 Each configuration's split is the exact min-max DP over the topological order; the simulator
-then times it; under method="auto" each interleaving schedule's best configuration is split again
-for its shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain() lists the next best configurations and the best of every
-schedule weighed. A lower bound on the iteration of every configuration, from totals only
+then times it; under method="auto" each schedule's best configuration is split again for its
+shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain()
+lists the next best configurations and the best of every schedule weighed, and ``plan.solver``
+the gap to the least bound over every configuration of the space. A lower bound on the iteration of every configuration, from totals only
 (``config_bound``), orders the work and prunes: configurations are solved from the most
 promising on, and the search stops when the next bound is no better than the best simulated
 time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
@@ -73,7 +74,7 @@ from autopipe.solvers.search_space import (
 )
 from autopipe.solvers.search_space import pick_devices as _pick
 from autopipe.solvers.stage_dp import Split, StageBlocks, budget_devices, solve_counts, solve_split
-from autopipe.solvers.step_split import auto_evaluations, fastest_step
+from autopipe.solvers.step_split import fastest_step
 from executor.spec import RECOMPUTE_MODES, check_schedule, merge_rules
 
 __all__ = ["INTERLEAVED_PER_RANK", "ILP_MAX_VARIABLES", "Setting", "search", "chunk_candidates"]
@@ -245,21 +246,21 @@ class _Search:
                 self.evaluate(c, first, split, always=True)
 
     def shorter_steps(self) -> set[int]:
-        """Each interleaving schedule's best configuration split again for its shortest step
+        """Each schedule's best configuration split again for its shortest step
         where a split can beat the best ([Note: the step, not the bottleneck]); the ids of the
         results that did, each evaluated beside its DP split's."""
         out: set[int] = set()
         firsts: dict[str, Result] = {}
         for r in sorted(self.results, key=lambda r: r.time):
             firsts.setdefault(r.config.schedule, r)
-        for r in (r for schedule, r in firsts.items() if schedule != "gpipe"):
+        for r in firsts.values():
             c, costs = r.config, self.at(r.config.chunks)[1]
             devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
             if config_bound(c.schedule, costs, [d.speed for d in devices], c.chunks) >= self.best_time():
                 continue  # no split of it beats the best
             opts = replace(self.options(c.schedule, c.chunks, r.recompute), recompute=tuple(r.split.modes))
             found = fastest_step(costs, devices, budget_devices(devices, c.schedule), opts, [r.split.assignment],
-                                 auto_evaluations(len(costs), len(devices)))
+                                 auto=True)
             if found is not None and found.iteration < r.time * (1 - 1e-9):
                 times = [st.time_ms for st in stage_costs(costs, found.assignment, devices, opts)]
                 self.evaluate(c, r.recompute, Split(found.assignment, max(times), r.split.modes), always=True)
@@ -328,15 +329,19 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     stages = [[layers[v] for v in range(len(assignment)) if assignment[v] == st]
               for st in range(len(devices))]
     seconds = time.perf_counter() - start
-    info = info or SolverInfo(f"best of {len(s.results)} simulated configurations "
-                              f"({s.solved} DP solves)", best.split.bottleneck, None, None, seconds)
+    status = f"best of {len(s.results)} simulated configurations ({s.solved} DP solves)"
     plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, recompute=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
-                            method=name, solver=replace(info, seconds=seconds), schedule=c.schedule,
-                            alternatives=others, data_parallel=setting.data_parallel,
+                            method=name, solver=replace(info or SolverInfo(status), seconds=seconds),
+                            schedule=c.schedule, alternatives=others, data_parallel=setting.data_parallel,
                             dp_mode=setting.dp_mode, skipped_schedules=s.skipped)
-    auto = "auto" in setting.checkpoints  # [Note: recomputed layers]: a few layers, not a stage
-    return recompute_layers_where_faster(plan, prof) if auto else plan
+    if "auto" in setting.checkpoints:  # [Note: recomputed layers]: a few layers, not a stage
+        plan = recompute_layers_where_faster(plan, prof)
+    if info is not None:
+        return plan  # the ILP's, with its own gap
+    # what is proven of the whole space: no configuration of it iterates faster than its bound
+    t, bound = plan.iteration_time, min(x.bound for x in s.configs())
+    return replace(plan, solver=SolverInfo(status, t, bound, max(0.0, 1 - bound / t) if t > 0 else 0.0, seconds))
 
 
 def _refine(costs: LayerCosts, devices: list[DeviceSpec], best: Result, setting: Setting,

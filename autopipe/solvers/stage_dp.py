@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from autopipe.core.backward_memory import gather_terms, gathered_bytes, range_extras
 from autopipe.core.cost import (
+    OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
     DeviceSpec,
     LayerCosts,
@@ -177,9 +179,17 @@ class StageBlocks:
         kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
         grads = np.where(last, self.loss_grads, 0)[None, :]
         input_saved = np.minimum(self.input_saved[:j1, None], saved)
+        o = self.options  # [Note: the backward's memory]
+        extras = range_extras(self.costs, self.param_bytes(j0, j1), j0, j1, j1, OPTIMIZER_FACTOR[o.optimizer],
+                              o.data_parallel, o.dp_mode, o.schedule, o.chunks)
         out: FloatArray = (  # a new array; most blocks keep nothing and take the plain walk
-            kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads)
-            if kept.any() or grads.any() else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
+            kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads, extras)
+            if kept.any() or grads.any() or extras is not None
+            else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
+        if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
+            gather = kept_activation_bytes(self.cut[:j1, None], saved, gather_terms(terms), held, input_saved,
+                                           self.costs.returned, 0, extras) + gathered_bytes(self.costs, o.chunks, True)
+            out[:, last] = np.maximum(out[:, last], gather[:, last])
         optimizer = self.options.optimizer
         if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             one = self.costs.one_at_a_time

@@ -2,7 +2,9 @@
 
 These are deterministic (seeded) stand-ins for measured profiles, shaped like real models: a
 GPT-like chain (cheap embedding, equal blocks, heavy head) and a transformer DAG whose blocks
-have residual skips around attention and MLP, so values pass through cuts. With ``split=True``
+have residual skips around attention and MLP, so values pass through cuts; and the chains that
+torch.distributed.pipelining's ``auto_partition`` is tested on, given in FLOPs and bytes
+(:func:`torch_workloads`). With ``split=True``
 (or ``bwd_input_ms``) they carry the split backward the zero-bubble schedules need ([Note:
 split backward time] in autopipe/core/cost.py): a layer with weights spends about half its
 backward on its input gradients and keeps its output gradient (``output_bytes``) for its weight
@@ -12,13 +14,14 @@ pass; one without weights has no weight pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from autopipe.core.profile_table import Profile
 
-__all__ = ["chain_profile", "random_chain", "transformer_dag"]
+__all__ = ["Workload", "chain_profile", "flops_chain", "random_chain", "torch_workloads", "transformer_dag"]
 
 
 def chain_profile(
@@ -117,3 +120,72 @@ def transformer_dag(blocks: int, seed: int = 0, *, hidden_bytes: int = 1 << 20, 
     head = add("head", 1.5, 16 << 20, 8 * h, 8 * h, "wte")
     edges.append((x, head, h))
     return Profile.from_frame(pd.DataFrame(rows), edges=edges, meta={"model": f"transformer-dag-{blocks}"})
+
+
+def flops_chain(fwd_flops: Sequence[float], comm_bytes: Sequence[int] | int, flops_per_s: float,
+                name: str) -> Profile:
+    """A chain timed as torch.distributed.pipelining's ``auto_partition`` times one: each layer's
+    forward ``fwd_flops / flops_per_s``, its backward twice that, split evenly into input and
+    weight gradients; ``comm_bytes`` crossing the cut after each layer but the last. No memory:
+    only time is compared on these."""
+    n = len(fwd_flops)
+    sent = [comm_bytes] * (n - 1) if isinstance(comm_bytes, int) else [int(b) for b in comm_bytes]
+    if len(sent) != n - 1:
+        raise ValueError(f"{len(sent)} cut sizes for {n} layers: give one per cut (n - 1)")
+    fwd = [1e3 * f / flops_per_s for f in fwd_flops]
+    prof = chain_profile(fwd, bwd_ms=[2 * f for f in fwd], output_bytes=[*sent, 0], bwd_input_ms=fwd)
+    prof.meta["model"] = name
+    return prof
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A chain to split over ``ranks`` ranks with ``chunks`` micro-batches, transfers at
+    ``bandwidth`` bytes/s (None: free), and the schedules torch tested it under (autopipe's
+    names)."""
+
+    name: str
+    profile: Profile
+    bandwidth: float | None
+    schedules: tuple[str, ...]
+    ranks: int = 4
+    chunks: int = 8
+
+
+# torch's tests time FLOPs on a 312 TFLOP/s device and bytes over a 50 GB/s link
+_A100, _LINK = 312e12, 50e9
+
+
+def torch_workloads() -> list[Workload]:
+    """The workloads of torch.distributed.pipelining's ``auto_partition`` tests
+    (test/distributed/pipelining/test_partition.py, pytorch#179212), written again as profiles:
+    4 ranks, 8 micro-batches, backward twice the forward, half of it the input gradient. Three
+    of them are FLOP counts in the thousands, which on the tests' 312 TFLOP/s make compute a
+    thousandth of a 128-byte transfer at 50 GB/s; each is also given as ``auto_partition``'s
+    defaults read it (one FLOP a time unit, here a microsecond, and no transfer), where the
+    split matters."""
+    decoder = [2.25e12] * 8  # one dense decoder layer, hidden ~4096, 4096 tokens, bf16
+    ramp = [1000.0 * (i + 1) for i in range(8)]
+    mixed8 = [1170, 2846, 1146, 4254, 2199, 1289, 6888, 2312]
+    heavy12 = [3.424614582864e12, 6.186943846406e12, 6.099927589441e12, 4.961141868353e12,
+               6.808911722949e12, 1.723089387674e12, 6.387281953781e12, 5.278282850207e12,
+               6.543029278476e12, 3.135416417038e12, 2.027661282943e12, 2.940059633160e12]
+    heavy_cuts = [43405107, 180456491, 60605618, 172762728, 164606193, 42130509, 115014477, 34570395,
+                  109358683, 41150899, 19768913]
+    mixed12 = [3084, 4757, 4139, 1960, 6283, 2830, 3507, 6252, 6451, 2029, 5175, 5108]
+    one_f_one_b, interleaved = ("1f1b",), ("1f1b", "interleaved1f1b", "interleaved_zb")
+    out = [
+        Workload("decoder x8", flops_chain(decoder, 32 << 20, _A100, "decoder x8"), _LINK, interleaved),
+        Workload("ramp x8", flops_chain(ramp, 128, _A100, "ramp x8"), _LINK, one_f_one_b),
+        Workload("rebalance x8", flops_chain([8, 11, 2, 1, 18, 5, 4, 11], 0, 1e3, "rebalance x8"), 1e3,
+                 one_f_one_b),
+        Workload("mixed x8", flops_chain(mixed8, 128, _A100, "mixed x8"), _LINK, one_f_one_b),
+        Workload("heavy cuts x12", flops_chain(heavy12, heavy_cuts, _A100, "heavy cuts x12"), _LINK,
+                 ("interleaved1f1b",)),
+        Workload("mixed x12", flops_chain(mixed12, 128, _A100, "mixed x12"), _LINK, ("interleaved_zb",)),
+    ]
+    for name, flops, schedules in (("ramp x8", ramp, one_f_one_b), ("mixed x8", mixed8, one_f_one_b),
+                                   ("mixed x12", mixed12, ("interleaved_zb",))):
+        plain = f"{name}, FLOPs as time"
+        out.append(Workload(plain, flops_chain(flops, 0, 1e6, plain), None, schedules))
+    return out

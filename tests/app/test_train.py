@@ -43,8 +43,9 @@ def test_trains_a_bundled_example_end_to_end() -> None:
     # stages sharing one CPU take turns: the shared prediction is the slower one
     assert report.predicted_apart_ms < report.predicted_ms
     summary = report.summary()
-    assert summary.startswith("mlp: batch 16 in 4 micro-batches of 4 rows, 2 stages on cpu, cpu "
-                              "(recompute=except_last, method=exact)\n")
+    # the split the default takes: the DP's, or a faster step's (measured times decide)
+    assert re.match(r"mlp: batch 16 in 4 micro-batches of 4 rows, 2 stages on cpu, cpu "
+                    r"\(recompute=except_last, method=(exact|step)\)\n", summary), summary
     assert "measured/predicted" in summary and "pipelined/unpipelined" in summary
     assert "Stages on one device take turns: with 2 stages on cpu" in summary
     assert "`autopipe run mlp --nproc 2 --batch-size 16 --chunks 4`" in summary
@@ -156,7 +157,7 @@ def test_cli_precision_reaches_the_pipeline(monkeypatch: pytest.MonkeyPatch,
                  "--precision", "bf16"]) == 0
     assert built == ["bf16"]
     out = capsys.readouterr().out
-    assert "(recompute=except_last, method=exact, precision=bf16)" in out
+    assert re.search(r"\(recompute=except_last, method=(exact|step), precision=bf16\)", out), out
     assert "--chunks 2 --precision bf16`" in out  # the autopipe run command it names
     for command in ("train", "run"):
         assert main([command, "mlp", "--precision", "fp8"]) == 2

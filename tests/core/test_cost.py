@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from autopipe.core.backward_memory import backward_extras
 from autopipe.core.cost import (
     DeviceSpec,
     LayerCosts,
@@ -19,6 +20,7 @@ from autopipe.core.cost import (
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.profile_table import Profile
 from autopipe.core.schedules import stage_order
+from autopipe.core.stage_memory import FIRST_BACKWARD, IN_BACKWARD
 from autopipe.errors import PartitionError
 from autopipe.solvers.synthetic import random_chain
 
@@ -132,7 +134,7 @@ def test_the_optimizer_step_holds_temporaries_after_the_activations_are_freed(
     assert bare.activation_bytes == bare.loss_bytes == 0 and bare.memory_bytes == bare.param_bytes + step
 
 
-def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process() -> None:
+def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process_or_a_rank() -> None:
     df = _diamond().df.assign(tie_group=["w", "", "", "w"], param_bytes=[50, 20, 30, 50])
     prof = Profile.from_frame(df, edges=_diamond().edges)
     one_cpu = [DeviceSpec("cpu"), DeviceSpec("cpu")]
@@ -141,6 +143,13 @@ def test_tied_bytes_charged_once_to_stages_sharing_a_device_in_one_process() -> 
     ranks = LayerCosts.from_profile(prof, runtime="distributed")  # each rank its own copy
     s0, s1 = stage_costs(ranks, [0, 0, 1, 1], one_cpu, CostOptions(optimizer="none"))
     assert (s0.param_bytes, s1.param_bytes) == (50 + 20, 30 + 50)
+    # ZB-V on 2 ranks: rank 0 holds stages 0 and 3, one module's tensor for both
+    split = df.assign(bwd_input_ms=df["bwd_ms"] / 2, bwd_weight_ms=df["bwd_ms"] / 2, weight_grad_bytes=0)
+    v = [DeviceSpec("r0"), DeviceSpec("r1"), DeviceSpec("r1"), DeviceSpec("r0")]
+    stages = stage_costs(LayerCosts.from_profile(Profile.from_frame(split, edges=_diamond().edges),
+                                                 runtime="distributed"),
+                         [0, 1, 2, 3], v, CostOptions(optimizer="none", schedule="zbv"))
+    assert [st.param_bytes for st in stages] == [50, 20, 30, 0]
 
 
 @pytest.mark.parametrize(("mode", "recomputed"), [("never", 0), ("except_last", 5), ("always", 6)])
@@ -148,20 +157,32 @@ def test_gpipe_activation_terms_in_closed_form(mode: str, recomputed: int) -> No
     # ScheduleGPipe holds every micro-batch after the forwards: the R checkpointed ones (the last
     # R, back-propagated last) as inputs, the others whole; its first recomputation comes after
     # those others are freed: R inputs + max(M - R, 1) saved ([Note: which micro-batches recompute]);
-    # where all M are, that one recomputing holds its input once ([Note: an input kept once])
+    # where all M are, that one recomputing holds its input once ([Note: an input kept once]).
+    # The first backward holds the most; a later one (IN_BACKWARD) one micro-batch less, beside
+    # every gradient ([Note: the backward's memory])
     m = 6
-    expected = {0: ((0, m, 0, 0),), 5: ((5, 1, 0, 0),), 6: ((6, 1, 0, 1),)}[recomputed]
+    first, later = FIRST_BACKWARD, IN_BACKWARD
+    expected = {0: ((0, m - 1, 0, 0, later), (0, m, 0, 0, first)),
+                5: ((5, 1, 0, 0, first), (5, 1, 0, 1, later)),
+                6: ((5, 1, 0, 1, later), (6, 1, 0, 1, first))}[recomputed]
     assert stage_terms("gpipe", 2, 4, m, recomputed) == expected
-    assert activation_bytes(10, 1000, expected) == expected[-1][0] * 10 + expected[-1][1] * 1000
-    assert activation_bytes(10, 1000, expected, input_saved=4) == (
-        expected[-1][0] * 10 + expected[-1][1] * 1000 - expected[-1][3] * 4)
+    top = max(expected, key=lambda t: t[0] * 10 + t[1] * 1000)  # the activations alone
+    assert activation_bytes(10, 1000, expected) == top[0] * 10 + top[1] * 1000
+    assert activation_bytes(10, 1000, expected, input_saved=4) == max(
+        t[0] * 10 + t[1] * 1000 - t[3] * 4 for t in expected)
+    # beside the backward: before it none of the lazy gradients (-50), in the first 30 - 50, in a
+    # later one a working set of 40 (backward_extras' order)
+    extras = backward_extras(50, 30, 40)
+    assert activation_bytes(10, 1000, expected, extras=extras) == max(
+        t[0] * 10 + t[1] * 1000 + extras[t[4]] for t in expected)
 
 
 def test_1f1b_holds_at_most_k_minus_s_micro_batches() -> None:
-    for s in range(4):
-        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s, 0, 0),)  # never: K - s saved
-        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1, 0, 1),)  # always: inputs + one recompute
-    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 2, 0, 0),)  # fewer micro-batches than stages
+    for s in range(4):  # each backward but the first holds as many: a later one is the peak
+        assert stage_terms("1f1b", s, 4, 8, 0) == ((0, 4 - s, 0, 0, IN_BACKWARD),)  # never: K - s saved
+        assert stage_terms("1f1b", s, 4, 8, 8) == ((4 - s, 1, 0, 1, IN_BACKWARD),)  # always: inputs + one recompute
+    # fewer micro-batches than stages: the first backward holds both
+    assert stage_terms("1f1b", 0, 4, 2, 0) == ((0, 1, 0, 0, IN_BACKWARD), (0, 2, 0, 0, FIRST_BACKWARD))
 
 
 def test_peak_is_the_walk_over_the_order() -> None:

@@ -22,6 +22,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at
 from autopipe.core.schedules import rank_order, torch_rank_order
 from autopipe.core.simulator import simulate, simulate_stages
+from autopipe.core.stage_memory import FIRST_BACKWARD, IN_BACKWARD
 from autopipe.errors import PlanError, ProfileError
 from autopipe.solvers.synthetic import chain_profile, random_chain
 from executor.spec import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule, stage_rank
@@ -62,12 +63,12 @@ def test_activations_stay_until_w_with_what_w_starts_from() -> None:
     # micro-batches' activations and weight-gradient inputs are held after I1
     assert rank_order("interleaved_zb", 1, 2, 2) == [(1, "F", 0), (1, "I", 0), (1, "F", 1), (1, "I", 1),
                                                      (1, "W", 0), (1, "W", 1)]
-    assert stage_terms("interleaved_zb", 1, 2, 2, 0) == ((0, 2, 2, 0),)
+    assert stage_terms("interleaved_zb", 1, 2, 2, 0) == ((0, 1, 1, 0, IN_BACKWARD), (0, 2, 2, 0, FIRST_BACKWARD))
     # stage 0: torch's F0 F1 I0 W0 I1 W1, run as F0 F1 B0 B1 ([Note: adjacent I and W]): nothing
     # waits for a W
     assert torch_rank_order("interleaved_zb", 0, 2, 2) == [(0, "F", 0), (0, "F", 1), (0, "I", 0), (0, "W", 0),
                                                            (0, "I", 1), (0, "W", 1)]
-    assert stage_terms("interleaved_zb", 0, 2, 2, 0) == ((0, 2, 0, 0),)
+    assert stage_terms("interleaved_zb", 0, 2, 2, 0) == ((0, 1, 0, 0, IN_BACKWARD), (0, 2, 0, 0, FIRST_BACKWARD))
     sim = simulate_stages([_stage(held=7), _stage(held=10)], chunks=2, recompute="never", ms_per_byte=0.0,
                           schedule="interleaved_zb")
     assert sim.peak_memory == [2 * 100, 2 * 100 + 2 * 10]
@@ -76,7 +77,7 @@ def test_activations_stay_until_w_with_what_w_starts_from() -> None:
                           schedule="1f1b")
     assert one.peak_memory == [200, 100]
     # a checkpointed micro-batch recomputes in I and keeps the recomputed forward until W
-    assert stage_terms("interleaved_zb", 1, 2, 2, 2) == ((2, 2, 2, 2),)
+    assert stage_terms("interleaved_zb", 1, 2, 2, 2) == ((1, 1, 1, 1, IN_BACKWARD), (2, 2, 2, 2, FIRST_BACKWARD))
 
 
 def test_split_stage_costs_from_a_profile() -> None:

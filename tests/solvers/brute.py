@@ -52,3 +52,19 @@ def least_memory(lc: LayerCosts, k: int, opts: CostOptions) -> int:
     return min(max(c.memory_bytes for c in stage_costs(lc, [s for s in range(k) for _ in range(b[s], b[s + 1])],
                                                         [DeviceSpec(str(s)) for s in range(k)], opts))
                for cuts in itertools.combinations(range(1, n), k - 1) for b in [(0, *cuts, n)])
+
+
+def with_backward(seed: int, n: int, *, split: bool = False) -> tuple[LayerCosts, LayerCosts]:
+    """A random chain whose backward's working sets (up to twice a layer's saves) and lazy
+    gradients decide its peak, with the loss's bytes for seeds 2 and 3 mod 4, on ranks for odd
+    seeds; and the same profile without the working sets, as profiles measured before them
+    ([Note: the backward's memory])."""
+    rng = np.random.default_rng(seed + 1000)
+    prof = random_chain(n, seed, split=split)
+    prof.df["bwd_working_bytes"] = (prof.df["saved_bytes"] * rng.uniform(0, 2, n)).astype("int64")
+    big = int(prof.df["saved_bytes"].max())
+    loss = LossCost(0.5, 1.0, 1, held_bytes=big, peak_bytes=2 * big) if seed % 4 >= 2 else None
+    transfer = Transfer(0.01, math.inf, 0.5) if seed % 2 else None  # measured: the ranks' runtime
+    prof = dataclasses.replace(prof, corrections=dataclasses.replace(prof.corrections, loss=loss, transfer=transfer))
+    return (LayerCosts.from_profile(prof),
+            LayerCosts.from_profile(dataclasses.replace(prof, df=prof.df.drop(columns=["bwd_working_bytes"]))))

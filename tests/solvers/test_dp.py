@@ -13,7 +13,7 @@ from autopipe.errors import PartitionError
 from autopipe.solvers import stage_dp
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
-from tests.solvers.brute import least_memory, with_loss
+from tests.solvers.brute import least_memory, with_backward, with_loss
 
 
 def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
@@ -244,3 +244,30 @@ def test_dp_matches_brute_force_where_the_loss_binds_the_last_stage(seed: int) -
         blind = solve_dp(without, devices, opts).assignment
         assert stage_costs(lc, blind, devices, opts)[-1].memory_bytes > limit or blind == solve_dp(
             lc, devices, opts).assignment
+
+
+def _backward_case(seed: int) -> tuple[LayerCosts, LayerCosts, int, CostOptions]:
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(4, 8)), int(rng.integers(2, 4))
+    lc, without = with_backward(seed, n)
+    opts = CostOptions(chunks=int(rng.integers(2, 6)), recompute=["never", "always", "except_last"][seed % 3],
+                       optimizer=["sgd", "momentum", "none"][seed % 3], bandwidth=None,
+                       schedule=("gpipe", "1f1b")[seed // 6], data_parallel=1 + seed % 2)
+    return lc, without, k, opts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_brute_force_where_the_backward_binds(seed: int) -> None:
+    # [Note: the backward's memory]: the gradients appear at a stage's first backward, and each
+    # backward has its largest layer's working set on top; the DP's range maxima of them must
+    # pick what stage_costs' walk says fits
+    lc, _, k, opts = _backward_case(seed)
+    limit = int(least_memory(lc, k, opts) * np.random.default_rng(seed).uniform(1.0, 1.2))  # fits, and binds
+    _check(lc, [DeviceSpec(f"d{s}", limit) for s in range(k)], opts)
+
+
+def test_the_backward_terms_decide_most_of_those_cases() -> None:
+    # so the test above is not passed by splits that memory never bound differently
+    moved = [least_memory(lc, k, opts) != least_memory(without, k, opts)
+             for lc, without, k, opts in map(_backward_case, range(12))]
+    assert sum(moved) >= 9, moved

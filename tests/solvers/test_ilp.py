@@ -20,7 +20,7 @@ from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import ILPResult, solve_ilp
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain, transformer_dag
-from tests.solvers.brute import best_dag_bottleneck, least_memory, with_loss
+from tests.solvers.brute import best_dag_bottleneck, least_memory, with_backward, with_loss
 from tests.solvers.cbc_limits import record_cbc_limits
 
 
@@ -265,10 +265,15 @@ def test_partition_refuses_a_progress_that_is_not_a_bool() -> None:
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_ilp_equals_dp_where_the_loss_binds_the_last_stage(seed: int) -> None:
-    lc, _ = with_loss(seed, 7)  # [Note: the loss's memory], on ranks for odd seeds
-    opts = CostOptions(chunks=3, recompute="never", bandwidth=1e9)
+@pytest.mark.parametrize(("binds", "seed", "schedule"), [
+    ("loss", 0, "gpipe"), ("loss", 1, "gpipe"),  # [Note: the loss's memory], on ranks for odd seeds
+    # [Note: the backward's memory]: GPipe's first backward (the gradients appearing layer by
+    # layer) and 1F1B's later ones (every gradient and a working set)
+    ("backward", 0, "gpipe"), ("backward", 1, "gpipe"), ("backward", 0, "1f1b"), ("backward", 1, "1f1b")])
+def test_ilp_equals_dp_where_the_memory_binds(binds: str, seed: int, schedule: str) -> None:
+    lc, _ = with_loss(seed, 7) if binds == "loss" else with_backward(seed, 7)
+    opts = CostOptions(chunks=3 if binds == "loss" else 4, recompute="never", bandwidth=1e9, schedule=schedule,
+                       optimizer="adam" if binds == "loss" else "sgd")
     limit = int(least_memory(lc, 3, opts) * 1.1)
     devices = [DeviceSpec(s, limit) for s in "abc"]
     dp = solve_dp(lc, devices, opts)

@@ -47,6 +47,9 @@ def _branches(blocks: int, thin: bool = True, seed: int = 0) -> Profile:
 
 
 def _no_ilp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ILP refused, and the step's search after it left out: what the DP and the gate prove."""
+    monkeypatch.setattr(fixed_config, "shortest", lambda best, *args: best)
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the ILP ran")
     monkeypatch.setattr(fixed_config, "solve_ilp", refuse)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Any
@@ -62,6 +63,31 @@ def test_auto_is_never_slower_than_any_fixed_choice_it_searched() -> None:
                     schedules.add(schedule)
                     assert auto.iteration_time <= fixed.iteration_time * (1 + 1e-12), (k, m, schedule, checkpoint)
     assert compared > 30 and schedules == set(SCHEDULES)
+
+
+def test_the_search_states_the_gap_to_a_bound_no_configuration_beats() -> None:
+    # its configurations are not all split for their fastest step: the plan says how far from
+    # the least bound over the space it searched it may be, and every plan of that space,
+    # each configuration split for its own fastest step, is no faster than that bound
+    prof = _sized(random_chain(9, 4, split=True), micro=4, batch=8)
+    pool = ["d0", "d1", "d2", "d3"]
+    plan = partition(prof, devices=pool, **AUTO)  # type: ignore[arg-type]
+    bound, gap = plan.solver.bound, plan.solver.gap
+    assert plan.solver.status.startswith("best of ") and bound is not None and gap is not None
+    assert 0 < bound <= plan.iteration_time and gap == pytest.approx(1 - bound / plan.iteration_time)
+    assert f"gap {100 * gap:.2f}%" in plan.explain()
+    compared = 0
+    for k, m, schedule in itertools.product((2, 4), (2, 4, 8), ("gpipe", "1f1b", "zbv")):
+        devices = [d.name for d in plan_devices(schedule, [DeviceSpec(n) for n in pool[:k // stages_per_rank(schedule)]])]
+        try:
+            check_schedule(schedule, len(devices), k // stages_per_rank(schedule), m)
+        except ValueError:
+            continue
+        fixed = partition(prof, devices=devices, chunks=m, batch_size=8, schedule=schedule, recompute="never",
+                          method="step", progress=False)
+        assert fixed.solver.status == "optimal" and fixed.iteration_time >= bound * (1 - 1e-12)
+        compared += 1
+    assert compared >= 12
 
 
 @pytest.mark.parametrize("limit", ["6GiB", "3GiB", "2GiB"])

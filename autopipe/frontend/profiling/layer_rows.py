@@ -61,7 +61,7 @@ def measure_rows(
     fwd_extra, bwd_extra = harness_overhead(timer, dev, precision) if timer.harness_cost else (0.0, 0.0)
     sampler = RecomputeSampler(timer, repeats, warmup)
     rows: list[dict[str, Any]] = []
-    measured: dict[str, tuple[float, float, int, int | None]] = {}
+    measured: dict[str, tuple[float, float, int, int | None, int]] = {}
     splits: dict[str, BackwardSplit] = {}
     split_extra = split_overhead(timer, dev, precision) if timer.harness_cost else (0.0, 0.0)
     ends: dict[str, tuple[int, int, int]] = {}  # saved bytes of: inputs, graph inputs, outputs
@@ -77,7 +77,7 @@ def measure_rows(
         if run.reuse_of is None:
             if precision != "fp32":
                 outs[run.call.name] = layer_output_bytes(run.call, run.values)
-            saved, saved_in, saved_out, written, peak = probe(run.call, run.values, meter, run.state)
+            saved, saved_in, saved_out, written, peak, working = probe(run.call, run.values, meter, run.state)
             ends[run.call.name] = (sum(saved_in), sum(b for b, name in zip(
                 saved_in, run.call.inputs, strict=True) if name in graph_inputs), saved_out)
             # a stage it starts writes a copy of its input: not the input the stage keeps
@@ -86,7 +86,7 @@ def measure_rows(
             fwd_ms, bwd_ms = time_layer(run.call, run.values, timer, repeats, warmup)
             fwd_ms = max(0.0, fwd_ms - fwd_extra)
             bwd_ms = max(0.0, bwd_ms - bwd_extra) if bwd_ms > 0 else 0.0
-            measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak)
+            measured[run.call.name] = (fwd_ms, bwd_ms, saved, peak, working)
             if (split := measure_split(run.call, run.values, timer)) is not None:
                 splits[run.call.name] = split
             sampler.offer(run.call, run.values, fwd_ms, bwd_ms)
@@ -100,12 +100,19 @@ def measure_rows(
     edges, out_bytes = measured_edges(g, node_bytes) if precision != "fp32" else (g.edges(), {})
     return [{**r, "saved_shared_bytes": shared[r["layer"]],
              "saved_input_bytes": max(kept[r["layer"]], 0),
-             "output_bytes": out_bytes.get(r["layer"], r["output_bytes"])} for r in rows], \
+             "output_bytes": out_bytes.get(r["layer"], r["output_bytes"]),
+             "returned_bytes": _measured_share(r["returned_bytes"], r["output_bytes"], out_bytes.get(r["layer"]))}
+            for r in rows], \
         (fwd_extra, bwd_extra, sampler.ratio()), edges, (splits, split_extra)
 
 
+def _measured_share(returned: int, traced: int, measured: int | None) -> int:
+    """What a layer returns, in its measured output's precision: the traced share of it."""
+    return returned if measured is None or not traced else round(returned * measured / traced)
+
+
 def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, peak: int | None,
-         measured_as: str) -> dict[str, Any]:
+         working: int, measured_as: str) -> dict[str, Any]:
     a = g.nx.nodes[layer]
     return {
         "layer": layer,
@@ -113,8 +120,10 @@ def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, pe
         "bwd_ms": round(bwd_ms, 6),
         "param_bytes": int(a["param_bytes"]),
         "output_bytes": int(a["output_bytes"]),
+        "returned_bytes": int(a.get("returned_bytes", 0)),
         "saved_bytes": saved,
         "peak_bytes": float("nan") if peak is None else float(peak),
+        "bwd_working_bytes": working,
         "buffer_bytes": int(a["buffer_bytes"]),
         "shared_bytes": int(a["shared_bytes"]),
         "tie_group": str(a["tie_group"]),

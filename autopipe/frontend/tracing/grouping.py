@@ -213,6 +213,7 @@ def layer_attributes(
             and any(u.op == "output" or node_layer.get(u.name) != name for u in by_name[n].users)
         ]
         out_tensors = [t for o in outs for t in _tensors(o.meta.get("val"))]
+        returned = [t for o in outs if any(u.op == "output" for u in o.users) for t in _tensors(o.meta.get("val"))]
         key_nodes = [by_name[n] for n in nodes if cap.module_key.get(n) is not None]
         is_module = bool(key_nodes) and cap.module_key.get(key_nodes[0].name) == name.split("#")[0]
         first = key_nodes[0] if is_module else next(
@@ -230,6 +231,7 @@ def layer_attributes(
             shared_bytes=sum(p.numel() * p.element_size() for p in shared),
             buffer_bytes=sum(b.numel() * b.element_size() for b in fresh_buffers),
             output_bytes=sum(int(t.numel()) * t.element_size() for t in out_tensors),
+            returned_bytes=sum(int(t.numel()) * t.element_size() for t in returned),
             output_shapes=[list(map(int, t.shape)) for t in out_tensors],
             output_dtypes=[str(t.dtype).replace("torch.", "") for t in out_tensors],
             tie_group=";".join(ties),

@@ -354,3 +354,12 @@ def test_cli_profile_no_progress(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "profiling" in capsys.readouterr().err  # the command's bar is on unless told
     assert main([*argv, "--out", str(tmp_path / "b.csv"), "--no-progress"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_backward_working_set_is_each_layers_new_gradients() -> None:
+    # [Note: the backward's memory]: a Linear's backward allocates its weight's gradient, and its
+    # input's where the input needs one (the first layer's batch does not)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 32, bias=False))
+    prof = autopipe.profile(model, (torch.randn(4, 8),), chunks=1, repeats=1, warmup=0)
+    assert prof.df["bwd_working_bytes"].tolist() == [16 * 8 * 4, 4 * 16 * 4 + 32 * 16 * 4]

@@ -28,6 +28,7 @@ from torch import fx, nn
 from autopipe.frontend.profiling.harness.replay import LayerCall, Values
 from autopipe.frontend.profiling.harness.timing import MemoryMeter, Timer, median
 from executor._torch_compat import tree_leaves, tree_map_only
+from executor.memory_meter import MemoryMeter as LiveBytes
 
 __all__ = ["probe", "shared_saved", "time_layer", "time_runs", "harness_overhead", "fresh", "storage_key",
            "leaves_as_views"]
@@ -89,10 +90,13 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 def probe(
     call: LayerCall, values: Values, meter: MemoryMeter, state: set[int]
-) -> tuple[int, list[int], int, int, int | None]:
+) -> tuple[int, list[int], int, int, int | None, int]:
     """One untimed forward + backward: bytes saved for backward (all, of them each input's,
-    of them the outputs', of them inputs written in place and saved as outputs) and peak memory
-    ([Note: saved once])."""
+    of them the outputs', of them inputs written in place and saved as outputs), peak memory
+    ([Note: saved once]) and the backward's working set: the most bytes it has alive at once
+    beyond what it starts from (the saves, the output, the gradient it receives), its inputs'
+    and weights' gradients and its kernels' temporaries, as live storage ([Note: the backward's
+    memory] in autopipe/core/stage_memory.py)."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -103,11 +107,15 @@ def probe(
 
     args = fresh(call.arguments(values))
     meter.start()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call(*args)
-    roots, grads = backward_roots(out)
-    if roots:
-        torch.autograd.backward(roots, grads)
+    live = LiveBytes()
+    with live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = call(*args)
+        roots, grads = backward_roots(out)
+        start = live.live
+        live.reset_peak()
+        if roots:
+            torch.autograd.backward(roots, grads)
     peak = meter.peak()
 
     def keys(value: Any) -> set[int]:
@@ -117,7 +125,8 @@ def probe(
         return sum(n for k, n in saved.items() if k in keys(value))
 
     written = keys(args) & keys(out)  # an in-place layer's output is its input's storage
-    return sum(saved.values()), [of(a) for a in args], of(out), sum(saved.get(k, 0) for k in written), peak
+    return (sum(saved.values()), [of(a) for a in args], of(out), sum(saved.get(k, 0) for k in written), peak,
+            max(live.peak - start, 0))
 
 
 def shared_saved(edges: Iterable[tuple[str, str, int]],

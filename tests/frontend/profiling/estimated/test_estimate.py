@@ -67,7 +67,7 @@ def test_an_estimate_has_the_columns_of_a_measured_profile_and_says_where_it_cam
     measured = autopipe.profile(model, (x,), chunks=CHUNKS, repeats=1, warmup=0, progress=False)
     assert set(prof.df.columns) == set(measured.df.columns) | {"estimated"}
     for column in ("param_bytes", "output_bytes", "saved_bytes", "saved_shared_bytes", "saved_input_bytes",
-                   "weight_grad_bytes", "buffer_bytes"):
+                   "weight_grad_bytes", "buffer_bytes", "bwd_working_bytes", "returned_bytes"):
         assert list(prof.df[column]) == list(measured.df[column]), column
     assert prof.fingerprint == measured.fingerprint and prof.layers == measured.layers
     assert set(prof.df["estimated"]) == {"flops-only"}
