@@ -21,14 +21,17 @@ gradients, ``FIRST_BACKWARD`` the first backward's most over its layers in rever
 (``first_backward_bytes``: the later layers' gradients less their freed saves, plus the
 layer's working set), ``GRADIENTS`` all of them, ``IN_BACKWARD`` all of them and the stage's
 largest working set (with the gradient a layer receives: the bytes its readers read; what only
-the loss reads gets the loss's gradient, [Note: the loss's memory]). ``backward_extras`` gives these relative to a state
-that holds every gradient; the DPs take their range maxima (``range_extras``), the ILP bounds
-them by a variable per stage. In one process the last stage has one more instant: after its
-last forward executor.GPipe gathers every micro-batch's outputs into the batch's, a copy of
-them (``gathered_bytes``) beside everything then held (``gather_terms``), for a model
-that computes its own loss as for one whose caller's loss reads the gathered batch. A
-profile measured before the working sets keeps the old rule:
-every gradient from the start, no working set. Measured against live tensor bytes in
+the loss reads gets the loss's gradient, [Note: the loss's memory], and on the last stage the
+working set and the loss's gradients are the larger of the two, not their sum, since the loss's
+backward ends before the layers' starts: ``working_beside_loss``). ``backward_extras`` gives
+these relative to a state that holds every gradient; the DPs take their range maxima
+(``range_extras``), the ILP bounds them by a variable per stage. In one process the last stage
+has one more instant: after its last forward executor.GPipe gathers every micro-batch's outputs
+into the batch's, a copy of them (``gathered_bytes``) beside everything then held
+(``gather_terms``), for a model that computes its own loss as for one whose caller's loss reads
+the gathered batch. A profile measured before the working sets keeps the old rule: every
+gradient from the start, no working set. Not charged: the runtime's send and receive buffers
+(docs/limitations.md). Measured against live tensor bytes in
 docs/benchmarks.md ("Whole-step memory").
 """
 
