@@ -28,6 +28,7 @@ from autopipe.app.flag_groups import (
     LoopFlags,
     PrecisionFlags,
     check_choice,
+    check_count,
     flag,
     positional,
 )
@@ -334,12 +335,9 @@ class RunConfig(Launch, RestartFlags, PrecisionFlags, LoopFlags):
                                  f"{sorted(EXAMPLES)} or a 'package.module:factory'")
         if self.nproc < 1:
             raise BuildError(f"--nproc {self.nproc} < 1: a pipeline needs at least one process")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise BuildError(f"--batch-size {self.batch_size} < 1: pass --batch-size 1 or more")
-        if self.chunks is not None and self.chunks < 1:
-            raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
-        if self.threads < 1:
-            raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
+        check_count("--batch-size", self.batch_size)
+        check_count("--chunks", self.chunks)
+        check_count("--threads", self.threads)
         if not self.timeout > 0:
             raise BuildError(f"--timeout {self.timeout} must be > 0 seconds, e.g. --timeout 60")
         if not self.first_step_timeout > 0:
@@ -390,10 +388,8 @@ class CommConfig(Launch):
                              "(--nnodes 1) or one on each of two (--nnodes 2)")
         self.check_nodes(2)
         self.byte_sizes()
-        if self.repeats < 1:
-            raise BuildError(f"--repeats {self.repeats} < 1: pass --repeats 1 or more")
-        if self.chunks < 1:
-            raise BuildError(f"--chunks {self.chunks} < 1: pass --chunks 1 or more")
+        check_count("--repeats", self.repeats)
+        check_count("--chunks", self.chunks)
 
 
 

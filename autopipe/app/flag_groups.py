@@ -65,6 +65,12 @@ def check_choice(flag: str, value: Any, kind: Any) -> None:
         raise BuildError(f"{flag} {value!r} is unknown; use one of {list(choices)}")
 
 
+def check_count(flag: str, value: int | None) -> None:
+    """A count flag (repeats, chunks, threads ...) is 1 or more, or absent: one line otherwise."""
+    if value is not None and value < 1:
+        raise BuildError(f"{flag} {value} < 1: pass {flag} 1 or more")
+
+
 def check_clip_grad(clip_grad: float | None) -> None:
     """--clip-grad is a positive norm (or absent): one line otherwise."""
     if clip_grad is not None and not clip_grad > 0:
@@ -96,6 +102,5 @@ class LoopFlags(Checked):
               "this before each step (default: no clipping)", metavar="MAX_NORM")
 
     def _check(self) -> None:
-        if self.steps < 1:
-            raise BuildError(f"--steps {self.steps} < 1: pass --steps 1 or more")
+        check_count("--steps", self.steps)
         check_clip_grad(self.clip_grad)

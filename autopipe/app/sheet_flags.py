@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopipe.app.flag_groups import Checked, HostAllocator, check_choice, flag
+from autopipe.app.flag_groups import Checked, HostAllocator, check_choice, check_count, flag
 from autopipe.core.device_sheet import load_sheet, shipped_sheets
 from autopipe.errors import BuildError, ProfileError
 
@@ -52,8 +52,6 @@ class CalibrateConfig(Checked):
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise BuildError(f"--device {self.device}: calibrate measures a cpu or a cuda device, not "
                              f"{self.device!r}; pass --device cpu or cuda:N")
-        if self.repeats < 1:
-            raise BuildError(f"--repeats {self.repeats} < 1: pass --repeats 1 or more")
-        if self.threads is not None and self.threads < 1:
-            raise BuildError(f"--threads {self.threads} < 1: pass --threads 1 or more")
+        check_count("--repeats", self.repeats)
+        check_count("--threads", self.threads)
         check_choice("--host-allocator", self.host_allocator, HostAllocator)
