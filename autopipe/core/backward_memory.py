@@ -49,7 +49,6 @@ from autopipe.core.stage_memory import (
     Amount,
     Extras,
     Terms,
-    activation_bytes,
     kept_activation_bytes,
     loss_grad_bytes,
 )
@@ -58,7 +57,7 @@ from executor.spec import ZERO_BUBBLE_SCHEDULES
 if TYPE_CHECKING:
     from autopipe.core.cost_options import CostOptions
 
-__all__ = ["backward_extras", "first_backward_bytes", "gather_terms", "gathered_bytes", "lazy_grad_bytes",
+__all__ = ["backward_extras", "first_backward_bytes", "gather_level", "gather_terms", "gathered_bytes", "lazy_grad_bytes",
            "range_extras", "stage_backward", "working_beside_loss"]
 
 
@@ -108,6 +107,15 @@ def gathered_bytes(costs: LayerCosts, chunks: int, last: Amount) -> Amount:
     return np.where(last, amount, 0) if isinstance(last, np.ndarray) else (amount if last else 0)
 
 
+def gather_level(costs: LayerCosts, chunks: int, input_bytes: Amount, saved_bytes: Amount, terms: Terms,
+                 weight_held: Amount, input_saved: Amount, extras: Extras) -> Amount:
+    """executor.GPipe's last stage at the instant it gathers every micro-batch's outputs: what
+    it holds after its last forward (:func:`gather_terms`, each micro-batch with its outputs),
+    and their copy (:func:`gathered_bytes`) ([Note: the backward's memory])."""
+    return (kept_activation_bytes(input_bytes, saved_bytes, gather_terms(terms), weight_held, input_saved,
+                                  costs.returned, 0, extras) + gathered_bytes(costs, chunks, True))
+
+
 def working_beside_loss(working: Amount, loss_grads: Amount, returned: int) -> Amount:
     """The last stage's working set beside the loss's backward, which is charged on its own
     (``loss_grad_bytes``): that backward ends before the layers' starts, and leaves them the
@@ -153,8 +161,7 @@ def stage_backward(costs: LayerCosts, mask: FloatArray, params: int, factor: int
     extras = backward_extras(lazy, first, working)
     joint = kept_activation_bytes(cut_in, saved, terms, weight_held, input_saved, kept, grads, extras)
     if gathered:
-        joint = max(joint, kept_activation_bytes(cut_in, saved, gather_terms(terms), weight_held, input_saved,
-                                                 costs.returned, 0, extras) + gathered)
-    plain = activation_bytes(cut_in, saved, terms, weight_held, input_saved)
-    loss = kept_activation_bytes(cut_in, saved, terms, weight_held, input_saved, kept, grads) - plain
-    return lazy, first, working, gathered, int(joint - plain - loss)
+        joint = max(joint, gather_level(costs, options.chunks, cut_in, saved, terms, weight_held, input_saved, extras))
+    # the same walk without the extras: the activations with the loss's bytes, all stage_costs charges else
+    return lazy, first, working, gathered, int(
+        joint - kept_activation_bytes(cut_in, saved, terms, weight_held, input_saved, kept, grads))

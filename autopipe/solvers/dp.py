@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autopipe.core.backward_memory import gather_terms, gathered_bytes, range_extras
+from autopipe.core.backward_memory import gather_level, range_extras
 from autopipe.core.cost import (
     OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
@@ -149,8 +149,7 @@ class RangeCosts:
             if kept.any() or grads.any() or extras is not None
             else activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved))
         if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
-            gather = kept_activation_bytes(self.cut[:, None], saved, gather_terms(self.terms), held, input_saved,
-                                           self.costs.returned, 0, extras) + gathered_bytes(self.costs, self.m, True)
+            gather = gather_level(self.costs, self.m, self.cut[:, None], saved, self.terms, held, input_saved, extras)
             act = np.where(last[None, :], np.maximum(act, gather), act)
         if self.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from autopipe.core.backward_memory import gather_terms, gathered_bytes, range_extras
+from autopipe.core.backward_memory import gather_level, range_extras
 from autopipe.core.cost import (
     OPTIMIZER_FACTOR,
     STEP_TEMPORARIES,
@@ -187,8 +187,7 @@ class StageBlocks:
             if kept.any() or grads.any() or extras is not None
             else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
         if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
-            gather = kept_activation_bytes(self.cut[:j1, None], saved, gather_terms(terms), held, input_saved,
-                                           self.costs.returned, 0, extras) + gathered_bytes(self.costs, o.chunks, True)
+            gather = gather_level(self.costs, o.chunks, self.cut[:j1, None], saved, terms, held, input_saved, extras)
             out[:, last] = np.maximum(out[:, last], gather[:, last])
         optimizer = self.options.optimizer
         if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
