@@ -12,7 +12,9 @@ one AdamW step to warm up (the optimizer's state appears), then one step measure
 measured figure is the most live tensor storage at once over that step, forward, loss,
 backward and ``optimizer.step()`` (executor.MemoryMeter: [Note: counting live bytes]), what
 ``torch.cuda.max_memory_allocated`` reports on a GPU; the batch is included and the model's
-weights, gradients and optimizer state are tracked from before the step. In one process the
+weights, gradients and optimizer state are tracked from before the step, and on ranks the
+receive buffers torch's PipelineStage made at the first step and keeps ([Note: receive buffers]
+in autopipe/core/stage_memory.py), which a GPU's allocator counts too. In one process the
 step holds the pipeline's output through the backward, as a training loop that keeps
 ``outputs`` does (the prediction counts it; a loop that drops it peaks lower), and computes
 the loss under autocast in bf16, as an AMP loop does and as the profile measured it. The prediction
@@ -31,7 +33,7 @@ import os
 import socket
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -124,9 +126,9 @@ def _half(batch: dict[str, Any], replica: int) -> dict[str, Any]:
             "target": cut(batch.get("target")), "kwargs": {k: cut(v) for k, v in batch.get("kwargs", {}).items()}}
 
 
-def _peak(step: Any, track: Sequence[Any]) -> int:
-    step()  # the warm-up step: the optimizer's state appears
-    meter = MemoryMeter(track=track)
+def _peak(step: Any, track: Sequence[Any] | Callable[[], Sequence[Any]]) -> int:
+    step()  # the warm-up step: the optimizer's state appears (and on ranks the receive buffers)
+    meter = MemoryMeter(track=track() if callable(track) else track)
     with meter:
         step()
     return meter.peak
@@ -173,7 +175,18 @@ def _rank_peak(size: Size, case: Case, plan: Plan) -> int:
             opt.step()
             opt.zero_grad()
 
-    return _peak(step, (pipe.stage_module, opt or (), args, kwargs, target))
+    return _peak(step, lambda: (pipe.stage_module, opt or (), args, kwargs, target, _receive_buffers(pipe)))
+
+
+def _receive_buffers(pipe: Any) -> list[torch.Tensor]:
+    """The receive buffers of a rank's PipelineStages for this step's size ([Note: one schedule
+    per input size] in executor/ranks/sized.py), made at its first step."""
+    schedule = pipe._schedule
+    out = []
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            out += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    return out
 
 
 def _rank(rank: int, port: int, out: str, world: int, size: Size, work: Sequence[tuple[Case, Plan]]) -> None:

@@ -114,6 +114,8 @@ from autopipe.core.stage_memory import (
     kept_bytes,
     loss_bytes,
     loss_grad_bytes,
+    receive_bytes,
+    received_walk,
     stage_terms,
     step_bytes,
     weight_held_bytes,
@@ -144,6 +146,8 @@ __all__ = [
     "kept_bytes",
     "loss_bytes",
     "loss_grad_bytes",
+    "receive_bytes",
+    "received_walk",
     "step_bytes",
     "stage_terms",
     "weight_held_bytes",
@@ -316,7 +320,7 @@ def stage_costs(
                 resaved[stage[u]:int(stage[list(costs.savers[u])].max())] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
     check_split(costs, options.schedule)
-    split = options.schedule in ZERO_BUBBLE_SCHEDULES
+    split, ranks_runtime = options.schedule in ZERO_BUBBLE_SCHEDULES, costs.runtime == "distributed"
     chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
     runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
     result = []
@@ -346,16 +350,17 @@ def stage_costs(
             bwd_input, bwd_weight = split_parts(float(costs.bwd_input[mask].sum()) / dev.speed, bwd, costs.split_ratio,
                                                 first=s == 0, whole=bool(mine))
             held = 0 if mine else int(weight_held_bytes(int(costs.weight_grad[mask].sum()), cut_out, s == 0,
-                                                        s == k - 1))
+                                                        s == k - 1, ranks_runtime))
         largest = int(costs.layer_params[mask].max()) if costs.layer_params is not None and mask.any() else 0
         step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, options.data_parallel,
                               options.dp_mode))
         kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
+        walk = received_walk(ranks_runtime, cut_in, saved, input_saved)  # [Note: receive buffers] in stage_memory.py
         if kept or grads:  # [Note: the loss's memory]
-            loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
+            loss = int(loss_bytes(walk[0], walk[1], terms[s], held, walk[2], kept, grads))
         lazy, first, working, gathered, backward = stage_backward(  # [Note: the backward's memory]
             costs, mask, params, OPTIMIZER_FACTOR[options.optimizer], options, s == k - 1, terms[s],
-            (cut_in, saved, held, input_saved, kept, grads))
+            (walk[0], walk[1], held, walk[2], kept, grads), cut_in if ranks_runtime else 0)
         result.append(StageCost(
             fwd_ms=fwd,
             bwd_ms=bwd,
@@ -365,7 +370,7 @@ def stage_costs(
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)
                             + cast_cache_bytes(params, costs.precision, recomputed[s])),
-            activation_bytes=int(activation_bytes(cut_in, saved, terms[s], held, input_saved)) + recompute_peak(
+            activation_bytes=int(activation_bytes(walk[0], walk[1], terms[s], held, walk[2])) + recompute_peak(
                 costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
             input_bytes=cut_in,
             output_bytes=cut_out,
@@ -389,5 +394,6 @@ def stage_costs(
             working_bytes=working,
             gathered_bytes=gathered,
             backward_bytes=backward,
+            receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
         ))
     return result
