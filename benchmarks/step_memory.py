@@ -72,6 +72,7 @@ class Case:
     precision: str = "fp32"
     recompute: str = "never"
     even: bool = False  # equal layer counts instead of the planner's split (which follows the timings)
+    last: int = 0  # 2 stages, the last of them the model's last ``last`` layers (0: the planner's split)
 
     @property
     def ranks(self) -> int:
@@ -82,7 +83,9 @@ DEFAULT = (Case("one process", "gpipe"), Case("2 ranks", "gpipe"), Case("2 ranks
 ALL = (*DEFAULT, Case("2 ranks", "zbv"), Case("2 ranks", "1f1b", recompute="always"),
        Case("one process", "gpipe", precision="bf16"), Case("2 ranks", "1f1b", precision="bf16"),
        Case("2 ranks", "gpipe", model="llama"), Case("2 ranks", "1f1b", model="llama"),
-       Case("one process", "gpipe", model="llama"), Case("2x2 fsdp", "1f1b"))
+       Case("one process", "gpipe", model="llama"), Case("2x2 fsdp", "1f1b"),
+       # a cut that carries the logits (and their view the loss reads): [Note: receive buffers]
+       Case("2 ranks", "1f1b", model="llama", last=1), Case("2 ranks", "1f1b", model="llama", last=2))
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,10 @@ def _plan(prof: autopipe.Profile, size: Size, case: Case, **limits: Any) -> Plan
         return autopipe.partition(prof, devices=4, data_parallel=2, dp_mode="fsdp", runtime="distributed",
                                   bandwidth=None, batch_size=size.batch, **common, **limits)
     devices = ["rank0", "rank1", "rank1", "rank0"] if case.schedule == "zbv" else None
+    if case.last:
+        names = list(prof.layers)
+        return Plan.from_stages(prof, [names[:-case.last], names[-case.last:]], bandwidth=None,
+                                runtime="gpipe" if case.ranks == 0 else "distributed", **common)
     if case.even:
         parts = [list(p) for p in np.array_split(np.array(prof.layers), 4 if devices else 2)]
         return Plan.from_stages(prof, parts, devices=devices or (["cpu", "cpu"] if case.ranks == 0 else None),
@@ -294,7 +301,8 @@ def table(rows: Sequence[Row]) -> str:
              "peak MiB predicted | measured / predicted |", "|---|---|---|---|---|---|---:|---:|---:|"]
     for r in rows:
         c = r.case
-        lines.append(f"| {c.runtime} | {c.schedule} | {c.model} | {c.precision} | {c.recompute} | {r.where} | "
+        split = f", last {c.last} layer{'s' if c.last > 1 else ''}" if c.last else ""
+        lines.append(f"| {c.runtime}{split} | {c.schedule} | {c.model} | {c.precision} | {c.recompute} | {r.where} | "
                      f"{r.measured / 2**20:.2f} | {r.predicted / 2**20:.2f} | {r.ratio:.2f} |")
     return "\n".join(lines)
 

@@ -354,7 +354,8 @@ def stage_costs(
         largest = int(costs.layer_params[mask].max()) if costs.layer_params is not None and mask.any() else 0
         step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, options.data_parallel,
                               options.dp_mode))
-        kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
+        kept = kept_bytes(costs, cut_out, s == k - 1, costs.received_before(first))  # [Note: the loss's memory]
+        grads = loss_grad_bytes(costs, m) if s == k - 1 else 0
         walk = received_walk(ranks_runtime, cut_in, saved, input_saved)  # [Note: receive buffers] in stage_memory.py
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(walk[0], walk[1], terms[s], held, walk[2], kept, grads))

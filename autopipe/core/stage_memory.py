@@ -263,13 +263,17 @@ def step_bytes(param_bytes: Amount, largest_bytes: Amount, optimizer: str, one_a
     return amount / data_parallel if dp_mode == "fsdp" and data_parallel > 1 else amount
 
 
-def kept_bytes(costs: LayerCosts, output_bytes: Amount, last: Amount) -> Amount:
+def kept_bytes(costs: LayerCosts, output_bytes: Amount, last: Amount, received: Amount = 0) -> Amount:
     """Per micro-batch in flight, what a stage keeps besides its layers' saves ([Note: the loss's
     memory]): the last stage (``last`` true) its model output and its loss's saves; on ranks
-    any other its ``output_bytes``, the bytes crossing its last cut. ``last`` may be an array."""
-    other = output_bytes if costs.runtime == "distributed" else 0
-    return np.where(last, costs.loss_kept, other) if isinstance(last, np.ndarray) else (
-        costs.loss_kept if last else other)
+    any other its ``output_bytes``, the bytes crossing its last cut. On ranks the last stage
+    receives what its earlier stages' layers return (``received``: ``returned_before`` its first
+    layer) into its receive buffers ([Note: receive buffers]), not kept again. ``last`` and
+    ``received`` may be arrays."""
+    ranks = costs.runtime == "distributed"
+    other = output_bytes if ranks else 0
+    mine = costs.loss_kept - received if ranks else costs.loss_kept
+    return np.where(last, mine, other) if isinstance(last, np.ndarray) else (mine if last else other)
 
 
 def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:

@@ -143,7 +143,7 @@ class RangeCosts:
                                  self.cut[None, j0:j1], True, False, ranks) if any(t[2] for t in self.terms) else 0
         last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
         cut_out = self.cut[np.minimum(cols, self.n)]
-        kept = kept_bytes(self.costs, cut_out, last)[None, :]
+        kept = kept_bytes(self.costs, cut_out[None, :], last[None, :], self.costs.received_before(self.rows[:, None]))
         grads = np.where(last, self.loss_grads, 0)[None, :]
         cut_in, saved, input_saved = received_walk(ranks, self.cut[:, None], saved,
                                                    np.minimum(self.input_saved[:, None], saved))

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import pulp
 
@@ -239,13 +240,15 @@ def _solve(
                                                options.dp_mode) <= dev.memory
             extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, k - 1, x,
                                                                          crossing(s - 1) if ranks else 0)
-            received = 0 if ranks else crossing(s - 1)  # on ranks, in its buffer
+            walked_input = 0 if ranks else crossing(s - 1)  # on ranks, in its buffer
+            returned = np.diff(costs.returned_before) if costs.returned_before is not None else np.zeros(n)
+            received = costs.returned - total(returned, s)  # the model's outputs made before the stage
             for term in terms[s]:  # the peak is the largest term: each must fit
                 last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
-                loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last),
+                loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last, received),
                                   loss_grad_bytes(costs, m) if last else 0)
                 prob += state + activation_bytes(
-                    received, total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
+                    walked_input, total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
                     held, extras=extras) + loss <= dev.memory
             gathered = gathered_bytes(costs, m, s == k - 1) if extras is not None else 0
             for term in gather_terms(terms[s]) if gathered else ():  # executor.GPipe's gathered outputs

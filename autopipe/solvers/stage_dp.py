@@ -180,7 +180,7 @@ class StageBlocks:
         cols = np.arange(j0, j1)
         last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
         cut_out = self.cut[np.minimum(cols, self.n)]
-        kept = kept_bytes(self.costs, cut_out, last)[None, :]
+        kept = kept_bytes(self.costs, cut_out[None, :], last[None, :], self.costs.received_before(np.arange(j1)[:, None]))
         grads = np.where(last, self.loss_grads, 0)[None, :]
         cut_in, saved, input_saved = received_walk(ranks, self.cut[:j1, None], saved,
                                                    np.minimum(self.input_saved[:j1, None], saved))

@@ -77,3 +77,16 @@ def test_the_buffers_stay_through_the_optimizer_step() -> None:
                           [DeviceSpec("a"), DeviceSpec("b")], opts)
     assert last.step_bytes > last.activation_bytes + last.loss_bytes + last.backward_bytes
     assert last.memory_bytes == last.param_bytes + 16 + last.step_bytes
+
+
+def test_what_the_last_stage_receives_of_the_models_outputs_is_not_kept_again() -> None:
+    # l1's output (8) and l2's (8) are returned: a last stage [l2] receives l1's into its
+    # buffers, so it keeps only its own per micro-batch; [l1, l2] keeps both; one process both
+    prof = chain_profile([1.0, 1.0, 1.0], output_bytes=8, saved_bytes=[10, 20, 30])
+    prof.df["returned_bytes"] = [0, 8, 8]
+    opts = CostOptions(chunks=2, recompute="never", optimizer="none", bandwidth=None)
+    two = [DeviceSpec("a"), DeviceSpec("b")]
+    ranks = LayerCosts.from_profile(prof, runtime="distributed")
+    assert stage_costs(ranks, [0, 0, 1], two, opts)[1].kept_bytes == 8
+    assert stage_costs(ranks, [0, 1, 1], two, opts)[1].kept_bytes == 16
+    assert stage_costs(LayerCosts.from_profile(prof, runtime="gpipe"), [0, 0, 1], two, opts)[1].kept_bytes == 16

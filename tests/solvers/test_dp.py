@@ -10,6 +10,7 @@ import pytest
 from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
 from autopipe.core.cost_options import CostOptions
 from autopipe.errors import PartitionError
+from autopipe.solvers import dp as dp_module
 from autopipe.solvers import stage_dp
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
@@ -291,16 +292,17 @@ def test_dp_matches_brute_force_where_the_receive_buffers_bind(seed: int) -> Non
     _check(lc, devices, opts)
 
 
-def test_planned_blind_to_the_receive_buffers_a_rank_is_given_more_than_fits() -> None:
+def test_planned_blind_to_the_receive_buffers_a_rank_is_given_more_than_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = [_buffers_case(seed) for seed in range(12)]
+    best = [solve_dp(lc, devices, opts).assignment for lc, _, devices, opts in cases]
+    for module in (dp_module, stage_dp):  # the DPs as they were before them
+        monkeypatch.setattr(module, "receive_bytes", lambda *args: 0)
     over = 0
-    for seed in range(12):
-        lc, one_process, devices, opts = _buffers_case(seed)
+    for (lc, _, devices, opts), right in zip(cases, best, strict=True):
+        blind = solve_dp(lc, devices, opts).assignment
         limit = devices[0].memory
         assert limit is not None
-        if least_memory(one_process, len(devices), opts) > limit:
-            continue
-        blind = solve_dp(one_process, devices, opts).assignment  # as if in one process
         too_much = max(c.memory_bytes for c in stage_costs(lc, blind, devices, opts)) > limit
-        assert too_much or blind == solve_dp(lc, devices, opts).assignment, seed
+        assert too_much or blind == right
         over += too_much
-    assert over >= 4, over  # so the buffers decide, in a third of the cases or more
+    assert over >= 3, over  # so the buffers decide, in a quarter of the cases or more

@@ -40,7 +40,8 @@ class LayerGraph:
     ``module_type``, ``nodes`` (fx node names), ``params`` (canonical parameter names used),
     ``param_bytes`` (each parameter counted once, at its first user), ``shared_bytes`` (tied
     parameter bytes used here but counted at another layer), ``buffer_bytes``,
-    ``output_bytes``, ``returned_bytes`` (of them, what the model returns), ``output_shapes``,
+    ``output_bytes``, ``returned_bytes`` (what the model returns of the memory this layer made:
+    a returned no-op ``.float()`` of another layer's output is that layer's), ``output_shapes``,
     ``output_dtypes``, ``tie_group`` ("" when none).
     Edge attribute: ``bytes`` moved from one layer to the next at the example batch.
     ``grouped``: layers merged from finer traced ones, each with how many it holds ([Note:
