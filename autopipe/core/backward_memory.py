@@ -103,8 +103,7 @@ def stage_walk(b: StageCost, kept: bool = True) -> tuple[tuple[int, int, int, in
     [Note: the loss's memory]: a plan saved before ``kept_bytes`` adds ``loss_bytes`` whole)."""
     received = b.receive_bytes > 0
     walk = received_walk(received, b.input_bytes, b.saved_bytes, b.input_saved_bytes)
-    extras = backward_extras(b.lazy_grad_bytes, b.first_backward_bytes, b.working_bytes,
-                             b.input_bytes if received else 0)
+    extras = backward_extras(b.lazy_grad_bytes, b.first_backward_bytes, b.working_bytes, b.sending_bytes)
     if not kept:
         return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, 0
     if not (b.kept_bytes or b.loss_grad_bytes):

@@ -321,6 +321,7 @@ def stage_costs(
     call_fwd, call_bwd = costs.call_for(options.schedule)
     check_split(costs, options.schedule)
     split, ranks_runtime = options.schedule in ZERO_BUBBLE_SCHEDULES, costs.runtime == "distributed"
+    multi = ranks_runtime and options.schedule in MULTI_STAGE_SCHEDULES
     chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
     runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
     result = []
@@ -344,28 +345,27 @@ def stage_costs(
         first = int(np.flatnonzero(mask)[0]) if mask.any() else 0  # [Note: an input kept once]
         input_saved = min(int(costs.saved_input[first]), cut_in, saved) if s > 0 and first > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
-        bwd_input, bwd_weight, held = None, None, 0
-        loss = 0
+        bwd_input, bwd_weight, held, loss = None, None, 0, 0
         if costs.bwd_input is not None and costs.weight_grad is not None and split:
             bwd_input, bwd_weight = split_parts(float(costs.bwd_input[mask].sum()) / dev.speed, bwd, costs.split_ratio,
                                                 first=s == 0, whole=bool(mine))
             held = 0 if mine else int(weight_held_bytes(int(costs.weight_grad[mask].sum()), cut_out, s == 0,
                                                         s == k - 1, ranks_runtime))
         largest = int(costs.layer_params[mask].max()) if costs.layer_params is not None and mask.any() else 0
-        step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, options.data_parallel,
-                              options.dp_mode))
-        kept = kept_bytes(costs, cut_out, s == k - 1, costs.received_before(first))  # [Note: the loss's memory]
-        grads = loss_grad_bytes(costs, m) if s == k - 1 else 0
-        walk = received_walk(ranks_runtime, cut_in, saved, input_saved)  # [Note: receive buffers] in stage_memory.py
+        step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, *replicas[:2]))
+        # [Note: receive buffers] in stage_memory.py: between two stages of one rank, in place
+        beside = [multi and 0 <= t < k and devices[t].name == dev.name for t in (s - 1, s + 1)]
+        kept = 0 if beside[1] else kept_bytes(costs, cut_out, s == k - 1, costs.received_before(first))
+        grads, sending = loss_grad_bytes(costs, m) if s == k - 1 else 0, cut_in * (ranks_runtime and not beside[0])
+        walk = received_walk(ranks_runtime, cut_in, saved, input_saved)
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(walk[0], walk[1], terms[s], held, walk[2], kept, grads))
         lazy, first, working, gathered, backward = stage_backward(  # [Note: the backward's memory]
             costs, mask, params, OPTIMIZER_FACTOR[options.optimizer], options, s == k - 1, terms[s],
-            (walk[0], walk[1], held, walk[2], kept, grads), cut_in if ranks_runtime else 0)
+            (walk[0], walk[1], held, walk[2], kept, grads), sending)
         result.append(StageCost(
-            fwd_ms=fwd,
-            bwd_ms=bwd,
-            recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio, costs.recompute_call_ms),
+            fwd_ms=fwd, bwd_ms=bwd, recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio,
+                                                              costs.recompute_call_ms),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms,
                                     costs.comm_receive_share),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
@@ -376,8 +376,7 @@ def stage_costs(
             input_bytes=cut_in,
             output_bytes=cut_out,
             saved_bytes=saved,
-            call_fwd_ms=call_fwd,
-            call_bwd_ms=call_bwd,
+            call_fwd_ms=call_fwd, call_bwd_ms=call_bwd,
             recompute_ratio=costs.recompute_ratio,
             recompute_call_ms=costs.recompute_call_ms,
             latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
@@ -396,5 +395,6 @@ def stage_costs(
             gathered_bytes=gathered,
             backward_bytes=backward,
             receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
+            sending_bytes=sending,
         ))
     return result

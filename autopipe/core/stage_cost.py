@@ -65,6 +65,7 @@ class StageCost:
     # input and the output's gradient (0 in one process and in plans saved before it); a stage
     # that has them holds its input in them ([Note: receive buffers] in stage_memory.py)
     receive_bytes: int = 0
+    sending_bytes: int = 0  # the input gradient still being sent beside a later backward (ranks)
     # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
     # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
     # then added whole) ([Note: the loss's memory] in stage_memory.py)

@@ -72,8 +72,11 @@ first layer saves of that input (``received_walk``: input 0, saved less input_sa
 backward's received output gradient, kept from I to W, is its buffer too (``weight_held_bytes``'
 ``buffered``). A backward's input gradient is sent while the stage goes on, and torch lets it go
 when the next backward's send is posted: one input's bytes beside everything after the first
-backward (``backward_extras``' ``sending``). In one process a stage's input is the previous
-stage's output, and nothing is received.
+backward (``backward_extras``' ``sending``). Between two stages of one rank (ZB-V's middle
+pair) the output is handed over in place: the receiving stage's buffer of each micro-batch is
+the sender's latest output for it, and the gradient comes back the same way, so the sender
+keeps no output of its own beside them and the receiver sends nothing (cost.py). In one process
+a stage's input is the previous stage's output, and nothing is received.
 
 [Note: the backward's memory] is in autopipe/core/backward_memory.py: the walk's e (``BEFORE_BACKWARD``
 ... ``IN_BACKWARD``) marks what each allocation happens beside.

@@ -90,3 +90,16 @@ def test_what_the_last_stage_receives_of_the_models_outputs_is_not_kept_again() 
     assert stage_costs(ranks, [0, 0, 1], two, opts)[1].kept_bytes == 8
     assert stage_costs(ranks, [0, 1, 1], two, opts)[1].kept_bytes == 16
     assert stage_costs(LayerCosts.from_profile(prof, runtime="gpipe"), [0, 0, 1], two, opts)[1].kept_bytes == 16
+
+
+def test_between_two_stages_of_one_rank_the_output_is_handed_over_in_place() -> None:
+    # ZB-V on 2 ranks: stages 1 and 2 are rank b's. Stage 1's output lives in stage 2's receive
+    # buffers, so stage 1 keeps none of its own; stage 2's input gradient lands in stage 1's
+    # buffers, so nothing is being sent. Across ranks (0 -> 1, 2 -> 3) as before.
+    prof = chain_profile([1.0] * 4, output_bytes=[5, 7, 11, 13], saved_bytes=10, bwd_input_ms=[1.0] * 4)
+    plan = Plan.from_stages(prof, [["l0"], ["l1"], ["l2"], ["l3"]], chunks=4, recompute="never", optimizer="none",
+                            schedule="zbv", bandwidth=None, runtime="distributed", devices=["a", "b", "b", "a"])
+    b = plan.breakdown
+    assert [s.kept_bytes for s in b] == [5, 0, 11, 13]  # the last: the model's output
+    assert [s.sending_bytes for s in b] == [0, 5, 0, 11]
+    assert [s.receive_bytes for s in b] == [4 * 5, 4 * (5 + 7), 4 * (7 + 11), 4 * 11]
