@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from autopipe.core.stage_cost import StageCost
 
 __all__ = ["backward_extras", "first_backward_bytes", "gather_level", "gather_terms", "gathered_bytes", "lazy_grad_bytes",
-           "range_extras", "stage_backward", "stage_walk", "walk_maps", "working_beside_loss", "WalkMaps"]
+           "range_extras", "stage_backward", "stage_walk", "step_peak", "walk_maps", "working_beside_loss", "WalkMaps"]
 
 
 def lazy_grad_bytes(param_bytes: Amount, optimizer_factor: int, data_parallel: int, dp_mode: str,
@@ -143,6 +143,14 @@ def working_beside_loss(working: Amount, loss_grads: Amount, returned: int) -> A
     gradient of the model's ``returned`` outputs, so together they hold the larger of its
     gradients and the working set with that one ([Note: the backward's memory])."""
     return np.where(np.asarray(loss_grads) > 0, np.maximum(working + returned - loss_grads, 0), working)
+
+
+def step_peak(stages: Sequence[StageCost]) -> int:
+    """What ``optimizer.step()`` holds besides the state on a device of ``stages``: one tensor
+    at a time, the largest stage's; all at once (foreach), every stage's ([Note: the optimizer
+    step's memory] in stage_memory.py)."""
+    amounts = [b.step_bytes for b in stages]
+    return max(amounts, default=0) if all(b.one_at_a_time for b in stages) else sum(amounts)
 
 
 # activation_peak's and gather_peak's maps by stage: recomputed micro-batches, then the

@@ -395,6 +395,6 @@ def stage_costs(
             gathered_bytes=gathered,
             backward_bytes=backward,
             receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
-            sending_bytes=sending,
+            sending_bytes=sending, one_at_a_time=costs.one_at_a_time,
         ))
     return result

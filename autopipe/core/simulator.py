@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from autopipe.core.backward_memory import walk_maps
+from autopipe.core.backward_memory import step_peak, walk_maps
 from autopipe.core.cost import (
     LayerCosts,
     StageCost,
@@ -291,7 +291,7 @@ def simulate_stages(
         owners = [s for s in range(k) if device_of[s] == r]
         device_memory[names[owners[0]]] = sum(stages[s].param_bytes + stages[s].receive_bytes for s in owners) + int(max(
             sum(loss[s] for s in owners) + activation_peak(ops, *maps),
-            sum(stages[s].step_bytes for s in owners), gather_peak(ops, *plain, gathered)))
+            step_peak([stages[s] for s in owners]), gather_peak(ops, *plain, gathered)))
     bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))
     return SimulationResult(schedule, timeline, total, bubble, peaks, device_memory)

@@ -66,6 +66,10 @@ class StageCost:
     # that has them holds its input in them ([Note: receive buffers] in stage_memory.py)
     receive_bytes: int = 0
     sending_bytes: int = 0  # the input gradient still being sent beside a later backward (ranks)
+    # whether its optimizer steps one tensor at a time (the CPU): a device's stages then step in
+    # turn, holding the largest of their step_bytes, not their sum ([Note: the optimizer step's
+    # memory] in stage_memory.py; False in plans saved before it)
+    one_at_a_time: bool = False
     # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
     # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
     # then added whole) ([Note: the loss's memory] in stage_memory.py)

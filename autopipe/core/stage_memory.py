@@ -61,7 +61,9 @@ quotient while they step a tensor. torch steps one tensor at a time on the CPU (
 largest: at most twice the stage's largest layer's parameters) and all of a device's tensors at
 once elsewhere (its foreach path: one copy of them all); SGD, with momentum or without, updates
 in place. A stage's peak is its state plus the larger of its activations (with the loss's
-bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
+bytes) and this (``step_bytes``); under FSDP each replica steps its shard. A rank of several
+stages (ZB-V) steps them in one optimizer: one tensor at a time it holds the largest stage's
+temporaries, all at once every stage's (``backward_memory.step_peak``).
 
 [Note: receive buffers] On ranks torch's PipelineStage receives into buffers it allocates at
 the first step and keeps: one per micro-batch for the stage's input (but on the first stage)
