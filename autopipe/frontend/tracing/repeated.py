@@ -3,7 +3,7 @@
 [Note: repeated blocks] torch.export costs about a second per decoder block of a Llama on these
 CPUs whatever its width (most of it reasoning about symbolic sizes), so the 80 blocks of a
 Llama-70B shape took 65-90 s to trace and the 126 of the 405B shape 105-170 s, where
-``profile(estimate=)`` needs five of them for the rest. With ``trace(..., repeated=True)``
+``profile(estimate=)`` then counts every layer in about five. With ``trace(..., repeated=True)``
 (what ``profile(estimate=)`` traces with) a model whose longest stack of blocks (an
 ``nn.ModuleList`` or ``nn.Sequential`` of at least ``MIN_BLOCKS``, children named 0..N-1) holds
 blocks equal in structure (:func:`find_blocks`: each submodule's type, settings, parameter and
