@@ -20,6 +20,7 @@ executor/activation_meter.py counts the same thing in a running pipeline.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,10 +223,13 @@ class LayerCosts:
         for its consumers' backward ([Note: saved once])."""
         return self._spans(self.resaved, self.last_saver)
 
-    @property
+    @functools.cached_property
     def last_saver(self) -> IntArray:
-        """Index of each layer's last consumer that saves its output too (itself when none)."""
-        return np.array([max(users, default=u) for u, users in enumerate(self.savers)], dtype=np.int64)
+        """Index of each layer's last consumer that saves its output too (itself when none);
+        made once (read one layer at a time in loops over every layer: recomputed_layers.py)."""
+        out = np.array([max(users, default=u) for u, users in enumerate(self.savers)], dtype=np.int64)
+        out.flags.writeable = False
+        return out
 
     def input_saved_cut(self) -> IntArray:
         """``cut[i]``: of ``cut_bytes()[i]``, what layer i saves when it starts a stage, which a

@@ -28,6 +28,7 @@ from autopipe.frontend.tracing.capture import Capture, LeafSpec, capture
 from autopipe.frontend.tracing.counted_loss import CountedLoss, counted_loss
 from autopipe.frontend.tracing.granularity import coarsen, mark_grouped
 from autopipe.frontend.tracing.grouping import group_layers, layer_attributes
+from autopipe.frontend.tracing.repeated import capture_repeated
 
 __all__ = ["LayerGraph", "trace"]
 
@@ -152,6 +153,7 @@ def trace(
     max_depth: int | None = None,
     kwargs: Mapping[str, Any] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    repeated: bool = False,
 ) -> LayerGraph:
     """Trace ``model`` on ``example_inputs`` into a :class:`LayerGraph`.
 
@@ -169,13 +171,21 @@ def trace(
             ``labels=``): tensors with a batch dimension become the graph's inputs after the
             positional ones, split into micro-batches by a pipeline; ``None``, non-tensors and
             0-dim tensors stay constants like ``kwargs`` (autopipe/frontend/tracing/keyword_inputs.py).
+        repeated: a model whose longest stack of blocks holds identical ones is traced cut to
+            two and to three of them and the rest repeated, checked equal to what tracing three
+            gives, else traced whole ([Note: repeated blocks]: exact where checked, blind to a
+            forward that branches on a block's index; ``profile(estimate=)`` traces so).
 
     Raises:
         TraceError: neither torch.fx nor torch.export could capture the model.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    cap: Capture = capture(model, inputs, kwargs=kwargs, example_kwargs=example_kwargs,
-                           leaf_modules=leaf_modules, max_depth=max_depth)
+    def whole() -> Capture:
+        return capture(model, inputs, kwargs=kwargs, example_kwargs=example_kwargs,
+                       leaf_modules=leaf_modules, max_depth=max_depth)
+
+    grown = capture_repeated(model, whole) if repeated else None  # [Note: repeated blocks]
+    cap = grown if isinstance(grown, Capture) else whole()
     layers, node_layer = group_layers(cap)
     grouped: dict[str, int] = {}
     if leaf_modules is None and max_depth is None:
