@@ -109,6 +109,7 @@ from autopipe.core.stage_memory import (
     activation_bytes,
     activation_peak,
     activation_terms,
+    build_bytes,
     gather_peak,
     kept_activation_bytes,
     kept_bytes,
@@ -332,7 +333,7 @@ def stage_costs(
         alone = recompute_alone_ms(sum(float(costs.fwd[r].sum()) for r in mine), len(mine),
                                    costs.recompute_ratio, costs.recompute_call_ms, dev.speed)
         bwd = float(costs.bwd[mask].sum()) / dev.speed + alone
-        params = int(costs.params[mask].sum())
+        params, buffers = int(costs.params[mask].sum()), int(costs.buffers[mask].sum())
         one_holder = costs.runtime == "gpipe" or options.schedule in MULTI_STAGE_SCHEDULES  # a device, a rank
         for members, nbytes in costs.tie_groups:  # [Note: tied parameters]
             shared = one_holder and any(  # held by an earlier stage on this device
@@ -368,17 +369,15 @@ def stage_costs(
                                                               costs.recompute_call_ms),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms,
                                     costs.comm_receive_share),
-            param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
+            param_bytes=int(state_bytes(params, buffers, options.optimizer,
                                         options.data_parallel, options.dp_mode)
                             + cast_cache_bytes(params, costs.precision, recomputed[s])),
+            build_bytes=int(build_bytes(params, buffers)),  # [Note: the build's memory] in stage_memory.py
             activation_bytes=int(activation_bytes(walk[0], walk[1], terms[s], held, walk[2])) + recompute_peak(
                 costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
-            input_bytes=cut_in,
-            output_bytes=cut_out,
-            saved_bytes=saved,
+            input_bytes=cut_in, output_bytes=cut_out, saved_bytes=saved,
             call_fwd_ms=call_fwd, call_bwd_ms=call_bwd,
-            recompute_ratio=costs.recompute_ratio,
-            recompute_call_ms=costs.recompute_call_ms,
+            recompute_ratio=costs.recompute_ratio, recompute_call_ms=costs.recompute_call_ms,
             latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
             receive_share=costs.comm_receive_share if options.ms_per_byte else 0.0,
             grad_sync_ms=grad_sync_ms(params, *replicas),

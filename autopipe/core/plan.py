@@ -246,6 +246,16 @@ class Plan:
         return [self.recompute] * self.num_stages if isinstance(self.recompute, str) else list(self.recompute)
 
     @property
+    def build_memory(self) -> dict[str, int]:
+        """Per device, what building its stages from a model on the meta device holds: their
+        parameters and buffers ([Note: the build's memory] in stage_memory.py; 0 in plans saved
+        before it). A model passed whole is whole on every rank until the build frees the rest."""
+        out: dict[str, int] = {}
+        for device, stage in zip(self.devices, self.breakdown, strict=True):
+            out[device.name] = out.get(device.name, 0) + stage.build_bytes
+        return out
+
+    @property
     def decision(self) -> Decision:
         """What this plan decides, as the one value the runtimes take ([Note: a plan's decision]
         in executor/decision.py); the rest of the plan is its prediction."""

@@ -146,6 +146,11 @@ def explain(plan: Plan) -> str:
     else:
         parts.append("Every layer costs 0 ms.")
     parts.append(f"Limited by {_limit(plan, s)}.")
+    build = plan.build_memory
+    if any(build.values()):  # [Note: the build's memory] in stage_memory.py
+        name = max(build, key=build.__getitem__)
+        parts.append(f"Building it from a model on the meta device holds at most {format_bytes(build[name])} "
+                     f"({name}: its stages' parameters and buffers).")
     if plan.recompute_layers:
         parts.append(f"{len(plan.recompute_layers)} layer(s) recompute alone instead of whole stages "
                      f"(those that save most for their forward time): " + "; ".join(_recomputed_lines(plan)) + ".")

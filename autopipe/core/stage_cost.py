@@ -70,6 +70,9 @@ class StageCost:
     # turn, holding the largest of their step_bytes, not their sum ([Note: the optimizer step's
     # memory] in stage_memory.py; False in plans saved before it)
     one_at_a_time: bool = False
+    # its parameters and buffers: what building it from a meta-device model holds ([Note: the
+    # build's memory] in stage_memory.py; 0 in plans saved before it)
+    build_bytes: int = 0
     # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
     # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
     # then added whole) ([Note: the loss's memory] in stage_memory.py)

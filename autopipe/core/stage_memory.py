@@ -80,6 +80,16 @@ the sender's latest output for it, and the gradient comes back the same way, so 
 keeps no output of its own beside them and the receiver sends nothing (cost.py). In one process
 a stage's input is the previous stage's output, and nothing is received.
 
+[Note: the build's memory] Building a stage from a model made on the meta device gives real
+tensors to that stage's parameters and buffers only ([Note: materialise per stage] in
+autopipe/frontend/building/materialize.py), read from a weights file one tensor at a time or
+initialised in place: a device's build peaks at its stages' parameters and buffers
+(``build_bytes``; a tied one once where one device holds both ends), all in fp32 before any
+replica shards them. Nothing else is alive then: no gradients, optimizer state or activations,
+so it is below the step's peak. A model passed whole is whole on every rank until the build
+frees the other ranks' tensors: build on the meta device (``torch.device("meta")``) for a model
+that one device cannot hold.
+
 [Note: the backward's memory] is in autopipe/core/backward_memory.py: the walk's e (``BEFORE_BACKWARD``
 ... ``IN_BACKWARD``) marks what each allocation happens beside.
 """
@@ -104,7 +114,7 @@ from executor.spec import (
 )
 
 __all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Amount", "Extras",
-           "Terms", "activation_bytes", "activation_peak", "activation_terms", "gather_peak", "kept_activation_bytes",
+           "Terms", "activation_bytes", "activation_peak", "activation_terms", "build_bytes", "gather_peak", "kept_activation_bytes",
            "kept_bytes", "loss_bytes", "loss_grad_bytes", "receive_bytes", "received_walk", "stage_terms", "step_bytes",
            "weight_held_bytes"]
 
@@ -130,6 +140,12 @@ def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, la
     last stage, the output gradient it received, which torch's PipelineStage keeps for W, unless
     it is in a receive buffer charged apart (``buffered``, [Note: receive buffers])."""
     return (0 if first else weight_grad) + (0 if last or buffered else output_bytes)
+
+
+def build_bytes(param_bytes: Amount, buffer_bytes: Amount) -> Amount:
+    """What building a stage from a meta-device model holds at its peak ([Note: the build's
+    memory]): its parameters and buffers."""
+    return param_bytes + buffer_bytes
 
 
 def receive_bytes(costs: LayerCosts, cut_in: Amount, cut_out: Amount, chunks: int) -> Amount:

@@ -23,9 +23,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
+import autopipe
 from autopipe.assemble.ranks import distributed_pipeline
+from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
 from autopipe.frontend.profiling.harness.process_memory import PeakRss, rss_anon
+from executor.memory_meter import MemoryMeter
 from tests import forked
 from tests.assemble.test_ranks import _ok, spawn
 
@@ -85,6 +88,36 @@ def test_two_ranks_load_only_their_stage_and_match_one_process(tmp_path: Path) -
         for key, value in v["state"].items():
             torch.testing.assert_close(value, state[key])
     assert seen >= set(dict(ref.named_parameters()))  # every parameter lives on some rank
+
+
+# --- the build's peak, predicted: [Note: the build's memory] in autopipe/core/stage_memory.py ----
+def _rank_build_peak(rank: int, weights: str, plan: Plan) -> tuple[int, int]:
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    with torch.device("meta"):
+        model = TinyGPT(layers=2)
+    meter = MemoryMeter(track=(ids,))  # live tensor bytes, as a GPU's allocator counts them
+    with meter:
+        pipe = distributed_pipeline(model, (ids,), loss_fn=_loss, plan=plan, weights=weights, timeout=30)
+    return meter.peak - ids.nbytes, len(list(pipe.stage_module.parameters()))
+
+
+@pytest.mark.timeout(90)
+def test_the_build_peak_is_predicted_and_never_the_whole_model(tmp_path: Path) -> None:
+    _, path = _small_weights(tmp_path)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    with torch.device("meta"):
+        model = TinyGPT(layers=2)
+    prof = autopipe.profile(model, (ids,), chunks=CHUNKS, estimate="h100", progress=False)  # nothing allocated
+    names = list(prof.layers)
+    plan = Plan.from_stages(prof, [names[:len(names) // 2], names[len(names) // 2:]], chunks=CHUNKS,
+                            runtime="distributed", bandwidth=None)
+    whole = sum(t.numel() * t.element_size() for t in [*TinyGPT(layers=2).parameters(), *TinyGPT().buffers()])
+    built = _ok(spawn(_rank_build_peak, str(path), plan))
+    predicted = [plan.build_memory[d.name] for d in plan.devices]
+    for (peak, _), want in zip(built, predicted, strict=True):
+        assert 0.9 <= peak / want <= 1.1, (peak, want)
+        assert peak < 0.8 * whole  # a stage, never the whole model
+    assert "Building it from a model on the meta device holds at most" in plan.explain()
 
 
 # --- a 1.27 GB model: peak memory of building it from a file ----------------------------------

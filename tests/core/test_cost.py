@@ -282,3 +282,19 @@ def test_a_rank_of_two_stages_steps_them_in_one_optimizer(one_at_a_time: bool) -
     assert (first.step_bytes, last.step_bytes) == ((8000, 6000) if one_at_a_time else (4000, 3000))
     state = first.param_bytes + last.param_bytes + first.receive_bytes + last.receive_bytes
     assert plan.device_memory["a"] == state + (8000 if one_at_a_time else 7000)
+
+
+def test_the_build_holds_each_devices_stages_parameters_and_buffers() -> None:
+    # [Note: the build's memory]: no gradients, state or activations yet; ZB-V's rank a builds
+    # stages 0 and 3
+    from autopipe.core.plan import Plan
+    from autopipe.solvers.synthetic import chain_profile
+
+    prof = chain_profile([1.0] * 4, param_bytes=[400, 10, 20, 300], output_bytes=1, saved_bytes=1,
+                         bwd_input_ms=[1.0] * 4)
+    prof.df["buffer_bytes"] = [1, 2, 3, 4]
+    plan = Plan.from_stages(prof, [["l0"], ["l1"], ["l2"], ["l3"]], chunks=2, recompute="never", optimizer="adamw",
+                            schedule="zbv", bandwidth=None, runtime="distributed", devices=["a", "b", "b", "a"])
+    assert [b.build_bytes for b in plan.breakdown] == [401, 12, 23, 304]
+    assert plan.build_memory == {"a": 401 + 304, "b": 12 + 23}
+    assert all(b.build_bytes < b.memory_bytes for b in plan.breakdown)
