@@ -1,6 +1,6 @@
 """Estimated against measured on this CPU: per-layer time and memory of a profile estimated on a
 sheet calibrated here, against the profile measured here, for the bundled examples and HF Llama,
-GPT-2 and BERT built from small configs.
+GPT-2, BERT and Mamba built from small configs.
 
     python3 benchmarks/estimate_accuracy.py                          # calibrate, then every model
     python3 benchmarks/estimate_accuracy.py --sheet sheets/cpu.json --models gpt llama
@@ -67,6 +67,10 @@ def _hf(kind: str, tokens: int) -> Callable[[int], tuple[torch.nn.Module, tuple[
             model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
                 vocab_size=1000, n_embd=256, n_layer=4, n_head=8, n_positions=tokens,
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        elif kind == "mamba":  # its selective scan runs as a Python loop over the tokens: many tiny layers
+            model = transformers.MambaForCausalLM(transformers.MambaConfig(
+                vocab_size=1000, hidden_size=256, state_size=16, intermediate_size=512, num_hidden_layers=2,
+                use_mambapy=False))
         else:
             model = transformers.BertForMaskedLM(transformers.BertConfig(
                 vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -87,7 +91,7 @@ def _example(name: str) -> Callable[[int], tuple[torch.nn.Module, tuple[Any, ...
 MODELS: dict[str, tuple[Callable[[int], tuple[torch.nn.Module, tuple[Any, ...]]], int, int]] = {
     "mlp": (_example("mlp"), 256, 4), "cnn": (_example("cnn"), 64, 4), "gpt": (_example("gpt"), 32, 4),
     "unet": (_example("unet"), 32, 4), "llama": (_hf("llama", 128), 16, 4), "gpt2": (_hf("gpt2", 128), 16, 4),
-    "bert": (_hf("bert", 128), 16, 4),
+    "bert": (_hf("bert", 128), 16, 4), "mamba": (_hf("mamba", 16), 16, 4),
 }
 
 
