@@ -38,10 +38,10 @@ import torch
 import autopipe
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.plan import Plan
+from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at, rows_for
 from autopipe.core.tensor_parallel import at_degree, check_degree, tp_link
 from autopipe.core.transfer import DEFAULT_BANDWIDTH
-from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
 from autopipe.solvers.tensor_parallel_search import with_degree
 
