@@ -12,6 +12,7 @@ import pytest
 from autopipe.app.cli import main
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
+from autopipe.core.simulator import simulate
 from autopipe.errors import PartitionError
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import chain_profile
@@ -101,6 +102,7 @@ def test_the_plan_recomputes_from_its_profile() -> None:
                              recompute=plan.recompute, bandwidth=plan.bandwidth)
     assert again.iteration_time == pytest.approx(plan.iteration_time)
     assert again.stage_memory == plan.stage_memory
+    assert simulate(plan, prof).iteration_time == pytest.approx(plan.iteration_time)
 
 
 def test_the_degree_is_in_the_json_and_older_plans_load_as_one(tmp_path: Path) -> None:
