@@ -163,10 +163,10 @@ def check_degree(profile: Profile, degree: Any, devices: int | None, host: int |
                              "use tensor_parallel=1")
     for name, div in _required(found).items():
         if div % degree:
-            what = "heads (and kv heads)" if name.startswith("attention") else "features"
-            ok = [t for t in range(1, div + 1) if div % t == 0 and t <= 64]
-            raise PartitionError(f"tensor_parallel={degree} does not divide the {div} {what} of group "
-                                 f"{name}; use a divisor of {div} such as {ok[-3:]}")
+            what = (f"the heads and kv heads of group {name} (their greatest common divisor is {div})"
+                    if name.startswith("attention") else f"the {div} features of group {name}")
+            ok = [t for t in range(1, min(div, 64) + 1) if div % t == 0]
+            raise PartitionError(f"tensor_parallel={degree} does not divide {what}; use one of {ok}")
     if host is not None and (degree > host or host % degree):
         raise PartitionError(f"tensor_parallel={degree} spans hosts of {host} devices: a TP group "
                              f"all-reduces every layer and stays inside one host; use a divisor of "

@@ -155,3 +155,13 @@ def test_the_link_is_the_sheets_intra_host_one_when_estimated() -> None:
     df = measured.df.assign(estimated="h100")
     estimated = Profile.from_frame(df, EDGES, {"estimated": sheet})
     assert tp_link(estimated, 5e10) == Link(1e3 / 4.5e11, 0.0)
+
+
+def test_a_degree_that_does_not_divide_the_heads_names_them() -> None:
+    df = _profile().df.copy()
+    df.loc[df["tp_group"] == MLP, "tp_group"] = "attention:row"
+    df.loc[df["tp_group"] == "attention:row", "tp_divides"] = 2  # gcd of 4 heads and 2 kv heads
+    with pytest.raises(PartitionError, match=r"tensor_parallel=4 does not divide the heads and kv heads of "
+                                             r"group attention:row \(their greatest common divisor is 2\); "
+                                             r"use one of \[1, 2\]"):
+        check_degree(Profile.from_frame(df, EDGES, {}), 4, 8, None)
