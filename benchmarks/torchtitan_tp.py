@@ -19,7 +19,7 @@ meshes are evaluated as they run them: FSDP (``dp_mode="fsdp"``), the stages spl
 counts (``method="uniform"``), one micro-batch of the local batch without PP and micro-batches of
 one row with it, every layer recomputed alone (full activation checkpointing). autopipe's row:
 the fastest of ``partition(stages=K, tensor_parallel=T, data_parallel=D, ...)`` over every mesh
-K x T x D of the GPUs with K <= 16 and T <= 8, the split, the micro-batches (up to 32) and the
+K x T x D of the GPUs with K <= 16 and T <= 8, the split, the micro-batches (down to one row) and the
 recomputation (``"auto"``: whole stages or single layers) chosen by the planner, FSDP, within the
 sheet's 96 GiB. Memory limits are lifted on their meshes
 so that a row prints what it needs.
@@ -117,7 +117,7 @@ def ours(prof: Profile, shape: str, most_stages: int) -> tuple[Plan | None, list
             try:
                 plan = autopipe.partition(prof, stages=k, devices=gpus, tensor_parallel=t, data_parallel=d,
                                           dp_mode="fsdp", chunks="auto", batch_size=batch, recompute="auto",
-                                          schedule="1f1b" if k > 1 else "gpipe", max_chunks=32, method="exact",
+                                          schedule="1f1b" if k > 1 else "gpipe", max_chunks=batch // d, method="exact",
                                           progress=False)
             except PartitionError as err:
                 tried.append(f"PP {k} x TP {t} x DP {d}: {str(err).splitlines()[0][:100]}")
