@@ -4,12 +4,15 @@
     python benchmarks/giant.py --layers 4 --hidden 256 --intermediate 512 --vocab 1000
     python benchmarks/giant.py --layers 80 --hidden 8192 --intermediate 28672 --heads 64 --kv-heads 8 \
         --estimate h100 --precision bf16     # the Llama-70B shape estimated for an H100, on this CPU
+    autopipe profile benchmarks.giant:llama70b --estimate h100 --batch-size 16 --chunks 8 --precision bf16
+                                             # the same from the command line (llama405b: the 405B's)
 
 Each phase runs in this process, one after the other; the table reports its wall time and the
 process's peak anonymous resident memory while it ran (RssAnon: [Note: RssAnon] in
 autopipe/frontend/profiling/harness/process_memory.py), next to the model's fp32 bytes, which no phase allocates.
 Profiling is layer by layer on the CPU with identical decoder blocks measured once
-([Note: layer by layer], [Note: identical layers]).
+([Note: layer by layer], [Note: identical layers]); an estimate's trace is two and three decoder
+blocks, the rest repeated, as profile(estimate=) traces ([Note: repeated blocks]).
 """
 
 from __future__ import annotations
@@ -49,7 +52,32 @@ def _timed(name: str, fn: Callable[[], Any], phases: list[Phase]) -> Any:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> list[Phase]:
+# the two shapes of docs/benchmarks.md, as flags of this script and as factories of the command line
+LLAMA_70B = ["--layers", "80", "--hidden", "8192", "--intermediate", "28672", "--heads", "64", "--kv-heads", "8",
+             "--seq", "4096"]
+LLAMA_405B = ["--layers", "126", "--hidden", "16384", "--intermediate", "53248", "--heads", "128", "--kv-heads",
+              "8", "--vocab", "128256", "--seq", "4096"]
+
+
+def _shape(flags: list[str], batch_size: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    import transformers
+
+    args = _parser().parse_args([*flags, "--batch", str(batch_size)])
+    model = transformers.LlamaForCausalLM(llama_config(args))  # on meta under `autopipe profile --estimate`
+    return model, torch.randint(0, args.vocab, (args.batch, args.seq))
+
+
+def llama70b(batch_size: int = 16) -> tuple[torch.nn.Module, torch.Tensor]:
+    """``autopipe profile benchmarks.giant:llama70b --estimate h100``: the Llama-70B shape."""
+    return _shape(LLAMA_70B, batch_size)
+
+
+def llama405b(batch_size: int = 16) -> tuple[torch.nn.Module, torch.Tensor]:
+    """``autopipe profile benchmarks.giant:llama405b --estimate h100``: the Llama 3.1 405B shape."""
+    return _shape(LLAMA_405B, batch_size)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     add_llama_arguments(parser, seq=128, batch=8)
     parser.add_argument("--stages", type=int, default=8)
@@ -62,7 +90,11 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
                         "--stages auto --chunks auto --recompute auto plans for (default 64; 0: no partition)")
     parser.add_argument("--save-profile", default=None, metavar="NAME", help="also write the profile to "
                         "NAME.csv / NAME.json (benchmarks/partition_speed.py --default --profile NAME:K)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[Phase]:
+    args = _parser().parse_args(argv)
     import transformers
 
     torch.set_num_threads(args.threads)
@@ -77,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> list[Phase]:
     model = _timed("build on meta", build, phases)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     micro = ids[: -(-args.batch // args.chunks)]
-    graph = _timed("trace", lambda: autopipe.trace(model, (micro,)), phases)
+    # an estimate traces as profile(estimate=) does: two and three blocks, the rest repeated
+    graph = _timed("trace", lambda: autopipe.trace(model, (micro,), repeated=bool(args.estimate)), phases)
     how = {"estimate": args.estimate} if args.estimate else {"repeats": args.repeats, "warmup": 1, "device": args.device}
     prof = _timed(f"profile ({'estimated on ' + args.estimate if args.estimate else 'layer by layer'})",
                   lambda: autopipe.profile(model, (ids,), chunks=args.chunks, graph=graph, progress=False,

@@ -12,7 +12,9 @@ one AdamW step to warm up (the optimizer's state appears), then one step measure
 measured figure is the most live tensor storage at once over that step, forward, loss,
 backward and ``optimizer.step()`` (executor.MemoryMeter: [Note: counting live bytes]), what
 ``torch.cuda.max_memory_allocated`` reports on a GPU; the batch is included and the model's
-weights, gradients and optimizer state are tracked from before the step. In one process the
+weights, gradients and optimizer state are tracked from before the step, and on ranks the
+receive buffers torch's PipelineStage made at the first step and keeps ([Note: receive buffers]
+in autopipe/core/stage_memory.py), which a GPU's allocator counts too. In one process the
 step holds the pipeline's output through the backward, as a training loop that keeps
 ``outputs`` does (the prediction counts it; a loop that drops it peaks lower), and computes
 the loss under autocast in bf16, as an AMP loop does and as the profile measured it. The prediction
@@ -31,7 +33,7 @@ import os
 import socket
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,7 @@ class Case:
     precision: str = "fp32"
     recompute: str = "never"
     even: bool = False  # equal layer counts instead of the planner's split (which follows the timings)
+    last: int = 0  # 2 stages, the last of them the model's last ``last`` layers (0: the planner's split)
 
     @property
     def ranks(self) -> int:
@@ -80,7 +83,9 @@ DEFAULT = (Case("one process", "gpipe"), Case("2 ranks", "gpipe"), Case("2 ranks
 ALL = (*DEFAULT, Case("2 ranks", "zbv"), Case("2 ranks", "1f1b", recompute="always"),
        Case("one process", "gpipe", precision="bf16"), Case("2 ranks", "1f1b", precision="bf16"),
        Case("2 ranks", "gpipe", model="llama"), Case("2 ranks", "1f1b", model="llama"),
-       Case("one process", "gpipe", model="llama"), Case("2x2 fsdp", "1f1b"))
+       Case("one process", "gpipe", model="llama"), Case("2x2 fsdp", "1f1b"),
+       # a cut that carries the logits (and their view the loss reads): [Note: receive buffers]
+       Case("2 ranks", "1f1b", model="llama", last=1), Case("2 ranks", "1f1b", model="llama", last=2))
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,9 @@ def _half(batch: dict[str, Any], replica: int) -> dict[str, Any]:
             "target": cut(batch.get("target")), "kwargs": {k: cut(v) for k, v in batch.get("kwargs", {}).items()}}
 
 
-def _peak(step: Any, track: Sequence[Any]) -> int:
-    step()  # the warm-up step: the optimizer's state appears
-    meter = MemoryMeter(track=track)
+def _peak(step: Any, track: Sequence[Any] | Callable[[], Sequence[Any]]) -> int:
+    step()  # the warm-up step: the optimizer's state appears (and on ranks the receive buffers)
+    meter = MemoryMeter(track=track() if callable(track) else track)
     with meter:
         step()
     return meter.peak
@@ -173,7 +178,18 @@ def _rank_peak(size: Size, case: Case, plan: Plan) -> int:
             opt.step()
             opt.zero_grad()
 
-    return _peak(step, (pipe.stage_module, opt or (), args, kwargs, target))
+    return _peak(step, lambda: (pipe.stage_module, opt or (), args, kwargs, target, _receive_buffers(pipe)))
+
+
+def _receive_buffers(pipe: Any) -> list[torch.Tensor]:
+    """The receive buffers of a rank's PipelineStages for this step's size ([Note: one schedule
+    per input size] in executor/ranks/sized.py), made at its first step."""
+    schedule = pipe._schedule
+    out = []
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            out += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    return out
 
 
 def _rank(rank: int, port: int, out: str, world: int, size: Size, work: Sequence[tuple[Case, Plan]]) -> None:
@@ -223,6 +239,10 @@ def _plan(prof: autopipe.Profile, size: Size, case: Case, **limits: Any) -> Plan
         return autopipe.partition(prof, devices=4, data_parallel=2, dp_mode="fsdp", runtime="distributed",
                                   bandwidth=None, batch_size=size.batch, **common, **limits)
     devices = ["rank0", "rank1", "rank1", "rank0"] if case.schedule == "zbv" else None
+    if case.last:
+        names = list(prof.layers)
+        return Plan.from_stages(prof, [names[:-case.last], names[-case.last:]], bandwidth=None,
+                                runtime="gpipe" if case.ranks == 0 else "distributed", **common)
     if case.even:
         parts = [list(p) for p in np.array_split(np.array(prof.layers), 4 if devices else 2)]
         return Plan.from_stages(prof, parts, devices=devices or (["cpu", "cpu"] if case.ranks == 0 else None),
@@ -281,7 +301,8 @@ def table(rows: Sequence[Row]) -> str:
              "peak MiB predicted | measured / predicted |", "|---|---|---|---|---|---|---:|---:|---:|"]
     for r in rows:
         c = r.case
-        lines.append(f"| {c.runtime} | {c.schedule} | {c.model} | {c.precision} | {c.recompute} | {r.where} | "
+        split = f", last {c.last} layer{'s' if c.last > 1 else ''}" if c.last else ""
+        lines.append(f"| {c.runtime}{split} | {c.schedule} | {c.model} | {c.precision} | {c.recompute} | {r.where} | "
                      f"{r.measured / 2**20:.2f} | {r.predicted / 2**20:.2f} | {r.ratio:.2f} |")
     return "\n".join(lines)
 

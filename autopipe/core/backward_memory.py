@@ -30,13 +30,14 @@ has one more instant: after its last forward executor.GPipe gathers every micro-
 into the batch's, a copy of them (``gathered_bytes``) beside everything then held
 (``gather_terms``), for a model that computes its own loss as for one whose caller's loss reads
 the gathered batch. A profile measured before the working sets keeps the old rule: every
-gradient from the start, no working set. Not charged: the runtime's send and receive buffers
-(docs/limitations.md). Measured against live tensor bytes in
-docs/benchmarks.md ("Whole-step memory").
+gradient from the start, no working set. On ranks the input is received into a buffer, and
+its gradient is sent while the stage goes on ([Note: receive buffers] in stage_memory.py).
+Measured against live tensor bytes in docs/benchmarks.md ("Whole-step memory").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,14 +52,16 @@ from autopipe.core.stage_memory import (
     Terms,
     kept_activation_bytes,
     loss_grad_bytes,
+    received_walk,
 )
 from executor.spec import ZERO_BUBBLE_SCHEDULES
 
 if TYPE_CHECKING:
     from autopipe.core.cost_options import CostOptions
+    from autopipe.core.stage_cost import StageCost
 
 __all__ = ["backward_extras", "first_backward_bytes", "gather_level", "gather_terms", "gathered_bytes", "lazy_grad_bytes",
-           "range_extras", "stage_backward", "working_beside_loss"]
+           "range_extras", "stage_backward", "stage_walk", "step_peak", "walk_maps", "working_beside_loss", "WalkMaps"]
 
 
 def lazy_grad_bytes(param_bytes: Amount, optimizer_factor: int, data_parallel: int, dp_mode: str,
@@ -83,12 +86,30 @@ def first_backward_bytes(saved: FloatArray, grads: FloatArray, working: FloatArr
     return float(np.maximum(after[1:] + working, after[:-1]).max())
 
 
-def backward_extras(lazy_grads: Amount, first: Amount, working: Amount) -> Extras:
+def backward_extras(lazy_grads: Amount, first: Amount, working: Amount, sending: Amount = 0) -> Extras:
     """``extras`` for :func:`activation_bytes`, indexed by the walk's e ([Note: the backward's
     memory]): relative to a state that holds every gradient, before the first backward none of
     the lazy ones, in the first backward ``first``, after it all of them, in a later backward
-    the largest layer's working set on top."""
-    return (-lazy_grads, first - lazy_grads, 0, working)
+    the largest layer's working set on top; after the first backward the input gradient being
+    sent (``sending``, [Note: receive buffers] in stage_memory.py)."""
+    return (-lazy_grads, first - lazy_grads, sending, working + sending)
+
+
+def stage_walk(b: StageCost, kept: bool = True) -> tuple[tuple[int, int, int, int], Extras, int]:
+    """A planned stage's (input, saved, weight-held, input-saved) bytes as its walk holds them
+    per micro-batch (with what it keeps per micro-batch in flight where ``kept``), its backward
+    ``extras``, and what its loss adds on top: what the simulator and the plan's checks walk
+    ([Note: receive buffers] in stage_memory.py: a stage with receive buffers is on ranks;
+    [Note: the loss's memory]: a plan saved before ``kept_bytes`` adds ``loss_bytes`` whole)."""
+    received = b.receive_bytes > 0
+    walk = received_walk(received, b.input_bytes, b.saved_bytes, b.input_saved_bytes)
+    extras = backward_extras(b.lazy_grad_bytes, b.first_backward_bytes, b.working_bytes, b.sending_bytes)
+    if not kept:
+        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, 0
+    if not (b.kept_bytes or b.loss_grad_bytes):
+        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, b.loss_bytes
+    more = b.kept_bytes  # kept_activation_bytes' rule: once per micro-batch a term holds
+    return (walk[0] + more, walk[1] + more, b.weight_held_bytes, walk[2] + more), extras, b.loss_grad_bytes
 
 
 def gather_terms(terms: Terms) -> Terms:
@@ -124,11 +145,37 @@ def working_beside_loss(working: Amount, loss_grads: Amount, returned: int) -> A
     return np.where(np.asarray(loss_grads) > 0, np.maximum(working + returned - loss_grads, 0), working)
 
 
+def step_peak(stages: Sequence[StageCost]) -> int:
+    """What ``optimizer.step()`` holds besides the state on a device of ``stages``: one tensor
+    at a time, the largest stage's; all at once (foreach), every stage's ([Note: the optimizer
+    step's memory] in stage_memory.py)."""
+    amounts = [b.step_bytes for b in stages]
+    return max(amounts, default=0) if all(b.one_at_a_time for b in stages) else sum(amounts)
+
+
+# activation_peak's and gather_peak's maps by stage: recomputed micro-batches, then the
+# input, saved, weight-held and input-saved bytes, then the backward's extras
+WalkMaps = tuple[Mapping[int, int], dict[int, float], dict[int, float], dict[int, float], dict[int, float],
+                 dict[int, Extras]]
+
+
+def walk_maps(stages: Sequence[StageCost], recomputed: Mapping[int, int],
+              kept: bool = True) -> tuple[WalkMaps, list[int]]:
+    """Every planned stage's :func:`stage_walk` as the maps the device walks take, and what each
+    stage's loss adds on top."""
+    walks = [stage_walk(b, kept) for b in stages]
+    held = tuple({s: float(w[0][i]) for s, w in enumerate(walks)} for i in range(4))
+    return (recomputed, held[0], held[1], held[2], held[3], {s: w[1] for s, w in enumerate(walks)}), [
+        w[2] for w in walks]
+
+
 def range_extras(costs: LayerCosts, params: FloatArray, j0: int, j1: int, rows: int, optimizer_factor: int,
-                 data_parallel: int, dp_mode: str, schedule: str, chunks: int) -> Extras | None:
+                 data_parallel: int, dp_mode: str, schedule: str, chunks: int,
+                 sending: Amount = 0) -> Extras | None:
     """``extras`` of every range i < j, j0 <= j < j1, as a stage holding ``params`` (rows, j1 -
     j0) ([Note: the backward's memory]): the range maxima of :func:`first_backward_bytes`' terms
-    and of the working sets; None where the profile did not measure them."""
+    and of the working sets, with the input gradient being ``sending`` (rows, 1); None where the
+    profile did not measure them."""
     if costs.working is None:
         return None
     lazy = lazy_grad_bytes(params, optimizer_factor, data_parallel, dp_mode, schedule)
@@ -140,15 +187,17 @@ def range_extras(costs: LayerCosts, params: FloatArray, j0: int, j1: int, rows: 
     last = np.arange(j0, j1)[None, :] == len(costs)
     working = working_beside_loss(range_max(costs.working, j0, j1, rows),
                                   np.where(last, loss_grad_bytes(costs, chunks), 0), costs.returned)
-    return backward_extras(lazy, first, working)
+    return backward_extras(lazy, first, working, sending)
 
 
 def stage_backward(costs: LayerCosts, mask: FloatArray, params: int, factor: int, options: CostOptions,
-                   last: bool, terms: Terms, held: tuple[int, int, int, int, int, int]) -> tuple[int, ...]:
+                   last: bool, terms: Terms, held: tuple[int, int, int, int, int, int],
+                   sending: int = 0) -> tuple[int, ...]:
     """One stage's (lazy gradients, first backward, working set, gathered outputs, what they add
     to its peak beside its activations and the loss's bytes), for stage_costs; ``held``: its
-    (input, saved, weight-held, input-saved, kept, loss-gradient) bytes. All 0 where the
-    profile did not measure the working sets."""
+    (input, saved, weight-held, input-saved, kept, loss-gradient) bytes as its walk holds them,
+    ``sending`` its input gradient in flight ([Note: receive buffers] in stage_memory.py). All 0
+    where the profile did not measure the working sets."""
     if costs.working is None or not mask.any():
         return 0, 0, 0, 0, 0
     cut_in, saved, weight_held, input_saved, kept, grads = held
@@ -158,7 +207,7 @@ def stage_backward(costs: LayerCosts, mask: FloatArray, params: int, factor: int
                                      costs.working[mask].astype(np.float64)))
     working = int(working_beside_loss(int(costs.working[mask].max()), grads, costs.returned))
     gathered = int(gathered_bytes(costs, options.chunks, last))
-    extras = backward_extras(lazy, first, working)
+    extras = backward_extras(lazy, first, working, sending)
     joint = kept_activation_bytes(cut_in, saved, terms, weight_held, input_saved, kept, grads, extras)
     if gathered:
         joint = max(joint, gather_level(costs, options.chunks, cut_in, saved, terms, weight_held, input_saved, extras))

@@ -114,6 +114,8 @@ from autopipe.core.stage_memory import (
     kept_bytes,
     loss_bytes,
     loss_grad_bytes,
+    receive_bytes,
+    received_walk,
     stage_terms,
     step_bytes,
     weight_held_bytes,
@@ -144,6 +146,8 @@ __all__ = [
     "kept_bytes",
     "loss_bytes",
     "loss_grad_bytes",
+    "receive_bytes",
+    "received_walk",
     "step_bytes",
     "stage_terms",
     "weight_held_bytes",
@@ -316,7 +320,8 @@ def stage_costs(
                 resaved[stage[u]:int(stage[list(costs.savers[u])].max())] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
     check_split(costs, options.schedule)
-    split = options.schedule in ZERO_BUBBLE_SCHEDULES
+    split, ranks_runtime = options.schedule in ZERO_BUBBLE_SCHEDULES, costs.runtime == "distributed"
+    multi = ranks_runtime and options.schedule in MULTI_STAGE_SCHEDULES
     chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
     runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
     result = []
@@ -340,38 +345,38 @@ def stage_costs(
         first = int(np.flatnonzero(mask)[0]) if mask.any() else 0  # [Note: an input kept once]
         input_saved = min(int(costs.saved_input[first]), cut_in, saved) if s > 0 and first > 0 else 0
         cut_out = int(cut[s]) if s < k - 1 else 0
-        bwd_input, bwd_weight, held = None, None, 0
-        loss = 0
+        bwd_input, bwd_weight, held, loss = None, None, 0, 0
         if costs.bwd_input is not None and costs.weight_grad is not None and split:
             bwd_input, bwd_weight = split_parts(float(costs.bwd_input[mask].sum()) / dev.speed, bwd, costs.split_ratio,
                                                 first=s == 0, whole=bool(mine))
             held = 0 if mine else int(weight_held_bytes(int(costs.weight_grad[mask].sum()), cut_out, s == 0,
-                                                        s == k - 1))
+                                                        s == k - 1, ranks_runtime))
         largest = int(costs.layer_params[mask].max()) if costs.layer_params is not None and mask.any() else 0
-        step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, options.data_parallel,
-                              options.dp_mode))
-        kept, grads = kept_bytes(costs, cut_out, s == k - 1), loss_grad_bytes(costs, m) if s == k - 1 else 0
+        step = int(step_bytes(params, largest, options.optimizer, costs.one_at_a_time, *replicas[:2]))
+        # [Note: receive buffers] in stage_memory.py: between two stages of one rank, in place
+        beside = [multi and 0 <= t < k and devices[t].name == dev.name for t in (s - 1, s + 1)]
+        kept = 0 if beside[1] else kept_bytes(costs, cut_out, s == k - 1, costs.received_before(first))
+        grads, sending = loss_grad_bytes(costs, m) if s == k - 1 else 0, cut_in * (ranks_runtime and not beside[0])
+        walk = received_walk(ranks_runtime, cut_in, saved, input_saved)
         if kept or grads:  # [Note: the loss's memory]
-            loss = int(loss_bytes(cut_in, saved, terms[s], held, input_saved, kept, grads))
+            loss = int(loss_bytes(walk[0], walk[1], terms[s], held, walk[2], kept, grads))
         lazy, first, working, gathered, backward = stage_backward(  # [Note: the backward's memory]
             costs, mask, params, OPTIMIZER_FACTOR[options.optimizer], options, s == k - 1, terms[s],
-            (cut_in, saved, held, input_saved, kept, grads))
+            (walk[0], walk[1], held, walk[2], kept, grads), sending)
         result.append(StageCost(
-            fwd_ms=fwd,
-            bwd_ms=bwd,
-            recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio, costs.recompute_call_ms),
+            fwd_ms=fwd, bwd_ms=bwd, recompute_ms=recompute_ms(fwd, recomputed[s], m, costs.recompute_ratio,
+                                                              costs.recompute_call_ms),
             transfer_ms=transfer_ms(cut_in, cut_out, options.ms_per_byte, costs.comm_latency_ms,
                                     costs.comm_receive_share),
             param_bytes=int(state_bytes(params, int(costs.buffers[mask].sum()), options.optimizer,
                                         options.data_parallel, options.dp_mode)
                             + cast_cache_bytes(params, costs.precision, recomputed[s])),
-            activation_bytes=int(activation_bytes(cut_in, saved, terms[s], held, input_saved)) + recompute_peak(
+            activation_bytes=int(activation_bytes(walk[0], walk[1], terms[s], held, walk[2])) + recompute_peak(
                 costs, mine, np.flatnonzero(mask & ~chosen).tolist()),
             input_bytes=cut_in,
             output_bytes=cut_out,
             saved_bytes=saved,
-            call_fwd_ms=call_fwd,
-            call_bwd_ms=call_bwd,
+            call_fwd_ms=call_fwd, call_bwd_ms=call_bwd,
             recompute_ratio=costs.recompute_ratio,
             recompute_call_ms=costs.recompute_call_ms,
             latency_ms=costs.comm_latency_ms if options.ms_per_byte else 0.0,
@@ -389,5 +394,7 @@ def stage_costs(
             working_bytes=working,
             gathered_bytes=gathered,
             backward_bytes=backward,
+            receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
+            sending_bytes=sending, one_at_a_time=costs.one_at_a_time,
         ))
     return result

@@ -20,7 +20,9 @@ executor/activation_meter.py counts the same thing in a running pipeline.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +80,9 @@ class LayerCosts:
     # and what the loss's backward has alive on top of that
     loss_kept: int = 0
     returned: int = 0  # of loss_kept, the model's outputs (executor.GPipe gathers them: [Note: the backward's memory])
+    # of returned, what the layers before layer i return (n + 1 entries): on ranks a last stage
+    # starting at i receives those, in its receive buffers ([Note: receive buffers])
+    returned_before: IntArray | None = None
     loss_grads: int = 0
     # [Note: the optimizer step's memory] in stage_memory.py: each layer's parameter bytes, tied ones
     # included (the largest tensor a stage steps is at most its largest layer's), and whether
@@ -138,8 +143,10 @@ class LayerCosts:
         resaved = np.array([min(int(value[u]), max((int(shared[v]) for v in savers[u]), default=0))
                             for u in range(n)], dtype=np.int64)
         bwd = df["bwd_ms"].to_numpy(dtype=np.float64).copy()
-        outputs = int(df[RETURNED_COLUMN].sum()) if RETURNED_COLUMN in df.columns else int(  # the model's
-            sum(int(b) for b, users in zip(df["output_bytes"], consumers, strict=True) if not users))
+        each = df[RETURNED_COLUMN].to_numpy(dtype=np.int64) if RETURNED_COLUMN in df.columns else np.array(
+            [int(b) if not users else 0 for b, users in zip(df["output_bytes"], consumers, strict=True)],
+            dtype=np.int64)  # the model's outputs, by the layer that makes them
+        outputs = int(each.sum())
         if n:  # [Note: the loss in the last stage]: the last layer's backward carries the loss
             bwd[-1] += 0.0 if c.loss is None else c.loss.fwd_ms + c.loss.bwd_ms
         # [Note: ranks sharing a host] (autopipe/frontend/profiling/spawned/rank_contention.py): ranks on one
@@ -185,6 +192,7 @@ class LayerCosts:
             split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
             loss_kept=outputs + (0 if c.loss is None else c.loss.held_bytes),
             returned=outputs,
+            returned_before=np.concatenate([[0], np.cumsum(each)]).astype(np.int64),
             layer_params=df["param_bytes"].to_numpy(dtype=np.int64),
             one_at_a_time=str(profile.meta.get("device_type") or "cpu") == "cpu",
             loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
@@ -201,6 +209,11 @@ class LayerCosts:
         optimizer step's memory] in stage_memory.py)."""
         return range_max(np.zeros(len(self)) if self.layer_params is None else self.layer_params, j0, j1, rows)
 
+    def received_before(self, start: Any) -> Any:
+        """What the layers before layer ``start`` (an index or an array of them) return: what a
+        last stage starting there receives of the model's outputs ([Note: receive buffers])."""
+        return 0 if self.returned_before is None else self.returned_before[start]
+
     def cut_bytes(self) -> IntArray:
         """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
         return self._spans(self.value_bytes, self.last_use)
@@ -210,10 +223,13 @@ class LayerCosts:
         for its consumers' backward ([Note: saved once])."""
         return self._spans(self.resaved, self.last_saver)
 
-    @property
+    @functools.cached_property
     def last_saver(self) -> IntArray:
-        """Index of each layer's last consumer that saves its output too (itself when none)."""
-        return np.array([max(users, default=u) for u, users in enumerate(self.savers)], dtype=np.int64)
+        """Index of each layer's last consumer that saves its output too (itself when none);
+        made once (read one layer at a time in loops over every layer: recomputed_layers.py)."""
+        out = np.array([max(users, default=u) for u, users in enumerate(self.savers)], dtype=np.int64)
+        out.flags.writeable = False
+        return out
 
     def input_saved_cut(self) -> IntArray:
         """``cut[i]``: of ``cut_bytes()[i]``, what layer i saves when it starts a stage, which a

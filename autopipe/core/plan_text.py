@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopipe.core.cost import activation_bytes, backward_extras, schedule_ranks, stage_terms
+from autopipe.core.backward_memory import stage_walk
+from autopipe.core.cost import activation_bytes, schedule_ranks, stage_terms
 from autopipe.core.units import format_bytes
 from executor.spec import ZERO_BUBBLE_SCHEDULES
 
@@ -45,10 +46,9 @@ def memory_forced(plan: Plan) -> list[tuple[int, int]]:
         if mode == "never" or dev.memory is None:
             continue
         never = stage_terms(plan.schedule, s, k, plan.chunks, 0, ranks, plan.merge_backward)
-        extras = backward_extras(b.lazy_grad_bytes, b.first_backward_bytes, b.working_bytes)
-        need = b.param_bytes + max(b.loss_bytes + int(activation_bytes(b.input_bytes, b.saved_bytes, never,
-                                                                       b.weight_held_bytes, extras=extras)),
-                                   b.step_bytes)
+        walk, extras, loss = stage_walk(b)  # [Note: receive buffers] in stage_memory.py
+        need = b.param_bytes + b.receive_bytes + max(
+            loss + int(activation_bytes(walk[0], walk[1], never, walk[2], extras=extras)), b.step_bytes)
         share = dev.memory // (k // ranks) if ranks else dev.memory  # [Note: interleaved memory]
         if need > share:
             out.append((s, need))

@@ -44,11 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from autopipe.core.backward_memory import step_peak, walk_maps
 from autopipe.core.cost import (
     LayerCosts,
     StageCost,
     activation_peak,
-    backward_extras,
     crossing_ms,
     gather_peak,
     receive_ms,
@@ -275,27 +275,23 @@ def simulate_stages(
     total = max((e.end_ms for e in timeline), default=0.0)
     busy = sum(e.end_ms - e.start_ms for e in timeline if e.phase not in DATA_PARALLEL_PHASES)
     recomputed = dict(enumerate(rec))
-    inputs = {s: float(st.input_bytes) for s, st in enumerate(stages)}
-    saved = {s: float(st.saved_bytes) for s, st in enumerate(stages)}
-    held = {s: float(st.weight_held_bytes) for s, st in enumerate(stages)}
-    kept = {s: float(st.input_saved_bytes) for s, st in enumerate(stages)}  # [Note: an input kept once]
-    # [Note: the backward's memory] in backward_memory.py, [Note: the optimizer step's memory] in stage_memory.py
-    extras = {s: backward_extras(st.lazy_grad_bytes, st.first_backward_bytes, st.working_bytes)
-              for s, st in enumerate(stages)}
+    # each stage's walk: [Note: an input kept once], [Note: receive buffers] and [Note: the optimizer
+    # step's memory] in stage_memory.py, [Note: the backward's memory] in backward_memory.py
+    maps, loss = walk_maps(stages, recomputed)
+    plain, _ = walk_maps(stages, recomputed, kept=False)  # executor.GPipe's gathering adds its own
     # executor.GPipe's gathered outputs: (per micro-batch, their copy) on the last stage
     gathered = {s: (st.gathered_bytes / m, float(st.gathered_bytes)) for s, st in enumerate(stages)}
-    maps = (recomputed, inputs, saved, held, kept, extras)
     peaks = []
     for s, st in enumerate(stages):
         mine = [op for op in ran[device_of[s]] if op[0] == s]
-        peaks.append(st.param_bytes + int(max(st.loss_bytes + activation_peak(mine, *maps), st.step_bytes,
-                                              gather_peak(mine, *maps, gathered))))
+        peaks.append(st.param_bytes + st.receive_bytes + int(max(
+            loss[s] + activation_peak(mine, *maps), st.step_bytes, gather_peak(mine, *plain, gathered))))
     device_memory: dict[str, int] = {}
     for r, ops in enumerate(ran):
         owners = [s for s in range(k) if device_of[s] == r]
-        device_memory[names[owners[0]]] = sum(stages[s].param_bytes for s in owners) + int(max(
-            sum(stages[s].loss_bytes for s in owners) + activation_peak(ops, *maps),
-            sum(stages[s].step_bytes for s in owners), gather_peak(ops, *maps, gathered)))
+        device_memory[names[owners[0]]] = sum(stages[s].param_bytes + stages[s].receive_bytes for s in owners) + int(max(
+            sum(loss[s] for s in owners) + activation_peak(ops, *maps),
+            step_peak([stages[s] for s in owners]), gather_peak(ops, *plain, gathered)))
     bubble = 1.0 - busy / (n_res * total) if total > 0 else 0.0
     timeline.sort(key=lambda e: (e.start_ms, e.stage))
     return SimulationResult(schedule, timeline, total, bubble, peaks, device_memory)

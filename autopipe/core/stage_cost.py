@@ -61,6 +61,20 @@ class StageCost:
     working_bytes: int = 0
     gathered_bytes: int = 0  # executor.GPipe's gathered outputs, on the last stage after its last forward
     backward_bytes: int = 0
+    # the runtime's receive buffers, held through the step: on ranks one per micro-batch for the
+    # input and the output's gradient (0 in one process and in plans saved before it); a stage
+    # that has them holds its input in them ([Note: receive buffers] in stage_memory.py)
+    receive_bytes: int = 0
+    sending_bytes: int = 0  # the input gradient still being sent beside a later backward (ranks)
+    # whether its optimizer steps one tensor at a time (the CPU): a device's stages then step in
+    # turn, holding the largest of their step_bytes, not their sum ([Note: the optimizer step's
+    # memory] in stage_memory.py; False in plans saved before it)
+    one_at_a_time: bool = False
+    # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
+    # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
+    # then added whole) ([Note: the loss's memory] in stage_memory.py)
+    kept_bytes: int = 0
+    loss_grad_bytes: int = 0
 
     @property
     def backward_ms(self) -> float:
@@ -79,5 +93,5 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + max(self.activation_bytes + self.loss_bytes + self.backward_bytes,
-                                      self.step_bytes)
+        return self.param_bytes + self.receive_bytes + max(
+            self.activation_bytes + self.loss_bytes + self.backward_bytes, self.step_bytes)

@@ -61,7 +61,24 @@ quotient while they step a tensor. torch steps one tensor at a time on the CPU (
 largest: at most twice the stage's largest layer's parameters) and all of a device's tensors at
 once elsewhere (its foreach path: one copy of them all); SGD, with momentum or without, updates
 in place. A stage's peak is its state plus the larger of its activations (with the loss's
-bytes) and this (``step_bytes``); under FSDP each replica steps its shard.
+bytes) and this (``step_bytes``); under FSDP each replica steps its shard. A rank of several
+stages (ZB-V) steps them in one optimizer: one tensor at a time it holds the largest stage's
+temporaries, all at once every stage's (``backward_memory.step_peak``).
+
+[Note: receive buffers] On ranks torch's PipelineStage receives into buffers it allocates at
+the first step and keeps: one per micro-batch for the stage's input (but on the first stage)
+and one per micro-batch for its output's gradient (but on the last), ``chunks x (input +
+output)`` bytes held through the whole step, optimizer step included (``receive_bytes``). A
+micro-batch's input is its buffer, so the walk holds none of it, and of its saves not what the
+first layer saves of that input (``received_walk``: input 0, saved less input_saved); a split
+backward's received output gradient, kept from I to W, is its buffer too (``weight_held_bytes``'
+``buffered``). A backward's input gradient is sent while the stage goes on, and torch lets it go
+when the next backward's send is posted: one input's bytes beside everything after the first
+backward (``backward_extras``' ``sending``). Between two stages of one rank (ZB-V's middle
+pair) the output is handed over in place: the receiving stage's buffer of each micro-batch is
+the sender's latest output for it, and the gradient comes back the same way, so the sender
+keeps no output of its own beside them and the receiver sends nothing (cost.py). In one process
+a stage's input is the previous stage's output, and nothing is received.
 
 [Note: the backward's memory] is in autopipe/core/backward_memory.py: the walk's e (``BEFORE_BACKWARD``
 ... ``IN_BACKWARD``) marks what each allocation happens beside.
@@ -88,7 +105,8 @@ from executor.spec import (
 
 __all__ = ["BEFORE_BACKWARD", "FIRST_BACKWARD", "GRADIENTS", "IN_BACKWARD", "STEP_TEMPORARIES", "Amount", "Extras",
            "Terms", "activation_bytes", "activation_peak", "activation_terms", "gather_peak", "kept_activation_bytes",
-           "kept_bytes", "loss_bytes", "loss_grad_bytes", "stage_terms", "step_bytes", "weight_held_bytes"]
+           "kept_bytes", "loss_bytes", "loss_grad_bytes", "receive_bytes", "received_walk", "stage_terms", "step_bytes",
+           "weight_held_bytes"]
 
 Amount = Any  # a number, a numpy array or a PuLP expression, as in autopipe.core.cost
 # (a, b, c, d, e): a x input + b x saved + c x weight_held - d x input_saved bytes, plus the
@@ -104,12 +122,29 @@ _AT_LEAST = {(e, f) for e in range(4) for f in range(4)
              if e == f or f == BEFORE_BACKWARD or e == IN_BACKWARD}
 
 
-def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, last: bool) -> Amount:
+def weight_held_bytes(weight_grad: Amount, output_bytes: Amount, first: bool, last: bool,
+                      buffered: bool = False) -> Amount:
     """What one micro-batch of a stage holds from its I to its W besides its activations
     ([Note: stage memory]): the gradients its layers' weight passes start from (the profile's
     ``weight_grad_bytes``; none on the first stage, whose I computes nothing), and, but on the
-    last stage, the output gradient it received, which torch's PipelineStage keeps for W."""
-    return (0 if first else weight_grad) + (0 if last else output_bytes)
+    last stage, the output gradient it received, which torch's PipelineStage keeps for W, unless
+    it is in a receive buffer charged apart (``buffered``, [Note: receive buffers])."""
+    return (0 if first else weight_grad) + (0 if last or buffered else output_bytes)
+
+
+def receive_bytes(costs: LayerCosts, cut_in: Amount, cut_out: Amount, chunks: int) -> Amount:
+    """The receive buffers a stage holds through the step ([Note: receive buffers]): on ranks one
+    per micro-batch for its input (``cut_in``, 0 on the first stage) and one for its output's
+    gradient (``cut_out``, 0 on the last); none in one process."""
+    return chunks * (cut_in + cut_out) if costs.runtime == "distributed" else 0
+
+
+def received_walk(received: bool, input_bytes: Amount, saved_bytes: Amount,
+                  input_saved: Amount) -> tuple[Amount, Amount, Amount]:
+    """The (input, saved, input_saved) bytes the walk holds per micro-batch: where the input is
+    ``received`` into a buffer charged apart, none of it and none of the first layer's save of it
+    ([Note: receive buffers])."""
+    return (0, saved_bytes - input_saved, 0) if received else (input_bytes, saved_bytes, input_saved)
 
 
 Held = tuple[int, int, int, int, int, bool, int]
@@ -233,13 +268,17 @@ def step_bytes(param_bytes: Amount, largest_bytes: Amount, optimizer: str, one_a
     return amount / data_parallel if dp_mode == "fsdp" and data_parallel > 1 else amount
 
 
-def kept_bytes(costs: LayerCosts, output_bytes: Amount, last: Amount) -> Amount:
+def kept_bytes(costs: LayerCosts, output_bytes: Amount, last: Amount, received: Amount = 0) -> Amount:
     """Per micro-batch in flight, what a stage keeps besides its layers' saves ([Note: the loss's
     memory]): the last stage (``last`` true) its model output and its loss's saves; on ranks
-    any other its ``output_bytes``, the bytes crossing its last cut. ``last`` may be an array."""
-    other = output_bytes if costs.runtime == "distributed" else 0
-    return np.where(last, costs.loss_kept, other) if isinstance(last, np.ndarray) else (
-        costs.loss_kept if last else other)
+    any other its ``output_bytes``, the bytes crossing its last cut. On ranks the last stage
+    receives what its earlier stages' layers return (``received``: ``returned_before`` its first
+    layer) into its receive buffers ([Note: receive buffers]), not kept again. ``last`` and
+    ``received`` may be arrays."""
+    ranks = costs.runtime == "distributed"
+    other = output_bytes if ranks else 0
+    mine = costs.loss_kept - received if ranks else costs.loss_kept
+    return np.where(last, mine, other) if isinstance(last, np.ndarray) else (mine if last else other)
 
 
 def loss_grad_bytes(costs: LayerCosts, chunks: int) -> int:

@@ -33,6 +33,8 @@ from autopipe.core.cost import (
     kept_bytes,
     layer_work,
     loss_grad_bytes,
+    receive_bytes,
+    received_walk,
     schedule_ranks,
     stage_fixed_ms,
     stage_terms,
@@ -136,27 +138,32 @@ class RangeCosts:
             last = np.where(pos >= 0, idx[np.maximum(pos, 0)], -1)
             params = params + nbytes * (self.rows[:, None] <= last[None, :])
         saved = s[None, j0:j1] - s[:, None] + self.resaved_cut[:, None]
+        ranks = self.costs.runtime == "distributed"  # [Note: receive buffers] in stage_memory.py
         held = weight_held_bytes(self.weight_grad[None, j0:j1] - self.weight_grad[:, None],
-                                 self.cut[None, j0:j1], True, False) if any(t[2] for t in self.terms) else 0
+                                 self.cut[None, j0:j1], True, False, ranks) if any(t[2] for t in self.terms) else 0
         last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
-        kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
+        cut_out = self.cut[np.minimum(cols, self.n)]
+        kept = kept_bytes(self.costs, cut_out[None, :], last[None, :], self.costs.received_before(self.rows[:, None]))
         grads = np.where(last, self.loss_grads, 0)[None, :]
-        input_saved = np.minimum(self.input_saved[:, None], saved)
+        cut_in, saved, input_saved = received_walk(ranks, self.cut[:, None], saved,
+                                                   np.minimum(self.input_saved[:, None], saved))
         extras = range_extras(self.costs, params, j0, j1, self.n + 1, OPTIMIZER_FACTOR[self.optimizer],
-                              *self.replicas, self.schedule, self.m)  # [Note: the backward's memory]
+                              *self.replicas, self.schedule, self.m,  # [Note: the backward's memory]
+                              self.cut[:, None] if ranks else 0)
         act: FloatArray = (  # most blocks keep nothing and take the plain walk
-            kept_activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved, kept, grads, extras)
+            kept_activation_bytes(cut_in, saved, self.terms, held, input_saved, kept, grads, extras)
             if kept.any() or grads.any() or extras is not None
-            else activation_bytes(self.cut[:, None], saved, self.terms, held, input_saved))
+            else activation_bytes(cut_in, saved, self.terms, held, input_saved))
         if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
-            gather = gather_level(self.costs, self.m, self.cut[:, None], saved, self.terms, held, input_saved, extras)
+            gather = gather_level(self.costs, self.m, cut_in, saved, self.terms, held, input_saved, extras)
             act = np.where(last[None, :], np.maximum(act, gather), act)
         if self.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
             act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,
                                              *self.replicas))
         out: FloatArray = (state_bytes(params, b[None, j0:j1] - b[:, None], self.optimizer, *self.replicas)
-                           + cast_cache_bytes(params, self.precision, self.rec_n) + act)
+                           + cast_cache_bytes(params, self.precision, self.rec_n) + act
+                           + receive_bytes(self.costs, self.cut[:, None], cut_out[None, :], self.m))
         return out
 
 

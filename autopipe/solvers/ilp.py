@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import pulp
 
@@ -57,7 +58,7 @@ from autopipe.core.cost import (
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
-from autopipe.core.stage_memory import Extras
+from autopipe.core.stage_memory import Extras, receive_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
 from executor.spec import ZERO_BUBBLE_SCHEDULES
@@ -78,11 +79,13 @@ class ILPResult:
 
 
 def _backward_extras(prob: pulp.LpProblem, costs: LayerCosts, options: CostOptions,
-                     params: pulp.LpAffineExpression, s: int, last: int, x: Callable[[int, int], Any]) -> Extras:
+                     params: pulp.LpAffineExpression, s: int, last: int, x: Callable[[int, int], Any],
+                     sending: Any = 0) -> Extras:
     """Stage s's backward extras as PuLP expressions ([Note: the backward's memory] in
     stage_memory.py): its largest working set and its first backward's maximum over its layers
     in index order (``first_backward_bytes``), each a variable bounded below by every layer's
-    term; ``r[v]``, the lazy gradients less the saves of the stage's layers after v."""
+    term; ``r[v]``, the lazy gradients less the saves of the stage's layers after v; ``sending``,
+    its input gradient in flight."""
     n, factor = len(costs), OPTIMIZER_FACTOR[options.optimizer]
     lazy = lazy_grad_bytes(params, factor, options.data_parallel, options.dp_mode, options.schedule)
     grads = costs.params * (lazy_grad_bytes(1, factor, options.data_parallel, options.dp_mode, options.schedule) > 0)
@@ -101,7 +104,7 @@ def _backward_extras(prob: pulp.LpProblem, costs: LayerCosts, options: CostOptio
         prob += done == after + net[v] * x(v, s)
         prob += first >= done  # once v is done
         after = done
-    return backward_extras(lazy, first, beside)
+    return backward_extras(lazy, first, beside, sending)
 
 
 def solve_ilp(
@@ -145,6 +148,7 @@ def _solve(
         (c,) = stage_costs(costs, [0] * n, devices, options)
         return ILPResult([0] * n, c.time_ms, c.time_ms, 0.0, "optimal", 0.0)
     m = options.chunks
+    ranks = costs.runtime == "distributed"
     recomputed = options.recomputed(k)
     terms = options.terms(k, schedule_ranks(options.schedule, devices))
     cuts = range(k - 1)
@@ -219,8 +223,11 @@ def _solve(
             state = state_bytes(params, total(costs.buffers, s), options.optimizer,
                                 options.data_parallel, options.dp_mode) + cast_cache_bytes(
                 params, costs.precision, recomputed[s])  # [Note: mixed precision memory]
+            if ranks:  # [Note: receive buffers] in stage_memory.py (the first layer's save of the input
+                # is still charged in the saves: on the safe side)
+                state = state + receive_bytes(costs, crossing(s - 1), crossing(s), m)
             held = 0 if grads is None else weight_held_bytes(  # [Note: split backward time] in cost.py
-                total(grads, s), crossing(s), s == 0, s == k - 1)
+                total(grads, s), crossing(s), s == 0, s == k - 1, ranks)
             if options.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory] in stage_memory.py
                 if costs.one_at_a_time and costs.layer_params is not None:  # each layer's tensors must fit
                     for v in range(n):
@@ -231,13 +238,17 @@ def _solve(
                 else:
                     prob += state + step_bytes(params, 0, options.optimizer, False, options.data_parallel,
                                                options.dp_mode) <= dev.memory
-            extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, k - 1, x)
+            extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, k - 1, x,
+                                                                         crossing(s - 1) if ranks else 0)
+            walked_input = 0 if ranks else crossing(s - 1)  # on ranks, in its buffer
+            returned = np.diff(costs.returned_before) if costs.returned_before is not None else np.zeros(n)
+            received = costs.returned - total(returned, s)  # the model's outputs made before the stage
             for term in terms[s]:  # the peak is the largest term: each must fit
                 last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
-                loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last),
+                loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last, received),
                                   loss_grad_bytes(costs, m) if last else 0)
                 prob += state + activation_bytes(
-                    crossing(s - 1), total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
+                    walked_input, total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
                     held, extras=extras) + loss <= dev.memory
             gathered = gathered_bytes(costs, m, s == k - 1) if extras is not None else 0
             for term in gather_terms(terms[s]) if gathered else ():  # executor.GPipe's gathered outputs

@@ -17,11 +17,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from autopipe.core.backward_memory import stage_walk
 from autopipe.core.cost import (
     LayerCosts,
     StageCost,
     Terms,
-    backward_extras,
     schedule_ranks,
     stage_costs,
 )
@@ -36,16 +36,16 @@ __all__ = ["recompute_layers_where_faster"]
 def _saved_to_fit(stage: StageCost, terms: Terms, limit: int) -> float:
     """The largest ``saved_bytes`` with which ``stage``'s state and activations fit ``limit``
     (-inf where even none fit)."""
-    if stage.param_bytes + stage.step_bytes > limit:  # [Note: the optimizer step's memory] in stage_memory.py
+    state = stage.param_bytes + stage.receive_bytes  # [Note: receive buffers] in stage_memory.py
+    if state + stage.step_bytes > limit:  # [Note: the optimizer step's memory] in stage_memory.py
         return -np.inf
-    room = limit - stage.param_bytes - stage.loss_bytes  # what its state (and its loss) leave for activations
-    extras = backward_extras(stage.lazy_grad_bytes, stage.first_backward_bytes, stage.working_bytes)
-    fixed = [room - a * stage.input_bytes - c * stage.weight_held_bytes + d * stage.input_saved_bytes - extras[e]
-             for a, _, c, d, e in terms]
+    (input_bytes, saved, held, input_saved), extras, loss = stage_walk(stage)
+    room = limit - state - loss  # what its state (and its loss) leave for activations
+    fixed = [room - a * input_bytes - c * held + d * input_saved - extras[e] for a, _, c, d, e in terms]
     bounds = [left / t[1] for left, t in zip(fixed, terms, strict=True) if t[1] > 0]
     if any(left < 0 for left, t in zip(fixed, terms, strict=True) if t[1] == 0):
         return -np.inf
-    return min(bounds, default=np.inf)
+    return min(bounds, default=np.inf) + stage.saved_bytes - saved  # the walk's saves less the received input's
 
 
 def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:

@@ -41,6 +41,8 @@ from autopipe.core.cost import (
     kept_bytes,
     layer_work,
     loss_grad_bytes,
+    receive_bytes,
+    received_walk,
     schedule_ranks,
     stage_fixed_ms,
     stage_terms,
@@ -171,23 +173,26 @@ class StageBlocks:
 
         saved = self._cached(("saved", j0), lambda: self.saved[None, j0:j1] - self.saved[:j1, None]
                              + self.resaved_cut[:j1, None])
+        ranks = self.costs.runtime == "distributed"  # [Note: receive buffers] in stage_memory.py
         held = self._cached(("held", j0, ends), lambda: weight_held_bytes(
             self.weight_grad[None, j0:j1] - self.weight_grad[:j1, None], self.cut[None, j0:j1],
-            *ends)) if split else 0
+            *ends, ranks)) if split else 0
         cols = np.arange(j0, j1)
         last = cols == self.n  # the column j = n: the last stage ([Note: the loss's memory])
-        kept = kept_bytes(self.costs, self.cut[np.minimum(cols, self.n)], last)[None, :]
+        cut_out = self.cut[np.minimum(cols, self.n)]
+        kept = kept_bytes(self.costs, cut_out[None, :], last[None, :], self.costs.received_before(np.arange(j1)[:, None]))
         grads = np.where(last, self.loss_grads, 0)[None, :]
-        input_saved = np.minimum(self.input_saved[:j1, None], saved)
+        cut_in, saved, input_saved = received_walk(ranks, self.cut[:j1, None], saved,
+                                                   np.minimum(self.input_saved[:j1, None], saved))
         o = self.options  # [Note: the backward's memory]
         extras = range_extras(self.costs, self.param_bytes(j0, j1), j0, j1, j1, OPTIMIZER_FACTOR[o.optimizer],
-                              o.data_parallel, o.dp_mode, o.schedule, o.chunks)
+                              o.data_parallel, o.dp_mode, o.schedule, o.chunks, self.cut[:j1, None] if ranks else 0)
         out: FloatArray = (  # a new array; most blocks keep nothing and take the plain walk
-            kept_activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved, kept, grads, extras)
+            kept_activation_bytes(cut_in, saved, terms, held, input_saved, kept, grads, extras)
             if kept.any() or grads.any() or extras is not None
-            else activation_bytes(self.cut[:j1, None], saved, terms, held, input_saved))
+            else activation_bytes(cut_in, saved, terms, held, input_saved))
         if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
-            gather = gather_level(self.costs, o.chunks, self.cut[:j1, None], saved, terms, held, input_saved, extras)
+            gather = gather_level(self.costs, o.chunks, cut_in, saved, terms, held, input_saved, extras)
             out[:, last] = np.maximum(out[:, last], gather[:, last])
         optimizer = self.options.optimizer
         if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
@@ -197,6 +202,8 @@ class StageBlocks:
                 self.options.data_parallel, self.options.dp_mode))
             np.maximum(out, step, out=out)
         out += self.state(j0, j1)
+        if ranks:
+            out += receive_bytes(self.costs, self.cut[:j1, None], cut_out[None, :], o.chunks)
         if self.precision != "fp32" and recomputed:
             out += cast_cache_bytes(self.param_bytes(j0, j1), self.precision, recomputed)
         return out  # not cached: each is read once per pass, through masked_time's cache

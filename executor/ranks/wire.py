@@ -13,6 +13,16 @@ constant baked into both sides and never sent, and the sender checks that it did
 The last stage's output (any pytree, e.g. a HuggingFace ModelOutput) is flattened to its
 tensor leaves for the schedule and rebuilt before ``loss_fn`` sees it.
 
+[Note: a view crosses once] A cut may carry a tensor and a reshape of it: an HF causal LM cut
+before its loss carries the logits it returns and their ``view(-1, vocab)`` that cross-entropy
+reads. Sent as two messages they cross twice, and the receiver (and the sender, for their
+gradients) keeps a buffer per micro-batch for each ([Note: receive buffers] in
+autopipe/core/stage_memory.py): twice the logits' bytes on each side. :func:`with_views` finds,
+on the probe run, each tensor of a cut between ranks that is an earlier one reshaped (the same
+memory, both contiguous) and makes it a ``view`` wire: not sent, rebuilt by the receiver as a
+view of its source at the step's sizes, so its gradient flows into the source's. The sender
+checks at every step that it still is one, and refuses in one line where it is not.
+
 [Note: wires at other sizes] PipelineStage receives into buffers allocated from the wires'
 shapes, so a pipeline built on one sequence length would only run that one. :func:`infer_wires`
 therefore also runs the chain once at symbolic input sizes ([Note: symbolic sizes] in
@@ -59,7 +69,8 @@ Sizes = tuple[tuple[int, ...] | None, ...]  # each model input's shape (None: no
 
 @dataclass(frozen=True)
 class Wire:
-    """How one value live at a cut crosses ranks: ``tensor``, ``scalar``, ``ints`` or ``const``.
+    """How one value live at a cut crosses ranks: ``tensor``, ``scalar``, ``ints``, ``view`` (of
+    the cut's tensor ``value``, not sent: [Note: a view crosses once]) or ``const``.
 
     ``shape``/``stride``/``dtype``/``requires_grad`` describe the tensor on the wire (at the
     example micro-batch): PipelineStage gets them up front and skips its metadata inference.
@@ -67,7 +78,7 @@ class Wire:
 
     kind: str
     pytype: type | None = None  # int / float / bool for scalars; tuple / list / Size for ints
-    value: Any = None  # the constant, for kind == "const"
+    value: Any = None  # the constant, for kind == "const"; the source's index, for "view"
     shape: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     dtype: torch.dtype = torch.int64
@@ -121,7 +132,7 @@ def wire_metas(wires: Sequence[Wire]) -> tuple[Tensor, ...]:
 def slots(wires: Sequence[Wire]) -> tuple[Slot, ...]:
     """The sent values of a cut, as [Note: few messages per cut] packs them."""
     return tuple(Slot(tuple(int(n) for n in w.shape), w.dtype, w.requires_grad) for w in wires
-                 if w.kind != "const")
+                 if w.kind not in ("const", "view"))
 
 
 def cut_metas(wires: Sequence[Wire]) -> tuple[Tensor, ...]:
@@ -135,7 +146,13 @@ def _encode(values: Sequence[Any], wires: Sequence[Wire], device: torch.device) 
                                "rebuild the pipeline from the same model and plan on every rank")
     out: list[Tensor] = []
     for k, (value, wire) in enumerate(zip(values, wires, strict=True)):
-        if wire.kind == "tensor":
+        if wire.kind == "view":
+            if not _reshapes(value, values[wire.value]):
+                raise DistributedError(
+                    f"cut value {k} was a view of value {wire.value} when the pipeline was built, and is "
+                    "sent once as it ([Note: a view crosses once]), but it is not one now; make the model "
+                    "return the same values at every step, or build the pipeline on inputs like these")
+        elif wire.kind == "tensor":
             if value.dtype != wire.dtype and value.is_floating_point() and wire.dtype.is_floating_point:
                 value = value.to(wire.dtype)  # [Note: wires under autocast]
             out.append(value.contiguous())  # what gloo and NCCL send; the buffers match it
@@ -158,11 +175,31 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _reshapes(value: Any, source: Any) -> bool:
+    """Whether tensor ``value`` is ``source`` reshaped: the same memory, both contiguous."""
+    return (isinstance(value, Tensor) and isinstance(source, Tensor) and value.is_contiguous()
+            and source.is_contiguous() and value.dtype == source.dtype and value.numel() == source.numel()
+            and value.data_ptr() == source.data_ptr())
+
+
+def with_views(cut: Sequence[Wire], values: Sequence[Any]) -> tuple[Wire, ...]:
+    """``cut``'s wires with each tensor that reshapes an earlier one (``values``: the probe's)
+    sent as a view of it ([Note: a view crosses once])."""
+    out = list(cut)
+    for k, (wire, value) in enumerate(zip(cut, values, strict=True)):
+        source = next((j for j in range(k) if out[j].kind == "tensor" and _reshapes(value, values[j])), None)
+        if wire.kind == "tensor" and source is not None:
+            out[k] = replace(wire, kind="view", value=source)
+    return tuple(out)
+
+
 def _decode(tensors: Sequence[Tensor], wires: Sequence[Wire]) -> tuple[Any, ...]:
     it: Iterator[Tensor] = iter(tensors)
     out: list[Any] = []
     for wire in wires:
-        if wire.kind == "tensor":
+        if wire.kind == "view":
+            out.append(out[wire.value].view(wire.shape))  # its source comes first
+        elif wire.kind == "tensor":
             out.append(next(it))
         elif wire.kind == "scalar":
             assert wire.pytype is not None
@@ -215,6 +252,8 @@ def infer_wires(stages: Sequence[nn.Module], example_inputs: tuple[Any, ...],
     with _probing(stages):
         cuts = _chain(stages, tuple(example_inputs), precision, device)
         wires = [tuple(Wire.of(v) for v in values) for values in cuts]
+        wires = [cut if i in (0, len(cuts) - 1) else with_views(cut, values)  # between ranks only
+                 for i, (cut, values) in enumerate(zip(wires, cuts, strict=True))]
         try:
             run = symbolic_run(lambda *xs: _chain(stages, xs, precision, device), example_inputs)
             return [tuple(_with_formulas(w, v, run) for w, v in zip(cut, values, strict=True))
@@ -238,7 +277,7 @@ def _chain(stages: Sequence[nn.Module], inputs: tuple[Any, ...], precision: str 
 
 
 def _with_formulas(wire: Wire, value: Any, run: SymbolicRun) -> Wire:
-    if wire.kind != "tensor" or not isinstance(value, Tensor):
+    if wire.kind not in ("tensor", "view") or not isinstance(value, Tensor):
         return wire
     return replace(wire, shape_formula=tuple(run.formula(n) for n in value.shape))
 
@@ -310,6 +349,7 @@ class WireStage(nn.Module):
             self._sizes = sizes
 
     def _size_cuts(self, inputs: Sequence[Wire], outputs: Sequence[Wire]) -> None:
+        self._sized_inputs = tuple(inputs)  # a view's shape at these sizes ([Note: a view crosses once])
         self._in, self._out = slots(inputs), slots(outputs)
         # under recomputation or a split backward, which output messages get a gradient back
         # (as run plainly)
@@ -341,7 +381,7 @@ class WireStage(nn.Module):
 
     def _run(self, *received: Tensor) -> tuple[Tensor, ...]:
         wire = received if self.first else unpack(received, self._in)
-        out = self.stage(*_decode(wire, self.inputs))
+        out = self.stage(*_decode(wire, self._sized_inputs))
         if not self.last:
             return pack(_encode(_as_tuple(out), self.outputs, self.device), self._out)
         leaves, self._spec = tree_flatten(out)

@@ -263,3 +263,22 @@ def test_the_largest_layer_of_every_range_is_the_brute_force_one(j0: int, j1: in
     assert p is not None and len(set(p.tolist())) > 3
     want = [[max(p[i:j]) if i < j else 0 for j in range(j0, j1)] for i in range(rows)]
     assert lc.largest_params(j0, j1, rows).tolist() == want
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False])
+def test_a_rank_of_two_stages_steps_them_in_one_optimizer(one_at_a_time: bool) -> None:
+    # [Note: the optimizer step's memory]: ZB-V's rank a holds stages 0 and 3; one tensor at a
+    # time it holds twice its largest layer's (the larger stage's step_bytes), all at once
+    # (foreach) both stages' parameters
+    from autopipe.core.plan import Plan
+    from autopipe.solvers.synthetic import chain_profile
+
+    prof = chain_profile([1.0] * 4, param_bytes=[4000, 10, 10, 3000], output_bytes=1, saved_bytes=1,
+                         bwd_input_ms=[1.0] * 4)
+    prof.meta["device_type"] = "cpu" if one_at_a_time else "cuda"
+    plan = Plan.from_stages(prof, [["l0"], ["l1"], ["l2"], ["l3"]], chunks=2, recompute="never", optimizer="adamw",
+                            schedule="zbv", bandwidth=None, runtime="distributed", devices=["a", "b", "b", "a"])
+    first, last = plan.breakdown[0], plan.breakdown[3]
+    assert (first.step_bytes, last.step_bytes) == ((8000, 6000) if one_at_a_time else (4000, 3000))
+    state = first.param_bytes + last.param_bytes + first.receive_bytes + last.receive_bytes
+    assert plan.device_memory["a"] == state + (8000 if one_at_a_time else 7000)

@@ -68,3 +68,23 @@ def with_backward(seed: int, n: int, *, split: bool = False) -> tuple[LayerCosts
     prof = dataclasses.replace(prof, corrections=dataclasses.replace(prof.corrections, loss=loss, transfer=transfer))
     return (LayerCosts.from_profile(prof),
             LayerCosts.from_profile(dataclasses.replace(prof, df=prof.df.drop(columns=["bwd_working_bytes"]))))
+
+
+def with_buffers(seed: int, n: int, *, split: bool = False) -> tuple[LayerCosts, LayerCosts]:
+    """A random chain on ranks whose cuts are as large as its saves, each layer saving part of
+    its input, so that the receive buffers and what they alias decide its peak; and the same
+    profile in one process, where nothing is received ([Note: receive buffers])."""
+    rng = np.random.default_rng(seed + 2000)
+    prof = random_chain(n, seed, split=split)
+    prof.df["output_bytes"] = (prof.df["saved_bytes"] * rng.uniform(1, 4, n)).astype("int64")
+    previous = np.concatenate([[0], prof.df["output_bytes"].to_numpy()[:-1]])
+    prof.df["saved_input_bytes"] = (previous * rng.uniform(0, 1, n)).astype("int64")
+    prof.df["saved_bytes"] = prof.df["saved_bytes"] + prof.df["saved_input_bytes"]
+    prof.df["bwd_working_bytes"] = (prof.df["saved_bytes"] * rng.uniform(0, 1, n)).astype("int64")
+    # the model returns some layers' outputs (a last stage receives those made before it)
+    prof.df["returned_bytes"] = (prof.df["output_bytes"] * (rng.uniform(0, 1, n) < 0.4)).astype("int64")
+    prof = dataclasses.replace(prof, corrections=dataclasses.replace(
+        prof.corrections, transfer=Transfer(0.01, math.inf, 0.5),  # measured: the ranks' runtime
+        loss=LossCost(0.5, 1.0, 1, held_bytes=int(prof.df["saved_bytes"].max()),
+                      peak_bytes=2 * int(prof.df["saved_bytes"].max()))))
+    return LayerCosts.from_profile(prof), LayerCosts.from_profile(prof, runtime="gpipe")

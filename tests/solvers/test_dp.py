@@ -10,10 +10,11 @@ import pytest
 from autopipe.core.cost import DeviceSpec, LayerCosts, stage_costs
 from autopipe.core.cost_options import CostOptions
 from autopipe.errors import PartitionError
+from autopipe.solvers import dp as dp_module
 from autopipe.solvers import stage_dp
 from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
-from tests.solvers.brute import least_memory, with_backward, with_loss
+from tests.solvers.brute import least_memory, with_backward, with_buffers, with_loss
 
 
 def brute_force(lc: LayerCosts, devices: list[DeviceSpec], opts: CostOptions) -> float:
@@ -271,3 +272,37 @@ def test_the_backward_terms_decide_most_of_those_cases() -> None:
     moved = [least_memory(lc, k, opts) != least_memory(without, k, opts)
              for lc, without, k, opts in map(_backward_case, range(12))]
     assert sum(moved) >= 9, moved
+
+
+def _buffers_case(seed: int) -> tuple[LayerCosts, LayerCosts, list[DeviceSpec], CostOptions]:
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(4, 8)), int(rng.integers(2, 4))
+    lc, one_process = with_buffers(seed, n)
+    opts = CostOptions(chunks=int(rng.integers(2, 6)), recompute=["never", "always", "except_last"][seed % 3],
+                       optimizer=("sgd", "adamw")[seed % 2], bandwidth=None, schedule=("gpipe", "1f1b")[seed // 6])
+    limit = int(least_memory(lc, k, opts) * rng.uniform(1.0, 1.1))  # fits, and binds
+    return lc, one_process, [DeviceSpec(f"d{s}", limit) for s in range(k)], opts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_brute_force_where_the_receive_buffers_bind(seed: int) -> None:
+    # [Note: receive buffers]: a buffer per micro-batch for a stage's input and its output's
+    # gradient, which hold the input the walk then does not, and the input gradient in flight
+    lc, _, devices, opts = _buffers_case(seed)
+    _check(lc, devices, opts)
+
+
+def test_planned_blind_to_the_receive_buffers_a_rank_is_given_more_than_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = [_buffers_case(seed) for seed in range(12)]
+    best = [solve_dp(lc, devices, opts).assignment for lc, _, devices, opts in cases]
+    for module in (dp_module, stage_dp):  # the DPs as they were before them
+        monkeypatch.setattr(module, "receive_bytes", lambda *args: 0)
+    over = 0
+    for (lc, _, devices, opts), right in zip(cases, best, strict=True):
+        blind = solve_dp(lc, devices, opts).assignment
+        limit = devices[0].memory
+        assert limit is not None
+        too_much = max(c.memory_bytes for c in stage_costs(lc, blind, devices, opts)) > limit
+        assert too_much or blind == right
+        over += too_much
+    assert over >= 3, over  # so the buffers decide, in a quarter of the cases or more

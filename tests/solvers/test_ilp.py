@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import os
@@ -8,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -20,7 +22,13 @@ from autopipe.solvers.dp import solve_dp
 from autopipe.solvers.ilp import ILPResult, solve_ilp
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import random_chain, transformer_dag
-from tests.solvers.brute import best_dag_bottleneck, least_memory, with_backward, with_loss
+from tests.solvers.brute import (
+    best_dag_bottleneck,
+    least_memory,
+    with_backward,
+    with_buffers,
+    with_loss,
+)
 from tests.solvers.cbc_limits import record_cbc_limits
 
 
@@ -280,3 +288,19 @@ def test_ilp_equals_dp_where_the_memory_binds(binds: str, seed: int, schedule: s
     ilp = solve_ilp(lc, devices, opts, time_limit=20)
     assert ilp.objective == pytest.approx(dp.bottleneck, rel=1e-6)
     assert all(c.memory_bytes <= limit for c in stage_costs(lc, ilp.assignment, devices, opts))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ilp_fits_where_the_receive_buffers_bind(schedule: str) -> None:
+    # [Note: receive buffers]: the ILP charges the buffers and the input gradient in flight as
+    # the walk does, and (on the safe side) the first layer's save of the received input again
+    lc, _ = with_buffers(1, 7)
+    opts = CostOptions(chunks=4, recompute="never", bandwidth=1e9, schedule=schedule, optimizer="sgd")
+    limit = int(least_memory(lc, 3, opts) * 1.3)
+    devices = [DeviceSpec(s, limit) for s in "abc"]
+    ilp = solve_ilp(lc, devices, opts, time_limit=20)
+    assert all(c.memory_bytes <= limit for c in stage_costs(lc, ilp.assignment, devices, opts))
+    assert ilp.objective >= solve_dp(lc, devices, opts).bottleneck * (1 - 1e-6)
+    no_aliases = dataclasses.replace(lc, saved_input=np.zeros_like(lc.saved_input))  # then exactly the DP's
+    assert solve_ilp(no_aliases, devices, opts, time_limit=20).objective == pytest.approx(
+        solve_dp(no_aliases, devices, opts).bottleneck, rel=1e-6)

@@ -13,7 +13,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.solvers.stage_dp import StageBlocks, budget_devices, solve_counts, solve_split
 from autopipe.solvers.synthetic import chain_profile, random_chain, transformer_dag
 from executor.spec import RECOMPUTE_MODES
-from tests.solvers.brute import least_memory, with_backward, with_loss
+from tests.solvers.brute import least_memory, with_backward, with_buffers, with_loss
 
 MODES = tuple(RECOMPUTE_MODES)
 
@@ -150,6 +150,24 @@ def test_per_stage_modes_match_brute_force_where_the_backward_binds(seed: int) -
     lc, _ = with_backward(seed, n)
     opts = CostOptions(chunks=int(rng.integers(2, 6)), schedule=("gpipe", "1f1b")[seed % 2],
                        optimizer=("sgd", "momentum")[seed % 2])
+    limit = int(least_memory(lc, k, CostOptions(opts.chunks, "always", opts.optimizer, schedule=opts.schedule))
+                * rng.uniform(1.0, 1.5))
+    devices = [DeviceSpec(f"d{s}", limit) for s in range(k)]
+    expected = brute_force(lc, devices, opts)
+    split = solve_split(lc, devices, opts, modes="auto")
+    assert np.isfinite(expected) and split is not None
+    assert split.bottleneck == pytest.approx(expected, rel=1e-9)
+    chosen = CostOptions(opts.chunks, tuple(split.modes), opts.optimizer, schedule=opts.schedule)
+    assert all(c.memory_bytes <= limit for c in stage_costs(lc, split.assignment, devices, chosen))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_per_stage_modes_match_brute_force_where_the_receive_buffers_bind(seed: int) -> None:
+    rng = np.random.default_rng(seed)  # [Note: receive buffers]
+    n, k = int(rng.integers(4, 7)), int(rng.integers(2, 4))
+    lc, _ = with_buffers(seed, n)
+    opts = CostOptions(chunks=int(rng.integers(2, 6)), schedule=("gpipe", "1f1b")[seed % 2],
+                       optimizer=("sgd", "adamw")[seed % 2])
     limit = int(least_memory(lc, k, CostOptions(opts.chunks, "always", opts.optimizer, schedule=opts.schedule))
                 * rng.uniform(1.0, 1.5))
     devices = [DeviceSpec(f"d{s}", limit) for s in range(k)]

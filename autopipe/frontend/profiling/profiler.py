@@ -237,7 +237,8 @@ def profile(
             bytes on fake tensors, no weights allocated, nothing timed ([Note: counted, not
             timed] in estimated/op_counts.py); ``meta["estimated"]`` records the sheet ([Note:
             estimated or measured]). ``device``, ``mode``, ``timer`` and ``comm`` then do not apply,
-            and ``repeats`` / ``warmup`` are not needed (a count is the same every time).
+            and ``repeats`` / ``warmup`` are not needed (a count is the same every time). The
+            model is traced with ``repeated=True`` ([Note: repeated blocks]).
         **trace_kwargs: ``leaf_modules``, ``max_depth``, ``kwargs`` for :func:`autopipe.trace`.
         The steps run in one order: [Note: one list of measurement steps] in steps.py.
 
@@ -259,7 +260,8 @@ def profile(
     if progress is not None and not isinstance(progress, bool):
         raise ProfileError(f"progress must be True, False or None (a bar when stderr is a "
                            f"terminal), got {progress!r}")
-    whole, example_inputs, tracer = keyword_inputs(model, example_inputs, example_kwargs, trace_kwargs)
+    traced_as = {**trace_kwargs, "repeated": True} if estimate is not None else trace_kwargs  # [Note: repeated blocks]
+    whole, example_inputs, tracer = keyword_inputs(model, example_inputs, example_kwargs, traced_as)
     inputs, batch, micro = micro_batch(example_inputs, chunks)
     if graph is not None:
         _check_graph(graph, inputs, micro, chunks)

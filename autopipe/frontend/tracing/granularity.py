@@ -25,6 +25,7 @@ are untouched; only which nodes a layer name covers changes. What was merged is 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import networkx as nx
@@ -90,9 +91,11 @@ def coarsen(cap: Capture, layers: Layers, node_layer: dict[str, str]) -> tuple[L
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     current = [_Layer(name, nodes, _scope([by_name[n] for n in nodes])) for name, nodes in layers]
     taken = {name for name, _ in layers}
-    modules: set[tuple[str, ...]] = {layer.scope[:d] for layer in current for d in range(1, len(layer.scope) + 1)}
+    sizes = Counter(layer.scope[:d] for layer in current for d in range(1, len(layer.scope) + 1))
     kept: set[str] = set()
-    for path in sorted(modules, key=len, reverse=True):  # innermost first
+    for path in sorted(sizes, key=len, reverse=True):  # innermost first
+        if sizes[path] <= MAX_LAYERS_PER_MODULE:
+            continue  # no call of it holds more layers than this (merging only lowers it): none is fine
         inside = [i for i, layer in enumerate(current) if layer.scope[:len(path)] == path]
         for start, stop in reversed(_runs(inside)):  # from the back: earlier indices stay valid
             if _is_fine(current[start:stop], len(path)):

@@ -28,6 +28,7 @@ from autopipe.frontend.tracing.capture import Capture, LeafSpec, capture
 from autopipe.frontend.tracing.counted_loss import CountedLoss, counted_loss
 from autopipe.frontend.tracing.granularity import coarsen, mark_grouped
 from autopipe.frontend.tracing.grouping import group_layers, layer_attributes
+from autopipe.frontend.tracing.repeated import capture_repeated
 from autopipe.frontend.tracing.tensor_parallel import find_tensor_parallel
 
 __all__ = ["LayerGraph", "trace"]
@@ -41,7 +42,8 @@ class LayerGraph:
     ``module_type``, ``nodes`` (fx node names), ``params`` (canonical parameter names used),
     ``param_bytes`` (each parameter counted once, at its first user), ``shared_bytes`` (tied
     parameter bytes used here but counted at another layer), ``buffer_bytes``,
-    ``output_bytes``, ``returned_bytes`` (of them, what the model returns), ``output_shapes``,
+    ``output_bytes``, ``returned_bytes`` (what the model returns of the memory this layer made:
+    a returned no-op ``.float()`` of another layer's output is that layer's), ``output_shapes``,
     ``output_dtypes``, ``tie_group`` ("" when none), ``tp_role``, ``tp_group``, ``tp_divides``
     (its part in tensor parallelism: [Note: tensor-parallel structure] in tensor_parallel.py).
     Edge attribute: ``bytes`` moved from one layer to the next at the example batch.
@@ -153,6 +155,7 @@ def trace(
     max_depth: int | None = None,
     kwargs: Mapping[str, Any] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    repeated: bool = False,
 ) -> LayerGraph:
     """Trace ``model`` on ``example_inputs`` into a :class:`LayerGraph`.
 
@@ -170,13 +173,21 @@ def trace(
             ``labels=``): tensors with a batch dimension become the graph's inputs after the
             positional ones, split into micro-batches by a pipeline; ``None``, non-tensors and
             0-dim tensors stay constants like ``kwargs`` (autopipe/frontend/tracing/keyword_inputs.py).
+        repeated: a model whose longest stack of blocks holds identical ones is traced cut to
+            two and to three of them and the rest repeated, checked equal to what tracing three
+            gives, else traced whole ([Note: repeated blocks]: exact where checked, blind to a
+            forward that branches on a block's index; ``profile(estimate=)`` traces so).
 
     Raises:
         TraceError: neither torch.fx nor torch.export could capture the model.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    cap: Capture = capture(model, inputs, kwargs=kwargs, example_kwargs=example_kwargs,
-                           leaf_modules=leaf_modules, max_depth=max_depth)
+    def whole() -> Capture:
+        return capture(model, inputs, kwargs=kwargs, example_kwargs=example_kwargs,
+                       leaf_modules=leaf_modules, max_depth=max_depth)
+
+    grown = capture_repeated(model, whole) if repeated else None  # [Note: repeated blocks]
+    cap = grown if isinstance(grown, Capture) else whole()
     layers, node_layer = group_layers(cap)
     grouped: dict[str, int] = {}
     if leaf_modules is None and max_depth is None:

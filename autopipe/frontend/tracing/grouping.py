@@ -51,6 +51,14 @@ def _tensors(val: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(val) if isinstance(x, torch.Tensor)]
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """What tells two traced values' memory apart (each value its own where it has none)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
 def is_cheap(node: fx.Node) -> bool:
     """A view, reshape, getattr or shape computation: not worth a layer of its own."""
     if node.op == "call_method":
@@ -198,6 +206,10 @@ def layer_attributes(
 
     g = nx.DiGraph()
     seen_buffers: set[int] = set()
+    # [Note: receive buffers] in autopipe/core/stage_memory.py: what the model returns is charged to
+    # the layer that made its memory (a returned ``.float()`` of fp32 logits is the lm_head's)
+    made_by: dict[int, str] = {}
+    returned_by: dict[str, int] = {}
     for name, nodes in layers:
         params, buffers = per_layer[name]
         owned = [p for p in params if users[id(p)][0] == name]
@@ -214,6 +226,11 @@ def layer_attributes(
         ]
         out_tensors = [t for o in outs for t in _tensors(o.meta.get("val"))]
         returned = [t for o in outs if any(u.op == "output" for u in o.users) for t in _tensors(o.meta.get("val"))]
+        for t in out_tensors:
+            made_by.setdefault(_storage_key(t), name)
+        for t in returned:
+            maker = made_by.get(_storage_key(t), name)
+            returned_by[maker] = returned_by.get(maker, 0) + int(t.numel()) * t.element_size()
         key_nodes = [by_name[n] for n in nodes if cap.module_key.get(n) is not None]
         is_module = bool(key_nodes) and cap.module_key.get(key_nodes[0].name) == name.split("#")[0]
         first = key_nodes[0] if is_module else next(
@@ -231,11 +248,13 @@ def layer_attributes(
             shared_bytes=sum(p.numel() * p.element_size() for p in shared),
             buffer_bytes=sum(b.numel() * b.element_size() for b in fresh_buffers),
             output_bytes=sum(int(t.numel()) * t.element_size() for t in out_tensors),
-            returned_bytes=sum(int(t.numel()) * t.element_size() for t in returned),
+            returned_bytes=0,  # below, once every layer is seen
             output_shapes=[list(map(int, t.shape)) for t in out_tensors],
             output_dtypes=[str(t.dtype).replace("torch.", "") for t in out_tensors],
             tie_group=";".join(ties),
         )
+    for name, nbytes in returned_by.items():
+        g.nodes[name]["returned_bytes"] = nbytes
     for node in cap.gm.graph.nodes:
         src = node_layer.get(node.name)
         if src is None or node.op == "get_attr":

@@ -241,3 +241,58 @@ def test_wire_stages_run_as_the_plain_model_with_the_same_gradients_at_any_size(
         for s, r in zip(stages, ref, strict=True):
             for (name, p), q in zip(s.named_parameters(), r.parameters(), strict=True):
                 assert_close(p.grad, q.grad, msg=name)
+
+
+class Logits(nn.Module):
+    """Stage 0 of an LM cut before its loss: the logits it returns and the view the loss reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.head(x)
+        return logits, logits.view(-1, 6), x.sum(-1)  # the last: no view, though of x's size
+
+
+class Loss(nn.Module):
+    def forward(self, logits: torch.Tensor, flat: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": flat.logsumexp(-1).mean() + other.square().mean(), "logits": logits}
+
+
+def test_a_view_crosses_once_and_its_gradient_flows_into_its_source_at_any_size() -> None:
+    # [Note: a view crosses once]
+    stages = [Logits(), Loss()]
+    wires = infer_wires(stages, (torch.randn(2, 3, 4),))
+    assert [w.kind for w in wires[1]] == ["tensor", "view", "tensor"] and wires[1][1].value == 0
+    assert len(slots(wires[1])) == 2 and len(cut_metas(wires[1])) == 2  # one buffer for the logits
+    ref = copy.deepcopy(stages)
+    first = WireStage(stages[0], wires[0], wires[1], first=True, last=False, device=CPU)
+    last = WireStage(stages[1], wires[1], wires[2], first=False, last=True, device=CPU)
+    for x in (torch.randn(2, 3, 4), torch.randn(5, 7, 4)):
+        for w in (first, last):
+            w.use(input_sizes((x,)))
+            w.zero_grad(set_to_none=True)
+        messages = first(x)
+        assert len(messages) == 2
+        received = [m.detach().clone().requires_grad_(m.requires_grad) for m in messages]
+        out = last.unflatten(last(*received))
+        (out["loss"] + out["logits"].sum()).backward()
+        sent = [(m, r.grad) for m, r in zip(messages, received, strict=True) if m.requires_grad]
+        torch.autograd.backward([m for m, _ in sent], [g for _, g in sent])
+        for r in ref:
+            r.zero_grad(set_to_none=True)
+        want = ref[1](*ref[0](x))
+        (want["loss"] + want["logits"].sum()).backward()
+        assert_close(out["loss"], want["loss"])
+        assert_close(stages[0].head.weight.grad, ref[0].head.weight.grad)
+        assert_close(stages[0].head.bias.grad, ref[0].head.bias.grad)
+
+
+def test_a_view_that_is_no_longer_one_is_refused_in_one_line() -> None:
+    logits = torch.randn(2, 3, 6)
+    wires = (Wire.of(logits), replace(Wire.of(logits.view(-1, 6)), kind="view", value=0))
+    assert len(_encode((logits, logits.view(-1, 6)), wires, CPU)) == 1
+    with pytest.raises(DistributedError, match="cut value 1 was a view of value 0 when the pipeline was built") as info:
+        _encode((logits, logits.view(-1, 6).clone()), wires, CPU)
+    assert "\n" not in str(info.value)

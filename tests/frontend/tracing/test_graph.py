@@ -227,3 +227,22 @@ def test_public_surface() -> None:
     assert autopipe.trace is trace and "trace" in autopipe.__all__
     assert "LayerGraph(" in repr(trace(Chain(), (torch.randn(2, 8),)))
     assert "net.0" in trace(Chain(), (torch.randn(2, 8),)).summary()
+
+
+class _FloatLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(torch.relu(self.a(x))).float()  # fp32 already: the same memory
+        return logits, logits.logsumexp(-1)
+
+
+def test_what_the_model_returns_is_charged_to_the_layer_that_made_its_memory() -> None:
+    # [Note: receive buffers]: a last stage starting at the no-op .float() receives the logits
+    g = trace(_FloatLogits(), (torch.randn(2, 4),))
+    returned = {n: d["returned_bytes"] for n, d in g.nx.nodes(data=True)}
+    float_layer = next(n for n in returned if n.startswith("float"))
+    assert returned["head"] == 2 * 6 * 4 and returned[float_layer] == 0
+    assert returned["logsumexp"] == 2 * 4 and sum(returned.values()) == 2 * 6 * 4 + 2 * 4

@@ -157,3 +157,13 @@ def test_coarse_layers_are_planned_replicated() -> None:
     assert {n: r[0] for n, r in roles.items() if n.startswith("blocks")} == {
         f"blocks.{b}": "replicated" for b in range(4)}
     assert roles["head"][0] == "vocab_head"  # the vocabulary still splits
+
+
+def test_a_repeated_trace_finds_what_the_whole_one_does() -> None:
+    # trace(repeated=True) grows the graph of 4 blocks from 2 and 3 ([Note: repeated blocks])
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    whole, grown = _hf(model), trace(model, (), example_kwargs=IDS, repeated=True)
+    assert grown.layers == whole.layers and _roles(grown) == _roles(whole)
+    assert sum(r[0] == "row" for r in _roles(grown).values()) == 8

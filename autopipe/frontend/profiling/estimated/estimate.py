@@ -4,7 +4,9 @@
     prof.meta["estimated"]["name"]                                     # "h100"
 
 The model is traced as for a measured profile (a model built on the meta device needs no
-memory for its weights), then every layer is built alone on fake tensors, identical layers once
+memory for its weights), a stack of identical blocks on two and three of them and the rest
+repeated where that gives the same graph ([Note: repeated blocks] in tracing/repeated.py),
+then every layer is built alone on fake tensors, identical layers once
 ([Note: layer by layer], [Note: identical layers]), and goes through the same harness as a
 measured layer with a counting timer ([Note: counted, not timed] in op_counts.py): each
 forward and backward is the device sheet's roofline summed over its ops, its saved bytes are

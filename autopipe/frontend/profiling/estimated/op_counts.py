@@ -103,6 +103,21 @@ def _tensor_bytes(values: Any) -> tuple[int, str | None]:
     return total, dtype
 
 
+class _Global:
+    """FlopCounterMode's module tracker for totals only: every count goes to ``"Global"``. Its
+    own ModuleTracker hooks every module's forward, and under a reentrant checkpoint (the
+    recompute sampler's, autopipe/frontend/profiling/corrections/overheads.py) those hooks meet
+    outputs that require a gradient without a function and assert (HF Llama: torch 2.11-2.15)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _Global:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 class OpCounter(TorchDispatchMode):
     """Every kernel of what runs inside it ([Note: counted, not timed]), in ``ops``."""
 
@@ -110,6 +125,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: list[Op] = []
         self._flops = FlopCounterMode(display=False, custom_mapping=_CUSTOM)
+        self._flops.mod_tracker = _Global()  # type: ignore[assignment]  # totals only: no module hooks
         self._fresh: int | None = None  # the tensor the last op allocated during a backward
 
     def __enter__(self) -> OpCounter:

@@ -135,3 +135,17 @@ def test_every_micro_batch_size_is_estimated_at_its_own_rows(chain) -> None:
     first = prof.df.set_index("layer").loc["0"]
     assert first["saved_bytes@2"] == 4 * 2 * K and first["saved_bytes"] == 4 * M * K
     assert first["fwd_ms@2"] == pytest.approx(_ms(2 * 2 * K * N), abs=1e-6)
+
+
+def test_hf_llama_whose_rotary_product_is_sampled_checkpointed_is_estimated() -> None:
+    # the recompute sampler times its heaviest layers under a reentrant checkpoint; FlopCounterMode's
+    # module hooks asserted there on HF Llama's rotary product (mul_5) at this size, which is
+    # why the test takes seconds: a smaller model samples other layers
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    x = torch.randint(0, 4096, (16, 32))
+    prof = autopipe.profile(model, (), example_kwargs={"input_ids": x}, chunks=4, estimate="h100", progress=False)
+    assert prof.meta["estimated"]["name"] == "h100" and (prof.df["fwd_ms"] > 0).all()
