@@ -26,14 +26,16 @@ from autopipe.app.checkpoint_flags import CheckpointFlags, RestartFlags
 from autopipe.app.flag_groups import (
     Checked,
     LoopFlags,
+    MeshFlags,
     PrecisionFlags,
     check_choice,
     check_count,
+    count_or_auto,
     flag,
     positional,
 )
 from autopipe.app.sheet_flags import EstimateFlags
-from autopipe.errors import BuildError, PartitionError
+from autopipe.errors import BuildError
 from autopipe.frontend.profiling.defaults import DEFAULT_REPEATS, DEFAULT_WARMUP
 from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
 from executor.spec import SCHEDULES
@@ -129,7 +131,7 @@ class ProfileConfig(PrecisionFlags, EstimateFlags):
 
 
 @dataclass(frozen=True)
-class PartitionConfig(Checked):
+class PartitionConfig(MeshFlags):
     profile: str = positional("profiles/NAME.csv (with NAME.json beside it)")
     stages: str | None = flag(None, "number of pipeline stages K, or auto: the fastest simulated "
                                     "iteration with up to one stage per --devices (default: one "
@@ -165,20 +167,15 @@ class PartitionConfig(Checked):
     force: bool = flag(False, "overwrite --out if it exists")
     no_progress: bool = flag(False, "no search or ILP progress on stderr (default: shown when "
                                     "stderr is a terminal)")
-    data_parallel: str = flag("1", "replicas D of the pipeline, each on N / D of --devices and "
-                                   "B / D rows of --batch-size, or auto: the divisor of N with the "
-                                   "fastest simulated step (default 1)", metavar="D|auto")
-    dp_mode: Literal["ddp", "fsdp"] = flag("ddp", "how replicas sync: ddp (gradient all-reduce) "
-                                                  "or fsdp (sharded state) (default ddp)")
 
     def _check(self) -> None:  # the rest: partition()'s own one-line checks
         self.counts()
 
     def counts(self) -> tuple[int | str | None, int | str | None, int | str]:
         """--stages, --chunks and --data-parallel as numbers, "auto" or None (not given)."""
-        return (None if self.stages is None else _count_or_auto("--stages", self.stages),
-                None if self.chunks is None else _count_or_auto("--chunks", self.chunks),
-                _count_or_auto("--data-parallel", self.data_parallel))
+        return (None if self.stages is None else count_or_auto("--stages", self.stages),
+                None if self.chunks is None else count_or_auto("--chunks", self.chunks),
+                count_or_auto("--data-parallel", self.data_parallel))
 
     def recompute_modes(self) -> str | list[str]:
         """--recompute as one mode (or auto) or, comma-separated, a list of one per stage."""
@@ -195,24 +192,17 @@ class PartitionConfig(Checked):
             recompute=self.recompute_modes(), schedule=self.schedule, batch_size=self.batch_size,
             memory_limit=self.memory, optimizer=self.optimizer, time_limit=self.time_limit, ties=self.ties,
             bandwidth="measured" if self.bandwidth is None else self.bandwidth or None,
-            progress=False if self.no_progress else None, data_parallel=data_parallel)
+            progress=False if self.no_progress else None, data_parallel=data_parallel,
+            tensor_parallel=count_or_auto("--tensor-parallel", self.tensor_parallel),
+            devices_per_host=self.devices_per_host)
 
     def device_names(self, profiled_kind: str | None) -> list[str] | None:
         """--devices: the names given, or ``--devices N`` as N devices of the profiled kind."""
         devices = self.devices
         if devices is not None and len(devices) == 1 and devices[0].isdigit():
-            count = _count_or_auto("--devices", devices[0])
+            count = count_or_auto("--devices", devices[0])
             return [f"{profiled_kind or 'stage'}:{s}" for s in range(count if isinstance(count, int) else 0)]
         return devices
-
-
-def _count_or_auto(flag: str, value: str) -> int | str:
-    """``auto`` or a whole number >= 1, else one line naming the flag."""
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise PartitionError(f"{flag} {value!r}: give a whole number >= 1 or auto")
-    return int(value)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ default and help are written once, each group's values checked once, when the co
     PrecisionFlags  --precision, --host-allocator: what the stages compute in, host memory
                     (profile, train, run)
     LoopFlags       --steps, --lr, --clip-grad: the training loop (train, run)
+    MeshFlags       --data-parallel, --dp-mode, --tensor-parallel, --devices-per-host: the
+                    devices as PP x TP x DP (partition)
     CheckpointFlags, RestartFlags (checkpoint_flags.py): saved training state and restarts
     Launch (config.py): where the ranks of ``run`` and ``comm`` run
 
@@ -25,10 +27,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autopipe.errors import BuildError
+from autopipe.errors import BuildError, PartitionError
 from executor.spec import PRECISIONS
 
-__all__ = ["Checked", "PrecisionFlags", "LoopFlags", "Precision", "HostAllocator", "check_choice",
+__all__ = ["Checked", "PrecisionFlags", "LoopFlags", "MeshFlags", "count_or_auto", "Precision", "HostAllocator", "check_choice",
            "check_clip_grad", "flag", "positional"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -104,3 +106,32 @@ class LoopFlags(Checked):
     def _check(self) -> None:
         check_count("--steps", self.steps)
         check_clip_grad(self.clip_grad)
+
+
+def count_or_auto(flag: str, value: str) -> int | str:
+    """``auto`` or a whole number >= 1, else one line naming the flag."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise PartitionError(f"{flag} {value!r}: give a whole number >= 1 or auto")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshFlags(Checked):
+    data_parallel: str = flag("1", "replicas D of the pipeline, each on N / D of --devices and "
+                                   "B / D rows of --batch-size, or auto: the divisor of N with the "
+                                   "fastest simulated step (default 1)", metavar="D|auto")
+    dp_mode: Literal["ddp", "fsdp"] = flag("ddp", "how replicas sync: ddp (gradient all-reduce) "
+                                                  "or fsdp (sharded state) (default ddp)")
+    tensor_parallel: str = flag("1", "TP degree T: each stage's layers split over T devices of one "
+                                     "host (the column / row Linears and the vocabulary the profile "
+                                     "found); --devices = stages x T x replicas; or auto: the degree "
+                                     "with the fastest simulated step (default 1)", metavar="T|auto")
+    devices_per_host: int | None = flag(None, "devices one host holds; a TP group stays inside one "
+                                              "(default 8 for a profile estimated on a GPU sheet, "
+                                              "else every device on one host)")
+
+    def _check(self) -> None:  # --data-parallel and --dp-mode: the config's and partition()'s checks
+        count_or_auto("--tensor-parallel", self.tensor_parallel)
+        check_count("--devices-per-host", self.devices_per_host)

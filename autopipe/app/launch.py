@@ -114,10 +114,11 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     """
     import torch
 
-    from autopipe.assemble.setup import microbatch_inputs
+    from autopipe.assemble.setup import check_runnable, microbatch_inputs
     from autopipe.frontend.tracing.graph import trace
 
     plan = Plan.load(config.plan) if config.plan else None
+    check_runnable(plan)  # before torchrun starts a rank
     # one schedule from here on: the flag's, else the plan's, else gpipe
     config = dataclasses.replace(config, schedule=config.schedule or cast(Schedule, plan.schedule if plan else "gpipe"))
     chunks = resolve(config.chunks, plan.chunks if plan else None, default=DEFAULT_CHUNKS)

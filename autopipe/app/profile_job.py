@@ -20,6 +20,7 @@ from autopipe.app.model_spec import load_model
 from autopipe.core.device_sheet import load_sheet
 from autopipe.core.estimated import estimate_text
 from autopipe.core.profile_table import Profile
+from autopipe.core.tensor_parallel import structure_text
 from autopipe.core.units import format_bytes
 from autopipe.errors import ProfileError
 from autopipe.frontend.profiling.profiler import DEFAULT_REPEATS, DEFAULT_WARMUP, profile
@@ -78,6 +79,7 @@ def summary_table(prof: Profile, top: int = 10, where: str | os.PathLike[str] | 
                      + ", ".join(f"{name} ({n})" for name, n in list(merged.items())[:4])
                      + (f" and {len(merged) - 4} more" if len(merged) > 4 else "")
                      + " are one layer each; trace with leaf_modules= or max_depth= to choose")
+    lines.append(structure_text(prof))  # [Note: tensor-parallel structure]
     c = prof.corrections
     ranks = c.stage_calls.get("distributed", {})
     estimated = estimate_text(m)

@@ -38,6 +38,7 @@ from autopipe.assemble.setup import (
     DEFAULT_PIPELINE_CHUNKS,
     check_device_memory,
     check_profile_allocator,
+    check_runnable,
     device_names,
     example_batch,
     graph_model_loss,
@@ -255,6 +256,7 @@ def pipeline(
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     batch = example_batch(model, example_inputs, example_kwargs, chunks)
+    check_runnable(plan)  # [Note: tensor-parallel cost]: planned, not run yet
     given, mode = recompute_asked(recompute, plan, len(devices))  # refused before tracing
     on_cpu = any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int))
     check_host_allocator(host_allocator)  # on any device: a typo is refused, not ignored

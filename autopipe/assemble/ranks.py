@@ -55,6 +55,7 @@ from autopipe.assemble.rank_parts import (
 )
 from autopipe.assemble.setup import (
     DEFAULT_PIPELINE_CHUNKS,
+    check_runnable,
     example_batch,
     graph_model_loss,
     graph_signature,
@@ -222,6 +223,7 @@ def distributed_pipeline(
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     batch = example_batch(model, example_inputs, example_kwargs, chunks, packed=False)
+    check_runnable(plan)  # [Note: tensor-parallel cost]: planned, not run yet
     given, mode = recompute_asked(recompute, plan, k)
     try:  # what the schedule accepts, before any rank profiles
         check_schedule(schedule, k, world, chunks)

@@ -39,7 +39,7 @@ from executor.model_loss import ModelLoss
 from executor.packed import POSITIONS, as_rows, packed_sizes, split_packed
 from executor.spec import check_precision, check_stage_recompute
 
-__all__ = ["DEFAULT_PIPELINE_CHUNKS", "ExampleBatch", "example_batch", "traced", "recompute_asked",
+__all__ = ["DEFAULT_PIPELINE_CHUNKS", "ExampleBatch", "example_batch", "traced", "recompute_asked", "check_runnable",
            "graph_signature", "graph_model_loss", "microbatch_inputs",
            "check_device_memory", "free_memory", "device_names", "plan_for_devices", "placement_warning",
            "partition_recompute", "runtime_recompute", "pipeline_precision", "warn_precision_mismatch",
@@ -212,6 +212,14 @@ def traced(model: nn.Module, batch: ExampleBatch, trace_kwargs: Mapping[str, Any
     """``model`` traced on the batch's first micro-batch."""
     return trace(model, batch.micro[:batch.positional], example_kwargs=batch.micro_kwargs,
                  **trace_kwargs)
+
+
+def check_runnable(plan: Plan | None) -> None:
+    """One line for a plan no runtime runs yet: tensor parallelism is planned, not run."""
+    if plan is not None and plan.tensor_parallel > 1:
+        raise BuildError(f"the plan splits each stage over tensor_parallel={plan.tensor_parallel} ranks, "
+                         "which autopipe plans but does not run yet (docs/limitations.md); partition "
+                         "with tensor_parallel=1 (--tensor-parallel 1) to run it")
 
 
 def recompute_asked(recompute: str | Sequence[str] | None, plan: Plan | None,

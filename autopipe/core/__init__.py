@@ -18,6 +18,7 @@
     transfer.py           what crossing a cut costs: the one place a transfer is priced
     recomputed_layers.py  chosen layers recomputed inside a stage: what they free, what they cost
     data_parallel.py      replicas of the pipeline: what data parallelism adds to a stage
+    tensor_parallel.py    TP roles of layers, and the profile one rank of a TP group of degree t runs
     stage_cost.py         StageCost: one stage's predicted time and memory, the parts kept apart
     plan.py               Plan: stages, devices and predicted cost; JSON
     plan_checks.py        a loaded Plan's fields checked, each bad one a PlanError line

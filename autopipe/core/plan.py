@@ -23,7 +23,9 @@ not weigh, each with why) with the zero-bubble schedules; ``merge_backward`` (de
 ``unwaited``: which adjacent halves of a split backward run whole, [Note: adjacent I and W] in
 executor/spec.py) with the planner's choice of it; ``estimated_from`` (default none: the device
 sheet of an estimated profile, in words, [Note: estimated or measured] in estimated.py) with
-estimated profiles. A plan made for another micro-batch
+estimated profiles; ``tensor_parallel`` (default 1: each stage on one rank; its costs per rank of
+the TP group, [Note: tensor-parallel cost] in tensor_parallel.py) with tensor parallelism, in
+the plan and in each alternative. A plan made for another micro-batch
 than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
 full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
 :meth:`Plan.check` compares the structure and the micro-batch rows instead.
@@ -93,6 +95,7 @@ class Alternative:
     memory: int
     note: str = ""
     data_parallel: int = 1  # replicas of the pipeline ([Note: pipeline x data parallel])
+    tensor_parallel: int = 1  # ranks per stage ([Note: the mesh] in solvers/tensor_parallel_search.py)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Plan:
     skipped_schedules: dict[str, str] = field(default_factory=dict)  # a search's, each with why
     merge_backward: str = "unwaited"  # zero-bubble schedules: [Note: adjacent I and W]
     estimated_from: str | None = None  # the sheet of an estimated profile ([Note: estimated or measured])
+    tensor_parallel: int = 1  # ranks that split each stage's layers ([Note: tensor-parallel cost])
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -275,14 +279,19 @@ class Plan:
     def profile_for(self, profile: Profile) -> Profile:
         """``profile`` checked against this plan and, when the plan was made for another
         micro-batch size, scaled to it ([Note: micro-batch scaling]): what the plan's costs are
-        recomputed from, as the plan's runtime sees it ([Note: one profile, two runtimes])."""
+        recomputed from, as the plan's runtime sees it ([Note: one profile, two runtimes]) and one
+        rank of its TP group runs it ([Note: tensor-parallel cost])."""
         from autopipe.core.scaling import profile_at
+        from autopipe.core.tensor_parallel import at_degree, tp_link
 
         self.check(profile.layers, profile.fingerprint)
+        profile = profile.for_runtime(self.runtime)
+        if self.tensor_parallel > 1:  # one rank of the TP group ([Note: tensor-parallel cost])
+            profile = at_degree(profile, self.tensor_parallel, tp_link(profile, self.bandwidth))
         rows = self.micro_batch_size
         if rows is not None and profile.meta.get("micro_batch_size") not in (None, rows):
             profile = profile_at(profile, rows, batch_size=self.batch_size, chunks=self.chunks)
-        return profile.for_runtime(self.runtime)
+        return profile
 
     def check(self, layers: Sequence[str], fingerprint: str | None, *,
               micro_batch_size: int | None = None) -> None:
@@ -341,7 +350,7 @@ class Plan:
         optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
                     "alternatives", "device_memory", "data_parallel", "dp_mode",
                     "recompute_layers", "runtime", "precision", "skipped_schedules",
-                    "merge_backward", "estimated_from")  # older plans lack them
+                    "merge_backward", "estimated_from", "tensor_parallel")  # older plans lack them
         missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")

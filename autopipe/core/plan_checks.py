@@ -41,6 +41,8 @@ def check_types(plan: Plan) -> None:
         raise TypeError(f"'merge_backward' must be one of {list(MERGE_RULES)}, got {plan.merge_backward!r}")
     if not isinstance(plan.data_parallel, int) or isinstance(plan.data_parallel, bool) or plan.data_parallel < 1:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
+    if not isinstance(plan.tensor_parallel, int) or isinstance(plan.tensor_parallel, bool) or plan.tensor_parallel < 1:
+        raise TypeError(f"'tensor_parallel' must be an integer >= 1, got {plan.tensor_parallel!r}")
     if plan.dp_mode not in DATA_PARALLEL_MODES:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
     plan.cost_options.modes(k)  # builds CostOptions: the fields above checked first, by name

@@ -109,6 +109,16 @@ def _collectives(plan: Plan) -> str:
             f"{b[s].grad_sync_ms:.3f} ms (stage {s}).")
 
 
+def _mesh(plan: Plan) -> str:
+    """The mesh chosen, PP x TP x DP ([Note: the mesh] in solvers/tensor_parallel_search.py)."""
+    t, d, k = plan.tensor_parallel, plan.data_parallel, plan.num_stages
+    ranks = len({dev.name for dev in plan.devices})
+    split = (f"each stage's layers split over {t} ranks of one host, its time, weights and split "
+             f"activations per rank, its all-reduces inside every stage's time" if t > 1 else
+             "no tensor parallelism: it was slower or did not fit")
+    return f"Mesh: PP {ranks} x TP {t} x DP {d} = {ranks * t * d} devices ({k} stages), {split}."
+
+
 def _memory_of(plan: Plan, name: str) -> int | None:
     limits = [d.memory for d in plan.devices if d.name == name]
     return limits[0] if limits else None
@@ -129,6 +139,8 @@ def explain(plan: Plan) -> str:
     ]
     if d > 1:
         parts.append(_collectives(plan))
+    if plan.tensor_parallel > 1 or any(a.tensor_parallel > 1 for a in plan.alternatives):
+        parts.append(_mesh(plan))
     if plan.schedule in ZERO_BUBBLE_SCHEDULES:  # [Note: adjacent I and W] in executor/spec.py
         where = ("on every stage" if plan.merge_backward == "adjacent"
                  else "where no other rank waits for the input gradient")
@@ -186,25 +198,28 @@ def _schedules_weighed(plan: Plan) -> str:
 
 def alternatives_table(plan: Plan) -> str:
     """A small markdown table: the chosen plan, then the alternatives the search weighed."""
-    # a replicas column once any row has replicas ([Note: pipeline x data parallel])
+    # a replicas column once any row has replicas ([Note: pipeline x data parallel]), a TP column
+    # once any row has TP ([Note: the mesh])
     wide = plan.data_parallel > 1 or any(a.data_parallel > 1 for a in plan.alternatives)
-    head = (("| replicas " if wide else "") + "| stages | chunks | schedule | recomputation | "
-            "iteration ms | vs chosen | bottleneck ms | peak memory | note |\n"
-            + ("|---:" if wide else "") + "|---:|---:|---|---|---:|---:|---:|---:|---|")
+    tp = plan.tensor_parallel > 1 or any(a.tensor_parallel > 1 for a in plan.alternatives)
+    head = (("| TP " if tp else "") + ("| replicas " if wide else "") + "| stages | chunks | schedule | "
+            "recomputation | iteration ms | vs chosen | bottleneck ms | peak memory | note |\n"
+            + ("|---:" if tp else "") + ("|---:" if wide else "") + "|---:|---:|---|---|---:|---:|---:|---:|---|")
     chosen = max(plan.device_memory.values(), default=max(plan.peak_memory))
     rows = [_row(plan.num_stages, plan.chunks, plan.schedule, plan.recompute, plan.iteration_time,
                  plan.iteration_time, plan.bottleneck, chosen, "chosen",
-                 plan.data_parallel if wide else None)]
+                 (plan.tensor_parallel if tp else None, plan.data_parallel if wide else None))]
     rows += [_row(a.stages, a.chunks, a.schedule, a.recompute, a.iteration_time,
                   plan.iteration_time, a.bottleneck, a.memory, a.note,
-                  a.data_parallel if wide else None) for a in plan.alternatives]
+                  (a.tensor_parallel if tp else None, a.data_parallel if wide else None))
+             for a in plan.alternatives]
     return "\n".join([head, *rows])
 
 
 def _row(k: int, m: int, schedule: str, recompute: str | list[str], t: float, best: float,
-         bottleneck: float, memory: int, note: str, replicas: int | None) -> str:
+         bottleneck: float, memory: int, note: str, mesh: tuple[int | None, int | None]) -> str:
     versus = "" if t == best else f"{100 * (t / best - 1):+.1f}%"
-    first = "" if replicas is None else f"| {replicas} "
+    first = "".join(f"| {x} " for x in mesh if x is not None)
     return (f"{first}| {k} | {m} | {schedule} | {recompute_text(recompute)} | {t:.3f} | {versus} | "
             f"{bottleneck:.3f} | {format_bytes(memory)} | {note} |")
 
@@ -243,5 +258,6 @@ def _recomputed_lines(plan: Plan) -> list[str]:
 def describe(a: Alternative) -> str:
     """One alternative in a few words (for progress and error messages)."""
     replicas = f"{a.data_parallel} replicas x " if a.data_parallel > 1 else ""
+    replicas += f"TP {a.tensor_parallel} x " if a.tensor_parallel > 1 else ""
     return (f"{replicas}{a.stages} stages, {a.chunks} micro-batches, {a.schedule}, "
             f"{recompute_text(a.recompute)}: {a.iteration_time:.3f} ms")

@@ -43,6 +43,7 @@ ONE micro-batch):
                    shared parameter's bytes on every member (or on one member and 0 elsewhere).
     kind, module_type, estimated   optional text: "call_module", "nn.Linear", the device sheet a
                    row was estimated from ([Note: estimated or measured] in estimated.py)
+    tp_role, tp_group, tp_divides   optional: tensor parallelism ([Note: tensor-parallel cost])
     bwd_input_ms, bwd_weight_ms, weight_grad_bytes   optional, all three or none: the backward
                    split as torch.distributed.pipelining's zero-bubble schedules run it, into
                    the gradients of the layer's inputs and of its weights (their sum is
@@ -100,7 +101,6 @@ WORKING_COLUMN, RETURNED_COLUMN = "bwd_working_bytes", "returned_bytes"
 _RERUN = "re-run `autopipe profile ...`"
 _FROM_META = Corrections()  # not given: read from the flat meta keys of earlier releases
 
-
 def _paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     p = Path(path)
     if p.suffix in (".csv", ".json"):
@@ -127,8 +127,8 @@ class Profile:
     REQUIRED_COLUMNS: ClassVar[tuple[str, ...]] = ("layer", "fwd_ms", "bwd_ms", "param_bytes", "output_bytes",
                                                    "saved_bytes")
     NUMERIC_OPTIONAL: ClassVar[tuple[str, ...]] = ("buffer_bytes", "peak_bytes", "saved_shared_bytes",
-                                                   "saved_input_bytes")
-    TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type", "measured_as")
+                                                   "saved_input_bytes", "tp_divides")
+    TEXT_OPTIONAL: ClassVar[tuple[str, ...]] = ("tie_group", "kind", "module_type", "measured_as", "tp_role", "tp_group")
 
     def __post_init__(self) -> None:
         self.df = check_estimated(_validate_frame(self.df, where=str(self.meta.get("_source", "profile"))), self.meta)

@@ -7,6 +7,7 @@ figure is written to a temporary file first, so a failure leaves no half-written
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -59,13 +60,14 @@ def plot_plan_file(
     loaded = Plan.load(plan)
     prof = None if profile is None else Profile.load(profile)
     if prof is not None:
-        loaded = Plan.from_stages(
+        loaded = dataclasses.replace(Plan.from_stages(  # one rank's costs: [Note: the mesh]
             loaded.profile_for(prof), loaded.stages, devices=loaded.devices, chunks=loaded.chunks,
             recompute=loaded.recompute, optimizer=loaded.optimizer, bandwidth=loaded.bandwidth,
             ties=loaded.ties, method=loaded.method, solver=loaded.solver,
             schedule=loaded.schedule, alternatives=loaded.alternatives,
             data_parallel=loaded.data_parallel, dp_mode=loaded.dp_mode,
-            recompute_layers=loaded.recompute_layers, merge_backward=loaded.merge_backward)
+            recompute_layers=loaded.recompute_layers, merge_backward=loaded.merge_backward),
+            tensor_parallel=loaded.tensor_parallel)
     if figure == "balance":
         fig = plot_balance(loaded)
     elif figure == "layers":

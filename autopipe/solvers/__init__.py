@@ -2,6 +2,7 @@
 
     partitioner.py      partition(profile, stages=K|"auto", ...) -> Plan: picks and runs a solver
     data_parallel_search.py  the replica count D ("auto"): one search per divisor of the devices
+    tensor_parallel_search.py  the TP degree t ("auto"): devices as PP x TP x DP, one plan per degree
     search.py           the automatic search: stages, chunks, recomputation, schedule
     search_space.py     what the search chooses from (ranks, micro-batches, schedules, layouts), and its results
     bounds.py           lower bounds on a simulated iteration, for the search's pruning and the gaps

@@ -32,12 +32,14 @@ from autopipe.core.estimated import sheet_memory
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import measured_sizes, profile_at, rows_for
+from autopipe.core.tensor_parallel import at_degree, check_degree, degrees, tp_link
 from autopipe.errors import PartitionError
 from autopipe.solvers.data_parallel_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
 from autopipe.solvers.fixed_config import solve_fixed
 from autopipe.solvers.search import search
 from autopipe.solvers.search_space import Setting, chunk_candidates, stages_per_rank
+from autopipe.solvers.tensor_parallel_search import host_size, search_degrees, tp_groups
 from executor.spec import (
     MULTI_STAGE_SCHEDULES,
     RECOMPUTE_MODES,
@@ -81,6 +83,8 @@ def partition(
     dp_mode: str = "ddp",
     runtime: str | None = None,
     checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
+    tensor_parallel: int | str = 1,
+    devices_per_host: int | None = None,
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
@@ -139,7 +143,13 @@ def partition(
     or ``"distributed"`` (torch.distributed.pipelining: its call costs, the transfer and the
     ranks' slowdown); default: the distributed one where the profile measured it, else gpipe
     ([Note: one profile, two runtimes] in autopipe/core/corrections.py); ``plan.runtime``
-    records it. A profile estimated on a device sheet limits every device to the sheet's memory
+    records it. ``tensor_parallel=t`` splits each stage's layers over t ranks of one host,
+    Megatron's column / row pairs and vocabulary as the profile's ``tp_role`` column says, on
+    ``devices = PP x TP x DP`` (each t consecutive devices one TP group, inside a host of
+    ``devices_per_host``, default 8 for a profile estimated on a GPU sheet, else all one host);
+    ``"auto"`` tries every degree that divides the devices, the host and the heads ([Note: the
+    mesh] in autopipe/solvers/tensor_parallel_search.py, [Note: tensor-parallel cost] in
+    autopipe/core/tensor_parallel.py); ``plan.tensor_parallel`` records it. A profile estimated on a device sheet limits every device to the sheet's memory
     unless ``memory_limit`` says otherwise (a DeviceSpec's own memory still binds where it is
     less). Raises PartitionError when no split fits.
     """
@@ -181,10 +191,41 @@ def partition(
         schedule=schedule, batch_size=batch_size, memory_limit=memory_limit, optimizer=optimizer,
         time_limit=time_limit, ties=ties, bandwidth=bandwidth, progress=progress,
         max_chunks=max_chunks)
+    if tensor_parallel != 1:
+        return _tensor_parallel(profile, tensor_parallel, devices_per_host, data_parallel, dp_mode, args)
+    host_size(profile, devices_per_host, None)  # one line for a bad host size
+    return _replicas_or_one(profile, data_parallel, dp_mode, args)
+
+
+def _replicas_or_one(profile: Profile, data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:
     if data_parallel != 1:
         return _replicated(profile, data_parallel, dp_mode, args)
     check_data_parallel(data_parallel, dp_mode)
     return _pipeline(profile, **args, data_parallel=1, dp_mode=dp_mode)
+
+
+def _tensor_parallel(profile: Profile, tensor_parallel: int | str, devices_per_host: int | None,
+                     data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:
+    """Each stage over a TP group of t devices, or the fastest t ([Note: the mesh])."""
+    devices = args["devices"]
+    pool = None if devices is None else resolve_devices(None, devices, args["memory_limit"])
+    n = None if pool is None else len(pool)
+    host = host_size(profile, devices_per_host, n)
+    if tensor_parallel == "auto":
+        if n is None:
+            raise PartitionError("tensor_parallel='auto' chooses how many devices split each stage: "
+                                 "pass devices=N (--devices N or names)")
+        counts = degrees(profile, n, host)
+    else:
+        check_degree(profile, tensor_parallel, n, host)
+        counts = [int(tensor_parallel)]
+    link = tp_link(profile, args["bandwidth"])
+
+    def solve(t: int) -> Plan:
+        sub = {**args, "devices": None if pool is None else tp_groups(pool, t)}
+        return _replicas_or_one(at_degree(profile, t, link), data_parallel, dp_mode, sub)
+
+    return search_degrees(counts, solve)
 
 
 def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:

@@ -130,6 +130,9 @@ def _row(g: LayerGraph, layer: str, fwd_ms: float, bwd_ms: float, saved: int, pe
         "kind": str(a["kind"]),
         "module_type": str(a["module_type"]),
         "measured_as": measured_as,
+        "tp_role": str(a.get("tp_role", "")),
+        "tp_group": str(a.get("tp_group", "")),
+        "tp_divides": int(a.get("tp_divides", 0)),
     }
 
 

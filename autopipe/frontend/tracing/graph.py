@@ -29,6 +29,7 @@ from autopipe.frontend.tracing.counted_loss import CountedLoss, counted_loss
 from autopipe.frontend.tracing.granularity import coarsen, mark_grouped
 from autopipe.frontend.tracing.grouping import group_layers, layer_attributes
 from autopipe.frontend.tracing.repeated import capture_repeated
+from autopipe.frontend.tracing.tensor_parallel import find_tensor_parallel
 
 __all__ = ["LayerGraph", "trace"]
 
@@ -43,7 +44,8 @@ class LayerGraph:
     parameter bytes used here but counted at another layer), ``buffer_bytes``,
     ``output_bytes``, ``returned_bytes`` (what the model returns of the memory this layer made:
     a returned no-op ``.float()`` of another layer's output is that layer's), ``output_shapes``,
-    ``output_dtypes``, ``tie_group`` ("" when none).
+    ``output_dtypes``, ``tie_group`` ("" when none), ``tp_role``, ``tp_group``, ``tp_divides``
+    (its part in tensor parallelism: [Note: tensor-parallel structure] in tensor_parallel.py).
     Edge attribute: ``bytes`` moved from one layer to the next at the example batch.
     ``grouped``: layers merged from finer traced ones, each with how many it holds ([Note:
     automatic granularity] in granularity.py); empty when none were.
@@ -192,10 +194,14 @@ def trace(
         layers, node_layer, grouped = coarsen(cap, layers, node_layer)
     graph, input_names, input_bytes = layer_attributes(cap, model, layers, node_layer)
     mark_grouped(graph, model, grouped)
+    names = [name for name, _ in layers]
+    structure = find_tensor_parallel(cap.gm, node_layer, names)  # [Note: tensor-parallel structure]
+    for name, found in structure.roles.items():
+        graph.nodes[name].update(tp_role=found.role, tp_group=found.group, tp_divides=found.divides)
     return LayerGraph(
         gm=cap.gm,
         nx=graph,
-        layers=[name for name, _ in layers],
+        layers=names,
         node_layer=node_layer,
         input_names=input_names,
         input_bytes=input_bytes,
