@@ -278,6 +278,13 @@ def measure(size: Size, cases: Sequence[Case] = DEFAULT) -> list[Row]:
     return rows
 
 
+def _modes(plan: Plan) -> str:
+    """Each stage's recompute mode, and how many layers recompute alone ([Note: recomputed
+    layers])."""
+    alone = f" + {len(plan.recompute_layers)} layers alone" if plan.recompute_layers else ""
+    return "/".join(plan.stage_recompute) + alone
+
+
 def binding(size: Size, case: Case = Case(), fraction: float = 0.85) -> tuple[int, list[Row]]:
     """A memory limit that binds: ``fraction`` of the largest rank peak the plan without one
     predicts; that plan and the one made under the limit (recompute="auto") run on 2 ranks.
@@ -288,8 +295,8 @@ def binding(size: Size, case: Case = Case(), fraction: float = 0.85) -> tuple[in
         free = _plan(prof, size, case)
         limit = int(max(free.peak_memory) * fraction)
         bound = _plan(prof, size, replace(case, recompute="auto"), memory_limit=limit)
-        work = [(replace(case, recompute=f"no limit: {'/'.join(free.stage_recompute)}"), free),
-                (replace(case, recompute=f"under the limit: {'/'.join(bound.stage_recompute)}"), bound)]
+        work = [(replace(case, recompute=f"no limit: {_modes(free)}"), free),
+                (replace(case, recompute=f"under the limit: {_modes(bound)}"), bound)]
         rows = []
         for (c, plan), peaks in zip(work, _ranks(size, 2, work), strict=True):
             rows += [Row(c, f"rank {r}", peak, plan.peak_memory[r]) for r, peak in enumerate(peaks)]
