@@ -357,7 +357,8 @@ def stage_costs(
         # [Note: receive buffers] in stage_memory.py: between two stages of one rank, in place
         beside = [multi and 0 <= t < k and devices[t].name == dev.name for t in (s - 1, s + 1)]
         kept = 0 if beside[1] else kept_bytes(costs, cut_out, s == k - 1, costs.received_before(first))
-        grads, sending = loss_grad_bytes(costs, m) if s == k - 1 else 0, cut_in * (ranks_runtime and not beside[0])
+        grads = loss_grad_bytes(costs, m) if s == k - 1 else 0  # the input gradient sent: beside the working sets
+        sending = cut_in * (ranks_runtime and not beside[0] and costs.working is not None)
         walk = received_walk(ranks_runtime, cut_in, saved, input_saved)
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(walk[0], walk[1], terms[s], held, walk[2], kept, grads))
