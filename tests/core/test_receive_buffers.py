@@ -97,6 +97,7 @@ def test_between_two_stages_of_one_rank_the_output_is_handed_over_in_place() -> 
     # buffers, so stage 1 keeps none of its own; stage 2's input gradient lands in stage 1's
     # buffers, so nothing is being sent. Across ranks (0 -> 1, 2 -> 3) as before.
     prof = chain_profile([1.0] * 4, output_bytes=[5, 7, 11, 13], saved_bytes=10, bwd_input_ms=[1.0] * 4)
+    prof.df["bwd_working_bytes"] = 0  # measured: the input gradient in flight is charged beside them
     plan = Plan.from_stages(prof, [["l0"], ["l1"], ["l2"], ["l3"]], chunks=4, recompute="never", optimizer="none",
                             schedule="zbv", bandwidth=None, runtime="distributed", devices=["a", "b", "b", "a"])
     b = plan.breakdown
