@@ -144,30 +144,14 @@ def test_per_stage_modes_match_brute_force_where_the_loss_binds_the_last_stage(s
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_per_stage_modes_match_brute_force_where_the_backward_binds(seed: int) -> None:
-    rng = np.random.default_rng(seed)  # [Note: the backward's memory]
+@pytest.mark.parametrize("binds", ["backward", "receive buffers"])
+def test_per_stage_modes_match_brute_force_where_the_backward_or_the_buffers_bind(binds: str, seed: int) -> None:
+    # [Note: the backward's memory]; [Note: receive buffers] (on ranks)
+    rng = np.random.default_rng(seed)
     n, k = int(rng.integers(4, 7)), int(rng.integers(2, 4))
-    lc, _ = with_backward(seed, n)
+    lc, _ = with_backward(seed, n) if binds == "backward" else with_buffers(seed, n)
     opts = CostOptions(chunks=int(rng.integers(2, 6)), schedule=("gpipe", "1f1b")[seed % 2],
-                       optimizer=("sgd", "momentum")[seed % 2])
-    limit = int(least_memory(lc, k, CostOptions(opts.chunks, "always", opts.optimizer, schedule=opts.schedule))
-                * rng.uniform(1.0, 1.5))
-    devices = [DeviceSpec(f"d{s}", limit) for s in range(k)]
-    expected = brute_force(lc, devices, opts)
-    split = solve_split(lc, devices, opts, modes="auto")
-    assert np.isfinite(expected) and split is not None
-    assert split.bottleneck == pytest.approx(expected, rel=1e-9)
-    chosen = CostOptions(opts.chunks, tuple(split.modes), opts.optimizer, schedule=opts.schedule)
-    assert all(c.memory_bytes <= limit for c in stage_costs(lc, split.assignment, devices, chosen))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_per_stage_modes_match_brute_force_where_the_receive_buffers_bind(seed: int) -> None:
-    rng = np.random.default_rng(seed)  # [Note: receive buffers]
-    n, k = int(rng.integers(4, 7)), int(rng.integers(2, 4))
-    lc, _ = with_buffers(seed, n)
-    opts = CostOptions(chunks=int(rng.integers(2, 6)), schedule=("gpipe", "1f1b")[seed % 2],
-                       optimizer=("sgd", "adamw")[seed % 2])
+                       optimizer=("sgd", "momentum" if binds == "backward" else "adamw")[seed % 2])
     limit = int(least_memory(lc, k, CostOptions(opts.chunks, "always", opts.optimizer, schedule=opts.schedule))
                 * rng.uniform(1.0, 1.5))
     devices = [DeviceSpec(f"d{s}", limit) for s in range(k)]
