@@ -98,18 +98,20 @@ def backward_extras(lazy_grads: Amount, first: Amount, working: Amount, sending:
 def stage_walk(b: StageCost, kept: bool = True) -> tuple[tuple[int, int, int, int], Extras, int]:
     """A planned stage's (input, saved, weight-held, input-saved) bytes as its walk holds them
     per micro-batch (with what it keeps per micro-batch in flight where ``kept``), its backward
-    ``extras``, and what its loss adds on top: what the simulator and the plan's checks walk
+    ``extras``, and what its loss and its layers recomputed alone add on top: what the simulator
+    and the plan's checks walk
     ([Note: receive buffers] in stage_memory.py: a stage with receive buffers is on ranks;
     [Note: the loss's memory]: a plan saved before ``kept_bytes`` adds ``loss_bytes`` whole)."""
     received = b.receive_bytes > 0
     walk = received_walk(received, b.input_bytes, b.saved_bytes, b.input_saved_bytes)
     extras = backward_extras(b.lazy_grad_bytes, b.first_backward_bytes, b.working_bytes, b.sending_bytes)
+    again = b.recompute_bytes  # a segment of layers recomputed alone, alive again
     if not kept:
-        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, 0
+        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, again
     if not (b.kept_bytes or b.loss_grad_bytes):
-        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, b.loss_bytes
+        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, b.loss_bytes + again
     more = b.kept_bytes  # kept_activation_bytes' rule: once per micro-batch a term holds
-    return (walk[0] + more, walk[1] + more, b.weight_held_bytes, walk[2] + more), extras, b.loss_grad_bytes
+    return (walk[0] + more, walk[1] + more, b.weight_held_bytes, walk[2] + more), extras, b.loss_grad_bytes + again
 
 
 def gather_terms(terms: Terms) -> Terms:

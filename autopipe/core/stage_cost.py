@@ -73,6 +73,9 @@ class StageCost:
     # its parameters and buffers: what building it from a meta-device model holds ([Note: the
     # build's memory] in stage_memory.py; 0 in plans saved before it)
     build_bytes: int = 0
+    # of activation_bytes, what a segment of layers recomputed alone adds while it recomputes
+    # ([Note: recomputed layers] in recomputed_layers.py; 0 in plans saved before it)
+    recompute_bytes: int = 0
     # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
     # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
     # then added whole) ([Note: the loss's memory] in stage_memory.py)

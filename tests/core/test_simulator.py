@@ -161,3 +161,15 @@ def test_stages_on_one_device_take_turns() -> None:
     with pytest.raises(PlanError, match="1 devices for 2 stages"):
         simulate_stages([_stage(), _stage()], chunks=2, recompute="never", ms_per_byte=0.0,
                         devices=["cpu"])
+
+
+@pytest.mark.parametrize("runtime", ["gpipe", "distributed"])
+def test_the_simulated_peak_has_the_recomputed_segments_saves_again(runtime: str) -> None:
+    # [Note: recomputed layers]: a segment recomputed alone at the end of a stage has its saves
+    # alive again in its backward; the simulator's peak was its stage's without them
+    prof = random_chain(12, 3)
+    layers = prof.layers
+    plan = Plan.from_stages(prof, [layers[:6], layers[6:]], chunks=4, recompute="never", schedule="1f1b",
+                            bandwidth=None, runtime=runtime, recompute_layers=layers[3:6])
+    assert plan.breakdown[0].recompute_bytes > 0
+    assert plan.peak_memory == plan.stage_memory
