@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         theirs = " / ".join(f"{tps:,} ({gib})" for tps, gib in published)
         for mode, plan in plans(prof, devices, sheet).items():
             tps = LOCAL_BATCH * args.seq / (plan.iteration_time / 1e3)
-            memory = max(plan.device_memory.values(), default=max(plan.peak_memory))
+            memory = plan.highest_memory
             rows.append(f"| {devices} | {theirs} | {mode} | {tps:,.0f} | {plan.iteration_time / 1e3:.2f} | "
                         f"{memory / 2**30:.1f} |")
     print("\n".join(rows))

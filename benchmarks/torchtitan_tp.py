@@ -134,7 +134,7 @@ def ours(prof: Profile, shape: str, most_stages: int) -> tuple[Plan | None, list
 def row(name: str, plan: Plan, gpus: int, batch: int, seq: int, published: str) -> str:
     step = plan.iteration_time / 1e3
     tps = batch * seq / step / gpus
-    memory = max(plan.device_memory.values(), default=max(plan.peak_memory)) / GIB
+    memory = plan.highest_memory / GIB
     k = len({d.name for d in plan.devices})
     mesh = f"PP {k} x TP {plan.tensor_parallel} x DP {plan.data_parallel} ({plan.num_stages} stages)"
     fits = "yes" if memory <= titan_sheet().memory_bytes / GIB else "no"

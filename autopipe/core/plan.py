@@ -250,14 +250,20 @@ class Plan:
         return [self.recompute] * self.num_stages if isinstance(self.recompute, str) else list(self.recompute)
 
     @property
+    def highest_memory(self) -> int:
+        """The highest predicted peak of any device, its stages together (bytes)."""
+        return max(self.device_memory.values(), default=max(self.peak_memory))
+
+    def as_alternative(self, note: str) -> Alternative:
+        """This plan as one a search weighed against the plan it chose, with why it lost."""
+        return Alternative(self.num_stages, self.chunks, self.schedule, self.recompute, self.iteration_time,
+                           self.bottleneck, self.highest_memory, note, self.data_parallel, self.tensor_parallel)
+
+    @property
     def build_memory(self) -> dict[str, int]:
-        """Per device, what building its stages from a model on the meta device holds: their
-        parameters and buffers ([Note: the build's memory] in stage_memory.py; 0 in plans saved
-        before it). A model passed whole is whole on every rank until the build frees the rest."""
-        out: dict[str, int] = {}
-        for device, stage in zip(self.devices, self.breakdown, strict=True):
-            out[device.name] = out.get(device.name, 0) + stage.build_bytes
-        return out
+        """Per device, its stages' parameters and buffers: a meta-device build's peak ([Note: the build's memory])."""
+        names = [d.name for d in self.devices]
+        return {n: sum(b.build_bytes for d, b in zip(names, self.breakdown, strict=True) if d == n) for n in names}
 
     @property
     def decision(self) -> Decision:

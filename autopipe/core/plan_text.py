@@ -205,7 +205,7 @@ def alternatives_table(plan: Plan) -> str:
     head = (("| TP " if tp else "") + ("| replicas " if wide else "") + "| stages | chunks | schedule | "
             "recomputation | iteration ms | vs chosen | bottleneck ms | peak memory | note |\n"
             + ("|---:" if tp else "") + ("|---:" if wide else "") + "|---:|---:|---|---|---:|---:|---:|---:|---|")
-    chosen = max(plan.device_memory.values(), default=max(plan.peak_memory))
+    chosen = plan.highest_memory
     rows = [_row(plan.num_stages, plan.chunks, plan.schedule, plan.recompute, plan.iteration_time,
                  plan.iteration_time, plan.bottleneck, chosen, "chosen",
                  (plan.tensor_parallel if tp else None, plan.data_parallel if wide else None))]

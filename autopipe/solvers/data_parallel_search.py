@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from autopipe.core.plan import Alternative, Plan
+from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import measured_sizes
 from autopipe.errors import PartitionError
@@ -102,10 +102,7 @@ def search_replicas(counts: list[int], solve: Callable[[int], Plan]) -> Plan:
         return plans[counts[0]]
     ranked = sorted(plans.values(), key=lambda p: (p.iteration_time, p.num_stages))
     best = ranked[0]
-    others = [Alternative(p.num_stages, p.chunks, p.schedule, p.recompute, p.iteration_time,
-                          p.bottleneck, max(p.device_memory.values(), default=max(p.peak_memory)),
-                          f"best with {p.data_parallel} replica(s)", p.data_parallel)
-              for p in ranked[1:]]
+    others = [p.as_alternative(f"best with {p.data_parallel} replica(s)") for p in ranked[1:]]
     unfit = f"; {', '.join(map(str, sorted(failed)))} do(es) not fit" if failed else ""
     status = (f"{best.solver.status}; replicas chosen from {counts} by simulated iteration"
               f"{unfit}")

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from autopipe.core.devices import DeviceSpec
 from autopipe.core.estimated import estimated_from
-from autopipe.core.plan import Alternative, Plan
+from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
 
@@ -84,10 +84,7 @@ def search_degrees(degrees: list[int], solve: Callable[[int], Plan]) -> Plan:
         return plans[degrees[0]]
     ranked = sorted(plans.values(), key=lambda p: (p.iteration_time, p.tensor_parallel))
     best = ranked[0]
-    others = [Alternative(p.num_stages, p.chunks, p.schedule, p.recompute, p.iteration_time,
-                          p.bottleneck, max(p.device_memory.values(), default=max(p.peak_memory)),
-                          f"best with TP {p.tensor_parallel}", p.data_parallel, p.tensor_parallel)
-              for p in ranked[1:]]
+    others = [p.as_alternative(f"best with TP {p.tensor_parallel}") for p in ranked[1:]]
     unfit = (f"; TP {', '.join(map(str, sorted(failed)))} left out (TP {min(failed)}: "
              f"{failed[min(failed)]})" if failed else "")
     status = f"{best.solver.status}; TP degree chosen from {degrees} by simulated iteration{unfit}"
