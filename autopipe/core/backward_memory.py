@@ -99,19 +99,15 @@ def stage_walk(b: StageCost, kept: bool = True) -> tuple[tuple[int, int, int, in
     """A planned stage's (input, saved, weight-held, input-saved) bytes as its walk holds them
     per micro-batch (with what it keeps per micro-batch in flight where ``kept``), its backward
     ``extras``, and what its loss and its layers recomputed alone add on top: what the simulator
-    and the plan's checks walk
-    ([Note: receive buffers] in stage_memory.py: a stage with receive buffers is on ranks;
-    [Note: the loss's memory]: a plan saved before ``kept_bytes`` adds ``loss_bytes`` whole)."""
-    received = b.receive_bytes > 0
-    walk = received_walk(received, b.input_bytes, b.saved_bytes, b.input_saved_bytes)
+    and the plan's checks walk ([Note: receive buffers] in stage_memory.py: a stage with receive
+    buffers is on ranks; [Note: the loss's memory]: a plan saved before ``kept_bytes`` adds
+    ``loss_bytes`` whole)."""
+    walk = received_walk(b.receive_bytes > 0, b.input_bytes, b.saved_bytes, b.input_saved_bytes)
     extras = backward_extras(b.lazy_grad_bytes, b.first_backward_bytes, b.working_bytes, b.sending_bytes)
-    again = b.recompute_bytes  # a segment of layers recomputed alone, alive again
-    if not kept:
-        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, again
-    if not (b.kept_bytes or b.loss_grad_bytes):
-        return (walk[0], walk[1], b.weight_held_bytes, walk[2]), extras, b.loss_bytes + again
-    more = b.kept_bytes  # kept_activation_bytes' rule: once per micro-batch a term holds
-    return (walk[0] + more, walk[1] + more, b.weight_held_bytes, walk[2] + more), extras, b.loss_grad_bytes + again
+    more = b.kept_bytes if kept else 0  # kept_activation_bytes' rule: once per micro-batch a term holds
+    loss = (b.loss_grad_bytes if b.kept_bytes or b.loss_grad_bytes else b.loss_bytes) if kept else 0
+    return ((walk[0] + more, walk[1] + more, b.weight_held_bytes, walk[2] + more), extras,
+            loss + b.recompute_bytes)  # a segment of layers recomputed alone, alive again
 
 
 def gather_terms(terms: Terms) -> Terms:
@@ -164,7 +160,7 @@ WalkMaps = tuple[Mapping[int, int], dict[int, float], dict[int, float], dict[int
 def walk_maps(stages: Sequence[StageCost], recomputed: Mapping[int, int],
               kept: bool = True) -> tuple[WalkMaps, list[int]]:
     """Every planned stage's :func:`stage_walk` as the maps the device walks take, and what each
-    stage's loss adds on top."""
+    stage's loss and recomputed layers add on top."""
     walks = [stage_walk(b, kept) for b in stages]
     held = tuple({s: float(w[0][i]) for s, w in enumerate(walks)} for i in range(4))
     return (recomputed, held[0], held[1], held[2], held[3], {s: w[1] for s, w in enumerate(walks)}), [

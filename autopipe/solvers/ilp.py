@@ -149,6 +149,8 @@ def _solve(
         return ILPResult([0] * n, c.time_ms, c.time_ms, 0.0, "optimal", 0.0)
     m = options.chunks
     ranks = costs.runtime == "distributed"
+    # each layer's share of the model's outputs ([Note: receive buffers] in stage_memory.py)
+    returned = np.diff(costs.returned_before) if costs.returned_before is not None else np.zeros(n)
     recomputed = options.recomputed(k)
     terms = options.terms(k, schedule_ranks(options.schedule, devices))
     cuts = range(k - 1)
@@ -241,7 +243,6 @@ def _solve(
             extras = None if costs.working is None else _backward_extras(prob, costs, options, params, s, k - 1, x,
                                                                          crossing(s - 1) if ranks else 0)
             walked_input = 0 if ranks else crossing(s - 1)  # on ranks, in its buffer
-            returned = np.diff(costs.returned_before) if costs.returned_before is not None else np.zeros(n)
             received = costs.returned - total(returned, s)  # the model's outputs made before the stage
             for term in terms[s]:  # the peak is the largest term: each must fit
                 last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
