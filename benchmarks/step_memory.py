@@ -73,12 +73,19 @@ class Case:
     recompute: str = "never"
     even: bool = False  # equal layer counts instead of the planner's split (which follows the timings)
     last: int = 0  # 2 stages, the last of them the model's last ``last`` layers (0: the planner's split)
+    alone: tuple[str, ...] = ()  # layers the (even) plan recomputes alone ([Note: recomputed layers])
 
     @property
     def ranks(self) -> int:
         return {"one process": 0, "2 ranks": 2, "2x2 fsdp": 4}[self.runtime]
 
 
+# the tied LM's first block from its attention to the next block's first LayerNorm, recomputed
+# alone on rank 0 (4 layers or more, equal layer counts): its outputs (the residual stream, saved
+# inside, and that LayerNorm's output, saved outside) and their gradients are what torch's
+# checkpoint holds beside the saves ([Note: recomputed layers])
+SEGMENT = ("scaled_dot_product_attention", "blocks.0.proj", "blocks.0.drop", "add_1", "blocks.0.ln2", "blocks.0.fc1",
+           "blocks.0.act", "blocks.0.fc2", "blocks.0.drop#1", "add_2", "blocks.1.ln1")
 DEFAULT = (Case("one process", "gpipe"), Case("2 ranks", "gpipe"), Case("2 ranks", "1f1b"))
 ALL = (*DEFAULT, Case("2 ranks", "zbv"), Case("2 ranks", "1f1b", recompute="always"),
        Case("one process", "gpipe", precision="bf16"), Case("2 ranks", "1f1b", precision="bf16"),
@@ -246,7 +253,8 @@ def _plan(prof: autopipe.Profile, size: Size, case: Case, **limits: Any) -> Plan
     if case.even:
         parts = [list(p) for p in np.array_split(np.array(prof.layers), 4 if devices else 2)]
         return Plan.from_stages(prof, parts, devices=devices or (["cpu", "cpu"] if case.ranks == 0 else None),
-                                bandwidth=None, runtime="gpipe" if case.ranks == 0 else "distributed", **common)
+                                bandwidth=None, runtime="gpipe" if case.ranks == 0 else "distributed",
+                                recompute_layers=case.alone, **common)
     return autopipe.partition(prof, stages=4 if devices else 2, devices=devices, runtime="distributed",
                               bandwidth=None, **common, **limits)
 
@@ -309,7 +317,8 @@ def table(rows: Sequence[Row]) -> str:
     for r in rows:
         c = r.case
         split = f", last {c.last} layer{'s' if c.last > 1 else ''}" if c.last else ""
-        lines.append(f"| {c.runtime}{split} | {c.schedule} | {c.model} | {c.precision} | {c.recompute} | {r.where} | "
+        alone = f" + {len(c.alone)} layers alone" if c.alone else ""
+        lines.append(f"| {c.runtime}{split} | {c.schedule} | {c.model} | {c.precision} | {c.recompute}{alone} | {r.where} | "
                      f"{r.measured / 2**20:.2f} | {r.predicted / 2**20:.2f} | {r.ratio:.2f} |")
     return "\n".join(lines)
 
@@ -325,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--bind", type=float, metavar="FRACTION",
                         help="plan 1F1B under this fraction of the unlimited plan's largest rank peak "
                              "and run both plans on 2 ranks")
+    parser.add_argument("--alone", action="store_true",
+                        help="only 1F1B on 2 ranks, equal layer counts, rank 0 recomputing SEGMENT alone "
+                             "(with --layers 4 or more)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     size = Size(vocab=args.vocab, dim=args.dim, layers=args.layers, seq=args.seq, batch=args.batch)
@@ -332,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         limit, rows = binding(size, fraction=args.bind)
         print(f"memory limit {limit / 2**20:.2f} MiB; measured over it: "
               f"{', '.join(f'{r.case.recompute} {r.where}' for r in rows if r.measured > limit) or 'none'}")
+    elif args.alone:
+        rows = measure(size, [Case("2 ranks", "1f1b", even=True, alone=SEGMENT)])
     else:
         rows = measure(size, ALL if args.all else DEFAULT)
     print(f"vocab {size.vocab}, dim {size.dim}, {size.layers} layers, seq {size.seq}, batch {size.batch} in "

@@ -107,7 +107,7 @@ def stage_walk(b: StageCost, kept: bool = True) -> tuple[tuple[int, int, int, in
     more = b.kept_bytes if kept else 0  # kept_activation_bytes' rule: once per micro-batch a term holds
     loss = (b.loss_grad_bytes if b.kept_bytes or b.loss_grad_bytes else b.loss_bytes) if kept else 0
     return ((walk[0] + more, walk[1] + more, b.weight_held_bytes, walk[2] + more), extras,
-            loss + b.recompute_bytes)  # a segment of layers recomputed alone, alive again
+            loss + b.recompute_bytes + b.recompute_outputs_bytes)  # a segment recomputed alone, alive again
 
 
 def gather_terms(terms: Terms) -> Terms:

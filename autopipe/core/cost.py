@@ -359,7 +359,7 @@ def stage_costs(
         kept = 0 if beside[1] else kept_bytes(costs, cut_out, s == k - 1, costs.received_before(first))
         grads = loss_grad_bytes(costs, m) if s == k - 1 else 0  # the input gradient sent: beside the working sets
         sending = cut_in * (ranks_runtime and not beside[0] and costs.working is not None)
-        again = recompute_peak(costs, mine, np.flatnonzero(mask & ~chosen).tolist())  # [Note: recomputed layers]
+        again, outputs = recompute_peak(costs, mine, np.flatnonzero(mask & ~chosen).tolist())  # [Note: recomputed layers]
         walk = received_walk(ranks_runtime, cut_in, saved, input_saved)
         if kept or grads:  # [Note: the loss's memory]
             loss = int(loss_bytes(walk[0], walk[1], terms[s], held, walk[2], kept, grads))
@@ -396,5 +396,5 @@ def stage_costs(
             backward_bytes=backward,
             receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
             sending_bytes=sending, one_at_a_time=costs.one_at_a_time, recompute_bytes=again,
-        ))
+            recompute_outputs_bytes=outputs))
     return result

@@ -35,7 +35,13 @@ and adds its time to the stage's backward, for every micro-batch. While a segmen
 its saves live again for that micro-batch, after the backward of the stage's later layers freed
 theirs: :func:`recompute_peak` adds the largest ``sum(saved[G]) - sum(saved[later layers not
 recomputed])`` (at least 0) to the stage's peak once (counted to the byte by
-executor.ActivationMeter in tests/frontend/building/test_recompute_alone.py). :func:`choose` picks the
+executor.ActivationMeter in tests/frontend/building/test_recompute_alone.py). Beside them, torch's
+reentrant checkpoint holds what it recomputed as the segment's outputs and their gradients until
+the segment's backward returns (``CheckpointFunction.backward``), where a plain backward frees
+each once its layer is done: :func:`segment_outputs`, an output that a layer of the segment saves
+counted once (its value is among the saves). ``StageCost.recompute_outputs_bytes`` keeps it apart:
+in the peak, not in the saves ActivationMeter counts (measured against live tensor bytes on 2
+ranks: tests/test_benchmark_step_memory.py). :func:`choose` picks the
 segments of one stage that free at least the bytes asked for at the least time: a DP over the
 stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
 bisected; segments are at most ``MAX_SEGMENT`` layers. The planner applies it after the split
@@ -51,7 +57,8 @@ import numpy as np
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.transfer import Amount
 
-__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "recompute_peak", "segment_freed", "segments"]
+__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "recompute_peak", "segment_freed",
+           "segment_outputs", "segments"]
 
 MAX_SEGMENT = 64  # layers in one recomputed segment, at most, when choosing
 _BISECTIONS = 40
@@ -75,13 +82,25 @@ def segments(chosen: Sequence[int], stage: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def recompute_peak(costs: LayerCosts, runs: Sequence[Sequence[int]], kept: Sequence[int]) -> int:
+def recompute_peak(costs: LayerCosts, runs: Sequence[Sequence[int]], kept: Sequence[int]) -> tuple[int, int]:
     """What one stage's recomputation adds to its peak: the largest segment of ``runs`` alive
     again, less the saves of the stage's layers ``kept`` (not recomputed) after it, which their
-    backward freed first ([Note: recomputed layers])."""
+    backward freed first; and what the largest with its held outputs (:func:`segment_outputs`)
+    adds to that ([Note: recomputed layers])."""
     later = np.asarray(kept, dtype=np.int64)
-    return max((max(int(costs.saved[list(r)].sum()) - int(costs.saved[later[later > r[-1]]].sum()), 0)
-                for r in runs), default=0)
+    again = [max(int(costs.saved[list(r)].sum()) - int(costs.saved[later[later > r[-1]]].sum()), 0) for r in runs]
+    most = max(again, default=0)
+    return most, max((a + segment_outputs(costs, r) for a, r in zip(again, runs, strict=True)), default=0) - most
+
+
+def segment_outputs(costs: LayerCosts, run: Sequence[int]) -> int:
+    """What torch's reentrant checkpoint holds beside a segment's saves while it back-propagates
+    it: the recomputed outputs (those no layer of the segment saves as its input) and every output's gradient,
+    alive until the segment's backward returns ([Note: recomputed layers])."""
+    inside = set(run)
+    outputs = [u for u in run if any(c not in inside for c in costs.consumers[u])]
+    saved_inside = {u for u in outputs if any(c in inside and costs.saved_input[c] > 0 for c in costs.consumers[u])}
+    return sum(int(costs.value_bytes[u]) * (1 if u in saved_inside else 2) for u in outputs)
 
 
 def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:

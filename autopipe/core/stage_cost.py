@@ -76,6 +76,10 @@ class StageCost:
     # of activation_bytes, what a segment of layers recomputed alone adds while it recomputes
     # ([Note: recomputed layers] in recomputed_layers.py; 0 in plans saved before it)
     recompute_bytes: int = 0
+    # beside it, what torch's checkpoint holds while it back-propagates that segment: the
+    # recomputed outputs and their gradients (not saves: outside activation_bytes; 0 in plans
+    # saved before it)
+    recompute_outputs_bytes: int = 0
     # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
     # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
     # then added whole) ([Note: the loss's memory] in stage_memory.py)
@@ -100,4 +104,5 @@ class StageCost:
     @property
     def memory_bytes(self) -> int:
         return self.param_bytes + self.receive_bytes + max(
-            self.activation_bytes + self.loss_bytes + self.backward_bytes, self.step_bytes)
+            self.activation_bytes + self.recompute_outputs_bytes + self.loss_bytes + self.backward_bytes,
+            self.step_bytes)

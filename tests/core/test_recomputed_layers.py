@@ -10,7 +10,13 @@ import pytest
 from autopipe.core.cost import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
-from autopipe.core.recomputed_layers import choose, segment_freed, segments
+from autopipe.core.recomputed_layers import (
+    choose,
+    recompute_peak,
+    segment_freed,
+    segment_outputs,
+    segments,
+)
 from autopipe.errors import PartitionError, PlanError
 from autopipe.solvers.synthetic import transformer_dag
 
@@ -40,6 +46,28 @@ def test_a_segment_frees_its_saves_less_a_copy_of_what_enters_it() -> None:
     assert segment_freed(costs, run) == int(costs.saved[run].sum()) - entering
     assert segment_freed(costs, run) > sum(segment_freed(costs, [k]) for k in run)
     assert segments([5, 3, 4, 9, 10], [0] * 10 + [1]) == [[3, 4, 5], [9], [10]]  # 10: next stage
+
+
+def test_the_checkpoint_holds_a_segments_outputs_and_their_gradients_in_its_backward() -> None:
+    # torch's CheckpointFunction.backward keeps what it recomputed as the segment's outputs, and
+    # their gradients, until it returns; an output a layer of the segment saves is a save already
+    prof = _dag()
+    df = prof.df.copy()
+    df["saved_input_bytes"] = [1 << 20 if n == "h0.ln2" else 0 for n in df["layer"]]  # ln2 saves add1's output
+    costs = LayerCosts.from_profile(Profile(df, prof.edges, prof.meta))
+    at = costs.names.index
+    mb = 1 << 20
+    assert segment_outputs(costs, [at("h0.attn"), at("h0.proj")]) == 2 * mb  # proj's output and its gradient
+    # add1's output is read by ln2 (inside, which saves it) and by add2 (outside): its gradient only
+    assert segment_outputs(costs, [at("h0.add1"), at("h0.ln2")]) == mb + 2 * mb
+    assert segment_outputs(costs, [at("h0.ln2"), at("h0.fc1"), at("h0.fc2")]) == 2 * mb
+    # the stage's peak: the largest segment with its outputs, on top of the largest without them
+    runs = [[at("h0.attn")], [at("h0.ln2"), at("h0.fc1"), at("h0.fc2")]]
+    again, outputs = recompute_peak(costs, runs, [])
+    assert again == max(int(costs.saved[r].sum()) for r in runs) == 9 * mb
+    assert again + outputs == max(int(costs.saved[r].sum()) + segment_outputs(costs, r) for r in runs) == 11 * mb
+    plan = Plan.from_stages(prof, _split(prof), chunks=4, recompute="never", recompute_layers=["h0.attn"])
+    assert plan.breakdown[0].recompute_outputs_bytes == segment_outputs(LayerCosts.from_profile(prof), [at("h0.attn")]) == 2 * mb
 
 
 def test_the_stage_keeps_less_and_its_backward_recomputes() -> None:

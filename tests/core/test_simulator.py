@@ -171,5 +171,5 @@ def test_the_simulated_peak_has_the_recomputed_segments_saves_again(runtime: str
     layers = prof.layers
     plan = Plan.from_stages(prof, [layers[:6], layers[6:]], chunks=4, recompute="never", schedule="1f1b",
                             bandwidth=None, runtime=runtime, recompute_layers=layers[3:6])
-    assert plan.breakdown[0].recompute_bytes > 0
+    assert plan.breakdown[0].recompute_bytes > 0 and plan.breakdown[0].recompute_outputs_bytes > 0
     assert plan.peak_memory == plan.stage_memory
