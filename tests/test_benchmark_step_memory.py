@@ -39,12 +39,16 @@ def test_every_rank_s_step_peak_is_predicted_within_ten_percent(monkeypatch: pyt
 
 
 @pytest.mark.slow
-def test_layers_recomputed_alone_on_ranks_are_not_predicted_low(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recomputation_on_ranks_is_not_predicted_low(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what torch's checkpoint holds beside the saves in a recomputed backward ([Note: recomputed
+    # layers]): a segment's outputs and their gradients (rank 0 was 2.2% low), and a stage recomputed
+    # whole, cut after an MLP's first Linear, its recomputed outputs (3.9% low)
     monkeypatch.setattr(step_memory, "start_processes", forked.start_processes)
-    case = Case("2 ranks", "1f1b", even=True, alone=SEGMENT)
-    first, second = measure(Size(vocab=512, dim=128, layers=4, seq=64), [case])
-    assert first.measured <= first.predicted <= first.measured * 1.02, first  # was 2.2% low
-    assert 0.9 <= second.ratio <= 1.1, second
+    cases = [Case("2 ranks", "1f1b", even=True, alone=SEGMENT), Case("2 ranks", "1f1b", recompute="except_last", last=30)]
+    rows = measure(Size(vocab=512, dim=128, layers=4, seq=64), cases)
+    for first, second in (rows[:2], rows[2:]):
+        assert first.measured <= first.predicted <= first.measured * 1.02, first
+        assert 0.9 <= second.ratio <= 1.1, second
 
 
 @pytest.mark.slow

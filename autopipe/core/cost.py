@@ -98,6 +98,7 @@ from autopipe.core.layer_costs import SPLIT_COLUMNS, FloatArray, LayerCosts
 from autopipe.core.recomputed_layers import (
     recompute_alone_ms,
     recompute_peak,
+    recomputed_outputs,
     segment_freed,
     segments,
 )
@@ -384,9 +385,7 @@ def stage_costs(
             grad_sync_ms=grad_sync_ms(params, *replicas),
             param_gather_ms=param_gather_ms(params, *replicas),
             bwd_input_ms=bwd_input,
-            weight_held_bytes=held,
-            input_saved_bytes=input_saved,
-            bwd_weight_ms=bwd_weight,
+            weight_held_bytes=held, input_saved_bytes=input_saved, bwd_weight_ms=bwd_weight,
             loss_bytes=loss,
             step_bytes=step,
             lazy_grad_bytes=lazy,
@@ -396,5 +395,5 @@ def stage_costs(
             backward_bytes=backward,
             receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
             sending_bytes=sending, one_at_a_time=costs.one_at_a_time, recompute_bytes=again,
-            recompute_outputs_bytes=outputs))
+            recompute_outputs_bytes=outputs + recomputed_outputs(cut_out, s == k - 1, recomputed[s])))
     return result

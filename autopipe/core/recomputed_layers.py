@@ -41,7 +41,12 @@ the segment's backward returns (``CheckpointFunction.backward``), where a plain 
 each once its layer is done: :func:`segment_outputs`, an output that a layer of the segment saves
 counted once (its value is among the saves). ``StageCost.recompute_outputs_bytes`` keeps it apart:
 in the peak, not in the saves ActivationMeter counts (measured against live tensor bytes on 2
-ranks: tests/test_benchmark_step_memory.py). :func:`choose` picks the
+ranks: tests/test_benchmark_step_memory.py). A stage recomputed whole (executor/recompute.py's
+checkpoint) holds the same, its recomputed outputs, in a recomputed micro-batch's backward
+(:func:`recomputed_outputs`; its output's gradient is in the runtime's receive buffer), but on
+the last stage, where the loss's backward has freed them before the stage's starts (measured:
+charging them there predicted the last rank 13-16% high). Every solver charges it with the
+stage's activations. :func:`choose` picks the
 segments of one stage that free at least the bytes asked for at the least time: a DP over the
 stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
 bisected; segments are at most ``MAX_SEGMENT`` layers. The planner applies it after the split
@@ -57,7 +62,8 @@ import numpy as np
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.transfer import Amount
 
-__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "recompute_peak", "segment_freed",
+__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "recompute_peak", "recomputed_outputs",
+           "segment_freed",
            "segment_outputs", "segments"]
 
 MAX_SEGMENT = 64  # layers in one recomputed segment, at most, when choosing
@@ -101,6 +107,15 @@ def segment_outputs(costs: LayerCosts, run: Sequence[int]) -> int:
     outputs = [u for u in run if any(c not in inside for c in costs.consumers[u])]
     saved_inside = {u for u in outputs if any(c in inside and costs.saved_input[c] > 0 for c in costs.consumers[u])}
     return sum(int(costs.value_bytes[u]) * (1 if u in saved_inside else 2) for u in outputs)
+
+
+def recomputed_outputs(cut_out: Amount, last: Amount, recomputed: int) -> Amount:
+    """What a stage that recomputes whole micro-batches (``recomputed`` of them) holds beside the
+    saves while it back-propagates one: the outputs its checkpoint recomputed (``cut_out``); none
+    on the ``last`` stage, whose loss's backward frees them first ([Note: recomputed layers])."""
+    if not recomputed:
+        return 0
+    return np.where(last, 0, cut_out) if isinstance(last, np.ndarray) else (0 if last else cut_out)
 
 
 def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:

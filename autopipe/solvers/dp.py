@@ -45,6 +45,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
+from autopipe.core.recomputed_layers import recomputed_outputs
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.stage_dp import solve_split
@@ -157,6 +158,7 @@ class RangeCosts:
         if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
             gather = gather_level(self.costs, self.m, cut_in, saved, self.terms, held, input_saved, extras)
             act = np.where(last[None, :], np.maximum(act, gather), act)
+        act = act + recomputed_outputs(cut_out[None, :], last[None, :], self.rec_n)
         if self.optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             largest = self.costs.largest_params(j0, j1, self.n + 1) if self.costs.one_at_a_time else 0
             act = np.maximum(act, step_bytes(params, largest, self.optimizer, self.costs.one_at_a_time,

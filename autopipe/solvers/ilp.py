@@ -58,6 +58,7 @@ from autopipe.core.cost import (
     weight_held_bytes,
 )
 from autopipe.core.cost_options import CostOptions
+from autopipe.core.recomputed_layers import recomputed_outputs
 from autopipe.core.stage_memory import Extras, receive_bytes
 from autopipe.errors import PartitionError
 from autopipe.solvers.cbc_log import SolverProgress, run_cbc
@@ -247,7 +248,8 @@ def _solve(
             for term in terms[s]:  # the peak is the largest term: each must fit
                 last = s == k - 1  # [Note: the loss's memory]: the last stage's a constant, the others' kept output
                 loss = loss_bytes(0, 0, (term,), 0, 0, kept_bytes(costs, crossing(s), last, received),
-                                  loss_grad_bytes(costs, m) if last else 0)
+                                  loss_grad_bytes(costs, m) if last else 0) + recomputed_outputs(
+                    crossing(s), last, recomputed[s])  # [Note: recomputed layers]
                 prob += state + activation_bytes(
                     walked_input, total(costs.saved, s) + crossing(s - 1, costs.resaved, zr), (term,),
                     held, extras=extras) + loss <= dev.memory

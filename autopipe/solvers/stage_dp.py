@@ -53,6 +53,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.layer_costs import FloatArray
+from autopipe.core.recomputed_layers import recomputed_outputs
 from executor.spec import RECOMPUTE_MODES, ZERO_BUBBLE_SCHEDULES, recomputed_microbatches
 
 __all__ = ["Split", "StageBlocks", "budget_devices", "solve_split", "solve_counts", "suffix_minmax"]
@@ -194,6 +195,7 @@ class StageBlocks:
         if extras is not None and last.any() and self.costs.runtime == "gpipe":  # the gathered outputs
             gather = gather_level(self.costs, o.chunks, cut_in, saved, terms, held, input_saved, extras)
             out[:, last] = np.maximum(out[:, last], gather[:, last])
+        out += recomputed_outputs(cut_out[None, :], last[None, :], recomputed)
         optimizer = self.options.optimizer
         if optimizer in STEP_TEMPORARIES:  # [Note: the optimizer step's memory]
             one = self.costs.one_at_a_time

@@ -305,4 +305,4 @@ def test_planned_blind_to_the_receive_buffers_a_rank_is_given_more_than_fits(mon
         too_much = max(c.memory_bytes for c in stage_costs(lc, blind, devices, opts)) > limit
         assert too_much or blind == right
         over += too_much
-    assert over >= 3, over  # so the buffers decide, in a quarter of the cases or more
+    assert over >= 2, over  # so the buffers decide (2 of these 12 cases, 3 before recomputed outputs were charged)
