@@ -258,16 +258,19 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
     return search_replicas(counts, solve)
 
 
-def _in_a_v(devices: Sequence[DeviceSpec | str], schedule: str) -> list[DeviceSpec | str]:
-    """A V schedule on ranks named once each (``devices=2``, ``["cuda:0", "cuda:1"]``): their two
-    stages each, placed as the runtime places them, rank r running stages r and 2W-1-r. Devices
-    that already name a rank twice are left as given (checked with the schedule)."""
+def _placed(devices: Sequence[DeviceSpec | str], stages: int | None, schedule: str) -> list[DeviceSpec | str]:
+    """Ranks named once each (``devices=4``, ``["cuda:0", "cuda:1"]``) under a schedule that runs
+    several stages a rank: each rank's device given to its stages as the runtime places them
+    (``executor.spec.stage_rank``), ``stages`` of them (a V schedule: two a rank when not given).
+    Devices that already name a rank twice, or a count they do not divide, are left as given
+    (checked with the schedule)."""
     def name(d: DeviceSpec | str) -> str:
         return d if isinstance(d, str) else d.name
 
-    if len({name(d) for d in devices}) < len(devices):
+    count = stages if stages is not None else (2 * len(devices) if schedule in V_SCHEDULES else len(devices))
+    if len({name(d) for d in devices}) < len(devices) or count % len(devices):
         return list(devices)
-    return [devices[stage_rank(schedule, s, len(devices))] for s in range(2 * len(devices))]
+    return [devices[stage_rank(schedule, s, len(devices))] for s in range(count)]
 
 
 def _pipeline(profile: Profile, *, stages: int | str | None,
@@ -298,8 +301,8 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
             devices = [f"{kind or 'rank'}:{stage_rank(schedule, s, ranks)}" for s in range(stages)]
         elif kind:
             devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
-    if stages is None and devices is not None and schedule in V_SCHEDULES and not searching:
-        devices = _in_a_v(devices, schedule)  # a search lays out the pool's ranks itself
+    if devices is not None and schedule in MULTI_STAGE_SCHEDULES and not searching:
+        devices = _placed(devices, stages, schedule)  # a search lays out the pool's ranks itself
     if searching:
         if method in ("step", "uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "

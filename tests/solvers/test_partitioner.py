@@ -149,3 +149,18 @@ def test_checkpoint_is_recomputes_old_name_for_one_release() -> None:
     assert old.recompute == new.recompute == "always"
     assert (old.stages, old.stage_times, old.iteration_time) == (new.stages, new.stage_times,
                                                                  new.iteration_time)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_interleaved_stages_on_ranks_named_once_are_placed_as_the_runtime_places_them(replicas: int) -> None:
+    # stages=2W on W ranks a replica (devices=N or W names): each rank's device to stages s and
+    # s + W, as executor.spec.stage_rank places them; it was refused ("stages=8 but 4 devices")
+    prof = transformer_dag(4, hidden_bytes=1 << 20)
+    plan = partition(prof, devices=4 * replicas, stages=8, chunks=8, schedule="interleaved1f1b",
+                     data_parallel=replicas)
+    names = [d.name for d in plan.devices]
+    assert len(plan.stages) == 8 and names == names[:4] * 2 and len(set(names)) == 4
+    named = partition(prof, devices=["a", "b"], stages=6, chunks=4, schedule="interleaved1f1b")
+    assert [d.name for d in named.devices] == ["a", "b"] * 3
+    with pytest.raises(PartitionError, match=r"^stages=3 but 2 devices given"):
+        partition(prof, devices=["a", "b"], stages=3, chunks=4, schedule="interleaved1f1b")
