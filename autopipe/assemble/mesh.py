@@ -63,6 +63,7 @@ class _SavesPretrained:
     """``save_pretrained`` for the rank pipelines that distributed_pipeline() returns."""
 
     _configs: tuple[Any, Any, frozenset[str]] = (None, None, frozenset())  # distributed_pipeline sets them
+    plan: Plan | None = None  # the plan it runs: given, or made on rank 0 and broadcast
 
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Save the model as ``model.save_pretrained(folder)`` would, each rank its own stages'

@@ -277,6 +277,7 @@ def distributed_pipeline(
         signature=graph_signature(graph), wires=wires, ties=ties, key_aliases=aliases, device=here,
         timeout=timeout, first_step_timeout=first_step_timeout)
     pipe._configs = configs
+    pipe.plan = plan  # the plan it runs (this call's overrides are in pipe.decision)
     return pipe
 
 

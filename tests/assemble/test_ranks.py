@@ -487,7 +487,7 @@ def _planned(rank: int, schedule: str, recompute: bool = False) -> dict[str, Any
     pipe = distributed_pipeline(model, inputs, loss_fn=loss_fn, plan=plan, timeout=20)
     loss = pipe.step(*inputs, target=target)
     return {"loss": loss, "grads": {n: p.grad for n, p in pipe.stage_module.named_parameters()},
-            "schedule": type(pipe._schedule).__name__,
+            "schedule": type(pipe._schedule).__name__, "plan": pipe.plan == plan,
             "recomputed": sum(isinstance(m, RecomputedLayer) for m in pipe.stage_module.modules())}
 
 
@@ -496,6 +496,7 @@ def test_a_plan_runs_the_schedule_it_was_made_for() -> None:
     # the plan's prediction is for its schedule: without schedule=, that is the one that runs
     values = _ok(spawn(_planned, "1f1b"))
     assert [v["schedule"] for v in values] == ["Schedule1F1B"] * 2
+    assert [v["plan"] for v in values] == [True, True]  # pipe.plan: what it runs, as on one process
     _assert_matches_reference("mlp", values)
 
 
