@@ -302,7 +302,7 @@ def _pipeline(profile: Profile, *, stages: int | str | None,
         elif kind:
             devices = [f"{kind}:{s}" for s in range(stages)]  # one device of the profiled kind each
     if devices is not None and schedule in MULTI_STAGE_SCHEDULES and not searching:
-        devices = _placed(devices, stages, schedule)  # a search lays out the pool's ranks itself
+        devices = _placed(devices, stages if isinstance(stages, int) else None, schedule)  # a search lays out the pool's ranks itself
     if searching:
         if method in ("step", "uniform", "params", "blockpartition"):
             raise PartitionError(f"method={method!r} splits one given configuration; with 'auto' "
