@@ -106,6 +106,7 @@ class CbcLog:
         self._bound: float | None = None
         self.nodes = 0
         self.stopped_on_time = False
+        self.error: str | None = None  # CBC failed (PuLP's PulpSolverError): its first line
         self._exact = False  # CBC proved the incumbent optimal ...
         self._within_gap = False  # ... or within the relative gap asked for
         self._abs_gap: float | None = None  # ... or within this many ms
@@ -199,16 +200,21 @@ def run_cbc(
     options: dict[str, Any] = dict(msg=False, timeLimit=max(1, int(math.ceil(time_limit))),
                                    gapRel=gap, warmStart=warm_start, threads=threads)
     start = time.perf_counter()
-    if on_progress is not None and hasattr(os, "openpty"):
-        _solve_live(prob, options, log, lambda: on_progress(log.state(time.perf_counter() - start)))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "cbc.log")
-            prob.solve(pulp.PULP_CBC_CMD(logPath=path, **options))
-            if os.path.exists(path):
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    for line in f:
-                        log.feed(line.rstrip("\r\n"))
+    try:
+        if on_progress is not None and hasattr(os, "openpty"):
+            _solve_live(prob, options, log, lambda: on_progress(log.state(time.perf_counter() - start)))
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "cbc.log")
+                try:
+                    prob.solve(pulp.PULP_CBC_CMD(logPath=path, **options))
+                finally:
+                    if os.path.exists(path):
+                        with open(path, encoding="utf-8", errors="replace") as f:
+                            for line in f:
+                                log.feed(line.rstrip("\r\n"))
+    except pulp.PulpSolverError as err:  # CBC did not run, or left no solution: the status says not solved
+        log.error = (str(err).strip().splitlines() or [type(err).__name__])[0]
     if on_progress is not None:
         on_progress(log.state(time.perf_counter() - start))
     return log

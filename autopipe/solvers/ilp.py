@@ -275,7 +275,11 @@ def _solve(
     values = [[pulp.value(var) for var in row] for row in y]
     if status != "Optimal" or any(v is None for row in values for v in row):
         if warm_start is None:
-            raise PartitionError(f"the ILP found no split in time_limit={time_limit}s; raise time_limit")
+            raise PartitionError(f"CBC failed ({log.error}); partition with method='exact'" if log.error else
+                                 f"the ILP found no split in time_limit={time_limit}s; raise time_limit")
+        if log.error:
+            warnings.warn(f"the ILP's solver CBC failed ({log.error}); the plan keeps the split it "
+                          "started from (method='exact' does not run CBC)", RuntimeWarning, stacklevel=3)
         assignment = list(warm_start)
     else:
         assignment = [sum(1 for val in row if (val or 0) < 0.5) for row in values]

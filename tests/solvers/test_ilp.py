@@ -181,6 +181,29 @@ def test_ilp_stopped_on_time_keeps_the_warm_start_and_the_bound(monkeypatch: pyt
     assert events[-1].bound == pytest.approx(ilp.bound, rel=1e-6) and events[-1].nodes == 0
 
 
+def test_a_failed_cbc_keeps_the_warm_start_or_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PuLP raises PulpSolverError when CBC cannot run or leaves no solution (it was a stack trace
+    # out of partition(method="auto"))
+    import pulp
+
+    def fail(self: object, lp: object, callback: object = None) -> None:
+        raise pulp.PulpSolverError("Pulp: Error while executing /opt/cbc\nmore")
+
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "actualSolve", fail)
+    lc = LayerCosts.from_profile(transformer_dag(3))
+    devices = [DeviceSpec(f"d{s}") for s in range(3)]
+    dp = solve_dp(lc, devices, CostOptions())
+    with pytest.warns(RuntimeWarning, match=r"CBC failed \(Pulp: Error while executing /opt/cbc\); the plan keeps"):
+        ilp = solve_ilp(lc, devices, CostOptions(), warm_start=dp.assignment, time_limit=5)
+    assert ilp.assignment == dp.assignment and ilp.status == "feasible"
+    with pytest.raises(PartitionError, match=r"^CBC failed \(Pulp: Error while executing /opt/cbc\); "
+                                             r"partition with method='exact'$"):
+        solve_ilp(lc, devices, CostOptions(), time_limit=5)
+    with pytest.warns(RuntimeWarning, match="CBC failed"):  # the public entry point, too
+        plan = partition(_two_branches(), stages=2, method="ilp")
+    assert len(plan.stages) == 2
+
+
 def test_ilp_within_a_gap_reports_the_bound_cbc_proved() -> None:
     lc = LayerCosts.from_profile(transformer_dag(25))
     devices = [DeviceSpec(f"d{s}") for s in range(6)]
