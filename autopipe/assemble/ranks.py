@@ -305,6 +305,7 @@ def _layout(plan: Plan | None, schedule: str, data_parallel: int | str | None, d
     replicas, dp = replicas_of(plan, data_parallel, dp_mode, dist.get_world_size() // degree)
     world = dist.get_world_size() // degree // replicas  # ranks of one pipeline (TP groups)
     per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
+                                   and (degree == 1 or schedule in MULTI_STAGE_SCHEDULES)
                                    else 2 if schedule in MULTI_STAGE_SCHEDULES else 1)
     k = max(per_rank, 1) * world
     if plan is not None and len(plan.stages) != k:

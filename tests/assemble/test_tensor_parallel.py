@@ -27,6 +27,7 @@ from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
+from executor.checkpoint import load_checkpoint
 from tests.assemble.test_local import cost_profile
 from tests.assemble.test_ranks import _close, spawn
 
@@ -81,8 +82,19 @@ def _grads(pipe: Any) -> dict[str, Tensor]:
     return out
 
 
-def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> None:
-    results = []
+def _adam_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """Each parameter's exp_avg, whole, by name (a collective for split ones)."""
+    names = {id(p): n for s in pipe.stages for n, p in s.named_parameters()}
+    out = {}
+    for p, state in opt.state.items():
+        avg = state["exp_avg"]
+        out[names[id(p)]] = avg.full_tensor() if isinstance(avg, DTensor) else avg.clone()
+    return out
+
+
+def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]) -> None:
+    results: list[Any] = []
+    saved = os.path.join(out, "ckpt")
     for n, (case, schedule, _, replicas, _) in enumerate(CASES):
         model, x, kw, y, loss_fn = _case(case)
         replica = rank // (WORLD // replicas)
@@ -96,8 +108,20 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> None:
         loss = pipe.step(*x, target=y, **kw)
         grads = _grads(pipe)
         norm = pipe.clip_grad_norm_(1e-3)
-        results.append({"loss": loss, "grads": grads, "norm": norm, "last": pipe.is_last,
-                        "state": pipe.state_dict()})
+        results.append({"loss": loss, "grads": grads, "norm": norm, "last": pipe.is_last})
+        if n == 0:  # TP 2 x PP 2: an AdamW step, saved
+            opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=0.1)
+            opt.step()
+            pipe.save_checkpoint(saved, opt)
+            results[-1].update(state=pipe.state_dict(), adam=_adam_state(pipe, opt))
+    model, x, _, _, loss_fn = _case("gpt")  # the TP 2 x PP 2 checkpoint under PP 4 (tp 1)
+    torch.manual_seed(1)
+    for p in model.parameters():  # other weights, which the checkpoint replaces
+        p.data.normal_()
+    pipe = distributed_pipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, plan=Plan.from_dict(pp4), timeout=30)
+    opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=0.1)
+    pipe.load_checkpoint(saved, opt)
+    results.append({"state": pipe.state_dict(), "adam": _adam_state(pipe, opt)})
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -105,11 +129,12 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]]) -> None:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     out = tmp_path_factory.mktemp("tp")
     plans = [_plan(case, stages, replicas, mode).to_dict() for case, _, stages, replicas, mode in CASES]
-    ends = spawn(_train, str(out), plans, world=WORLD, timeout=150)
+    pp4 = dataclasses.replace(_plan("gpt", 4, 1, "ddp"), tensor_parallel=1).to_dict()
+    ends = spawn(_train, str(out), plans, pp4, world=WORLD, timeout=150)
     saved = [out / f"rank{r}.pt" for r in range(WORLD)]
     for r, (end, f) in enumerate(zip(ends, saved, strict=True)):
         assert f.exists(), f"rank {r} exit {end.exitcode}:\n{end.error}"
-    return [torch.load(f, weights_only=False) for f in saved]
+    return [*(torch.load(f, weights_only=False) for f in saved), out / "ckpt"]
 
 
 def _reference(case: str) -> tuple[Tensor, dict[str, Tensor], Tensor]:
@@ -135,7 +160,7 @@ def test_tp_matches_one_process(ranks: list[Any]) -> None:
         ref_loss, ref_grads, ref_norm = _reference(case)
         seen: set[str] = set()
         for rank in range(WORLD):
-            values = ranks[rank][n]
+            values = ranks[rank][n]  # (ranks[WORLD]: the checkpoint's folder)
             if values["last"]:
                 losses = [ranks[r][n]["loss"] for r in range(WORLD) if ranks[r][n]["last"]]
                 _close(sum(losses) / len(losses) * (1 if replicas == 1 else 1), ref_loss, f"{what} rank {rank} loss")
@@ -144,3 +169,21 @@ def test_tp_matches_one_process(ranks: list[Any]) -> None:
                 seen.add(key)
             _close(values["norm"], ref_norm, f"{what} rank {rank} norm")
         assert seen == set(ref_grads), what
+
+
+@pytest.mark.timeout(200)
+def test_a_tp_checkpoint_loads_under_pp4_and_into_the_plain_model(ranks: list[Any]) -> None:
+    whole = {k: v for r in range(WORLD) for k, v in ranks[r][0]["state"].items()}  # TP 2 x PP 2, gathered
+    adam = {k: v for r in range(WORLD) for k, v in ranks[r][0]["adam"].items()}
+    assert set(whole) == set(_case("gpt")[0].state_dict())
+    for r in range(WORLD):  # PP 4: each rank its stage, every tensor as the TP run left it
+        loaded = ranks[r][len(CASES)]
+        assert loaded["state"], r
+        for key, value in loaded["state"].items():
+            _close(value, whole[key], f"PP 4 rank {r} {key}")
+        for key, value in loaded["adam"].items():
+            _close(value, adam[key], f"PP 4 rank {r} exp_avg {key}")
+    plain = _case("gpt")[0]
+    load_checkpoint(ranks[WORLD], plain)  # one process, no ranks: DCP joins the shards
+    for key, value in plain.state_dict().items():
+        _close(value, whole[key], f"plain {key}")
