@@ -222,6 +222,7 @@ def distributed_pipeline(
     tp_ranks.check_world(degree, dist.get_world_size())
     layout = _layout(plan, schedule, data_parallel, dp_mode, stages_per_rank, degree)
     k, world = layout.stages, layout.ranks
+    tp_ranks.check_replicas(degree, layout.replicas, layout.dp_mode)
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     batch = example_batch(model, example_inputs, example_kwargs, chunks, packed=False)

@@ -26,7 +26,7 @@ from autopipe.frontend.tracing.tensor_parallel import tensor_parallel_nodes
 from executor.ranks.tensor_parallel import TensorParallelOps, tensor_parallel_mesh
 from executor.ranks.watchdog import StepLimits
 
-__all__ = ["degree_of", "check_world", "TensorParallelRoles", "roles_of", "check_cuts", "split_stages", "mesh_of",
+__all__ = ["degree_of", "check_world", "check_replicas", "TensorParallelRoles", "roles_of", "check_cuts", "split_stages", "mesh_of",
            "split_ties"]
 
 
@@ -44,6 +44,14 @@ def check_world(degree: int, world: int) -> None:
         raise BuildError(f"tensor_parallel={degree} would span hosts of {host} ranks (LOCAL_WORLD_SIZE): a TP "
                          f"group all-reduces in every layer and stays inside one host; make the plan with "
                          f"a degree that divides {host} (`autopipe partition --devices-per-host {host}`)")
+
+
+def check_replicas(degree: int, replicas: int, dp_mode: str) -> None:
+    """Replicas of a TP pipeline share gradients under FSDP2 only (DDP takes no DTensor)."""
+    if degree > 1 and replicas > 1 and dp_mode != "fsdp":
+        raise BuildError(f"tensor_parallel={degree} with data_parallel={replicas} runs under dp_mode='fsdp' "
+                         f"only (DDP does not take the split parameters); use dp_mode='fsdp' "
+                         f"(`autopipe partition --dp-mode fsdp`)")
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,14 @@ def test_run_refuses_a_tp_plan_it_cannot_start(tmp_path: Path, capsys: pytest.Ca
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "--nproc 3 does not split into the plan's tensor_parallel=2 groups; start PP x TP x DP" in err
+
+
+def test_replicas_of_a_tp_pipeline_run_under_fsdp_only() -> None:
+    from autopipe.assemble.tensor_parallel import check_replicas
+
+    check_replicas(2, 2, "fsdp")
+    check_replicas(2, 1, "ddp")  # one replica: nothing to share
+    with pytest.raises(BuildError, match=r"^tensor_parallel=2 with data_parallel=2 runs under dp_mode='fsdp' "
+                                         r"only .*use dp_mode='fsdp'") as err:
+        check_replicas(2, 2, "ddp")
+    _one_line(err)
