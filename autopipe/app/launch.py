@@ -177,7 +177,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
             replicas = plan.data_parallel
             _check_ranks(config, plan, chunks, batch, replicas)
         where = str(plan.save(Path(work_dir) / "plan.json"))
-    resolved = dataclasses.replace(full, plan=where, chunks=chunks, batch_size=batch, recompute=checkpoint,
+    resolved = dataclasses.replace(config, nproc=full.nproc, plan=where, chunks=chunks, batch_size=batch, recompute=checkpoint,
                                    data_parallel=str(replicas), dp_mode=cast(Any, dp_mode))
     return resolved, plan, where
 
