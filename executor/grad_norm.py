@@ -76,6 +76,15 @@ def _partial(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
     return out
 
 
+def _split_over(g: DTensor, tp_group: dist.ProcessGroup | None) -> tuple[bool, bool]:
+    """Whether a DTensor gradient is split over the replicas (any mesh dimension but "tp") and
+    over the TP group (its "tp" dimension; only when there is one)."""
+    names = g.device_mesh.mesh_dim_names or tuple(str(i) for i in range(g.device_mesh.ndim))
+    split = {name for name, placement in zip(names, g.placements, strict=True) if not placement.is_replicate()}
+    over_tp = tp_group is not None and "tp" in split
+    return bool(split - {"tp"}) or not over_tp, over_tp
+
+
 def _reduce(value: Tensor, p: float, group: dist.ProcessGroup | None) -> Tensor:
     if group is not None:
         op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
@@ -93,20 +102,26 @@ def clip_grads_(
     device: torch.device,
     shard_group: dist.ProcessGroup | None = None,
     groups: Sequence[dist.ProcessGroup] = (),
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Clip ``counted`` and ``copies`` (gradients) by the norm of ``counted`` over the ranks.
 
     ``copies`` are gradients scaled but not counted (a tied parameter another rank counts).
-    DTensor gradients are shards: their part is reduced over ``shard_group`` first; then the
-    whole over each of ``groups`` (see [Note: one norm over stages and ranks]). Returns the
-    total norm on ``device``, the same on every rank.
+    DTensor gradients are shards: their part is reduced over ``shard_group`` first (and over
+    ``tp_group`` for those split over a "tp" mesh dimension); then the whole over each of
+    ``groups`` (see [Note: one norm over stages and ranks]). Returns the total norm on
+    ``device``, the same on every rank.
     """
     p = check_norm_type(norm_type)
     plain, shards = local_grads(counted)
     plain_copies, shard_copies = local_grads(copies)
-    sharded = _reduce(_partial(shards, p, device), p, shard_group)
-    local = _partial(plain, p, device)
-    total = torch.maximum(local, sharded) if math.isinf(p) else local + sharded
+    total = _partial(plain, p, device)
+    for over_dp, over_tp in ((True, False), (False, True), (True, True)) if tp_group is not None else ((True, False),):
+        part = _partial([g.to_local() for g in counted if isinstance(g, DTensor)
+                         and _split_over(g, tp_group) == (over_dp, over_tp)], p, device)
+        part = _reduce(part, p, shard_group if over_dp else None)
+        part = _reduce(part, p, tp_group if over_tp else None)
+        total = torch.maximum(total, part) if math.isinf(p) else total + part
     for group in groups:
         total = _reduce(total, p, group)
     norm = total if math.isinf(p) else total.pow(1.0 / p)

@@ -114,11 +114,16 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     """
     import torch
 
-    from autopipe.assemble.setup import check_runnable, microbatch_inputs
+    from autopipe.assemble.setup import microbatch_inputs
+    from autopipe.assemble.tensor_parallel import roles_of
     from autopipe.frontend.tracing.graph import trace
 
     plan = Plan.load(config.plan) if config.plan else None
-    check_runnable(plan)  # before torchrun starts a rank
+    degree = plan.tensor_parallel if plan is not None else 1  # [Note: tensor parallelism on ranks]
+    if config.nproc % degree:
+        raise BuildError(f"--nproc {config.nproc} does not split into the plan's tensor_parallel={degree} groups; "
+                         f"start PP x TP x DP ranks (a multiple of {degree})")
+    full, config = config, dataclasses.replace(config, nproc=config.nproc // degree)  # TP groups as ranks
     # one schedule from here on: the flag's, else the plan's, else gpipe
     config = dataclasses.replace(config, schedule=config.schedule or cast(Schedule, plan.schedule if plan else "gpipe"))
     chunks = resolve(config.chunks, plan.chunks if plan else None, default=DEFAULT_CHUNKS)
@@ -140,6 +145,8 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
                          f"{len(graph.layers) // _stages_per_rank(config)} or fewer")
     if plan is not None:
         plan.check(graph.layers, graph.fingerprint, micro_batch_size=math.ceil(batch // replicas / chunks))
+        if degree > 1:  # the model's heads and features take the degree, before any rank starts
+            roles_of(graph, degree, plan.recompute_layers)
         where = str(config.plan)
     else:
         from autopipe.app.profile_job import _loss_of
@@ -170,7 +177,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
             replicas = plan.data_parallel
             _check_ranks(config, plan, chunks, batch, replicas)
         where = str(plan.save(Path(work_dir) / "plan.json"))
-    resolved = dataclasses.replace(config, plan=where, chunks=chunks, batch_size=batch, recompute=checkpoint,
+    resolved = dataclasses.replace(config, nproc=full.nproc, plan=where, chunks=chunks, batch_size=batch, recompute=checkpoint,
                                    data_parallel=str(replicas), dp_mode=cast(Any, dp_mode))
     return resolved, plan, where
 

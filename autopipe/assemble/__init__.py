@@ -12,6 +12,8 @@ Modules:
     pretrained  pipe.save_pretrained(): the model's config and one safetensors shard per stage
     setup       the setup the two pipelines share, written once
     from_rank0  what rank 0 works out and every rank receives: the plan, weights and wires
+    tensor_parallel  a plan of tensor_parallel=t on ranks: its checks, the (dp, pp, tp) mesh, the
+                split stages
 
 Entry points resolve on first use, as autopipe's own do ([Note: lazy package] in autopipe/__init__.py).
 """

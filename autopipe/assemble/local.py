@@ -256,7 +256,7 @@ def pipeline(
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     batch = example_batch(model, example_inputs, example_kwargs, chunks)
-    check_runnable(plan)  # [Note: tensor-parallel cost]: planned, not run yet
+    check_runnable(plan)  # tensor parallelism runs on ranks only
     given, mode = recompute_asked(recompute, plan, len(devices))  # refused before tracing
     on_cpu = any(torch.device(d).type == "cpu" for d in devices if not isinstance(d, int))
     check_host_allocator(host_allocator)  # on any device: a typo is refused, not ignored

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from executor.decision import Decision
 from executor.ranks.distributed import DistributedPipeline
-from executor.ranks.replicated import ReplicatedPipeline, pipeline_mesh
+from executor.ranks.replicated import ReplicatedPipeline, pipeline_mesh, tie_group
 from executor.ranks.watchdog import StepLimits
 from executor.spec import DATA_PARALLEL_MODES
 
@@ -84,17 +85,29 @@ class ReplicatedRankPipeline(_SavesPretrained, ReplicatedPipeline):
 
 def replicated_pipeline(
     stages: Sequence[nn.Module], indices: Sequence[int], decision: Decision, *, device: torch.device,
-    timeout: float | None, first_step_timeout: float | None, **kwargs: Any,
+    timeout: float | None, first_step_timeout: float | None, mesh: DeviceMesh | None = None, **kwargs: Any,
 ) -> RankPipeline | ReplicatedRankPipeline:
-    """This rank's pipeline: one of ``decision.data_parallel`` replicas on a mesh, or the only one."""
-    if decision.data_parallel == 1:
-        return RankPipeline(stages, indices, decision=decision, device=device, timeout=timeout,
-                            first_step_timeout=first_step_timeout, **kwargs)
+    """This rank's pipeline: one of ``decision.data_parallel`` replicas on a mesh, or the only one;
+    with a (dp, pp, tp) ``mesh`` ([Note: the (dp, pp, tp) mesh]) the pipeline of this TP rank."""
     from torch.distributed import get_world_size
 
-    replicas = decision.data_parallel
-    group_timeout = StepLimits(timeout, first_step_timeout).group_timeout  # [Note: the first
-    mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device,  # step's own limit]
-                         timeout=None if group_timeout is None else group_timeout.total_seconds())
-    return ReplicatedRankPipeline(stages, indices, mesh=mesh, decision=decision, device=device,
-                                  timeout=timeout, first_step_timeout=first_step_timeout, **kwargs)
+    group_timeout = StepLimits(timeout, first_step_timeout).group_timeout  # [Note: the first step's own limit]
+    pipe: RankPipeline | ReplicatedRankPipeline
+    if decision.data_parallel == 1 and mesh is None:
+        return RankPipeline(stages, indices, decision=decision, device=device, timeout=timeout,
+                            first_step_timeout=first_step_timeout, **kwargs)
+    if decision.data_parallel == 1:  # TP alone: the mesh's pp group, ties within this TP rank
+        assert mesh is not None
+        ties = [(tie_group(mesh, ranks, group_timeout), p) for ranks, p in kwargs.pop("ties", ())]
+        pipe = RankPipeline(stages, indices, decision=decision, device=device, timeout=timeout,
+                            first_step_timeout=first_step_timeout, group=mesh.get_group("pp"), ties=ties, **kwargs)
+    else:
+        replicas = decision.data_parallel
+        if mesh is None:
+            mesh = pipeline_mesh(replicas, get_world_size() // replicas, device=device,
+                                 timeout=None if group_timeout is None else group_timeout.total_seconds())
+        pipe = ReplicatedRankPipeline(stages, indices, mesh=mesh, decision=decision, device=device,
+                                      timeout=timeout, first_step_timeout=first_step_timeout, **kwargs)
+    if "tp" in (mesh.mesh_dim_names or ()):
+        pipe.tp_group, pipe.tp_rank = mesh.get_group("tp"), mesh.get_local_rank("tp")
+    return pipe

@@ -122,7 +122,8 @@ def save_on_ranks(pipe: Any, configs: tuple[Any, Any, frozenset[str]], folder: s
     parts = {i: {alias: state[alias] for key in stage.state_dict(keep_vars=True)
                  for alias in pipe.key_aliases.get(key, [key])}
              for i, stage in zip(pipe.indices, pipe.stages, strict=True)}
-    if pipe.dp_rank != 0:  # one replica writes; the others only take part in the collectives
+    if pipe.dp_rank != 0 or pipe.tp_rank != 0:  # one replica's TP rank 0 writes; the others only take
+        # part in the collectives
         parts = {}
     mine = dict(zip(parts, _without_aliases(list(parts.values()), aliases), strict=True))
     held: list[Any] = [None] * dist.get_world_size()  # per rank: stage -> [(key, bytes)]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.assemble import from_rank0
+from autopipe.assemble import tensor_parallel as tp_ranks
 from autopipe.assemble.mesh import (
     RankPipeline,
     ReplicatedRankPipeline,
@@ -55,7 +56,6 @@ from autopipe.assemble.rank_parts import (
 )
 from autopipe.assemble.setup import (
     DEFAULT_PIPELINE_CHUNKS,
-    check_runnable,
     example_batch,
     graph_model_loss,
     graph_signature,
@@ -218,12 +218,14 @@ def distributed_pipeline(
         schedule = plan.schedule if plan is not None else "gpipe"
     if schedule not in SCHEDULES:
         raise BuildError(f"schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
-    layout = _layout(plan, schedule, data_parallel, dp_mode, stages_per_rank)
+    degree = tp_ranks.degree_of(plan)  # [Note: tensor parallelism on ranks]
+    tp_ranks.check_world(degree, dist.get_world_size())
+    layout = _layout(plan, schedule, data_parallel, dp_mode, stages_per_rank, degree)
     k, world = layout.stages, layout.ranks
+    tp_ranks.check_replicas(degree, layout.replicas, layout.dp_mode)
     if chunks is None:
         chunks = plan.chunks if plan is not None else DEFAULT_PIPELINE_CHUNKS
     batch = example_batch(model, example_inputs, example_kwargs, chunks, packed=False)
-    check_runnable(plan)  # [Note: tensor-parallel cost]: planned, not run yet
     given, mode = recompute_asked(recompute, plan, k)
     try:  # what the schedule accepts, before any rank profiles
         check_schedule(schedule, k, world, chunks)
@@ -252,7 +254,10 @@ def distributed_pipeline(
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_recompute(plan, given)
+    roles = tp_ranks.roles_of(graph, degree, plan.recompute_layers) if degree > 1 else None
     stages = build(model, plan, graph)
+    if roles is not None:
+        tp_ranks.check_cuts(stages, roles)
     if layout.replicas > 1 and layout.dp_mode == "fsdp":  # on every rank, before any builds its replica
         try:
             check_fsdp_layout(stages, schedule, world)
@@ -262,11 +267,15 @@ def distributed_pipeline(
     # shapes only: a meta model is probed on meta; dtypes under the precision's autocast
     wires = from_rank0.wires_of_rank0(stages, probe, precision, _comm_device(here))
     # [Note: replicas on a mesh]: rank = dp x K + pp; [Note: stage to rank]
-    mine = [i for i in range(k) if stage_rank(schedule, i, world) == dist.get_rank() % world]
+    mine = [i for i in range(k) if stage_rank(schedule, i, world) == dist.get_rank() // degree % world]
     materialize_stages(model, stages, [here] * k, weights=weights, init=init, mine=mine)
     ties = rank_ties(stages, mine, schedule, world)
     aliases = _aliases(model)
     configs = model_configs(model)
+    mesh = None
+    if roles is not None:  # this rank's stages split over its TP group, the ties' copies with them
+        mesh = tp_ranks.mesh_of(layout.replicas, world, degree, here, timeout, first_step_timeout)
+        ties = tp_ranks.split_ties(ties, tp_ranks.split_stages(stages, mine, roles, mesh))
     _free_others(model, [stages[i] for i in mine])
     decision = plan.decision.replace(  # with this call's overrides ([Note: a plan's decision])
         chunks=chunks, recompute=modes, schedule=schedule, precision=precision,
@@ -275,7 +284,7 @@ def distributed_pipeline(
     pipe = replicated_pipeline(  # schedule ([Note: adjacent I and W])
         [stages[i] for i in mine], mine, decision, loss_fn=loss_fn if loss_fn is not None else model_loss,
         signature=graph_signature(graph), wires=wires, ties=ties, key_aliases=aliases, device=here,
-        timeout=timeout, first_step_timeout=first_step_timeout)
+        timeout=timeout, first_step_timeout=first_step_timeout, mesh=mesh)
     pipe._configs = configs
     pipe.plan = plan  # the plan it runs (this call's overrides are in pipe.decision)
     return pipe
@@ -292,20 +301,23 @@ class _Layout:
 
 
 def _layout(plan: Plan | None, schedule: str, data_parallel: int | str | None, dp_mode: str | None,
-            stages_per_rank: int | None) -> _Layout:
-    """The pipeline's layout over the world's ranks, or a one-line BuildError naming the fix."""
-    replicas, dp = replicas_of(plan, data_parallel, dp_mode, dist.get_world_size())
-    world = dist.get_world_size() // replicas  # ranks of one pipeline
+            stages_per_rank: int | None, degree: int = 1) -> _Layout:
+    """The pipeline's layout over the world's ranks (TP groups of ``degree`` as one rank each),
+    or a one-line BuildError naming the fix."""
+    replicas, dp = replicas_of(plan, data_parallel, dp_mode, dist.get_world_size() // degree)
+    world = dist.get_world_size() // degree // replicas  # ranks of one pipeline (TP groups)
     per_rank = stages_per_rank or (len(plan.stages) // world if plan is not None
+                                   and (degree == 1 or schedule in MULTI_STAGE_SCHEDULES)
                                    else 2 if schedule in MULTI_STAGE_SCHEDULES else 1)
     k = max(per_rank, 1) * world
     if plan is not None and len(plan.stages) != k:
         n = len(plan.stages)
         each = f"{per_rank} stage(s) each" if stages_per_rank else "the same number of stages each"
         per = f" per replica (of {replicas})" if replicas > 1 else ""
-        raise BuildError(f"the plan has {n} stages but {world} ranks{per} need {each} ({k} in all); "
-                         f"start {n * replicas} ranks (torchrun --nproc_per_node {n * replicas}) or make "
-                         f"a plan of {k} stages (`autopipe partition --stages {k}`)")
+        tp = f" of tensor_parallel={degree}" if degree > 1 else ""
+        raise BuildError(f"the plan has {n} stages but {world} ranks{tp}{per} need {each} ({k} in all); "
+                         f"start {n * replicas * degree} ranks (torchrun --nproc_per_node {n * replicas * degree}, "
+                         f"PP x TP x DP) or make a plan of {k} stages (`autopipe partition --stages {k}`)")
     return _Layout(k, world, replicas, dp)
 
 

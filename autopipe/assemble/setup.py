@@ -215,11 +215,11 @@ def traced(model: nn.Module, batch: ExampleBatch, trace_kwargs: Mapping[str, Any
 
 
 def check_runnable(plan: Plan | None) -> None:
-    """One line for a plan no runtime runs yet: tensor parallelism is planned, not run."""
+    """One line for a plan the one-process runtime cannot run: tensor parallelism runs on ranks."""
     if plan is not None and plan.tensor_parallel > 1:
         raise BuildError(f"the plan splits each stage over tensor_parallel={plan.tensor_parallel} ranks, "
-                         "which autopipe plans but does not run yet (docs/limitations.md); partition "
-                         "with tensor_parallel=1 (--tensor-parallel 1) to run it")
+                         "which runs on ranks only: use autopipe.distributed_pipeline(..., plan=plan) "
+                         "(`autopipe run --plan`), or partition with tensor_parallel=1 for pipeline()")
 
 
 def recompute_asked(recompute: str | Sequence[str] | None, plan: Plan | None,

@@ -21,6 +21,7 @@ Modules:
     ties             which ranks hold a parameter that stages share, this rank's copy, and
                      its gradient summed over them after each step
     grad_scaler      fp16 loss scaling whose found-inf every rank shares
+    tensor_parallel  a TP group's collectives as modules, and the (dp, pp, tp) DeviceMesh
 
 Imports the shared runtime (executor.spec, microbatch, recompute, precision, ...) and
 executor.checkpoint, never executor.local (tests/test_layering.py).

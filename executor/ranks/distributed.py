@@ -64,16 +64,8 @@ from executor.ranks.wire import Wire, WireStage, infer_wires
 from executor.recompute import recompute_stop
 from executor.spec import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, renamed_recompute
 
-__all__ = [
-    "schedule_class",
-    "DistributedError",
-    "PipelineFailure",
-    "Wire",
-    "WireStage",
-    "infer_wires",
-    "DistributedPipeline",
-    "WATCHDOG_EXIT_CODE",
-]
+__all__ = ["schedule_class", "DistributedError", "PipelineFailure", "Wire", "WireStage", "infer_wires",
+           "DistributedPipeline", "WATCHDOG_EXIT_CODE"]
 
 # --- the pipeline -----------------------------------------------------------------------------
 class DistributedPipeline(Checkpointable):
@@ -120,6 +112,8 @@ class DistributedPipeline(Checkpointable):
     """
 
     dp_rank, dp_size = 0, 1  # one replica; executor.ranks.replicated.ReplicatedPipeline has more
+    tp_group: dist.ProcessGroup | None = None  # a stage split over a TP group: its group and place
+    tp_rank = 0  # ([Note: tensor parallelism on ranks], set by autopipe.distributed_pipeline)
 
     def __init__(
         self,
@@ -319,7 +313,8 @@ class DistributedPipeline(Checkpointable):
         counted, copies = counted_once((p for s in self.stages for p in s.parameters()), self._ties)
         with self._peer_failures():
             return clip_grads_(counted, copies, max_norm, norm_type, error_if_nonfinite,
-                               device=self.device, shard_group=self._shard_group(), groups=[self.group])
+                               device=self.device, shard_group=self._shard_group(), groups=[self.group],
+                               tp_group=self.tp_group)
 
     def _shard_group(self) -> dist.ProcessGroup | None:
         """The group a gradient's shards are spread over (a replicated pipeline's under FSDP)."""

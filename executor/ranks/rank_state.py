@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import CheckpointView
 
@@ -26,10 +27,13 @@ PART_METADATA = "autopipe:part"
 
 
 def rank_state_dict(pipe: Any) -> dict[str, Any]:
-    """``pipe``'s (a DistributedPipeline's) part, see [Note: checkpoint parts]."""
+    """``pipe``'s (a DistributedPipeline's) part, see [Note: checkpoint parts]; a tensor split
+    over ranks (a DTensor: tensor parallelism, FSDP) gathered whole, a collective of its group."""
     out: OrderedDict[str, Any] = OrderedDict()
     for stage in pipe.stages:
         for key, value in stage.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
             for alias in pipe.key_aliases.get(key, [key]):
                 out[alias] = value
     out._metadata = OrderedDict({PART_METADATA: {  # type: ignore[attr-defined]

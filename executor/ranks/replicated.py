@@ -88,7 +88,7 @@ from executor.ranks.watchdog import FIRST_STEP_TIMEOUT_S, StepLimits
 from executor.ranks.wire import WireStage
 from executor.spec import DATA_PARALLEL_MODES, ZERO_BUBBLE_SCHEDULES
 
-__all__ = ["pipeline_mesh", "ReplicatedPipeline"]
+__all__ = ["pipeline_mesh", "tie_group", "ReplicatedPipeline"]
 
 _BUCKET_BYTES = 25 * 2**20  # [Note: DDP under zero bubble]: gradients all-reduced at once
 
@@ -121,12 +121,13 @@ def pipeline_mesh(data_parallel: int, pp_size: int, *, device: torch.device | st
                             else None)
 
 
-def _tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int],
-               timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
-    """This rank's group of ``pp_ranks`` within its own replica (one group per replica)."""
-    layout = mesh.mesh  # (dp, pp) -> global rank
-    per_replica = [[int(layout[d, r]) for r in sorted(pp_ranks)] for d in range(layout.shape[0])]
-    mine, _ = dist.new_subgroups_by_enumeration(per_replica, timeout=timeout)
+def tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int],
+              timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
+    """This rank's group of ``pp_ranks`` within its own replica (and TP rank, on a (dp, pp, tp)
+    mesh): one group per row of pipeline ranks, every rank creating all of them."""
+    grid = mesh.mesh.movedim(1, -1).reshape(-1, mesh.mesh.shape[1])  # each (dp[, tp]) -> its pp ranks
+    per_row = [[int(row[r]) for r in sorted(pp_ranks)] for row in grid]
+    mine, _ = dist.new_subgroups_by_enumeration(per_row, timeout=timeout)
     return mine  # type: ignore[no-any-return]
 
 
@@ -151,7 +152,7 @@ class ReplicatedPipeline(DistributedPipeline):
         first_step_timeout: float | None = FIRST_STEP_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
-        if mesh.mesh_dim_names != ("dp", "pp"):
+        if mesh.mesh_dim_names not in (("dp", "pp"), ("dp", "pp", "tp")):
             raise DistributedError(f"mesh has dims {mesh.mesh_dim_names}, not ('dp', 'pp'); make it "
                                    "with executor.ranks.replicated.pipeline_mesh(data_parallel, pp_size)")
         decision: Decision | None = kwargs.get("decision")
@@ -174,7 +175,7 @@ class ReplicatedPipeline(DistributedPipeline):
             check_fsdp_ties(stages, indices, decision.schedule if decision is not None
                             else kwargs.get("schedule", "gpipe"))
         group_timeout = StepLimits(timeout, first_step_timeout).group_timeout
-        groups = [_tie_group(mesh, ranks, group_timeout) for ranks, _ in ties]
+        groups = [tie_group(mesh, ranks, group_timeout) for ranks, _ in ties]
         super().__init__(stages, indices, num_stages, group=mesh.get_group("pp"), timeout=timeout,
                          first_step_timeout=first_step_timeout,
                          ties=[(g, p) for g, (_, p) in zip(groups, ties, strict=True)], **kwargs)
@@ -285,9 +286,8 @@ class ReplicatedPipeline(DistributedPipeline):
         return out
 
     def _who(self) -> str:
-        layout = self.mesh.mesh
-        row = layout[self.dp_rank].tolist()
-        column = layout[:, self.pp_rank].tolist()
+        row = dist.get_process_group_ranks(self.mesh.get_group("pp"))
+        column = dist.get_process_group_ranks(self.mesh.get_group("dp"))
         return (f"rank {dist.get_rank()}/{dist.get_world_size()} (pipeline rank {self.pp_rank}/"
                 f"{self.pp_size} of pp group {row}, replica {self.dp_rank}/{self.dp_size} of dp "
                 f"group {column})")

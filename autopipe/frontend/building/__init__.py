@@ -3,4 +3,5 @@
     stages.py       build(): one GraphModule per stage over the model's own submodules
     weights.py      named tensors from weights files, read a few at a time
     materialize.py  meta-built stages made real one at a time, from weights or an init
+    tensor_parallel.py  a stage rewritten for one rank of a tensor-parallel group
 """

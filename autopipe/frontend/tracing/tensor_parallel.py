@@ -49,7 +49,7 @@ from autopipe.core.tensor_parallel import (
 )
 from autopipe.frontend.tracing.grouping import is_cheap
 
-__all__ = ["find_tensor_parallel", "Structure"]
+__all__ = ["find_tensor_parallel", "tensor_parallel_nodes", "Structure"]
 
 _LINEAR_OPS = {"linear", "addmm", "mm", "matmul"}
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -265,9 +265,8 @@ def _layer_roles(node_layer: dict[str, str], layers: Iterable[str], g: _Graph,
     return found, busy
 
 
-def find_tensor_parallel(gm: fx.GraphModule, node_layer: dict[str, str], layers: list[str]) -> Structure:
-    """Each layer's role, group and divisor ([Note: tensor-parallel structure])."""
-    g = _Graph(gm)
+def _node_roles(g: _Graph, node_layer: dict[str, str]) -> tuple[dict[fx.Node, tuple[str, str]], dict[str, int]]:
+    """Each fx node's (role, group) in the groups and the vocabulary found, and their divisors."""
     groups = _groups(g)
     grouped = {n for grp in groups for n in (grp.row, *grp.columns)}
     tokens, heads, vocab = _vocab(g, grouped)
@@ -283,6 +282,13 @@ def find_tensor_parallel(gm: fx.GraphModule, node_layer: dict[str, str], layers:
         divisor[VOCAB_GROUP] = vocab
         node_role.update({n: (VOCAB_EMBEDDING, VOCAB_GROUP) for n in tokens})
         node_role.update({n: (VOCAB_HEAD, VOCAB_GROUP) for n in heads})
+    return node_role, divisor
+
+
+def _found(gm: fx.GraphModule, node_layer: dict[str, str],
+           layers: list[str]) -> tuple[Structure, dict[fx.Node, tuple[str, str]]]:
+    g = _Graph(gm)
+    node_role, divisor = _node_roles(g, node_layer)
     found, busy = _layer_roles(node_layer, layers, g, node_role)
     dropped: set[str] = set()
     while True:  # a layer of mixed roles drops its groups, which may mix other layers in turn
@@ -300,4 +306,18 @@ def find_tensor_parallel(gm: fx.GraphModule, node_layer: dict[str, str], layers:
         pairs = found[name]
         role, group = next(iter(pairs)) if pairs else (REPLICATED, "")
         roles[name] = LayerRole(role, group, divisor.get(group, 0))
-    return Structure(roles, len(dropped), {k: v for k, v in divisor.items() if k not in dropped})
+    kept = {n: pair for n, pair in node_role.items() if pair[1] not in dropped}
+    return Structure(roles, len(dropped), {k: v for k, v in divisor.items() if k not in dropped}), kept
+
+
+def find_tensor_parallel(gm: fx.GraphModule, node_layer: dict[str, str], layers: list[str]) -> Structure:
+    """Each layer's role, group and divisor ([Note: tensor-parallel structure])."""
+    return _found(gm, node_layer, layers)[0]
+
+
+def tensor_parallel_nodes(gm: fx.GraphModule, node_layer: dict[str, str],
+                          layers: list[str]) -> tuple[Structure, dict[str, tuple[str, str]]]:
+    """The structure and, per fx node name, the (role, group) of every node of a group kept (a
+    group dropped for a layer of mixed roles runs replicated): what a runtime shards."""
+    structure, kept = _found(gm, node_layer, layers)
+    return structure, {n.name: pair for n, pair in kept.items()}

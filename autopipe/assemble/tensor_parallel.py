@@ -1,0 +1,117 @@
+"""distributed_pipeline(plan=) with ``plan.tensor_parallel = t > 1``: the checks, the (dp, pp, tp)
+mesh and each rank's stages split over its TP group.
+
+[Note: tensor parallelism on ranks] (autopipe/frontend/building/tensor_parallel.py) rewrites the
+stages; [Note: the (dp, pp, tp) mesh] (executor/ranks/tensor_parallel.py) lays out the ranks as
+the plan does. Every refusal here is one BuildError line, raised on every rank alike before any
+collective (each rank traced the same model).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopipe.core.plan import Plan
+from autopipe.core.tensor_parallel import COLUMN, SHARDED, VOCAB_GROUP
+from autopipe.errors import BuildError
+from autopipe.frontend.building.tensor_parallel import shard_stage
+from autopipe.frontend.tracing.graph import LayerGraph
+from autopipe.frontend.tracing.tensor_parallel import tensor_parallel_nodes
+from executor.ranks.tensor_parallel import TensorParallelOps, tensor_parallel_mesh
+from executor.ranks.watchdog import StepLimits
+
+__all__ = ["degree_of", "check_world", "check_replicas", "TensorParallelRoles", "roles_of", "check_cuts", "split_stages", "mesh_of",
+           "split_ties"]
+
+
+def degree_of(plan: Plan | None) -> int:
+    return 1 if plan is None else plan.tensor_parallel
+
+
+def check_world(degree: int, world: int) -> None:
+    """The world splits into TP groups of ``degree`` ranks, each inside one host."""
+    if world % degree:
+        raise BuildError(f"the plan splits each stage over tensor_parallel={degree} ranks but the world has "
+                         f"{world}; start PP x TP x DP ranks (a multiple of {degree})")
+    host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if host % degree:
+        raise BuildError(f"tensor_parallel={degree} would span hosts of {host} ranks (LOCAL_WORLD_SIZE): a TP "
+                         f"group all-reduces in every layer and stays inside one host; make the plan with "
+                         f"a degree that divides {host} (`autopipe partition --devices-per-host {host}`)")
+
+
+def check_replicas(degree: int, replicas: int, dp_mode: str) -> None:
+    """Replicas of a TP pipeline share gradients under FSDP2 only (DDP takes no DTensor)."""
+    if degree > 1 and replicas > 1 and dp_mode != "fsdp":
+        raise BuildError(f"tensor_parallel={degree} with data_parallel={replicas} runs under dp_mode='fsdp' "
+                         f"only (DDP does not take the split parameters); use dp_mode='fsdp' "
+                         f"(`autopipe partition --dp-mode fsdp`)")
+
+
+@dataclass(frozen=True)
+class TensorParallelRoles:
+    """Per fx node its (role, group); whether the degree splits the vocabulary."""
+
+    nodes: dict[str, tuple[str, str]]
+    vocab: bool
+
+
+def roles_of(graph: LayerGraph, degree: int, recompute_layers: Sequence[str] = ()) -> TensorParallelRoles:
+    """What the trace says to split at ``degree``, or one line for a model it cannot split so."""
+    if recompute_layers:
+        raise BuildError(f"tensor_parallel={degree} with recomputed layers ({recompute_layers[0]!r}, ...) is not "
+                         "run yet: make the plan with recompute='never' / 'always' per stage (no layer "
+                         "recomputation), or tensor_parallel=1")
+    structure, nodes = tensor_parallel_nodes(graph.gm, graph.node_layer, graph.layers)
+    if not structure.groups:
+        raise BuildError(f"tensor_parallel={degree}: the model has no tensor-parallel structure (no column -> "
+                         "row Linear pair, no vocabulary; every layer is replicated); use tensor_parallel=1")
+    for name, div in structure.groups.items():
+        if name != VOCAB_GROUP and div % degree:
+            ok = [t for t in range(1, min(div, 64) + 1) if div % t == 0]
+            what = (f"the heads and kv heads of group {name} (their greatest common divisor is {div})"
+                    if name.startswith("attention") else f"the {div} features of group {name}")
+            raise BuildError(f"tensor_parallel={degree} does not divide {what}; use one of {ok}")
+    vocab = structure.groups.get(VOCAB_GROUP, 0)
+    return TensorParallelRoles(nodes, bool(vocab) and vocab % degree == 0)
+
+
+def check_cuts(stages: Sequence[fx.GraphModule], roles: TensorParallelRoles) -> None:
+    """No cut between stages may carry a value a group splits (between its columns and its row)."""
+    for i, stage in enumerate(stages):
+        for node in stage.graph.nodes:
+            role = roles.nodes.get(node.name, ("", ""))
+            if node.op == "placeholder" and role[0] in (COLUMN, SHARDED):
+                raise BuildError(f"the plan cuts group {role[1]!r} between stages {i - 1} and {i} (inside the "
+                                 f"tensor-parallel region, at {node.name}): move the cut before its columns or "
+                                 "after its row")
+
+
+def split_stages(stages: Sequence[fx.GraphModule], mine: Sequence[int], roles: TensorParallelRoles,
+                 mesh: DeviceMesh) -> dict[int, nn.Parameter]:
+    """This rank's stages rewritten for its TP rank; each original parameter's id -> its split."""
+    ops = TensorParallelOps(mesh)
+    made: dict[int, nn.Parameter] = {}
+    for i in mine:
+        shard_stage(stages[i], roles.nodes, ops, vocab=roles.vocab, made=made)
+    return made
+
+
+def mesh_of(replicas: int, pp_size: int, degree: int, device: torch.device, timeout: float | None,
+            first_step_timeout: float | None) -> DeviceMesh:
+    """The (dp, pp, tp) mesh, its groups waiting as long as the first step may take."""
+    limit = StepLimits(timeout, first_step_timeout).group_timeout  # [Note: the first step's own limit]
+    return tensor_parallel_mesh(replicas, pp_size, degree, device=device,
+                                timeout=None if limit is None else limit.total_seconds())
+
+
+def split_ties(ties: Sequence[tuple[list[int], nn.Parameter | None]],
+               made: dict[int, nn.Parameter]) -> list[tuple[list[int], nn.Parameter | None]]:
+    """Each tie with this rank's copy as its stage now holds it (split, where the stage split it)."""
+    return [(ranks, None if p is None else made.get(id(p), p)) for ranks, p in ties]
