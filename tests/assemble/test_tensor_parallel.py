@@ -31,6 +31,9 @@ from executor.checkpoint import load_checkpoint
 from tests.assemble.test_local import cost_profile
 from tests.assemble.test_ranks import _close, spawn
 
+# the GPU machine's torch 2.11 too (.ci/compat): DTensor parameters, the 3-D mesh and FSDP2 over them
+pytestmark = pytest.mark.compat
+
 CHUNKS, WORLD = 2, 4
 
 
@@ -163,7 +166,7 @@ def test_tp_matches_one_process(ranks: list[Any]) -> None:
             values = ranks[rank][n]  # (ranks[WORLD]: the checkpoint's folder)
             if values["last"]:
                 losses = [ranks[r][n]["loss"] for r in range(WORLD) if ranks[r][n]["last"]]
-                _close(sum(losses) / len(losses) * (1 if replicas == 1 else 1), ref_loss, f"{what} rank {rank} loss")
+                _close(sum(losses) / len(losses), ref_loss, f"{what} rank {rank} loss")
             for key, grad in values["grads"].items():
                 _close(grad, ref_grads[key], f"{what} rank {rank} grad {key}")
                 seen.add(key)
