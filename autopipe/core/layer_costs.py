@@ -30,6 +30,7 @@ import numpy.typing as npt
 from autopipe.core.corrections import call_fallbacks
 from autopipe.core.planned_precision import precision_of
 from autopipe.core.profile_table import RETURNED_COLUMN, SPLIT_COLUMNS, WORKING_COLUMN, Profile
+from autopipe.core.tensor_parallel import COLUMN, ROW, SHARDED
 
 __all__ = ["FloatArray", "IntArray", "LayerCosts", "SPLIT_COLUMNS", "range_max"]
 
@@ -74,6 +75,9 @@ class LayerCosts:
     weight_grad: IntArray | None = None
     # what the two halves of a split backward take over the whole (the profile's
     # ``meta["bwd_split_ratio"]``; 1 where it did not measure it)
+    # a profile at a TP degree > 1 ([Note: tensor-parallel cost]): each group's column ... row
+    # layers, which one stage must hold whole (the values inside are split over the ranks)
+    tp_groups: tuple[tuple[int, ...], ...] = ()
     split_ratio: float = 1.0
     # [Note: the loss's memory] in stage_memory.py: per micro-batch, what the last stage keeps from its
     # forward to its backward besides its layers' saves (the model's output, the loss's saves),
@@ -108,6 +112,11 @@ class LayerCosts:
             if name in measured:
                 return measured[name]
         return self.call_fwd_ms, self.call_bwd_ms
+
+    def kept_together(self, ties: str) -> list[tuple[int, ...]]:
+        """Layer groups a split must not cut: the tie groups under ``ties="colocate"`` and the TP
+        groups of a profile at a TP degree (a cut inside one would carry split values)."""
+        return [*(members for members, _ in self.tie_groups if ties == "colocate"), *self.tp_groups]
 
     @classmethod
     def from_profile(cls, profile: Profile, runtime: str | None = None) -> LayerCosts:
@@ -190,6 +199,7 @@ class LayerCosts:
             bwd_input=None if bwd_input is None else bwd_input * beside,
             weight_grad=None if bwd_input is None else df["weight_grad_bytes"].to_numpy(dtype=np.int64),
             split_ratio=max(float(profile.meta.get("bwd_split_ratio") or 1.0), 1.0),
+            tp_groups=_tp_groups(df, int(profile.meta.get("tensor_parallel") or 1)),
             loss_kept=outputs + (0 if c.loss is None else c.loss.held_bytes),
             returned=outputs,
             returned_before=np.concatenate([[0], np.cumsum(each)]).astype(np.int64),
@@ -268,3 +278,17 @@ def range_max(values: npt.ArrayLike, j0: int, j1: int, rows: int) -> FloatArray:
         block = np.maximum.accumulate(np.where(j - 1 >= i, p[np.maximum(j - 1, 0)], -np.inf), axis=1)
         out[lo:hi] = np.where(j > i, block, 0.0)
     return out
+
+
+SPLIT_GROUP_ROLES = (COLUMN, SHARDED, ROW)
+
+
+def _tp_groups(df: Any, degree: int) -> tuple[tuple[int, ...], ...]:
+    """The layers of each TP group split at ``degree`` ([Note: tensor-parallel cost])."""
+    if degree < 2 or "tp_group" not in df.columns or "tp_role" not in df.columns:
+        return ()
+    groups: dict[str, list[int]] = {}
+    for i, (group, role) in enumerate(zip(df["tp_group"], df["tp_role"], strict=True)):
+        if group and role in SPLIT_GROUP_ROLES:
+            groups.setdefault(str(group), []).append(i)
+    return tuple(tuple(m) for m in groups.values() if len(m) > 1)

@@ -107,10 +107,9 @@ class RangeCosts:
         self.costs = costs
         self.schedule = options.schedule
         self.rows = np.arange(n + 1)
-        forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a colocated tie group
-        if options.ties == "colocate":
-            for members, _ in costs.tie_groups:
-                forbidden[min(members) + 1: max(members) + 1] = True
+        forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a group kept together
+        for members in costs.kept_together(options.ties):
+            forbidden[min(members) + 1: max(members) + 1] = True
         self.forbidden = forbidden
 
     def valid(self, j0: int, j1: int) -> np.ndarray:
@@ -215,10 +214,10 @@ def solve_dp(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOpti
     mode = options.modes(k)[0]
     rc = RangeCosts(costs, options, mode, first_stage_terms(options, k))
     if rc.forbidden[1:n].sum() > n - 1 - (k - 1):
-        raise PartitionError(
-            f"ties='colocate' keeps tie groups whole, which leaves {n - 1 - int(rc.forbidden[1:n].sum())} "
-            f"places to cut but {k} stages need {k - 1}; use fewer stages or ties='share'"
-        )
+        ties = options.ties == "colocate" and bool(costs.tie_groups)
+        kept = " and ".join(["tie groups (ties='colocate')"] * ties + ["TP groups"] * bool(costs.tp_groups))
+        raise PartitionError(f"keeping {kept} whole leaves {n - 1 - int(rc.forbidden[1:n].sum())} places to "
+                             f"cut but {k} stages need {k - 1}; use fewer stages{' or ties=share' * ties}")
     assert any(d.memory is not None for d in devices), "a split without memory limits is always feasible"
     mem_cache: dict[tuple[int, int], FloatArray] = {}
 

@@ -185,7 +185,7 @@ def _solve(
                     prob += z[u, s] >= y[u][s] - y[v][s]
                 if (u, s) in zr and v in costs.savers[u]:
                     prob += zr[u, s] >= y[u][s] - y[v][s]
-    for members, _ in costs.tie_groups if options.ties == "colocate" else ():
+    for members in costs.kept_together(options.ties):
         for v in members[1:]:
             for s in cuts:
                 prob += y[v][s] == y[members[0]][s]

@@ -276,7 +276,7 @@ class _Scorer:
         self.names = [d.name for d in devices]
         self.memory = {d.name: d.memory for d in devices if d.memory is not None}
         self.modes = options.modes(len(devices))
-        self.ties = [list(members) for members, _ in costs.tie_groups] if options.ties == "colocate" else []
+        self.ties = [list(members) for members in costs.kept_together(options.ties)]
         self.free = (steps is not None and steps.exact and not self.memory and not self.ties
                      and all(d.memory is None for d in bounded))
         self.seen: dict[tuple[int, ...], float] = {}

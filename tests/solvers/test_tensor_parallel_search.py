@@ -156,3 +156,18 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert len(err.splitlines()) == 1 and "does not divide the 8 features" in err
     assert main(["partition", str(csv), "--devices", "4", "--tensor-parallel", "two"]) == 2
     assert "--tensor-parallel 'two': give a whole number >= 1 or auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["exact", "auto", "ilp"])
+def test_no_stage_boundary_falls_inside_a_tp_group(method: str) -> None:
+    # a cut between a group's column and row Linears would carry split values, which the runtime
+    # refuses: the solvers keep each group on one stage, as ties="colocate" keeps a tie group
+    prof = _blocks(4)
+    inside = {f"l{5 * b + i}" for b in range(4) for i in (2, 3)}  # a stage starting at act or row
+    free = partition(prof, stages=8, method=method, **ONE)
+    assert {s[0] for s in free.stages} & inside  # without TP the fastest split does cut inside
+    plan = partition(prof, stages=8, tensor_parallel=2, method=method, **ONE)
+    assert not {s[0] for s in plan.stages} & inside, plan.stages
+    with pytest.raises(PartitionError, match=r"keeping TP groups whole leaves 11 places to cut but 13 "
+                                             r"stages need 12; use fewer stages$"):
+        partition(prof, stages=13, tensor_parallel=2, method="exact", **ONE)
