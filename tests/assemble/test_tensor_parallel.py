@@ -108,10 +108,11 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]
             warnings.simplefilter("ignore")
             pipe = distributed_pipeline(model, x, example_kwargs=kw or None, loss_fn=loss_fn, chunks=CHUNKS,
                                         schedule=schedule, plan=Plan.from_dict(plans[n]), timeout=30)
+        evaluated = pipe.eval_step(*x, target=y, **kw)  # forward only: the weights as built
         loss = pipe.step(*x, target=y, **kw)
         grads = _grads(pipe)
         norm = pipe.clip_grad_norm_(1e-3)
-        results.append({"loss": loss, "grads": grads, "norm": norm, "last": pipe.is_last})
+        results.append({"loss": loss, "eval": evaluated, "grads": grads, "norm": norm, "last": pipe.is_last})
         if n == 0:  # TP 2 x PP 2: an AdamW step, saved
             opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=0.1)
             opt.step()
@@ -167,6 +168,9 @@ def test_tp_matches_one_process(ranks: list[Any]) -> None:
             if values["last"]:
                 losses = [ranks[r][n]["loss"] for r in range(WORLD) if ranks[r][n]["last"]]
                 _close(sum(losses) / len(losses), ref_loss, f"{what} rank {rank} loss")
+                evaluated = [getattr(ranks[r][n]["eval"], "loss", ranks[r][n]["eval"])  # the model's own loss
+                             for r in range(WORLD) if ranks[r][n]["last"]]
+                _close(sum(evaluated) / len(evaluated), ref_loss, f"{what} rank {rank} eval_step loss")
             for key, grad in values["grads"].items():
                 _close(grad, ref_grads[key], f"{what} rank {rank} grad {key}")
                 seen.add(key)
