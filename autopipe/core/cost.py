@@ -99,8 +99,8 @@ from autopipe.core.recomputed_layers import (
     recompute_alone_ms,
     recompute_peak,
     recomputed_outputs,
+    recomputed_runs,
     segment_freed,
-    segments,
 )
 from autopipe.core.schedules import rank_layout
 from autopipe.core.stage_cost import StageCost
@@ -280,24 +280,6 @@ def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
         raise PartitionError(str(err)) from None
 
 
-def _recomputed_mask(costs: LayerCosts, stage: np.ndarray, modes: Sequence[str],
-                     names: Sequence[str]) -> np.ndarray:
-    """Which layers are recomputed alone ([Note: recomputed layers]); PartitionError for a name
-    the profile lacks or one in a stage that recomputes as a whole."""
-    mask = np.zeros(len(costs), dtype=bool)
-    index = {name: i for i, name in enumerate(costs.names)}
-    for name in names:
-        if name not in index:
-            raise PartitionError(f"recompute_layers names {name!r}, which is not a layer of the profile")
-        s = int(stage[index[name]])
-        if modes[s] != "never":
-            raise PartitionError(f"layer {name!r} is recomputed alone but its stage {s} recomputes as a whole "
-                                 f"(recompute {modes[s]!r}); recompute layers only in stages whose mode "
-                                 "is 'never'")
-        mask[index[name]] = True
-    return mask
-
-
 def stage_costs(
     costs: LayerCosts,
     assignment: Sequence[int],
@@ -324,8 +306,8 @@ def stage_costs(
     check_split(costs, options.schedule)
     split, ranks_runtime = options.schedule in ZERO_BUBBLE_SCHEDULES, costs.runtime == "distributed"
     multi = ranks_runtime and options.schedule in MULTI_STAGE_SCHEDULES
-    chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
-    runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
+    chosen, runs = recomputed_runs(costs, stage, options.modes(k), options.recompute_layers,  # [Note: recomputed layers]
+                                   options.segment_starts)
     result = []
     for s, dev in enumerate(devices):
         mask = stage == s
@@ -395,5 +377,6 @@ def stage_costs(
             backward_bytes=backward,
             receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
             sending_bytes=sending, one_at_a_time=costs.one_at_a_time, recompute_bytes=again,
-            recompute_outputs_bytes=outputs + recomputed_outputs(cut_out, s == k - 1, recomputed[s])))
+            recompute_outputs_bytes=outputs + recomputed_outputs(cut_out, s == k - 1, recomputed[s]),
+            recompute_segments=len(mine)))
     return result
