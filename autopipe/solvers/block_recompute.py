@@ -37,9 +37,10 @@ from dataclasses import dataclass, replace
 
 from autopipe.core.cost import DeviceSpec, LayerCosts, StageCost, stage_costs
 from autopipe.core.cost_options import CostOptions
+from autopipe.core.units import format_bytes
 from autopipe.solvers.stage_dp import StageBlocks, solve_split
 
-__all__ = ["BlockSplit", "block_splits", "repeated_blocks", "with_blocks"]
+__all__ = ["BlockSplit", "block_splits", "fit_blocks", "least_alone", "repeated_blocks", "with_blocks"]
 
 _MEMBER = re.compile(r"^(.*?)(\d+)$")  # a numbered member of a module path: "7" of "layers.7", "h3"
 
@@ -155,25 +156,43 @@ def _equal_blocks(n: int, blocks: Sequence[Sequence[int]], k: int) -> list[int] 
     return [s for s in range(k) for _ in range(cuts[s], cuts[s + 1])]
 
 
-def block_splits(costs: LayerCosts, devices: Sequence[DeviceSpec], budgets: Sequence[DeviceSpec],
-                 options: CostOptions, blocks: Sequence[Sequence[int]],
-                 stage_blocks: StageBlocks | None = None) -> list[BlockSplit]:
-    """The splits of [Note: blocks recomputed alone] that fit, each with blocks recomputed alone."""
-    k = len(devices)
+def _candidates(costs: LayerCosts, budgets: Sequence[DeviceSpec], options: CostOptions,
+                blocks: Sequence[Sequence[int]], stage_blocks: StageBlocks | None) -> list[list[int]]:
+    """The splits tried: the DP's fastest ignoring memory in modes always and never, equal blocks."""
     free = [DeviceSpec(d.name, None, d.speed) for d in budgets]
-    candidates: list[list[int]] = []
+    out: list[list[int]] = []
     for mode in ("always", "never"):
-        split = solve_split(costs, free, replace(options, recompute=mode), modes=mode,
-                            blocks=stage_blocks)
-        if split is not None:
-            candidates.append(split.assignment)
-    equal = _equal_blocks(len(costs), blocks, k)
-    if equal is not None:
-        candidates.append(equal)
+        split = solve_split(costs, free, replace(options, recompute=mode), modes=mode, blocks=stage_blocks)
+        if split is not None and split.assignment not in out:
+            out.append(split.assignment)
+    equal = _equal_blocks(len(costs), blocks, len(budgets))
+    return out + ([equal] if equal is not None and equal not in out else [])
+
+
+def least_alone(costs: LayerCosts, devices: Sequence[DeviceSpec], options: CostOptions) -> str:
+    """For an error: the least memory a stage needs with every block recomputed alone, on the
+    splits tried (not a proven least), as a clause; "" without repeated blocks."""
+    blocks = repeated_blocks(costs.names)
+    if not blocks:
+        return ""
+    k = len(devices)
+    opts = replace(options, recompute=("never",) * k)
+    least = min(max(st.memory_bytes for st in stage_costs(costs, a, devices, replace(
+        opts, recompute_layers=layers, segment_starts=starts)))
+        for a in _candidates(costs, devices, options, blocks, None)
+        for layers, starts in [with_blocks(costs, a, blocks, [0] * k)])
+    return f"; with every repeated block recomputed alone, {format_bytes(least)} on the splits tried"
+
+
+def block_splits(costs: LayerCosts, devices: Sequence[DeviceSpec], budgets: Sequence[DeviceSpec],
+                 options: CostOptions, stage_blocks: StageBlocks | None = None) -> list[BlockSplit]:
+    """The splits of [Note: blocks recomputed alone] that fit, each with the profile's repeated
+    blocks recomputed alone; [] without such blocks."""
+    blocks = repeated_blocks(costs.names)
+    if not blocks:
+        return []
     out: list[BlockSplit] = []
-    for assignment in candidates:
-        if any(assignment == b.assignment for b in out):
-            continue
+    for assignment in _candidates(costs, budgets, options, blocks, stage_blocks):
         found = fit_blocks(costs, devices, budgets, options, assignment, blocks)
         if found is not None:
             out.append(found)

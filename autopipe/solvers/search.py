@@ -23,19 +23,19 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
                  (simulated) than any single-mode plan it searched; where no mode fits, blocks
                  recomputed alone ([Note: blocks recomputed alone] in block_recompute.py)
 
-Each configuration's split is the exact min-max DP over the topological order; the simulator
-then times it; under method="auto" each schedule's best configuration is split again for its
-shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain()
-lists the next best configurations and the best of every schedule weighed, and ``plan.solver``
-the gap to the least bound over every configuration of the space. A lower bound on the iteration of every configuration, from totals only
-(``config_bound``), orders the work and prunes: configurations are solved from the most
-promising on, and the search stops when the next bound is no better than the best simulated
-time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
-in one DP pass (``stage_dp.solve_counts``). The ILP refines only the winner, only for a DAG
-whose DP split is more than its gap above the bound on every DAG split ([Note: when the ILP
-can gain] in autopipe/solvers/dag_bound.py), and only when it is small enough to
-build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on DAGs of hundreds of layers
-it ran for tens of seconds to minutes to improve on the DP by a fraction of a percent, if at
+Each configuration's split is the exact min-max DP over the topological order; the simulator then
+times it; under method="auto" each schedule's best configuration is split again for its shortest
+step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain() lists the
+next best configurations and the best of every schedule weighed, and ``plan.solver`` the gap to the
+least bound over every configuration of the space. A lower bound on the iteration of every
+configuration, from totals only (``config_bound``), orders the work and prunes: configurations are
+solved from the most promising on, and the search stops when the next bound is no better than the
+best simulated time, so pruning never changes the answer (autopipe.solvers.bounds). Identical
+devices under gpipe / 1f1b solve every W in one DP pass (``stage_dp.solve_counts``). The ILP refines
+only the winner, only for a DAG whose DP split is more than its gap above the bound on every DAG
+split ([Note: when the ILP can gain] in autopipe/solvers/dag_bound.py), and only when it is small
+enough to build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on DAGs of hundreds of
+layers it ran for tens of seconds to minutes to improve on the DP by a fraction of a percent, if at
 all (docs/benchmarks.md, "Figures behind the Notes").
 """
 
@@ -55,7 +55,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at, rows_for
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PartitionError
-from autopipe.solvers.block_recompute import block_splits, repeated_blocks
+from autopipe.solvers.block_recompute import block_splits, least_alone
 from autopipe.solvers.bounds import config_bound, split_bound
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dag_bound import dag_bound, forced_order
@@ -159,11 +159,10 @@ class _Search:
 
     def blocks_alone(self, configs: list[Config]) -> None:
         """Each configuration no stage mode fits, with blocks recomputed alone ([Note: blocks recomputed alone])."""
-        blocks = repeated_blocks(self.profile.layers)
-        for c in (c for c in configs if blocks and self.floor.get(c) == math.inf and c.bound < self.best_time()):
+        for c in (c for c in configs if self.floor.get(c) == math.inf and c.bound < self.best_time()):
             devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
             for b in block_splits(self.at(c.chunks)[1], devices, budget_devices(devices, c.schedule),
-                                  self.options(c.schedule, c.chunks, "never"), blocks, self.blocks(c.schedule, c.chunks)):
+                                  self.options(c.schedule, c.chunks, "never"), self.blocks(c.schedule, c.chunks)):
                 split = Split(b.assignment, max(st.time_ms for st in b.stages), ["never"] * len(devices))
                 self.evaluate(c, "never", split, alone=(b.layers, b.starts))
 
@@ -314,8 +313,9 @@ class _Search:
         try:
             solve_dp(self.at(c.chunks)[1], devices, self.options(c.schedule, c.chunks, "always"))
         except PartitionError as err:
+            alone = least_alone(self.at(c.chunks)[1], devices, self.options(c.schedule, c.chunks, "never"))
             return PartitionError(f"no searched configuration fits the memory; with {c.ranks} "
-                                  f"device(s), {c.chunks} micro-batches, {c.schedule}: {err}")
+                                  f"device(s), {c.chunks} micro-batches, {c.schedule}: {err}{alone}")
         return PartitionError("no searched configuration fits the memory limits; raise them")
 
 

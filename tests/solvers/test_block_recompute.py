@@ -111,7 +111,15 @@ def test_a_stage_keeps_its_last_blocks_where_they_fit() -> None:
     assert fit_blocks(costs, devices, small, options, split, blocks) is None  # not even all of them
 
 
-def test_without_repeated_blocks_nothing_fits_in_one_line() -> None:
+def test_where_nothing_fits_the_error_says_what_blocks_alone_need() -> None:
     prof = random_chain(12, 0)
-    with pytest.raises(PartitionError, match=r"^no searched configuration fits the memory"):
+    with pytest.raises(PartitionError, match=r"^no searched configuration fits the memory") as plain:
         autopipe.partition(prof, stages=2, devices=2, recompute="auto", memory_limit=1, progress=False, **ON)  # type: ignore[arg-type]
+    assert "block" not in str(plain.value) and "\n" not in str(plain.value)  # no stack of blocks to name
+    dag = transformer_dag(8)
+    with pytest.raises(PartitionError, match=r"; with every repeated block recomputed alone, ([\d.]+) MiB "
+                                             r"on the splits tried$") as blocks:
+        autopipe.partition(dag, stages=2, devices=2, recompute="auto", memory_limit=800 * MIB, progress=False,
+                           **ON)  # type: ignore[arg-type]
+    said = float(str(blocks.value).rsplit(", ", 1)[1].split(" MiB")[0])
+    assert 800 < said <= _equal_blocks_alone(dag).highest_memory / MIB + 0.1  # the by-hand split is one tried
