@@ -280,6 +280,16 @@ def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
         raise PartitionError(str(err)) from None
 
 
+def _crossings(costs: LayerCosts, stage: np.ndarray, u: int) -> list[tuple[int, int]]:
+    """(cut, bytes) for every cut layer u's values cross: the most one consumer beyond it reads."""
+    reach = sorted(((int(stage[v]), b) for v, b in costs.reads(u)), reverse=True)
+    out, level = [], 0
+    for s in range(reach[0][0] - 1, int(stage[u]) - 1, -1):
+        level = max([level] + [b for t, b in reach if t == s + 1])
+        out.append((s, level))
+    return out
+
+
 def stage_costs(
     costs: LayerCosts,
     assignment: Sequence[int],
@@ -299,7 +309,8 @@ def stage_costs(
     resaved = np.zeros_like(cut)  # of them, saved on both sides ([Note: saved once])
     for u, users in enumerate(costs.consumers):
         if users:
-            cut[stage[u]:int(stage[list(users)].max())] += costs.value_bytes[u]
+            for s, nbytes in _crossings(costs, stage, u):  # [Note: what a consumer reads] in layer_costs.py
+                cut[s] += nbytes
             if costs.savers[u]:
                 resaved[stage[u]:int(stage[list(costs.savers[u])].max())] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)

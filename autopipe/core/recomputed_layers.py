@@ -18,8 +18,9 @@ from).
 For a segment G, in the terms of [Note: saved once] (autopipe/core/layer_costs.py):
 
 - held before: ``sum(saved[G])``, its layers' saves net of what their producers save too;
-- held after: the copy of the values entering G from earlier layers (``value_bytes`` of each
-  producer outside G: the caller's batch is not counted), and G's outputs where a consumer
+- held after: the copy of the values entering G from earlier layers (of each producer outside
+  G, the most one layer of G reads of it: [Note: what a consumer reads] in layer_costs.py; the
+  caller's batch is not counted), and G's outputs where a consumer
   outside G saves them too (``resaved``: G no longer does, the consumer still does);
 - so it frees ``segment_freed`` = before - after per micro-batch held (never below 0): a
   single Linear, which saves its input, frees nothing, but ``fc1 -> gelu -> fc2`` frees all its
@@ -149,8 +150,7 @@ def recomputed_outputs(cut_out: Amount, last: Amount, recomputed: int) -> Amount
 def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
     """Bytes per held micro-batch a segment (consecutive layer indices) frees when recomputed."""
     lo, hi = segment[0], segment[-1]
-    entering = {p for p in range(lo) if any(lo <= c <= hi for c in costs.consumers[p])}
-    kept = sum(int(costs.value_bytes[p]) for p in entering)
+    kept = sum(max((b for c, b in costs.reads(p) if lo <= c <= hi), default=0) for p in range(lo))
     leaving = sum(int(costs.resaved[u]) for u in segment if int(costs.last_saver[u]) > hi)
     return max(int(costs.saved[lo:hi + 1].sum()) - kept - leaving, 0)
 
@@ -158,15 +158,15 @@ def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
 def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every run of up to MAX_SEGMENT consecutive ``layers`` that frees bytes: (start, end)
     positions in ``layers`` and (freed bytes, extra ms) each."""
-    producers: dict[int, list[int]] = {}
+    producers: dict[int, list[tuple[int, int]]] = {}  # layer -> (producer, what it reads of it)
     ending: dict[int, list[int]] = {}  # layer -> the layers whose last saving consumer it is
-    for u, users in enumerate(costs.consumers):
-        for c in users:
-            producers.setdefault(c, []).append(u)
+    for u in range(len(costs)):
+        for c, b in costs.reads(u):
+            producers.setdefault(c, []).append((u, b))
         ending.setdefault(int(costs.last_saver[u]), []).append(u)
     out: list[tuple[int, int, int, float]] = []
     for a, first in enumerate(layers):
-        entering: set[int] = set()
+        entering: dict[int, int] = {}  # [Note: what a consumer reads]: the most read of each
         saved = kept = leaving = 0
         fwd = 0.0
         for b in range(a, min(len(layers), a + MAX_SEGMENT)):
@@ -175,10 +175,10 @@ def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np
                 break  # not consecutive: a segment cannot span it
             saved += int(costs.saved[i])
             fwd += float(costs.fwd[i])
-            for p in producers.get(i, []):
-                if p < first and p not in entering:
-                    entering.add(p)
-                    kept += int(costs.value_bytes[p])
+            for p, read in producers.get(i, []):
+                if p < first and read > entering.get(p, 0):
+                    kept += read - entering.get(p, 0)
+                    entering[p] = read
             if int(costs.last_saver[i]) > i:
                 leaving += int(costs.resaved[i])
             leaving -= sum(int(costs.resaved[u]) for u in ending.get(i, []) if first <= u < i)
