@@ -97,7 +97,9 @@ def theirs(prof: Profile, shape: str, schedule: str) -> Plan:
     cuts = [round(s * len(names) / stages) for s in range(stages + 1)]
     split = [names[cuts[s]:cuts[s + 1]] for s in range(stages)]
     devices = [f"cuda:{(s % k) * t}" for s in range(stages)]  # stage s on rank s % k, as torch places them
-    blocks = repeated_blocks(names)  # one checkpoint per transformer block, as their full AC wraps them
+    # one checkpoint per transformer block, as their full AC wraps them (a profile without named
+    # blocks: every layer but the last, one segment a stage)
+    blocks = repeated_blocks(names) or [list(range(len(names) - 1))]
     every, starts = [names[i] for b in blocks for i in b], [names[b[0]] for b in blocks]
     plan = Plan.from_stages(rank, split, devices=devices, chunks=chunks, recompute="never", bandwidth=bandwidth,
                             data_parallel=d, dp_mode="fsdp", recompute_layers=every, segment_starts=starts,
