@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
 import autopipe
@@ -15,7 +18,7 @@ from autopipe.solvers.synthetic import random_chain, transformer_dag
 
 MIB = 1 << 20
 LIMIT = 880 * MIB  # transformer_dag(8) on 2 stages of 4 micro-batches: no stage mode fits it
-ON = dict(chunks=4, schedule="1f1b", bandwidth=None)
+ON: dict[str, Any] = {"chunks": 4, "schedule": "1f1b", "bandwidth": None}
 
 
 def test_the_blocks_are_the_numbered_modules_with_the_functional_layers_inside_them() -> None:
@@ -43,7 +46,7 @@ def _whole_stage_fits(prof: autopipe.Profile, limit: int) -> bool:
     n, devices = len(costs), [DeviceSpec("d0"), DeviceSpec("d1")]
     for cut in range(1, n):
         split = [0] * cut + [1] * (n - cut)
-        per_mode = [stage_costs(costs, split, devices, CostOptions(recompute=mode, **ON))  # type: ignore[arg-type]
+        per_mode = [stage_costs(costs, split, devices, CostOptions(recompute=mode, **ON))
                     for mode in ("never", "except_last", "always")]
         if all(min(st[s].memory_bytes for st in per_mode) <= limit for s in range(2)):
             return True
@@ -57,7 +60,7 @@ def _equal_blocks_alone(prof: autopipe.Profile) -> Plan:
     blocks = [f"h{b}." for b in range(8)]
     layers = [n for n in names if n.startswith(tuple(blocks))]
     return Plan.from_stages(prof, [names[:cut], names[cut:]], devices=["d0", "d1"], recompute="never",
-                            recompute_layers=layers, segment_starts=[f"{b}ln1" for b in blocks], **ON)  # type: ignore[arg-type]
+                            recompute_layers=layers, segment_starts=[f"{b}ln1" for b in blocks], **ON)
 
 
 def test_where_no_stage_mode_fits_the_search_recomputes_blocks_alone_and_fits() -> None:
@@ -66,16 +69,16 @@ def test_where_no_stage_mode_fits_the_search_recomputes_blocks_alone_and_fits() 
     by_hand = _equal_blocks_alone(prof)
     assert by_hand.highest_memory <= LIMIT  # but blocks recomputed alone do
     merged = Plan.from_stages(prof, by_hand.stages, devices=["d0", "d1"], recompute="never",
-                              recompute_layers=by_hand.recompute_layers, **ON)  # type: ignore[arg-type]
+                              recompute_layers=by_hand.recompute_layers, **ON)
     assert merged.highest_memory > LIMIT  # and merged into one segment a stage they do not
     plan = autopipe.partition(prof, stages=2, devices=2, recompute="auto", memory_limit=LIMIT, progress=False,
-                              **ON)  # type: ignore[arg-type]
+                              **ON)
     assert all(m <= LIMIT for m in plan.device_memory.values())
     assert all(m <= LIMIT for m in plan.stage_memory)
     assert plan.stage_recompute == ["never", "never"] and len(plan.segment_starts) > 2
     assert plan.iteration_time <= by_hand.iteration_time
     again = Plan.from_stages(prof, plan.stages, devices=plan.devices, recompute="never",
-                             recompute_layers=plan.recompute_layers, segment_starts=plan.segment_starts, **ON)  # type: ignore[arg-type]
+                             recompute_layers=plan.recompute_layers, segment_starts=plan.segment_starts, **ON)
     assert again.device_memory == plan.device_memory and again.iteration_time == pytest.approx(plan.iteration_time)
     assert plan.method == "heuristic" and plan.solver.status.startswith("heuristic: no stage mode fits")
     assert plan.solver.gap is not None and plan.solver.gap > 0
@@ -87,12 +90,11 @@ def test_a_stage_keeps_its_last_blocks_where_they_fit() -> None:
     costs = LayerCosts.from_profile(prof)
     blocks = repeated_blocks(costs.names)
     devices = [DeviceSpec("d0"), DeviceSpec("d1")]
-    options = CostOptions(recompute="never", **ON)  # type: ignore[arg-type]
+    options = CostOptions(recompute="never", **ON)
     split = [0] * costs.names.index("h4.ln1") + [1] * (len(costs) - costs.names.index("h4.ln1"))
 
     def memory(kept: list[int]) -> list[int]:
         layers, starts = with_blocks(costs, split, blocks, kept)
-        from dataclasses import replace
         return [st.memory_bytes for st in stage_costs(costs, split, devices, replace(
             options, recompute_layers=layers, segment_starts=starts))]
 
@@ -114,12 +116,12 @@ def test_a_stage_keeps_its_last_blocks_where_they_fit() -> None:
 def test_where_nothing_fits_the_error_says_what_blocks_alone_need() -> None:
     prof = random_chain(12, 0)
     with pytest.raises(PartitionError, match=r"^no searched configuration fits the memory") as plain:
-        autopipe.partition(prof, stages=2, devices=2, recompute="auto", memory_limit=1, progress=False, **ON)  # type: ignore[arg-type]
+        autopipe.partition(prof, stages=2, devices=2, recompute="auto", memory_limit=1, progress=False, **ON)
     assert "block" not in str(plain.value) and "\n" not in str(plain.value)  # no stack of blocks to name
     dag = transformer_dag(8)
     with pytest.raises(PartitionError, match=r"; with every repeated block recomputed alone, ([\d.]+) MiB "
                                              r"on the splits tried$") as blocks:
         autopipe.partition(dag, stages=2, devices=2, recompute="auto", memory_limit=800 * MIB, progress=False,
-                           **ON)  # type: ignore[arg-type]
+                           **ON)
     said = float(str(blocks.value).rsplit(", ", 1)[1].split(" MiB")[0])
     assert 800 < said <= _equal_blocks_alone(dag).highest_memory / MIB + 0.1  # the by-hand split is one tried
