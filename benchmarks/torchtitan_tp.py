@@ -17,12 +17,13 @@ Here: the model built on the meta device, one row of 8192 tokens estimated in bf
 ``titan_sheet``); the TP link the sheet's NVLink, the replicas' and stages' its NICs. Their
 meshes are evaluated as they run them: FSDP (``dp_mode="fsdp"``), the stages split by equal layer
 counts (``method="uniform"``), one micro-batch of the local batch without PP and micro-batches of
-one row with it, every layer recomputed alone (full activation checkpointing). autopipe's row:
-the fastest of ``partition(stages=K, tensor_parallel=T, data_parallel=D, ...)`` over every mesh
-K x T x D of the GPUs with K <= 16 and T <= 8, the split, the micro-batches (down to one row) and the
-recomputation (``"auto"``: whole stages or single layers) chosen by the planner, FSDP, within the
-sheet's 96 GiB. Memory limits are lifted on their meshes
-so that a row prints what it needs.
+one row with it, every transformer block recomputed alone, each its own segment (full activation
+checkpointing: one checkpoint per block). autopipe's row: the fastest of ``partition(stages=K,
+tensor_parallel=T, data_parallel=D, ...)`` over every mesh K x T x D of the GPUs with K <= 16 and
+T <= 8, the split, the micro-batches (down to one row) and the recomputation (``"auto"``: whole
+stages, single layers, or blocks alone where nothing else fits) chosen by the planner, FSDP,
+within the sheet's 96 GiB. Memory limits are lifted on their meshes so that a row prints what it
+needs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from autopipe.core.scaling import profile_at, rows_for
 from autopipe.core.tensor_parallel import at_degree, check_degree, tp_link
 from autopipe.core.transfer import DEFAULT_BANDWIDTH
 from autopipe.errors import PartitionError
+from autopipe.solvers.block_recompute import repeated_blocks
 from autopipe.solvers.tensor_parallel_search import with_degree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,7 +85,7 @@ def estimated(shape: str, layers: int | None, path: str | None, seq: int = SEQ) 
 
 def theirs(prof: Profile, shape: str, schedule: str) -> Plan:
     """torchtitan's mesh in autopipe's simulator: stages of equal layer counts (two a rank when
-    interleaved), FSDP, every layer recomputed alone; evaluated, not searched."""
+    interleaved), FSDP, every transformer block recomputed alone; evaluated, not searched."""
     gpus, batch, (t, k, d), chunks, _ = TITAN[shape]
     stages = 2 * k if schedule == "interleaved1f1b" else k
     bandwidth = LayerCosts.from_profile(prof).comm_bandwidth or DEFAULT_BANDWIDTH  # partition's "measured"
@@ -95,10 +97,13 @@ def theirs(prof: Profile, shape: str, schedule: str) -> Plan:
     cuts = [round(s * len(names) / stages) for s in range(stages + 1)]
     split = [names[cuts[s]:cuts[s + 1]] for s in range(stages)]
     devices = [f"cuda:{(s % k) * t}" for s in range(stages)]  # stage s on rank s % k, as torch places them
-    every = [n for n in names if n != names[-1]]
+    # one checkpoint per transformer block, as their full AC wraps them (a profile without named
+    # blocks: every layer but the last, one segment a stage)
+    blocks = repeated_blocks(names) or [list(range(len(names) - 1))]
+    every, starts = [names[i] for b in blocks for i in b], [names[b[0]] for b in blocks]
     plan = Plan.from_stages(rank, split, devices=devices, chunks=chunks, recompute="never", bandwidth=bandwidth,
-                            data_parallel=d, dp_mode="fsdp", recompute_layers=every, schedule=schedule,
-                            method="uniform")
+                            data_parallel=d, dp_mode="fsdp", recompute_layers=every, segment_starts=starts,
+                            schedule=schedule, method="uniform")
     return with_degree(plan, t)
 
 
@@ -139,7 +144,8 @@ def row(name: str, plan: Plan, gpus: int, batch: int, seq: int, published: str) 
     mesh = f"PP {k} x TP {plan.tensor_parallel} x DP {plan.data_parallel} ({plan.num_stages} stages)"
     fits = "yes" if memory <= titan_sheet().memory_bytes / GIB else "no"
     return (f"| {name} | {mesh} | {plan.schedule}, {plan.chunks} x {plan.micro_batch_size} rows, "
-            f"{len(plan.recompute_layers)} layers recomputed | {step:.2f} | {tps:,.0f} | {memory:.1f} | {fits} | "
+            f"{len(plan.recompute_layers)} layers recomputed in {sum(b.recompute_segments for b in plan.breakdown)} "
+            f"segments | {step:.2f} | {tps:,.0f} | {memory:.1f} | {fits} | "
             f"{published} |")
 
 

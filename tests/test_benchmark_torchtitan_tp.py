@@ -21,7 +21,8 @@ def test_the_mesh_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
     assert [c[0] for c in cells] == ["torchtitan's, 1f1b", "torchtitan's, interleaved1f1b", "autopipe's"]
     assert cells[0][1] == "PP 8 x TP 8 x DP 8 (8 stages)" and cells[1][1] == "PP 8 x TP 8 x DP 8 (16 stages)"
-    assert cells[0][2].endswith("19 layers recomputed")  # every layer but the last, alone
+    # no named blocks in this profile: every layer but the last, alone, one segment a stage
+    assert cells[0][2].endswith("19 layers recomputed in 8 segments")
     err = capsys.readouterr().err
     planned = [float(s) for s in re.findall(r"PP \d+ x TP \d+ x DP \d+: ([\d.]+) s,", err)]
     assert planned and float(cells[2][3]) == min(planned)  # both printed to the hundredth of a second

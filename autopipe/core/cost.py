@@ -99,8 +99,8 @@ from autopipe.core.recomputed_layers import (
     recompute_alone_ms,
     recompute_peak,
     recomputed_outputs,
+    recomputed_runs,
     segment_freed,
-    segments,
 )
 from autopipe.core.schedules import rank_layout
 from autopipe.core.stage_cost import StageCost
@@ -280,22 +280,14 @@ def schedule_ranks(schedule: str, devices: Sequence[DeviceSpec]) -> int | None:
         raise PartitionError(str(err)) from None
 
 
-def _recomputed_mask(costs: LayerCosts, stage: np.ndarray, modes: Sequence[str],
-                     names: Sequence[str]) -> np.ndarray:
-    """Which layers are recomputed alone ([Note: recomputed layers]); PartitionError for a name
-    the profile lacks or one in a stage that recomputes as a whole."""
-    mask = np.zeros(len(costs), dtype=bool)
-    index = {name: i for i, name in enumerate(costs.names)}
-    for name in names:
-        if name not in index:
-            raise PartitionError(f"recompute_layers names {name!r}, which is not a layer of the profile")
-        s = int(stage[index[name]])
-        if modes[s] != "never":
-            raise PartitionError(f"layer {name!r} is recomputed alone but its stage {s} recomputes as a whole "
-                                 f"(recompute {modes[s]!r}); recompute layers only in stages whose mode "
-                                 "is 'never'")
-        mask[index[name]] = True
-    return mask
+def _crossings(costs: LayerCosts, stage: np.ndarray, u: int) -> list[tuple[int, int]]:
+    """(cut, bytes) for every cut layer u's values cross: the most one consumer beyond it reads."""
+    reach = sorted(((int(stage[v]), b) for v, b in costs.reads(u)), reverse=True)
+    out, level = [], 0
+    for s in range(reach[0][0] - 1, int(stage[u]) - 1, -1):
+        level = max([level] + [b for t, b in reach if t == s + 1])
+        out.append((s, level))
+    return out
 
 
 def stage_costs(
@@ -317,15 +309,16 @@ def stage_costs(
     resaved = np.zeros_like(cut)  # of them, saved on both sides ([Note: saved once])
     for u, users in enumerate(costs.consumers):
         if users:
-            cut[stage[u]:int(stage[list(users)].max())] += costs.value_bytes[u]
+            for s, nbytes in _crossings(costs, stage, u):  # [Note: what a consumer reads] in layer_costs.py
+                cut[s] += nbytes
             if costs.savers[u]:
                 resaved[stage[u]:int(stage[list(costs.savers[u])].max())] += costs.resaved[u]
     call_fwd, call_bwd = costs.call_for(options.schedule)
     check_split(costs, options.schedule)
     split, ranks_runtime = options.schedule in ZERO_BUBBLE_SCHEDULES, costs.runtime == "distributed"
     multi = ranks_runtime and options.schedule in MULTI_STAGE_SCHEDULES
-    chosen = _recomputed_mask(costs, stage, options.modes(k), options.recompute_layers)
-    runs = segments(np.flatnonzero(chosen).tolist(), stage.tolist())  # [Note: recomputed layers]
+    chosen, runs = recomputed_runs(costs, stage, options.modes(k), options.recompute_layers,  # [Note: recomputed layers]
+                                   options.segment_starts)
     result = []
     for s, dev in enumerate(devices):
         mask = stage == s
@@ -395,5 +388,6 @@ def stage_costs(
             backward_bytes=backward,
             receive_bytes=int(receive_bytes(costs, cut_in, cut_out, m)), kept_bytes=int(kept), loss_grad_bytes=int(grads),
             sending_bytes=sending, one_at_a_time=costs.one_at_a_time, recompute_bytes=again,
-            recompute_outputs_bytes=outputs + recomputed_outputs(cut_out, s == k - 1, recomputed[s])))
+            recompute_outputs_bytes=outputs + recomputed_outputs(cut_out, s == k - 1, recomputed[s]),
+            recompute_segments=len(mine)))
     return result

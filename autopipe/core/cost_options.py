@@ -37,10 +37,12 @@ class CostOptions:
     dp_mode: str = "ddp"
     recompute_layers: tuple[str, ...] = ()  # [Note: recomputed layers], in stages that never recompute
     merge: str = "unwaited"  # the zero-bubble schedules' merge rule ([Note: adjacent I and W])
+    segment_starts: tuple[str, ...] = ()  # recomputed layers that start a segment of their own
 
     def __post_init__(self) -> None:
-        if not isinstance(self.recompute_layers, tuple):
-            object.__setattr__(self, "recompute_layers", tuple(self.recompute_layers))
+        for name in ("recompute_layers", "segment_starts"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise PartitionError(f"chunks={self.chunks!r}: need an integer number of micro-batches >= 1")
         if not isinstance(self.recompute, str | tuple):

@@ -16,6 +16,15 @@ not its last (a U-Net's skip, pooled before it is concatenated; a residual strea
 whose last consumer is the add), on the safe side for a stage the value only passes through and
 for a recomputed micro-batch (whose saved input is that same copy).
 executor/activation_meter.py counts the same thing in a running pipeline.
+
+[Note: what a consumer reads] A layer may make several values (HF Llama's embedding layer holds
+the token embedding, the causal mask and the sequence length, each read by other layers), and a
+profile's edge carries what ITS consumer reads. A cut is crossed by what the consumers beyond it
+read, not by the layer's largest value: the stage built there passes them (the mask and an int,
+not the embedding, measured on a 4-block Llama: 172 kB, where the largest value charged 295 kB).
+``cut_bytes()``, a stage's crossings (cost.py) and a recomputed segment's copies of what enters
+it (recomputed_layers.py) charge, of each layer, the most one consumer beyond the cut (in the
+segment) reads; ``value_bytes`` (the largest edge) stays what the layer's own outputs weigh.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ class LayerCosts:
     saved_input: IntArray  # of each layer's saves, its inputs from other layers ([Note: an input kept once])
     resaved: IntArray  # of each layer's output, what it and a consumer both save ([Note: saved once])
     savers: tuple[tuple[int, ...], ...]  # of each layer's consumers, those that save its output too
-    value_bytes: IntArray  # bytes of each layer's output value as sent across a cut
+    value_bytes: IntArray  # bytes of each layer's output value as sent across a cut (its largest edge)
     consumers: tuple[tuple[int, ...], ...]
     last_use: IntArray  # index of the last consumer (the layer itself when none)
     tie_groups: tuple[tuple[tuple[int, ...], int], ...]  # (member indices, shared bytes)
@@ -98,6 +107,9 @@ class LayerCosts:
     # profile's ``bwd_working_bytes``; what only the loss reads has the loss's gradient, in
     # ``loss_grads``); None where the profile did not measure it
     working: IntArray | None = None
+    # [Note: what a consumer reads] each edge's own bytes, as ``consumers`` lists them (empty:
+    # every edge sends ``value_bytes``)
+    sent: tuple[tuple[int, ...], ...] = ()
 
     def call_ms(self, schedule: str = "gpipe") -> float:
         """The fixed cost of one stage call per micro-batch under ``schedule``, forward +
@@ -132,10 +144,12 @@ class LayerCosts:
         n = len(names)
         value = np.zeros(n, dtype=np.int64)
         consumers: list[list[int]] = [[] for _ in range(n)]
+        reads: list[dict[int, int]] = [{} for _ in range(n)]  # [Note: what a consumer reads]
         for src, dst, nbytes in profile.edges:
             u, v = index[src], index[dst]
             value[u] = max(value[u], nbytes)
             consumers[u].append(v)
+            reads[u][v] = max(reads[u].get(v, 0), int(nbytes))
         last = np.array([max(c, default=i) for i, c in enumerate(consumers)], dtype=np.int64)
         params = df["param_bytes"].to_numpy(dtype=np.int64).copy()
         groups: dict[str, list[int]] = {}
@@ -208,6 +222,7 @@ class LayerCosts:
             loss_grads=0 if c.loss is None else max(c.loss.peak_bytes - c.loss.held_bytes, 0),
             working=(df[WORKING_COLUMN].to_numpy(dtype=np.int64) + value  # + the gradient its readers send
                      if WORKING_COLUMN in df.columns else None),
+            sent=tuple(tuple(r[v] for v in sorted(r)) for r in reads),
         )
 
     def __len__(self) -> int:
@@ -224,9 +239,25 @@ class LayerCosts:
         last stage starting there receives of the model's outputs ([Note: receive buffers])."""
         return 0 if self.returned_before is None else self.returned_before[start]
 
+    def reads(self, u: int) -> tuple[tuple[int, int], ...]:
+        """(consumer, the bytes it reads of layer u's outputs) for each consumer of u ([Note:
+        what a consumer reads])."""
+        sent = self.sent[u] if self.sent else (int(self.value_bytes[u]),) * len(self.consumers[u])
+        return tuple(zip(self.consumers[u], sent, strict=True))
+
     def cut_bytes(self) -> IntArray:
-        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there."""
-        return self._spans(self.value_bytes, self.last_use)
+        """``cut[i]``: bytes live between layer i-1 and layer i when the order is cut there: of
+        each earlier layer, the most that one consumer at or after i reads of it ([Note: what a
+        consumer reads])."""
+        diff = np.zeros(len(self) + 2, dtype=np.int64)
+        for u in range(len(self)):
+            level = 0
+            for v, b in sorted(self.reads(u), reverse=True):  # the farthest consumer first
+                if v > u and b > level:
+                    diff[u + 1] += b - level
+                    diff[v + 1] -= b - level
+                    level = b
+        return np.cumsum(diff)[: len(self) + 1]
 
     def resaved_cut(self) -> IntArray:
         """``cut[i]``: of ``cut_bytes()[i]``, what the stage starting at layer i keeps a copy of

@@ -6,29 +6,11 @@ Everything numeric in it comes from ``autopipe.core.cost`` (per-stage time and m
 ``autopipe.core.simulator`` (iteration time, bubble, per-stage and per-device peak memory under
 the plan's schedule); ``autopipe.core.plan_text`` puts it in words.
 
-[Note: plan fields over time] ``autopipe-plan/1`` only ever gains optional fields, so every
-older plan loads: ``recompute`` is one mode or, since per-stage recomputation, a list with one
-mode per stage (a plan whose stages all share a mode stores the single mode, as before); plans
-written before the word was ``recompute`` name it ``checkpoint``, in the plan and in each of its
-``alternatives``, and load the same;
-``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
-``device_memory`` were added with the automatic search; ``data_parallel`` (replicas of the
-pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel;
-``recompute_layers`` (default none) with [Note: recomputed layers]; ``runtime`` (``gpipe`` or
-``distributed``, the runtime whose measured costs it was planned with; None: unrecorded) with
-[Note: one profile, two runtimes] in autopipe/core/corrections.py; ``precision`` (default
-``fp32``, the precision of the profile it was planned from: [Note: mixed precision memory] in
-cost.py) with mixed precision; ``skipped_schedules`` (default none: the schedules a search could
-not weigh, each with why) with the zero-bubble schedules; ``merge_backward`` (default
-``unwaited``: which adjacent halves of a split backward run whole, [Note: adjacent I and W] in
-executor/spec.py) with the planner's choice of it; ``estimated_from`` (default none: the device
-sheet of an estimated profile, in words, [Note: estimated or measured] in estimated.py) with
-estimated profiles; ``tensor_parallel`` (default 1: each stage on one rank; its costs per rank of
-the TP group, [Note: tensor-parallel cost] in tensor_parallel.py) with tensor parallelism, in
-the plan and in each alternative. A plan made for another micro-batch
-than the profile's ([Note: micro-batch scaling] in autopipe/core/scaling.py) cannot know the
-full fingerprint of that shape without tracing: its fingerprint is ``*.STRUCTURE`` and
-:meth:`Plan.check` compares the structure and the micro-batch rows instead.
+[Note: plan fields over time] is in autopipe/core/plan_checks.py: older plans load. A plan made
+for another micro-batch than the profile's ([Note: micro-batch scaling] in
+autopipe/core/scaling.py) cannot know the full fingerprint of that shape without tracing: its
+fingerprint is ``*.STRUCTURE`` and :meth:`Plan.check` compares the structure and the micro-batch
+rows instead.
 """
 
 from __future__ import annotations
@@ -56,7 +38,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.cost_options import CostOptions
 from autopipe.core.estimated import estimate_text
-from autopipe.core.plan_checks import check_types
+from autopipe.core.plan_checks import OPTIONAL, check_types, renamed
 from autopipe.core.plan_fit import assign_stages, check_plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.simulator import simulate_stages
@@ -144,6 +126,7 @@ class Plan:
     merge_backward: str = "unwaited"  # zero-bubble schedules: [Note: adjacent I and W]
     estimated_from: str | None = None  # the sheet of an estimated profile ([Note: estimated or measured])
     tensor_parallel: int = 1  # ranks that split each stage's layers ([Note: tensor-parallel cost])
+    segment_starts: list[str] = field(default_factory=list)  # [Note: recomputed layers]: kept apart
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -169,6 +152,7 @@ class Plan:
         runtime: str | None = None,
         skipped_schedules: dict[str, str] | None = None,
         merge_backward: str | None = None,
+        segment_starts: Sequence[str] = (),
     ) -> Plan:
         """Evaluate a given split (a hand-made one, a baseline's, or a solver's) on ``profile``.
 
@@ -177,8 +161,8 @@ class Plan:
         names). ``data_parallel`` replicas of it, synced as ``dp_mode`` says, each run
         ``profile``'s micro-batch ([Note: pipeline x data parallel] in autopipe/core/data_parallel.py).
         ``recompute_layers``: layers recomputed in the backward (consecutive ones as one
-        segment), in stages of mode ``never`` ([Note: recomputed layers] in
-        autopipe/core/recomputed_layers.py). ``runtime``: whose measured costs to plan with
+        segment, but at each of ``segment_starts``), in stages of mode ``never`` ([Note: recomputed
+        layers] in autopipe/core/recomputed_layers.py). ``runtime``: whose measured costs to plan with
         (default: the profile's, [Note: one profile, two runtimes] in autopipe/core/corrections.py).
         ``skipped_schedules``: what a search could not weigh, schedule -> why (plan.explain() says it).
         ``merge_backward``: which adjacent halves of a zero-bubble schedule's split backward run
@@ -198,7 +182,7 @@ class Plan:
         tried = []
         for rule in rules:  # the first of the fastest: "unwaited" on a tie
             options = CostOptions(chunks, tuple(modes), optimizer, bandwidth, ties, schedule,
-                                  data_parallel, dp_mode, tuple(recompute_layers), rule)
+                                  data_parallel, dp_mode, tuple(recompute_layers), rule, tuple(segment_starts))
             breakdown = stage_costs(costs, [where[n] for n in layers], specs, options)
             tried.append((simulate_stages(breakdown, chunks=chunks, recompute=modes, schedule=schedule,
                                           ms_per_byte=options.ms_per_byte, devices=[d.name for d in specs],
@@ -229,6 +213,7 @@ class Plan:
             recompute_layers=[n for n in layers if n in set(recompute_layers)], runtime=chosen,
             precision=costs.precision, skipped_schedules=dict(skipped_schedules or {}),
             merge_backward=rule, estimated_from=estimate_text(profile.meta),
+            segment_starts=[n for n in layers if n in set(segment_starts)],
         )
 
     # --- use --------------------------------------------------------------------------------
@@ -280,7 +265,7 @@ class Plan:
         """The options every cost of this plan was computed with."""
         return CostOptions(self.chunks, _one(self.recompute), self.optimizer, self.bandwidth,
                            self.ties, self.schedule, self.data_parallel, self.dp_mode,
-                           tuple(self.recompute_layers), self.merge_backward)
+                           tuple(self.recompute_layers), self.merge_backward, tuple(self.segment_starts))
 
     def profile_for(self, profile: Profile) -> Profile:
         """``profile`` checked against this plan and, when the plan was made for another
@@ -351,13 +336,9 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{where} is not an autopipe plan (expected format {PLAN_FORMAT!r}); "
                             f"re-run `autopipe partition ...`")
-        data = _renamed(data)
+        data = renamed(data)
         names = [f.name for f in fields(cls)]
-        optional = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule",
-                    "alternatives", "device_memory", "data_parallel", "dp_mode",
-                    "recompute_layers", "runtime", "precision", "skipped_schedules",
-                    "merge_backward", "estimated_from", "tensor_parallel")  # older plans lack them
-        missing = [n for n in names if n not in data and n not in optional]
+        missing = [n for n in names if n not in data and n not in OPTIONAL]  # older plans lack them
         if missing:
             raise PlanError(f"{where} lacks key(s) {missing}; re-run `autopipe partition ...`")
         try:
@@ -368,21 +349,13 @@ class Plan:
             kw["breakdown"] = [StageCost(**b) for b in data["breakdown"]]
             kw["solver"] = SolverInfo(**data.get("solver", {}))
             kw["largest_layer"] = tuple(data.get("largest_layer", ("", 0.0)))
-            kw["alternatives"] = [Alternative(**_renamed(a)) for a in data.get("alternatives", [])]
+            kw["alternatives"] = [Alternative(**renamed(a)) for a in data.get("alternatives", [])]
             kw["device_memory"] = dict(data.get("device_memory", {}))
             plan = cls(**kw)
             check_types(plan)
         except (TypeError, ValueError, AttributeError) as err:
             raise PlanError(f"{where} has a malformed field: {err}; re-run `autopipe partition ...`") from None
         return plan
-
-
-def _renamed(data: Any) -> Any:
-    """A plan's (or an alternative's) fields as they are named now: ``checkpoint`` -> ``recompute``
-    ([Note: plan fields over time])."""
-    if isinstance(data, dict) and "checkpoint" in data and "recompute" not in data:
-        return {("recompute" if k == "checkpoint" else k): v for k, v in data.items()}
-    return data
 
 
 def _one(recompute: str | Sequence[str]) -> str | list[str]:

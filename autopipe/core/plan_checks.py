@@ -1,10 +1,33 @@
 """A loaded Plan's fields checked, each bad one a TypeError that Plan.from_dict turns into one
-PlanError line naming the file ([Note: plan fields over time] in plan.py: every optional field
-an older plan lacks has its default here too)."""
+PlanError line naming the file; the fields an older plan may lack, and the names it may use.
+
+[Note: plan fields over time] ``autopipe-plan/1`` only ever gains optional fields, so every
+older plan loads: ``recompute`` is one mode or, since per-stage recomputation, a list with one
+mode per stage (a plan whose stages all share a mode stores the single mode, as before); plans
+written before the word was ``recompute`` name it ``checkpoint``, in the plan and in each of its
+``alternatives``, and load the same;
+``schedule`` (default ``gpipe``), ``alternatives`` (what a search weighed) and
+``device_memory`` were added with the automatic search; ``data_parallel`` (replicas of the
+pipeline, default 1) and ``dp_mode`` (``ddp`` or ``fsdp``) with pipeline x data parallel;
+``recompute_layers`` (default none) with [Note: recomputed layers]; ``runtime`` (``gpipe`` or
+``distributed``, the runtime whose measured costs it was planned with; None: unrecorded) with
+[Note: one profile, two runtimes] in autopipe/core/corrections.py; ``precision`` (default
+``fp32``, the precision of the profile it was planned from: [Note: mixed precision memory] in
+cost.py) with mixed precision; ``skipped_schedules`` (default none: the schedules a search could
+not weigh, each with why) with the zero-bubble schedules; ``merge_backward`` (default
+``unwaited``: which adjacent halves of a split backward run whole, [Note: adjacent I and W] in
+executor/spec.py) with the planner's choice of it; ``estimated_from`` (default none: the device
+sheet of an estimated profile, in words, [Note: estimated or measured] in estimated.py) with
+estimated profiles; ``tensor_parallel`` (default 1: each stage on one rank; its costs per rank of
+the TP group, [Note: tensor-parallel cost] in tensor_parallel.py) with tensor parallelism, in
+the plan and in each alternative; ``segment_starts`` (default none: consecutive recomputed layers
+form one segment, as before) with segments recomputed apart ([Note: recomputed layers] in
+recomputed_layers.py).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopipe.core.corrections import RUNTIMES
 from executor.spec import DATA_PARALLEL_MODES, MERGE_RULES, PRECISIONS
@@ -12,7 +35,20 @@ from executor.spec import DATA_PARALLEL_MODES, MERGE_RULES, PRECISIONS
 if TYPE_CHECKING:
     from autopipe.core.plan import Plan
 
-__all__ = ["check_types"]
+__all__ = ["OPTIONAL", "check_types", "renamed"]
+
+OPTIONAL = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule", "alternatives",
+            "device_memory", "data_parallel", "dp_mode", "recompute_layers", "runtime", "precision",
+            "skipped_schedules", "merge_backward", "estimated_from", "tensor_parallel",
+            "segment_starts")  # [Note: plan fields over time]: older plans lack them
+
+
+def renamed(data: Any) -> Any:
+    """A plan's (or an alternative's) fields as they are named now: ``checkpoint`` -> ``recompute``
+    ([Note: plan fields over time])."""
+    if isinstance(data, dict) and "checkpoint" in data and "recompute" not in data:
+        return {("recompute" if k == "checkpoint" else k): v for k, v in data.items()}
+    return data
 
 
 def check_types(plan: Plan) -> None:
@@ -62,3 +98,7 @@ def check_types(plan: Plan) -> None:
     if not isinstance(plan.recompute_layers, list) or not all(
             isinstance(n, str) and modes[where.get(n, 0)] == "never" and n in where for n in plan.recompute_layers):
         raise TypeError("'recompute_layers' must list layers of stages whose recompute is 'never'")
+    chosen = set(plan.recompute_layers)
+    if not isinstance(plan.segment_starts, list) or not all(isinstance(n, str) and n in chosen
+                                                            for n in plan.segment_starts):
+        raise TypeError("'segment_starts' must list layers of 'recompute_layers' (each the first of its segment)")

@@ -164,8 +164,11 @@ def explain(plan: Plan) -> str:
         parts.append(f"Building it from a model on the meta device holds at most {format_bytes(build[name])} "
                      f"({name}: its stages' parameters and buffers).")
     if plan.recompute_layers:
-        parts.append(f"{len(plan.recompute_layers)} layer(s) recompute alone instead of whole stages "
-                     f"(those that save most for their forward time): " + "; ".join(_recomputed_lines(plan)) + ".")
+        runs = sum(b.recompute_segments for b in plan.breakdown)
+        apart = f", {runs} segments recomputed alone" if runs else ""
+        parts.append(f"{len(plan.recompute_layers)} layer(s) recompute alone instead of whole stages{apart} "
+                     f"(those that save most for their forward time, or every repeated block where a stage "
+                     f"fits no other way): " + "; ".join(_recomputed_lines(plan)) + ".")
     if plan.solver.gap is not None:
         parts.append(f"Solver status {plan.solver.status}, gap {100 * plan.solver.gap:.2f}%.")
     weighed = _schedules_weighed(plan)
@@ -251,7 +254,9 @@ def _recomputed_lines(plan: Plan) -> list[str]:
         mine = [n for n in names if n in chosen]
         if mine:
             shown = ", ".join(mine[:4]) + (f" and {len(mine) - 4} more" if len(mine) > 4 else "")
-            lines.append(f"stage {s} recomputes {len(mine)} layer(s) alone in its backward: {shown}")
+            runs = plan.breakdown[s].recompute_segments
+            apart = f" in {runs} segment(s)" if runs else ""
+            lines.append(f"stage {s} recomputes {len(mine)} layer(s) alone{apart} in its backward: {shown}")
     return lines
 
 

@@ -4,7 +4,7 @@ A profile measured under ``precision="bf16"`` holds bf16 times and bytes (autopi
 [Note: profiling under a precision] in autopipe/frontend/profiling/harness/under_autocast.py), and a
 plan made from it predicts a bf16 pipeline ([Note: mixed precision memory] in autopipe/core/cost.py). A
 profile or plan without the field was measured in fp32, as every one was before precisions
-existed ([Note: plan fields over time] in plan.py).
+existed ([Note: plan fields over time] in plan_checks.py).
 """
 
 from __future__ import annotations

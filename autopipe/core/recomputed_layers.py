@@ -6,8 +6,10 @@ never recomputes as a whole can still drop, after every forward, what some of it
 for backward and recompute them in the backward, those whose saves are large for their forward
 time. ``Plan.recompute_layers`` names them; only a stage in mode ``never`` may have any (a stage
 checkpointed as a whole recomputes them anyway). Layers next to each other in the profile's
-order and in the same stage form one SEGMENT: one ``torch.utils.checkpoint`` around all of
-them (reentrant, as executor.GPipe's own; an empty anchor tensor that needs a gradient among
+order and in the same stage form one SEGMENT, unless ``Plan.segment_starts`` names a layer
+that starts a segment of its own (two blocks recomputed apart: only one of them is alive again
+at a time in the backward, where merged they would be alive together): one
+``torch.utils.checkpoint`` around all of a segment's layers (reentrant, as executor.GPipe's own; an empty anchor tensor that needs a gradient among
 its inputs lets it reach the parameters of a segment fed by the caller's batch), built by
 autopipe/frontend/building/stages.py, which runs the segment on copies of its inputs (a later in-place
 op on one, an in-place ReLU after a residual add, must not change what the backward recomputes
@@ -16,8 +18,9 @@ from).
 For a segment G, in the terms of [Note: saved once] (autopipe/core/layer_costs.py):
 
 - held before: ``sum(saved[G])``, its layers' saves net of what their producers save too;
-- held after: the copy of the values entering G from earlier layers (``value_bytes`` of each
-  producer outside G: the caller's batch is not counted), and G's outputs where a consumer
+- held after: the copy of the values entering G from earlier layers (of each producer outside
+  G, the most one layer of G reads of it: [Note: what a consumer reads] in layer_costs.py; the
+  caller's batch is not counted), and G's outputs where a consumer
   outside G saves them too (``resaved``: G no longer does, the consumer still does);
 - so it frees ``segment_freed`` = before - after per micro-batch held (never below 0): a
   single Linear, which saves its input, frees nothing, but ``fc1 -> gelu -> fc2`` frees all its
@@ -49,22 +52,23 @@ charging them there predicted the last rank 13-16% high). Every solver charges i
 stage's activations. :func:`choose` picks the
 segments of one stage that free at least the bytes asked for at the least time: a DP over the
 stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
-bisected; segments are at most ``MAX_SEGMENT`` layers. The planner applies it after the split
+bisected; segments are at most ``MAX_SEGMENT`` layers, and two it picks that touch stay two
+(:func:`choose_segments`; the plan's ``segment_starts``), as it weighed them. The planner applies it after the split
 (autopipe/solvers/layer_recompute.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
 from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.transfer import Amount
+from autopipe.errors import PartitionError
 
-__all__ = ["MAX_SEGMENT", "choose", "recompute_alone_ms", "recompute_peak", "recomputed_outputs",
-           "segment_freed",
-           "segment_outputs", "segments"]
+__all__ = ["MAX_SEGMENT", "choose", "choose_segments", "recompute_alone_ms", "recompute_peak",
+           "recomputed_outputs", "recomputed_runs", "segment_freed", "segment_outputs", "segments"]
 
 MAX_SEGMENT = 64  # layers in one recomputed segment, at most, when choosing
 _BISECTIONS = 40
@@ -77,15 +81,40 @@ def recompute_alone_ms(fwd: Amount, count: Amount, ratio: float, call_ms: float,
     return fwd * ratio / speed + count * call_ms
 
 
-def segments(chosen: Sequence[int], stage: Sequence[int]) -> list[list[int]]:
-    """``chosen`` layer indices as runs of consecutive indices in one stage (``stage[i]``)."""
+def segments(chosen: Sequence[int], stage: Sequence[int], starts: Collection[int] = ()) -> list[list[int]]:
+    """``chosen`` layer indices as runs of consecutive indices in one stage (``stage[i]``), a new
+    run at each index of ``starts`` ([Note: recomputed layers])."""
     runs: list[list[int]] = []
     for i in sorted(chosen):
-        if runs and runs[-1][-1] == i - 1 and stage[i - 1] == stage[i]:
+        if runs and runs[-1][-1] == i - 1 and stage[i - 1] == stage[i] and i not in starts:
             runs[-1].append(i)
         else:
             runs.append([i])
     return runs
+
+
+def recomputed_runs(costs: LayerCosts, stage: np.ndarray, modes: Sequence[str], names: Sequence[str],
+                    starts: Sequence[str] = ()) -> tuple[np.ndarray, list[list[int]]]:
+    """Which layers are recomputed alone, and their segments ([Note: recomputed layers]);
+    PartitionError for a name the profile lacks, one in a stage that recomputes as a whole, or a
+    segment start that is not recomputed."""
+    mask = np.zeros(len(costs), dtype=bool)
+    index = {name: i for i, name in enumerate(costs.names)}
+    for name in names:
+        if name not in index:
+            raise PartitionError(f"recompute_layers names {name!r}, which is not a layer of the profile")
+        s = int(stage[index[name]])
+        if modes[s] != "never":
+            raise PartitionError(f"layer {name!r} is recomputed alone but its stage {s} recomputes as a whole "
+                                 f"(recompute {modes[s]!r}); recompute layers only in stages whose mode "
+                                 "is 'never'")
+        mask[index[name]] = True
+    apart = {index.get(name, -1) for name in starts}
+    if any(i < 0 or not mask[i] for i in apart):
+        wrong = next(n for n in starts if n not in index or not mask[index[n]])
+        raise PartitionError(f"segment_starts names {wrong!r}, which is not among recompute_layers; "
+                             "name only recomputed layers, each the first of its segment")
+    return mask, segments(np.flatnonzero(mask).tolist(), stage.tolist(), apart)
 
 
 def recompute_peak(costs: LayerCosts, runs: Sequence[Sequence[int]], kept: Sequence[int]) -> tuple[int, int]:
@@ -121,8 +150,7 @@ def recomputed_outputs(cut_out: Amount, last: Amount, recomputed: int) -> Amount
 def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
     """Bytes per held micro-batch a segment (consecutive layer indices) frees when recomputed."""
     lo, hi = segment[0], segment[-1]
-    entering = {p for p in range(lo) if any(lo <= c <= hi for c in costs.consumers[p])}
-    kept = sum(int(costs.value_bytes[p]) for p in entering)
+    kept = sum(max((b for c, b in costs.reads(p) if lo <= c <= hi), default=0) for p in range(lo))
     leaving = sum(int(costs.resaved[u]) for u in segment if int(costs.last_saver[u]) > hi)
     return max(int(costs.saved[lo:hi + 1].sum()) - kept - leaving, 0)
 
@@ -130,15 +158,15 @@ def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
 def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every run of up to MAX_SEGMENT consecutive ``layers`` that frees bytes: (start, end)
     positions in ``layers`` and (freed bytes, extra ms) each."""
-    producers: dict[int, list[int]] = {}
+    producers: dict[int, list[tuple[int, int]]] = {}  # layer -> (producer, what it reads of it)
     ending: dict[int, list[int]] = {}  # layer -> the layers whose last saving consumer it is
-    for u, users in enumerate(costs.consumers):
-        for c in users:
-            producers.setdefault(c, []).append(u)
+    for u in range(len(costs)):
+        for c, b in costs.reads(u):
+            producers.setdefault(c, []).append((u, b))
         ending.setdefault(int(costs.last_saver[u]), []).append(u)
     out: list[tuple[int, int, int, float]] = []
     for a, first in enumerate(layers):
-        entering: set[int] = set()
+        entering: dict[int, int] = {}  # [Note: what a consumer reads]: the most read of each
         saved = kept = leaving = 0
         fwd = 0.0
         for b in range(a, min(len(layers), a + MAX_SEGMENT)):
@@ -147,10 +175,10 @@ def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np
                 break  # not consecutive: a segment cannot span it
             saved += int(costs.saved[i])
             fwd += float(costs.fwd[i])
-            for p in producers.get(i, []):
-                if p < first and p not in entering:
-                    entering.add(p)
-                    kept += int(costs.value_bytes[p])
+            for p, read in producers.get(i, []):
+                if p < first and read > entering.get(p, 0):
+                    kept += read - entering.get(p, 0)
+                    entering[p] = read
             if int(costs.last_saver[i]) > i:
                 leaving += int(costs.resaved[i])
             leaving -= sum(int(costs.resaved[u]) for u in ending.get(i, []) if first <= u < i)
@@ -188,9 +216,16 @@ def _best(starts: np.ndarray, by_end: Sequence[np.ndarray], freed: np.ndarray, e
 
 
 def choose(costs: LayerCosts, layers: Sequence[int], need_bytes: float) -> list[int]:
-    """Of ``layers`` (one stage's indices), the ones to recompute, as segments freeing at least
-    ``need_bytes`` per held micro-batch at the least added time ([Note: recomputed layers]);
-    [] when ``need_bytes <= 0``; the most bytes any choice frees when nothing frees enough."""
+    """Of ``layers`` (one stage's indices), the ones to recompute: :func:`choose_segments`'
+    layers."""
+    return [i for run in choose_segments(costs, layers, need_bytes) for i in run]
+
+
+def choose_segments(costs: LayerCosts, layers: Sequence[int], need_bytes: float) -> list[list[int]]:
+    """Of ``layers`` (one stage's indices), the segments to recompute, freeing at least
+    ``need_bytes`` per held micro-batch at the least added time, in order, each apart from the
+    next even where they touch ([Note: recomputed layers]); [] when ``need_bytes <= 0``; the
+    most bytes any choice frees when nothing frees enough."""
     if need_bytes <= 0:
         return []
     layers = sorted(layers)
@@ -226,4 +261,4 @@ def choose(costs: LayerCosts, layers: Sequence[int], need_bytes: float) -> list[
         if more.size:
             options.append([*short, int(more[np.argmin(extra[more])])])
         picked = min(options, key=lambda ks: float(extra[ks].sum()))
-    return sorted(layers[p] for k in picked for p in range(int(starts[k]), int(ends[k]) + 1))
+    return sorted([layers[p] for p in range(int(starts[k]), int(ends[k]) + 1)] for k in picked)

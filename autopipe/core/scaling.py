@@ -20,7 +20,7 @@ producer's ``output_bytes``); parameters, buffers and so optimizer state do not.
 
 The scaled profile's fingerprint is ``meta["fingerprints"][str(rows)]`` when the profiler
 recorded one for that size, the profile's own at its own size, else ``*.STRUCTURE`` (same model,
-shape not traced; see [Note: plan fields over time] in autopipe/core/plan.py).
+shape not traced; see Plan.check in autopipe/core/plan.py).
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ class StageCost:
     # recomputed outputs and their gradients (not saves: outside activation_bytes; 0 in plans
     # saved before it)
     recompute_outputs_bytes: int = 0
+    recompute_segments: int = 0  # segments of layers it recomputes alone (0 in plans saved before it)
     # of loss_bytes, what the stage keeps per micro-batch in flight and the loss's gradients, so that
     # a walk adds them where it holds the micro-batches (0 in plans saved before them: loss_bytes is
     # then added whole) ([Note: the loss's memory] in stage_memory.py)

@@ -12,6 +12,7 @@
     step_split.py       method="step": the split with the shortest simulated step, not bottleneck
     split_steps.py      many splits' simulated steps at once, a bound that is the step for one replica
     layer_recompute.py  after the split: recompute a few layers instead of a whole stage
+    block_recompute.py  where no stage mode fits: every repeated block recomputed alone, on a few splits
     dag_bound.py        when the ILP can beat the DP: a lower bound over every DAG split
     ilp.py              PuLP/CBC over the whole DAG, warm-started from the DP
     cbc_log.py          CBC's log read as it is written: incumbent, bound and gap, progress

@@ -27,7 +27,7 @@ from autopipe.core.cost import (
 )
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
-from autopipe.core.recomputed_layers import choose
+from autopipe.core.recomputed_layers import choose_segments
 from autopipe.solvers.stage_dp import budget_devices
 
 __all__ = ["recompute_layers_where_faster"]
@@ -63,7 +63,7 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
     never = stage_costs(costs, assignment, plan.devices, trial)
     terms = trial.terms(k, schedule_ranks(options.schedule, plan.devices))
     budgets = budget_devices(plan.devices, plan.schedule)  # [Note: interleaved memory]: a share each
-    new_modes, chosen = list(modes), []
+    new_modes, chosen, starts = list(modes), [], []
     for s, mode in enumerate(modes):
         limit = budgets[s].memory
         if mode == "never" or limit is None:
@@ -74,20 +74,23 @@ def recompute_layers_where_faster(plan: Plan, profile: Profile) -> Plan:
         need, held = never[s].saved_bytes - fit, max(t[1] for t in terms[s])
         mine = [i for i, st in enumerate(assignment) if st == s]
         for _ in range(4):  # a segment's recompute lives again at the peak: ask for that much more
-            names = [costs.names[i] for i in choose(costs, mine, need)]
-            stage = stage_costs(costs, assignment, plan.devices, replace(trial, recompute_layers=tuple(names)))[s]
+            runs = choose_segments(costs, mine, need)  # apart, as chosen: [Note: recomputed layers]
+            names, firsts = [costs.names[i] for r in runs for i in r], [costs.names[r[0]] for r in runs]
+            stage = stage_costs(costs, assignment, plan.devices,
+                                replace(trial, recompute_layers=tuple(names), segment_starts=tuple(firsts)))[s]
             if stage.memory_bytes <= limit or not names:
                 break
             need += (stage.memory_bytes - limit) / max(held, 1)
         if stage.memory_bytes <= limit and stage.time_ms < plan.breakdown[s].time_ms:
             new_modes[s] = "never"
             chosen += names
+            starts += firsts
     if not chosen and new_modes == modes:
         return plan
     candidate = Plan.from_stages(
         profile, plan.stages, devices=plan.devices, chunks=plan.chunks, recompute=new_modes,
         optimizer=plan.optimizer, bandwidth=plan.bandwidth, ties=plan.ties, method=plan.method,
         solver=plan.solver, schedule=plan.schedule, alternatives=plan.alternatives,
-        data_parallel=plan.data_parallel, dp_mode=plan.dp_mode, recompute_layers=chosen)
+        data_parallel=plan.data_parallel, dp_mode=plan.dp_mode, recompute_layers=chosen, segment_starts=starts)
     fits = all(d.memory is None or candidate.device_memory.get(d.name, 0) <= d.memory for d in plan.devices)
     return candidate if fits and candidate.iteration_time < plan.iteration_time else plan

@@ -20,21 +20,22 @@ device's memory. The bottleneck stays a reported figure, not the target. A confi
                  (``plan.skipped_schedules``, said by plan.explain())
     checkpoint   per stage: the per-stage DP ([Note: per-stage mode DP]) with every mode
                  allowed, AND each single mode for all stages, so the result is never slower
-                 (simulated) than any single-mode plan it searched
+                 (simulated) than any single-mode plan it searched; where no mode fits, blocks
+                 recomputed alone ([Note: blocks recomputed alone] in block_recompute.py)
 
-Each configuration's split is the exact min-max DP over the topological order; the simulator
-then times it; under method="auto" each schedule's best configuration is split again for its
-shortest step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain()
-lists the next best configurations and the best of every schedule weighed, and ``plan.solver``
-the gap to the least bound over every configuration of the space. A lower bound on the iteration of every configuration, from totals only
-(``config_bound``), orders the work and prunes: configurations are solved from the most
-promising on, and the search stops when the next bound is no better than the best simulated
-time, so pruning never changes the answer (autopipe.solvers.bounds). Identical devices under gpipe / 1f1b solve every W
-in one DP pass (``stage_dp.solve_counts``). The ILP refines only the winner, only for a DAG
-whose DP split is more than its gap above the bound on every DAG split ([Note: when the ILP
-can gain] in autopipe/solvers/dag_bound.py), and only when it is small enough to
-build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on DAGs of hundreds of layers
-it ran for tens of seconds to minutes to improve on the DP by a fraction of a percent, if at
+Each configuration's split is the exact min-max DP over the topological order; the simulator then
+times it; under method="auto" each schedule's best configuration is split again for its shortest
+step where one can beat the best ([Note: the step, not the bottleneck]); plan.explain() lists the
+next best configurations and the best of every schedule weighed, and ``plan.solver`` the gap to the
+least bound over every configuration of the space. A lower bound on the iteration of every
+configuration, from totals only (``config_bound``), orders the work and prunes: configurations are
+solved from the most promising on, and the search stops when the next bound is no better than the
+best simulated time, so pruning never changes the answer (autopipe.solvers.bounds). Identical
+devices under gpipe / 1f1b solve every W in one DP pass (``stage_dp.solve_counts``). The ILP refines
+only the winner, only for a DAG whose DP split is more than its gap above the bound on every DAG
+split ([Note: when the ILP can gain] in autopipe/solvers/dag_bound.py), and only when it is small
+enough to build in seconds (``ILP_MAX_VARIABLES``) or the method is "ilp": on DAGs of hundreds of
+layers it ran for tens of seconds to minutes to improve on the DP by a fraction of a percent, if at
 all (docs/benchmarks.md, "Figures behind the Notes").
 """
 
@@ -54,6 +55,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import profile_at, rows_for
 from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PartitionError
+from autopipe.solvers.block_recompute import block_splits, least_alone
 from autopipe.solvers.bounds import config_bound, split_bound
 from autopipe.solvers.cbc_log import ProgressLine
 from autopipe.solvers.dag_bound import dag_bound, forced_order
@@ -140,8 +142,8 @@ class _Search:
 
     def run(self) -> None:
         """Two passes over the configurations, most promising first: the per-stage search (or
-        the given checkpoint), then each single mode where it can still win: its bottleneck is
-        no lower than the per-stage DP's, so M x that is a bound on its iteration."""
+        the given checkpoint), then each single mode where it can still win (its bottleneck is
+        no lower than the per-stage DP's, so M x that bounds its iteration); then blocks alone."""
         configs = self.configs()
         auto = "auto" in self.setting.checkpoints
         bar = tqdm(total=len(configs) * (2 if auto else 1), desc="search", file=sys.stderr,
@@ -151,8 +153,18 @@ class _Search:
             self._pass(configs, ["auto"] if auto else given, bar)
             if auto:
                 self._pass(configs, [*RECOMPUTE_MODES, *given], bar)
+                self.blocks_alone(configs)
         finally:
             bar.close()
+
+    def blocks_alone(self, configs: list[Config]) -> None:
+        """Each configuration no stage mode fits, with blocks recomputed alone ([Note: blocks recomputed alone])."""
+        for c in (c for c in configs if self.floor.get(c) == math.inf and c.bound < self.best_time()):
+            devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
+            for b in block_splits(self.at(c.chunks)[1], devices, budget_devices(devices, c.schedule),
+                                  self.options(c.schedule, c.chunks, "never"), self.blocks(c.schedule, c.chunks)):
+                split = Split(b.assignment, max(st.time_ms for st in b.stages), ["never"] * len(devices))
+                self.evaluate(c, "never", split, alone=(b.layers, b.starts))
 
     def _live(self, c: Config, cp: str | tuple[str, ...]) -> bool:
         best = self.best_time()
@@ -188,10 +200,9 @@ class _Search:
             bar.set_postfix_str(f"best {self.best_time():.3f} ms", refresh=False)
 
     def blocks(self, schedule: str, m: int) -> StageBlocks:
-        key = (m, schedule)
-        if key not in self._blocks:
-            self._blocks[key] = StageBlocks(self.at(m)[1], self.options(schedule, m, "never"))
-        return self._blocks[key]
+        if (m, schedule) not in self._blocks:
+            self._blocks[(m, schedule)] = StageBlocks(self.at(m)[1], self.options(schedule, m, "never"))
+        return self._blocks[(m, schedule)]
 
     def solve_counts(self, same: list[Config], cp: str) -> None:
         """Every stage count of one (schedule, chunks) on identical devices, in one DP pass."""
@@ -252,7 +263,8 @@ class _Search:
         out: set[int] = set()
         firsts: dict[str, Result] = {}
         for r in sorted(self.results, key=lambda r: r.time):
-            firsts.setdefault(r.config.schedule, r)
+            if not r.alone[0]:  # [Note: blocks recomputed alone]: their split is not the DP's to improve
+                firsts.setdefault(r.config.schedule, r)
         for r in firsts.values():
             c, costs = r.config, self.at(r.config.chunks)[1]
             devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
@@ -267,10 +279,12 @@ class _Search:
                 out.add(id(self.results[-1]))
         return out
 
-    def evaluate(self, c: Config, cp: str | tuple[str, ...], split: Split, always: bool = False) -> None:
+    def evaluate(self, c: Config, cp: str | tuple[str, ...], split: Split, always: bool = False,
+                 alone: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> None:
         costs = self.at(c.chunks)[1]
         devices = plan_devices(c.schedule, _pick(self.pool, c.ranks))
-        opts = replace(self.options(c.schedule, c.chunks, cp), recompute=tuple(split.modes))
+        opts = replace(self.options(c.schedule, c.chunks, cp), recompute=tuple(split.modes),
+                       recompute_layers=alone[0], segment_starts=alone[1])
         stages = stage_costs(costs, split.assignment, devices, opts)
         bound = split_bound(c.schedule, [st.time_ms for st in stages], c.chunks, c.ranks)
         if bound >= self.best_time() and not always:
@@ -281,10 +295,10 @@ class _Search:
                 stages = stage_costs(costs, split.assignment, devices, replace(opts, merge=rule))
             sim = simulate_stages(stages, chunks=c.chunks, recompute=split.modes, schedule=c.schedule,
                                   ms_per_byte=opts.ms_per_byte, devices=[d.name for d in devices], merge=rule)
-            if best is None or sim.iteration_time < best.time:
-                best = Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values()), rule)
-        assert best is not None
-        self.results.append(best)
+            fits = all(d.memory is None or sim.device_memory[d.name] <= d.memory for d in devices)
+            if (best is None or sim.iteration_time < best.time) and (fits or not alone[0]):
+                best = Result(c, cp, split, sim.iteration_time, max(sim.device_memory.values()), rule, alone)
+        self.results += [best] if best is not None else []
 
     def infeasible(self) -> PartitionError:
         """No configuration fits: the one-line memory error of the roomiest one searched."""
@@ -299,8 +313,9 @@ class _Search:
         try:
             solve_dp(self.at(c.chunks)[1], devices, self.options(c.schedule, c.chunks, "always"))
         except PartitionError as err:
+            alone = least_alone(self.at(c.chunks)[1], devices, self.options(c.schedule, c.chunks, "never"))
             return PartitionError(f"no searched configuration fits the memory; with {c.ranks} "
-                                  f"device(s), {c.chunks} micro-batches, {c.schedule}: {err}")
+                                  f"device(s), {c.chunks} micro-batches, {c.schedule}: {err}{alone}")
         return PartitionError("no searched configuration fits the memory limits; raise them")
 
 
@@ -320,8 +335,9 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
     c = best.config
     prof, costs = s.at(c.chunks)
     devices = plan_devices(c.schedule, _pick(pool, c.ranks))
-    assignment, name, info = best.split.assignment, "step" if id(best) in stepped else "exact", None
-    gain = _refine(costs, devices, best, setting, method, time_limit, progress)
+    name = "heuristic" if best.alone[0] else "step" if id(best) in stepped else "exact"
+    assignment, info = best.split.assignment, None
+    gain = None if best.alone[0] else _refine(costs, devices, best, setting, method, time_limit, progress)
     if gain is not None:
         assignment, name, info = gain
     others = alternatives(ranked[1:], best, setting.data_parallel)  # each schedule's best too
@@ -330,11 +346,14 @@ def search(profile: Profile, pool: list[DeviceSpec], setting: Setting, *, method
               for st in range(len(devices))]
     seconds = time.perf_counter() - start
     status = f"best of {len(s.results)} simulated configurations ({s.solved} DP solves)"
+    if best.alone[0]:  # [Note: blocks recomputed alone]: a few splits tried, none proven the best
+        status = f"heuristic: no stage mode fits, blocks recomputed alone on a split not proven optimal; {status}"
     plan = Plan.from_stages(prof, stages, devices=devices, chunks=c.chunks, recompute=best.split.modes,
                             optimizer=setting.optimizer, bandwidth=setting.bandwidth, ties=setting.ties,
                             method=name, solver=replace(info or SolverInfo(status), seconds=seconds),
                             schedule=c.schedule, alternatives=others, data_parallel=setting.data_parallel,
-                            dp_mode=setting.dp_mode, skipped_schedules=s.skipped)
+                            dp_mode=setting.dp_mode, skipped_schedules=s.skipped, recompute_layers=best.alone[0],
+                            segment_starts=best.alone[1])
     if "auto" in setting.checkpoints:  # [Note: recomputed layers]: a few layers, not a stage
         plan = recompute_layers_where_faster(plan, prof)
     if info is not None:

@@ -102,6 +102,7 @@ class Result:
     time: float
     memory: int  # the highest device peak
     merge: str = "unwaited"  # the zero-bubble merge rule it was timed with ([Note: adjacent I and W])
+    alone: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # recompute_layers, segment_starts
 
 
 def alternatives(ranked: list[Result], best: Result, replicas: int) -> list[Alternative]:
@@ -119,7 +120,8 @@ def alternatives(ranked: list[Result], best: Result, replicas: int) -> list[Alte
         c = r.config
         k = len(r.split.modes)
         modes: str | list[str] = r.split.modes[0] if len(set(r.split.modes)) == 1 else list(r.split.modes)
-        note = "" if r.recompute == "auto" else "one mode for all stages"
+        note = ("blocks recomputed alone" if r.alone[0] else  # [Note: blocks recomputed alone]
+                "" if r.recompute == "auto" else "one mode for all stages")
         if len(out) >= ALTERNATIVES:
             note = f"best {c.schedule}" + (f", {note}" if note else "")
         out.append(Alternative(k, c.chunks, c.schedule, modes, r.time, r.split.bottleneck, r.memory, note,

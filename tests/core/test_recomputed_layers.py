@@ -161,3 +161,94 @@ def test_last_saver_is_made_once_and_read_only() -> None:
     saver = costs.last_saver
     assert saver is costs.last_saver and not saver.flags.writeable
     assert list(saver) == list(range(len(costs)))  # no reader saves what it reads here: each itself
+
+
+def _blocks_of(prof: Profile, *blocks: int) -> list[str]:
+    return [n for b in blocks for n in prof.layers if n.startswith(f"h{b}.")]
+
+
+def test_segment_starts_keep_consecutive_layers_apart() -> None:
+    assert segments([3, 4, 5, 6], [0] * 10, {5}) == [[3, 4], [5, 6]]
+    assert segments([3, 4, 5, 6], [0] * 10, {3}) == [[3, 4, 5, 6]]  # a run's own first: no change
+    assert segments([3, 4, 5, 6], [0] * 10) == [[3, 4, 5, 6]]
+
+
+def test_adjacent_segments_kept_apart_are_alive_again_one_at_a_time() -> None:
+    # two whole blocks recomputed, merged: both blocks' saves alive again at once in the backward;
+    # apart: one block's at a time, one more checkpoint call
+    prof = _dag()
+    split = [["embed", *_blocks_of(prof, 0, 1)], ["head"]]
+    chosen = _blocks_of(prof, 0, 1)
+    merged = Plan.from_stages(prof, split, chunks=4, recompute="never", recompute_layers=chosen)
+    apart = Plan.from_stages(prof, split, chunks=4, recompute="never", recompute_layers=chosen,
+                             segment_starts=["h1.ln1"])
+    costs = LayerCosts.from_profile(prof)
+    block_saves = [sum(int(costs.saved[costs.names.index(n)]) for n in _blocks_of(prof, b)) for b in (0, 1)]
+    assert merged.breakdown[0].recompute_bytes == sum(block_saves)  # nothing kept after them in stage 0
+    assert apart.breakdown[0].recompute_bytes == max(block_saves) < sum(block_saves)
+    assert [b.recompute_segments for b in apart.breakdown] == [2, 0]
+    assert [b.recompute_segments for b in merged.breakdown] == [1, 0]
+    assert apart.breakdown[0].bwd_ms - merged.breakdown[0].bwd_ms == pytest.approx(0.1)  # one more call
+    # apart, each segment keeps a copy of what enters it: block 1's input, on top of block 0's
+    h = costs.value_bytes[costs.names.index("h0.add2")]
+    assert apart.breakdown[0].saved_bytes - merged.breakdown[0].saved_bytes == h
+    assert "2 segments recomputed alone" in apart.explain()
+    assert "in 2 segment(s)" in apart.table()
+
+
+def test_segment_starts_survive_json_and_older_plans_merge(tmp_path: Path) -> None:
+    prof = _dag()
+    split = [["embed", *_blocks_of(prof, 0, 1)], ["head"]]
+    chosen = _blocks_of(prof, 0, 1)
+    apart = Plan.from_stages(prof, split, chunks=4, recompute="never", recompute_layers=chosen,
+                             segment_starts=["h1.ln1", "h0.ln1"])
+    assert apart.segment_starts == ["h0.ln1", "h1.ln1"]  # in the profile's order
+    loaded = Plan.load(apart.save(tmp_path / "p.json"))
+    assert loaded == apart and loaded.cost_options.segment_starts == ("h0.ln1", "h1.ln1")
+    data = json.loads((tmp_path / "p.json").read_text())
+    del data["segment_starts"]
+    for b in data["breakdown"]:
+        del b["recompute_segments"]
+    older = Plan.from_dict(data)  # a plan saved before the field: its layers as one segment
+    assert older.segment_starts == [] and older.cost_options.segment_starts == ()
+    merged = Plan.from_stages(prof, split, chunks=4, recompute="never", recompute_layers=chosen)
+    assert older.cost_options == merged.cost_options
+    data["segment_starts"] = ["head"]
+    with pytest.raises(PlanError, match=r"'segment_starts' must list layers of 'recompute_layers'"):
+        Plan.from_dict(data)
+    data["segment_starts"] = "h1.ln1"
+    with pytest.raises(PlanError, match=r"'segment_starts' must list layers of 'recompute_layers'"):
+        Plan.from_dict(data)
+
+
+def test_a_segment_start_that_is_not_recomputed_is_refused_in_one_line() -> None:
+    prof = _dag()
+    with pytest.raises(PartitionError, match=r"^segment_starts names 'h0.fc1', which is not among recompute_layers; "
+                                             r"name only recomputed layers, each the first of its segment$"):
+        Plan.from_stages(prof, _split(prof), chunks=4, recompute="never", recompute_layers=["h0.attn"],
+                         segment_starts=["h0.fc1"])
+    with pytest.raises(PartitionError, match=r"segment_starts names 'nope'"):
+        Plan.from_stages(prof, _split(prof), chunks=4, recompute="never", recompute_layers=["h0.attn"],
+                         segment_starts=["nope"])
+
+
+def test_the_chooser_keeps_adjacent_intervals_apart_as_it_weighed_them() -> None:
+    # choose() weighs each interval with its own copy and its own call: a plan of its choice
+    # charges exactly those intervals, apart even where two touch
+    from autopipe.core.recomputed_layers import choose_segments
+
+    prof = _dag()
+    costs = LayerCosts.from_profile(prof)
+    stage = list(range(1, len(costs) - 1))
+    runs = choose_segments(costs, stage, 26 << 20)
+    assert any(a[-1] + 1 == b[0] for a, b in zip(runs, runs[1:], strict=False)), runs  # two that touch
+    assert choose(costs, stage, 26 << 20) == [i for r in runs for i in r]
+    split = [prof.layers[:-1], prof.layers[-1:]]
+    names = [costs.names[i] for r in runs for i in r]
+    plain = Plan.from_stages(prof, split, chunks=4, recompute="never")
+    apart = Plan.from_stages(prof, split, chunks=4, recompute="never", recompute_layers=names,
+                             segment_starts=[costs.names[r[0]] for r in runs])
+    freed = sum(segment_freed(costs, r) for r in runs)
+    assert freed >= 26 << 20
+    assert plain.breakdown[0].saved_bytes - apart.breakdown[0].saved_bytes == freed
+    assert apart.breakdown[0].recompute_segments == len(runs)

@@ -139,10 +139,10 @@ def build(model: nn.Module, plan: Plan, graph: LayerGraph) -> list[fx.GraphModul
         _free_dtype_checks(stage)
         _copy_written_inputs(stage)
     order = {name: i for i, name in enumerate(graph.layers)}
-    recomputed = set(plan.recompute_layers)
+    recomputed, starts = set(plan.recompute_layers), {order[n] for n in plan.segment_starts}
     for stage, names in zip(stages, plan.stages, strict=True):  # [Note: recomputed layers]
         mine = [order[n] for n in names if n in recomputed]
-        for run in segments(mine, [0] * len(order)):
+        for run in segments(mine, [0] * len(order), starts):
             layers = {graph.layers[i] for i in run}
             recompute_alone(stage, [n for n, owner in graph.node_layer.items() if owner in layers],
                             f"{graph.layers[run[0]]}..{graph.layers[run[-1]]}")

@@ -75,6 +75,28 @@ def test_recomputed_layers_give_the_plain_models_gradients_and_keep_the_predicte
     assert all(a < b for a, b in zip(counted, counted_plain, strict=True))
 
 
+def test_adjacent_segments_kept_apart_build_apart_and_keep_the_predicted_bytes() -> None:
+    # b1 and b2 touch: segment_starts keeps them two checkpoints, each alive again alone
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(32, 8), torch.randn(32, 4)
+    reference = copy.deepcopy(model)
+    prof = autopipe.profile(model, (x,), chunks=4, repeats=1, warmup=0, progress=False, leaf_modules=[Wide])
+    on = dict(devices=["cpu", "cpu"], chunks=4, recompute="never", recompute_layers=["b1", "b2"])
+    merged = autopipe.Plan.from_stages(prof, SPLIT, **on)
+    plan = autopipe.Plan.from_stages(prof, SPLIT, **on, segment_starts=["b2"])
+    assert plan.breakdown[0].recompute_bytes < merged.breakdown[0].recompute_bytes
+    pipe, counted = _train(model, plan, x, y, leaf_modules=[Wide])
+    assert sum(isinstance(m, RecomputedLayer) for m in pipe.stages[0].modules()) == 2
+    F.mse_loss(torch.cat([reference(c) for c in x.chunk(4)]), y).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert_close(p.grad, q.grad, msg=name)
+    assert counted == [b.activation_bytes for b in pipe.plan.breakdown]
+    one, counted_merged = _train(copy.deepcopy(reference), merged, x, y, leaf_modules=[Wide])
+    assert sum(isinstance(m, RecomputedLayer) for m in one.stages[0].modules()) == 1
+    assert counted_merged == [b.activation_bytes for b in merged.breakdown]
+    assert counted[0] < counted_merged[0]
+
+
 def test_consecutive_op_layers_recompute_as_one_segment() -> None:
     # traced op by op, fc1 -> gelu -> fc2 each saves what it reads: alone each frees nothing,
     # together they keep one copy of the block's input instead of its hidden activations
