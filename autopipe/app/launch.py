@@ -146,7 +146,7 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
     if plan is not None:
         plan.check(graph.layers, graph.fingerprint, micro_batch_size=math.ceil(batch // replicas / chunks))
         if degree > 1:  # the model's heads and features take the degree, before any rank starts
-            roles_of(graph, degree, plan.recompute_layers)
+            roles_of(graph, degree)
         where = str(config.plan)
     else:
         from autopipe.app.profile_job import _loss_of

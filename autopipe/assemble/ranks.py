@@ -254,7 +254,7 @@ def distributed_pipeline(
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_recompute(plan, given)
-    roles = tp_ranks.roles_of(graph, degree, plan.recompute_layers) if degree > 1 else None
+    roles = tp_ranks.roles_of(graph, degree) if degree > 1 else None
     stages = build(model, plan, graph)
     if roles is not None:
         tp_ranks.check_cuts(stages, roles)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopipe.core.plan import Plan
 from autopipe.core.tensor_parallel import COLUMN, SHARDED, VOCAB_GROUP
 from autopipe.errors import BuildError
+from autopipe.frontend.building.stages import RecomputedLayer
 from autopipe.frontend.building.tensor_parallel import shard_stage
 from autopipe.frontend.tracing.graph import LayerGraph
 from autopipe.frontend.tracing.tensor_parallel import tensor_parallel_nodes
@@ -62,12 +64,8 @@ class TensorParallelRoles:
     vocab: bool
 
 
-def roles_of(graph: LayerGraph, degree: int, recompute_layers: Sequence[str] = ()) -> TensorParallelRoles:
+def roles_of(graph: LayerGraph, degree: int) -> TensorParallelRoles:
     """What the trace says to split at ``degree``, or one line for a model it cannot split so."""
-    if recompute_layers:
-        raise BuildError(f"tensor_parallel={degree} with recomputed layers ({recompute_layers[0]!r}, ...) is not "
-                         "run yet: make the plan with recompute='never' / 'always' per stage (no layer "
-                         "recomputation), or tensor_parallel=1")
     structure, nodes = tensor_parallel_nodes(graph.gm, graph.node_layer, graph.layers)
     if not structure.groups:
         raise BuildError(f"tensor_parallel={degree}: the model has no tensor-parallel structure (no column -> "
@@ -83,14 +81,32 @@ def roles_of(graph: LayerGraph, degree: int, recompute_layers: Sequence[str] = (
 
 
 def check_cuts(stages: Sequence[fx.GraphModule], roles: TensorParallelRoles) -> None:
-    """No cut between stages may carry a value a group splits (between its columns and its row)."""
+    """No cut between stages, and no segment of layers recomputed alone, may carry a value a group
+    splits (between its columns and its row): a segment is rewritten on its own, as a stage is."""
+    def split(node: Any) -> tuple[str, str] | None:
+        role = roles.nodes.get(node.name, ("", "")) if isinstance(node, fx.Node) else ("", "")
+        return role if role[0] in (COLUMN, SHARDED) else None
+
     for i, stage in enumerate(stages):
         for node in stage.graph.nodes:
-            role = roles.nodes.get(node.name, ("", ""))
-            if node.op == "placeholder" and role[0] in (COLUMN, SHARDED):
+            role = split(node) if node.op == "placeholder" else None
+            if role:
                 raise BuildError(f"the plan cuts group {role[1]!r} between stages {i - 1} and {i} (inside the "
                                  f"tensor-parallel region, at {node.name}): move the cut before its columns or "
                                  "after its row")
+        for name, segment in _segments(stage):
+            ends = [n for n in segment.graph.nodes if n.op == "placeholder"]
+            ends += [a for n in segment.graph.nodes if n.op == "output" for a in n.all_input_nodes]
+            role = next((r for r in map(split, ends) if r), None)
+            if role:
+                raise BuildError(f"stage {i}'s layers recomputed alone in {name} begin or end inside group "
+                                 f"{role[1]!r} (its split values would cross the segment's edge): recompute "
+                                 "whole groups (a block each) or make the plan with tensor_parallel=1")
+
+
+def _segments(stage: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
+    """The segments of layers recomputed alone in ``stage`` ([Note: recomputed layers])."""
+    return [(name, m.layer) for name, m in stage.named_modules() if isinstance(m, RecomputedLayer)]
 
 
 def split_stages(stages: Sequence[fx.GraphModule], mine: Sequence[int], roles: TensorParallelRoles,
@@ -100,6 +116,8 @@ def split_stages(stages: Sequence[fx.GraphModule], mine: Sequence[int], roles: T
     made: dict[int, nn.Parameter] = {}
     for i in mine:
         shard_stage(stages[i], roles.nodes, ops, vocab=roles.vocab, made=made)
+        for _, segment in _segments(stages[i]):  # whole groups (check_cuts): rewritten as stages are
+            shard_stage(segment, roles.nodes, ops, vocab=roles.vocab, made=made)
     return made
 
 

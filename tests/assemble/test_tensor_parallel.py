@@ -25,6 +25,7 @@ from autopipe.assemble.ranks import distributed_pipeline
 from autopipe.assemble.setup import microbatch_inputs
 from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
+from autopipe.frontend.building.stages import RecomputedLayer
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from executor.checkpoint import load_checkpoint
@@ -59,17 +60,24 @@ def _case(name: str) -> tuple[nn.Module, tuple[Tensor, ...], dict[str, Tensor], 
     return _llama(), (), {"input_ids": ids, "labels": ids.clone()}, None, None
 
 
-# (model, schedule, PP stages, replicas, dp mode)
-CASES = [("gpt", "gpipe", 2, 1, "ddp"), ("llama", "1f1b", 2, 1, "ddp"), ("gpt", "gpipe", 1, 2, "fsdp"),
-         ("llama", "gpipe", 1, 2, "fsdp")]
+# (model, schedule, PP stages, replicas, dp mode, layers recomputed alone: each block's attention
+# and its MLP, two adjacent segments holding whole TP groups)
+CASES = [("gpt", "gpipe", 2, 1, "ddp", False), ("llama", "1f1b", 2, 1, "ddp", False),
+         ("gpt", "gpipe", 1, 2, "fsdp", False), ("llama", "gpipe", 1, 2, "fsdp", False),
+         ("gpt", "1f1b", 2, 1, "ddp", True)]
 
 
-def _plan(case: str, stages: int, replicas: int, dp_mode: str) -> Plan:
+def _plan(case: str, stages: int, replicas: int, dp_mode: str, alone: bool = False) -> Plan:
     model, x, kw, _, _ = _case(case)
     local = [v.tensor_split(replicas)[0] for v in (*x, *kw.values())]  # a replica's own batch
     micro = microbatch_inputs(tuple(local), CHUNKS)
     graph = trace(model, micro[:len(x)], example_kwargs=dict(zip(kw, micro[len(x):], strict=True)) or None)
-    plan = partition(cost_profile(graph), stages=stages, method="uniform", chunks=CHUNKS)
+    prof = cost_profile(graph)
+    plan = partition(prof, stages=stages, method="uniform", chunks=CHUNKS)
+    if alone:  # [Note: recomputed layers]
+        blocks = [n for n in prof.layers if n.startswith("blocks.") or n.startswith(("scaled_dot", "add_"))]
+        plan = Plan.from_stages(prof, plan.stages, chunks=CHUNKS, recompute="never", recompute_layers=blocks,
+                                segment_starts=[n for n in blocks if n.endswith((".ln1", ".ln2"))])
     return dataclasses.replace(plan, tensor_parallel=2, data_parallel=replicas, dp_mode=dp_mode)
 
 
@@ -98,7 +106,7 @@ def _adam_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
 def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]) -> None:
     results: list[Any] = []
     saved = os.path.join(out, "ckpt")
-    for n, (case, schedule, _, replicas, _) in enumerate(CASES):
+    for n, (case, schedule, _, replicas, _, _) in enumerate(CASES):
         model, x, kw, y, loss_fn = _case(case)
         replica = rank // (WORLD // replicas)
         x = tuple(v.tensor_split(replicas)[replica] for v in x)
@@ -108,11 +116,15 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]
             warnings.simplefilter("ignore")
             pipe = distributed_pipeline(model, x, example_kwargs=kw or None, loss_fn=loss_fn, chunks=CHUNKS,
                                         schedule=schedule, plan=Plan.from_dict(plans[n]), timeout=30)
-        evaluated = pipe.eval_step(*x, target=y, **kw)  # forward only: the weights as built
         loss = pipe.step(*x, target=y, **kw)
         grads = _grads(pipe)
         norm = pipe.clip_grad_norm_(1e-3)
-        results.append({"loss": loss, "eval": evaluated, "grads": grads, "norm": norm, "last": pipe.is_last})
+        # forward only, the weights as built (no optimizer step yet); after the first step: on
+        # torch 2.11 an eval_step before it leaves the position embedding without a gradient
+        # (docs/limitations.md)
+        evaluated = pipe.eval_step(*x, target=y, **kw)
+        results.append({"loss": loss, "eval": evaluated, "grads": grads, "norm": norm, "last": pipe.is_last,
+                        "segments": sum(isinstance(m, RecomputedLayer) for s in pipe.stages for m in s.modules())})
         if n == 0:  # TP 2 x PP 2: an AdamW step, saved
             opt = torch.optim.AdamW(pipe.stage_module.parameters(), lr=0.1)
             opt.step()
@@ -132,7 +144,7 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     out = tmp_path_factory.mktemp("tp")
-    plans = [_plan(case, stages, replicas, mode).to_dict() for case, _, stages, replicas, mode in CASES]
+    plans = [_plan(case, stages, replicas, mode, alone).to_dict() for case, _, stages, replicas, mode, alone in CASES]
     pp4 = dataclasses.replace(_plan("gpt", 4, 1, "ddp"), tensor_parallel=1).to_dict()
     ends = spawn(_train, str(out), plans, pp4, world=WORLD, timeout=150)
     saved = [out / f"rank{r}.pt" for r in range(WORLD)]
@@ -159,8 +171,8 @@ def _reference(case: str) -> tuple[Tensor, dict[str, Tensor], Tensor]:
 
 @pytest.mark.timeout(200)
 def test_tp_matches_one_process(ranks: list[Any]) -> None:
-    for n, (case, schedule, stages, replicas, mode) in enumerate(CASES):
-        what = f"{case}/{schedule}/pp{stages}/dp{replicas}/{mode}"
+    for n, (case, schedule, stages, replicas, mode, alone) in enumerate(CASES):
+        what = f"{case}/{schedule}/pp{stages}/dp{replicas}/{mode}{'/alone' * alone}"
         ref_loss, ref_grads, ref_norm = _reference(case)
         seen: set[str] = set()
         for rank in range(WORLD):
@@ -176,6 +188,7 @@ def test_tp_matches_one_process(ranks: list[Any]) -> None:
                 seen.add(key)
             _close(values["norm"], ref_norm, f"{what} rank {rank} norm")
         assert seen == set(ref_grads), what
+        assert [ranks[r][n]["segments"] for r in range(WORLD)] == [2 * alone] * WORLD, what
 
 
 @pytest.mark.timeout(200)

@@ -17,10 +17,11 @@ from autopipe.app.cli import main
 from autopipe.assemble.local import pipeline
 from autopipe.assemble.ranks import distributed_pipeline
 from autopipe.assemble.setup import microbatch_inputs
-from autopipe.assemble.tensor_parallel import check_world, roles_of
+from autopipe.assemble.tensor_parallel import check_cuts, check_world, roles_of
 from autopipe.core.plan import Plan
 from autopipe.errors import BuildError
 from autopipe.examples import TinyGPT
+from autopipe.frontend.building.stages import build
 from autopipe.frontend.tracing.graph import trace
 from autopipe.solvers.partitioner import partition
 from tests.assemble.test_local import cost_profile
@@ -55,8 +56,19 @@ def test_a_degree_the_heads_do_not_take_is_refused() -> None:
                                          r"use one of \[1, 2\]$") as err:
         roles_of(graph, 4)
     _one_line(err)
-    with pytest.raises(BuildError, match=r"with recomputed layers .* is not run yet"):
-        roles_of(graph, 2, ["blocks.0.fc1"])
+
+
+def test_layers_recomputed_alone_that_end_inside_a_group_are_refused() -> None:
+    # a segment is rewritten on its own: one that ends between a group's column and its row
+    # would hand on split values; whole groups run (tests/assemble/test_tensor_parallel.py)
+    model = TinyGPT(vocab=16, dim=8, heads=2, layers=1, max_len=4)
+    graph = trace(model, (torch.randint(0, 16, (2, 4)),))
+    plan = Plan.from_stages(cost_profile(graph), [graph.layers], chunks=1, recompute="never",
+                            recompute_layers=["blocks.0.ln2", "blocks.0.fc1"])
+    with pytest.raises(BuildError, match=r"^stage 0's layers recomputed alone in recomputed_0 begin or end inside "
+                                         r"group 'mlp:blocks.0.fc2' .*tensor_parallel=1$") as err:
+        check_cuts(build(model, plan, graph), roles_of(graph, 2))
+    _one_line(err)
 
 
 def test_a_model_without_tp_structure_is_refused() -> None:

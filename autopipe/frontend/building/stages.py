@@ -251,6 +251,11 @@ class RecomputedLayer(nn.Module):
     def __init__(self, layer: fx.GraphModule) -> None:
         super().__init__()
         self.layer = layer
+        # its tensors are the stage's own, under the model's names ([Note: a stage saves what the
+        # model saves]): registered here too (so .to(), materializing and FSDP2 reach every user
+        # of one), but neither saved nor expected again under this module's names
+        self.register_state_dict_post_hook(_unsaved)
+        self.register_load_state_dict_pre_hook(_not_loaded)
 
     def forward(self, *args: Any) -> Any:
         # the layers run on a copy of their inputs, as one may write its input in place (cnn's
@@ -269,6 +274,18 @@ class RecomputedLayer(nn.Module):
 
     def _run(self, anchor: Tensor, *args: Any) -> Any:
         return self.layer(*_copies(args))
+
+
+def _unsaved(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(f"{prefix}layer.")]:
+        del state_dict[key]
+
+
+def _not_loaded(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Each tensor loads itself under these names (a no-op): it is loaded under the model's."""
+    layer = module.get_submodule("layer")
+    for key, tensor in layer.state_dict(prefix=f"{prefix}layer.", keep_vars=True).items():
+        state_dict.setdefault(key, tensor.detach())
 
 
 def _anchor() -> Tensor:
@@ -299,7 +316,9 @@ def recompute_alone(stage: fx.GraphModule, node_names: Sequence[str], label: str
         call = stage.graph.call_module(target, tuple(cut.inputs))
     with stage.graph.inserting_after(call):
         for j, out in enumerate(outputs):
-            item = stage.graph.call_function(operator.getitem, (call, j))
+            # a name of its own, not fx's next free getitem_N: that may be another node's name in
+            # the traced model, which the tensor-parallel roles are keyed by
+            item = stage.graph.create_node("call_function", operator.getitem, (call, j), name=f"{target}_out_{j}")
             out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
     for node in reversed(nodes):
         stage.graph.erase_node(node)

@@ -75,6 +75,26 @@ def test_recomputed_layers_give_the_plain_models_gradients_and_keep_the_predicte
     assert all(a < b for a, b in zip(counted, counted_plain, strict=True))
 
 
+def test_a_pipeline_with_recomputed_layers_saves_and_loads_the_models_keys() -> None:
+    # a segment's module holds the stage's own tensors: saved under the model's names only (it
+    # also saved them as recomputed_0.layer.b1...., which the plain model refuses)
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(32, 8)
+    prof = autopipe.profile(model, (x,), chunks=4, repeats=1, warmup=0, progress=False, leaf_modules=[Wide])
+    plan = autopipe.Plan.from_stages(prof, SPLIT, devices=["cpu", "cpu"], chunks=4, recompute="never",
+                                     recompute_layers=["b1", "b2", "b3"])
+    pipe = autopipe.pipeline(model, (x,), plan=plan, devices=["cpu", "cpu"], leaf_modules=[Wide])
+    saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+    assert set(saved) == set(Net().state_dict())
+    Net().load_state_dict(saved, strict=True)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    pipe.load_state_dict(saved)  # strict: nothing missing under the segments' names either
+    for key, value in pipe.state_dict().items():
+        assert_close(value, saved[key], msg=key)
+
+
 def test_adjacent_segments_kept_apart_build_apart_and_keep_the_predicted_bytes() -> None:
     # b1 and b2 touch: segment_starts keeps them two checkpoints, each alive again alone
     torch.manual_seed(0)
