@@ -44,6 +44,7 @@ from torch import Tensor, fx, nn
 
 from autopipe.core.tensor_parallel import COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD
 from autopipe.errors import BuildError
+from autopipe.frontend.tracing.tensor_parallel import op_name
 
 __all__ = ["TensorParallelOps", "shard_stage"]
 
@@ -66,14 +67,6 @@ _VIEWS = {"view", "reshape", "_unsafe_view"}
 _MOVES = {"transpose", "swapaxes", "permute", "unsqueeze", "t"}
 _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split"}
 _LINEARS = {"linear", "addmm", "mm", "matmul"}
-
-
-def _name(node: fx.Node) -> str:
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        return str(getattr(packet, "__name__", ""))
-    return str(getattr(target, "__name__", target))
 
 
 def _args(node: fx.Node) -> Any:
@@ -109,7 +102,7 @@ class _Stage:
 
     def fail(self, node: fx.Node, why: str) -> BuildError:
         group = self.groups.get(node, "")
-        return BuildError(f"tensor parallelism cannot split {node.name} ({_name(node)}) in group {group!r}: "
+        return BuildError(f"tensor parallelism cannot split {node.name} ({op_name(node)}) in group {group!r}: "
                           f"{why}; use tensor_parallel=1 for this model")
 
     def module(self, prefix: str, mod: nn.Module, before: fx.Node) -> Callable[..., fx.Node]:
@@ -166,7 +159,7 @@ class _Stage:
             if isinstance(mod, nn.Linear):
                 return node.args[0], f"{node.target}.weight", None if mod.bias is None else f"{node.target}.bias"  # type: ignore[return-value]
             raise self.fail(node, f"a {type(mod).__name__} is not split yet (nn.Linear and aten.linear are)")
-        if _name(node) == "linear" and all(isinstance(a, fx.Node) and a.op == "get_attr"
+        if op_name(node) == "linear" and all(isinstance(a, fx.Node) and a.op == "get_attr"
                                            for a in node.args[1:3] if a is not None):
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             return (node.args[0], str(node.args[1].target),  # type: ignore[union-attr, return-value]
@@ -216,7 +209,7 @@ class _Stage:
         the region (the bundled gpt's ``split(c, dim=2)``), or None for one part."""
         out = _shape(node)
         for user in node.users:
-            if self.roles.get(user) != SHARDED or _name(user) not in _SPLITS:
+            if self.roles.get(user) != SHARDED or op_name(user) not in _SPLITS:
                 continue
             dim = self._split_dim(user)
             if dim % len(out) != len(out) - 1:
@@ -275,7 +268,7 @@ class _Stage:
         if not inputs:
             return
         d = self.split[inputs[0]]
-        name, out = _name(node), _shape(node)
+        name, out = op_name(node), _shape(node)
         src = _shape(inputs[0])
         if node.op == "call_function" and node.target is operator.getitem and isinstance(_val(inputs[0]), tuple | list):
             self.split[node] = d

@@ -49,7 +49,7 @@ from autopipe.core.tensor_parallel import (
 )
 from autopipe.frontend.tracing.grouping import is_cheap
 
-__all__ = ["find_tensor_parallel", "tensor_parallel_nodes", "Structure"]
+__all__ = ["find_tensor_parallel", "op_name", "tensor_parallel_nodes", "Structure"]
 
 _LINEAR_OPS = {"linear", "addmm", "mm", "matmul"}
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -65,7 +65,8 @@ class Structure:
     groups: dict[str, int] = field(default_factory=dict)  # group -> divisor
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """The op a node calls, by name (``linear`` for ``aten.linear.default``, ``F.linear``)."""
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     if packet is not None:
@@ -128,7 +129,7 @@ class _Graph:
             elif isinstance(mod, nn.Embedding):
                 self.embedding[n] = mod.weight
             return
-        name = _op_name(n)
+        name = op_name(n)
         out = _tensor(n)
         if name == "embedding" and mats:
             self.embedding[n] = mats[0]
@@ -172,7 +173,7 @@ def _region(g: _Graph, row: fx.Node) -> tuple[list[fx.Node], set[fx.Node]] | Non
 
 
 def _is_attention(g: _Graph, n: fx.Node) -> bool:
-    name = _op_name(n)
+    name = op_name(n)
     if any(a in name for a in _ATTENTION_OPS):
         return True
     acts = g.activation_inputs(n)
