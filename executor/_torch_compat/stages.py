@@ -10,7 +10,9 @@ value and waits for one for every sent value. :class:`CompatStage`, mixed into
 executor/ranks/sized.py's stage, does what 2.13 does where torch's own stage does not
 (``ASKS_EVERY_BUFFER``, read from the source of torch's ``_prepare_forward_infra``, which then
 sets ``requires_grad_(True)`` without asking ``is_floating_point``; 2.13 and 2.15 set it
-elsewhere, by the value's dtype): the buffers of floating values get a gradient, a received
+elsewhere, by the value's dtype): the buffers of floating values get a gradient (also when the
+first run had no backward, an ``eval_step`` before any ``step``: 2.11 makes them at that run,
+without one, and sets none later), a received
 integer sends none back, a sent integer waits for none, and the gradients the stage back-propagates
 from line up with its outputs again (None for an integer's); a floating value the stage did not
 use sends zeros back, as 2.13 does, where 2.11 refuses to send none. Each override calls torch's method;
@@ -69,6 +71,19 @@ class CompatStage(PipelineStage):
                 for info in infos:
                     buffer = getattr(info, "buffer", None)
                     if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
+                        buffer.requires_grad_(True)
+        return out
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # torch 2.11 gives the receive buffers their gradient when it makes them, at the first
+        # forward: a first run without backward (eval_step before any step) made them without,
+        # and the stage's inputs then had no gradient to send back in every later step
+        out = super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[misc]
+        if ASKS_EVERY_BUFFER:
+            for infos in self.args_recv_info.values():
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor) and buffer.is_floating_point() and not buffer.requires_grad:
                         buffer.requires_grad_(True)
         return out
 

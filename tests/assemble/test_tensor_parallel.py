@@ -116,13 +116,10 @@ def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]
             warnings.simplefilter("ignore")
             pipe = distributed_pipeline(model, x, example_kwargs=kw or None, loss_fn=loss_fn, chunks=CHUNKS,
                                         schedule=schedule, plan=Plan.from_dict(plans[n]), timeout=30)
+        evaluated = pipe.eval_step(*x, target=y, **kw)  # forward only, first: the weights as built
         loss = pipe.step(*x, target=y, **kw)
         grads = _grads(pipe)
         norm = pipe.clip_grad_norm_(1e-3)
-        # forward only, the weights as built (no optimizer step yet); after the first step: on
-        # torch 2.11 an eval_step before it leaves the position embedding without a gradient
-        # (docs/limitations.md)
-        evaluated = pipe.eval_step(*x, target=y, **kw)
         results.append({"loss": loss, "eval": evaluated, "grads": grads, "norm": norm, "last": pipe.is_last,
                         "segments": sum(isinstance(m, RecomputedLayer) for s in pipe.stages for m in s.modules())})
         if n == 0:  # TP 2 x PP 2: an AdamW step, saved
