@@ -224,8 +224,14 @@ def _ranks(size: Size, world: int, work: Sequence[tuple[Case, Plan]]) -> list[li
     if not work:
         return []
     with tempfile.TemporaryDirectory() as out:
-        start_processes(_rank, args=(_free_port(), out, world, size, list(work)), nprocs=world,
-                        start_method="spawn")
+        for attempt in range(3):  # a port found free can be taken before rank 0 listens on it
+            try:
+                start_processes(_rank, args=(_free_port(), out, world, size, list(work)), nprocs=world,
+                                start_method="spawn")
+                break
+            except Exception as err:
+                if "EADDRINUSE" not in str(err) or attempt == 2:
+                    raise
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]
     return [list(peaks) for peaks in zip(*per_rank, strict=True)]
 

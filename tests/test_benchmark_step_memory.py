@@ -5,6 +5,8 @@ holds it when run. Bytes, not times: the same on any machine."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from benchmarks import step_memory
@@ -59,3 +61,29 @@ def test_a_plan_under_a_binding_limit_holds_it_on_every_rank(monkeypatch: pytest
     assert any(r.measured > limit for r in free)  # the limit binds: the plan without it runs over
     for r in bound:
         assert r.measured <= limit, (limit, r)
+
+
+def test_ranks_start_again_on_another_port_when_theirs_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a port found free can be taken before rank 0 listens on it (another test's connection):
+    # the ranks start again on a new one, twice at most; any other failure is the test's
+    import torch
+
+    calls: list[int] = []
+
+    def fake(fn: object, args: tuple[Any, ...], nprocs: int, start_method: str) -> None:
+        calls.append(args[0])
+        if len(calls) == 1:
+            raise RuntimeError("DistNetworkError: ... code: -98, name: EADDRINUSE, message: address already in use")
+        for r in range(nprocs):
+            torch.save([r + 10], f"{args[1]}/{r}.pt")
+
+    monkeypatch.setattr(step_memory, "start_processes", fake)
+    assert step_memory._ranks(Size(), 2, [(Case(), None)]) == [[10, 11]]
+    assert len(calls) == 2
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("rank 1 ran out of memory")
+
+    monkeypatch.setattr(step_memory, "start_processes", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step_memory._ranks(Size(), 2, [(Case(), None)])
