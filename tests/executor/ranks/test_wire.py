@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -214,27 +215,39 @@ def test_input_sizes_and_wire_metas() -> None:
         ((2, 3), torch.float32, True), ((), torch.int64, False)]
 
 
+def _wire_pair(stages: list[nn.Module], wires: Any) -> tuple[WireStage, WireStage]:
+    """The two stages as a pipeline of two ranks runs them, on the wires between them."""
+    return (WireStage(stages[0], wires[0], wires[1], first=True, last=False, device=CPU),
+            WireStage(stages[1], wires[1], wires[2], first=False, last=True, device=CPU))
+
+
+def _across(first: WireStage, last: WireStage, x: torch.Tensor,
+            loss_of: Callable[[Any], torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """One step across the cut at ``x``'s sizes, as two ranks take it: the messages sent, received
+    as fresh tensors, ``loss_of`` the last stage's output back-propagated and the received
+    gradients sent back. The last stage's output and the messages."""
+    for w in (first, last):
+        w.use(input_sizes((x,)))
+        w.zero_grad(set_to_none=True)
+    messages = first(x)
+    received = [m.detach().clone().requires_grad_(m.requires_grad) for m in messages]
+    out = last.unflatten(last(*received))
+    loss_of(out).backward()
+    sent = [(m, r.grad) for m, r in zip(messages, received, strict=True) if m.requires_grad]
+    torch.autograd.backward([m for m, _ in sent], [g for _, g in sent])
+    return out, messages
+
+
 def test_wire_stages_run_as_the_plain_model_with_the_same_gradients_at_any_size() -> None:
     stages = _stages()
     wires = infer_wires(stages, (torch.randn(2, 3, 4),))
     ref = copy.deepcopy(stages)
-    first = WireStage(stages[0], wires[0], wires[1], first=True, last=False, device=CPU)
-    last = WireStage(stages[1], wires[1], wires[2], first=False, last=True, device=CPU)
+    first, last = _wire_pair(stages, wires)
     for x in (torch.randn(2, 3, 4), torch.randn(4, 6, 4)):
-        for w in (first, last):
-            w.use(input_sizes((x,)))
-        for p in [*first.parameters(), *last.parameters()]:
-            p.grad = None
-        messages = first(x)
-        received = [m.detach().clone().requires_grad_(m.requires_grad) for m in messages]
-        out = last.unflatten(last(*received))
+        out, _ = _across(first, last, x, lambda out: out["logits"].square().sum())
         want = ref[1](*ref[0](x))
         assert out["n"] == want["n"] == x.shape[1]
         assert_close(out["logits"], want["logits"])
-        loss = out["logits"].square().sum()
-        loss.backward()
-        sent = [(m, r.grad) for m, r in zip(messages, received, strict=True) if m.requires_grad]
-        torch.autograd.backward([m for m, _ in sent], [g for _, g in sent])
         for r in ref:
             r.zero_grad(set_to_none=True)
         want["logits"].square().sum().backward()
@@ -267,19 +280,10 @@ def test_a_view_crosses_once_and_its_gradient_flows_into_its_source_at_any_size(
     assert [w.kind for w in wires[1]] == ["tensor", "view", "tensor"] and wires[1][1].value == 0
     assert len(slots(wires[1])) == 2 and len(cut_metas(wires[1])) == 2  # one buffer for the logits
     ref = copy.deepcopy(stages)
-    first = WireStage(stages[0], wires[0], wires[1], first=True, last=False, device=CPU)
-    last = WireStage(stages[1], wires[1], wires[2], first=False, last=True, device=CPU)
+    first, last = _wire_pair(stages, wires)
     for x in (torch.randn(2, 3, 4), torch.randn(5, 7, 4)):
-        for w in (first, last):
-            w.use(input_sizes((x,)))
-            w.zero_grad(set_to_none=True)
-        messages = first(x)
+        out, messages = _across(first, last, x, lambda out: out["loss"] + out["logits"].sum())
         assert len(messages) == 2
-        received = [m.detach().clone().requires_grad_(m.requires_grad) for m in messages]
-        out = last.unflatten(last(*received))
-        (out["loss"] + out["logits"].sum()).backward()
-        sent = [(m, r.grad) for m, r in zip(messages, received, strict=True) if m.requires_grad]
-        torch.autograd.backward([m for m, _ in sent], [g for _, g in sent])
         for r in ref:
             r.zero_grad(set_to_none=True)
         want = ref[1](*ref[0](x))
