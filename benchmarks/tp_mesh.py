@@ -17,7 +17,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -27,9 +26,7 @@ from benchmarks.forked_ranks import start_ranks
 
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
-    from autopipe.assemble.ranks import distributed_pipeline
-    from autopipe.core.plan import Plan
-    from tests.assemble.test_tensor_parallel import _case, _grads
+    from tests.assemble.test_tensor_parallel import _grads, replica_pipeline
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -37,16 +34,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
     results = {}
     try:
         for case, plan in args["plans"].items():
-            model, x, kw, y, loss_fn = _case(case)
-            dp = args["dp"]
-            replica = rank // (world // dp)
-            x = tuple(v.tensor_split(dp)[replica] for v in x)
-            kw = {k: v.tensor_split(dp)[replica] for k, v in kw.items()}
-            y = None if y is None else y.tensor_split(dp)[replica]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                pipe = distributed_pipeline(model, x, example_kwargs=kw or None, loss_fn=loss_fn, chunks=2,
-                                            schedule=args["schedule"], plan=Plan.from_dict(plan), timeout=60)
+            pipe, x, kw, y = replica_pipeline(case, rank, world, args["dp"], args["schedule"], plan, timeout=60)
             start = time.perf_counter()
             loss = pipe.step(*x, target=y, **kw)
             results[case] = {"loss": loss, "grads": _grads(pipe), "s": time.perf_counter() - start}
@@ -56,7 +44,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
 
 
 def main(argv: list[str]) -> int:
-    from tests.assemble.test_tensor_parallel import CHUNKS, _plan, _reference
+    from tests.assemble.test_tensor_parallel import _plan, _reference
     from tests.forked import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -71,7 +59,6 @@ def main(argv: list[str]) -> int:
     world = a.tp * a.stages // per_rank * a.dp
     plans = {case: dataclasses.replace(_plan(case, a.stages, a.dp, a.dp_mode), tensor_parallel=a.tp).to_dict()
              for case in a.models.split(",")}
-    assert CHUNKS == 2
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         start_ranks(_rank, (world, free_port(), {"plans": plans, "dp": a.dp, "schedule": a.schedule}, out), world)

@@ -103,19 +103,27 @@ def _adam_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
     return out
 
 
+def replica_pipeline(case: str, rank: int, world: int, replicas: int, schedule: str, plan: dict[str, Any],
+                     timeout: float) -> tuple[Any, tuple[Tensor, ...], dict[str, Tensor], Tensor | None]:
+    """This rank's pipeline of ``case`` under ``plan`` (a dict), with its replica's own batch:
+    the pipeline, its positional and keyword inputs and its target (benchmarks/tp_mesh.py too)."""
+    model, x, kw, y, loss_fn = _case(case)
+    replica = rank // (world // replicas)
+    x = tuple(v.tensor_split(replicas)[replica] for v in x)
+    kw = {k: v.tensor_split(replicas)[replica] for k, v in kw.items()}
+    y = None if y is None else y.tensor_split(replicas)[replica]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = distributed_pipeline(model, x, example_kwargs=kw or None, loss_fn=loss_fn, chunks=CHUNKS,
+                                    schedule=schedule, plan=Plan.from_dict(plan), timeout=timeout)
+    return pipe, x, kw, y
+
+
 def _train(rank: int, out: str, plans: list[dict[str, Any]], pp4: dict[str, Any]) -> None:
     results: list[Any] = []
     saved = os.path.join(out, "ckpt")
     for n, (case, schedule, _, replicas, _, _) in enumerate(CASES):
-        model, x, kw, y, loss_fn = _case(case)
-        replica = rank // (WORLD // replicas)
-        x = tuple(v.tensor_split(replicas)[replica] for v in x)
-        kw = {k: v.tensor_split(replicas)[replica] for k, v in kw.items()}
-        y = None if y is None else y.tensor_split(replicas)[replica]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pipe = distributed_pipeline(model, x, example_kwargs=kw or None, loss_fn=loss_fn, chunks=CHUNKS,
-                                        schedule=schedule, plan=Plan.from_dict(plans[n]), timeout=30)
+        pipe, x, kw, y = replica_pipeline(case, rank, WORLD, replicas, schedule, plans[n], timeout=30)
         evaluated = pipe.eval_step(*x, target=y, **kw)  # forward only, first: the weights as built
         loss = pipe.step(*x, target=y, **kw)
         grads = _grads(pipe)
