@@ -84,10 +84,10 @@ class LayerCosts:
     weight_grad: IntArray | None = None
     # what the two halves of a split backward take over the whole (the profile's
     # ``meta["bwd_split_ratio"]``; 1 where it did not measure it)
+    split_ratio: float = 1.0
     # a profile at a TP degree > 1 ([Note: tensor-parallel cost]): each group's column ... row
     # layers, which one stage must hold whole (the values inside are split over the ranks)
     tp_groups: tuple[tuple[int, ...], ...] = ()
-    split_ratio: float = 1.0
     # [Note: the loss's memory] in stage_memory.py: per micro-batch, what the last stage keeps from its
     # forward to its backward besides its layers' saves (the model's output, the loss's saves),
     # and what the loss's backward has alive on top of that

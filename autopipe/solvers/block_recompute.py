@@ -83,14 +83,20 @@ def repeated_blocks(names: Sequence[str]) -> list[list[int]]:
     return blocks
 
 
+def _parts(assignment: Sequence[int], blocks: Sequence[Sequence[int]], k: int) -> list[list[list[int]]]:
+    """Each stage's blocks, in order: a block cut by a stage boundary is a part in each of its stages."""
+    parts: list[list[list[int]]] = [[] for _ in range(k)]
+    for block in blocks:
+        for s in sorted({assignment[i] for i in block}):
+            parts[s].append([i for i in block if assignment[i] == s])
+    return parts
+
+
 def with_blocks(costs: LayerCosts, assignment: Sequence[int], blocks: Sequence[Sequence[int]],
                 kept: Sequence[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``recompute_layers`` and ``segment_starts`` for every block (the part of a block in each
     stage) recomputed alone, but the last ``kept[s]`` of stage s."""
-    parts: list[list[list[int]]] = [[] for _ in kept]
-    for block in blocks:  # a block cut by a stage boundary: a part in each of its stages
-        for s in sorted({assignment[i] for i in block}):
-            parts[s].append([i for i in block if assignment[i] == s])
+    parts = _parts(assignment, blocks, len(kept))
     chosen = [p for s, ps in enumerate(parts) for p in ps[:len(ps) - kept[s]]]
     return (tuple(costs.names[i] for p in chosen for i in p), tuple(costs.names[p[0]] for p in chosen))
 
@@ -109,22 +115,13 @@ def _fits(stages: Sequence[StageCost], budgets: Sequence[DeviceSpec]) -> list[bo
     return [d.memory is None or st.memory_bytes <= d.memory for st, d in zip(stages, budgets, strict=True)]
 
 
-def _blocks_in(assignment: Sequence[int], blocks: Sequence[Sequence[int]], k: int) -> list[int]:
-    """How many blocks (parts of blocks) each stage holds."""
-    count = [0] * k
-    for block in blocks:
-        for s in sorted({assignment[i] for i in block}):
-            count[s] += 1
-    return count
-
-
 def fit_blocks(costs: LayerCosts, devices: Sequence[DeviceSpec], budgets: Sequence[DeviceSpec],
                options: CostOptions, assignment: list[int], blocks: Sequence[Sequence[int]]) -> BlockSplit | None:
     """``assignment`` with every block recomputed alone, then each stage's last blocks kept as
     far as its budget allows; None when a stage does not fit even with all of them recomputed."""
     k = len(devices)
     never = replace(options, recompute=("never",) * k)
-    most = _blocks_in(assignment, blocks, k)
+    most = [len(ps) for ps in _parts(assignment, blocks, k)]  # blocks (parts of blocks) per stage
 
     def costs_with(kept: Sequence[int]) -> tuple[tuple[str, ...], tuple[str, ...], list[StageCost]]:
         layers, starts = with_blocks(costs, assignment, blocks, kept)
