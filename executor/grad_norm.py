@@ -113,13 +113,19 @@ def clip_grads_(
     ``device``, the same on every rank.
     """
     p = check_norm_type(norm_type)
+    counted = list(counted)  # read twice: an iterator would be empty the second time
     plain, shards = local_grads(counted)
     plain_copies, shard_copies = local_grads(copies)
     total = _partial(plain, p, device)
-    for over_dp, over_tp in ((True, False), (False, True), (True, True)) if tp_group is not None else ((True, False),):
-        part = _partial([g.to_local() for g in counted if isinstance(g, DTensor)
-                         and _split_over(g, tp_group) == (over_dp, over_tp)], p, device)
-        part = _reduce(part, p, shard_group if over_dp else None)
+    # the shards by the groups they are split over: every kind on every rank, in this order, so
+    # that each rank joins the same reductions (an empty kind's part is zero)
+    kinds = ((True, False), (False, True), (True, True)) if tp_group is not None else ((True, False),)
+    split: dict[tuple[bool, bool], list[Tensor]] = {kind: [] for kind in kinds}
+    for g in counted:
+        if isinstance(g, DTensor):
+            split[_split_over(g, tp_group)].append(g.to_local())
+    for (over_dp, over_tp), local in split.items():
+        part = _reduce(_partial(local, p, device), p, shard_group if over_dp else None)
         part = _reduce(part, p, tp_group if over_tp else None)
         total = torch.maximum(total, part) if math.isinf(p) else total + part
     for group in groups:
