@@ -127,6 +127,7 @@ class Plan:
     estimated_from: str | None = None  # the sheet of an estimated profile ([Note: estimated or measured])
     tensor_parallel: int = 1  # ranks that split each stage's layers ([Note: tensor-parallel cost])
     segment_starts: list[str] = field(default_factory=list)  # [Note: recomputed layers]: kept apart
+    sequence_parallel: bool = False  # TP splits the replicated layers by sequence ([Note: sequence parallelism])
 
     # --- construction -----------------------------------------------------------------------
     @classmethod

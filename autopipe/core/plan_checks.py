@@ -40,7 +40,7 @@ __all__ = ["OPTIONAL", "check_types", "renamed"]
 OPTIONAL = ("solver", "largest_layer", "batch_size", "micro_batch_size", "schedule", "alternatives",
             "device_memory", "data_parallel", "dp_mode", "recompute_layers", "runtime", "precision",
             "skipped_schedules", "merge_backward", "estimated_from", "tensor_parallel",
-            "segment_starts")  # [Note: plan fields over time]: older plans lack them
+            "segment_starts", "sequence_parallel")  # [Note: plan fields over time]: older plans lack them
 
 
 def renamed(data: Any) -> Any:
@@ -79,6 +79,10 @@ def check_types(plan: Plan) -> None:
         raise TypeError(f"'data_parallel' must be an integer >= 1, got {plan.data_parallel!r}")
     if not isinstance(plan.tensor_parallel, int) or isinstance(plan.tensor_parallel, bool) or plan.tensor_parallel < 1:
         raise TypeError(f"'tensor_parallel' must be an integer >= 1, got {plan.tensor_parallel!r}")
+    if not isinstance(plan.sequence_parallel, bool):
+        raise TypeError(f"'sequence_parallel' must be true or false, got {plan.sequence_parallel!r}")
+    if plan.sequence_parallel and plan.tensor_parallel < 2:
+        raise TypeError("'sequence_parallel' splits by sequence over a TP group: it needs tensor_parallel >= 2")
     if plan.dp_mode not in DATA_PARALLEL_MODES:
         raise TypeError(f"'dp_mode' must be one of {list(DATA_PARALLEL_MODES)}, got {plan.dp_mode!r}")
     plan.cost_options.modes(k)  # builds CostOptions: the fields above checked first, by name

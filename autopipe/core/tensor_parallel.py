@@ -32,6 +32,28 @@ per-rank profile (``at_degree``) is the profile with, per layer, by role:
   The group's input is the largest value its columns receive from outside it (graph inputs need
   no gradient), at another micro-batch size in proportion to the row's output.
 
+[Note: sequence parallelism] (Korthikanti et al. 2022.) A ``sequence`` layer is one the
+tracer found between groups on the tokens' own path (norms, residual adds, dropout: each token
+apart, [Note: tensor-parallel structure]): replicated at degree t, but under
+``sequence_parallel=True`` each rank of the group runs it on 1/t of the tokens. The row's
+all-reduce is then a reduce-scatter over the tokens (its output split), the vocabulary
+embedding's too, and a group's f (and the head's) an all-gather of its input, its gradient
+reduce-scattered. So, per rank, on top of the degree's own splits:
+
+- a ``sequence`` layer's compute, saves and outputs are over t, like a ``sharded`` one's;
+- a ``row``'s and the ``vocab_embedding``'s outputs are over t (and the cuts and receive
+  buffers that carry them);
+- the collectives move what they moved: a ring all-reduce is a reduce-scatter and then an
+  all-gather, so each group's forward pair (the row's reduce-scatter, the next column's
+  all-gather) is charged as the all-reduce was, at the row, and its backward pair at the first
+  column; a column still saves its whole input (the gathered one);
+- the gradients of a ``sequence`` layer's parameters (the norms') are partial on each rank and
+  all-reduced over the group once per step; they are small and not charged.
+
+The runtime ([Note: tensor parallelism on ranks]) needs the tokens (the residual stream's
+second-to-last dimension) to divide by t. A profile without ``sequence`` roles (made before
+they were looked for) plans ``sequence_parallel=True`` as if every layer were replicated.
+
 The TP link: an estimated profile's sheet's ``intra_host_bandwidth`` (a TP group stays inside a
 host) with no latency; a measured one's the plan's bandwidth and the profile's measured latency.
 A vocabulary the degree does not divide stays replicated; any other group refuses the degree.
@@ -53,13 +75,14 @@ from autopipe.errors import PartitionError
 if TYPE_CHECKING:
     from autopipe.core.profile_table import Profile
 
-__all__ = ["COLUMN", "ROW", "SHARDED", "VOCAB_EMBEDDING", "VOCAB_HEAD", "REPLICATED", "ROLES",
+__all__ = ["COLUMN", "ROW", "SHARDED", "VOCAB_EMBEDDING", "VOCAB_HEAD", "REPLICATED", "SEQUENCE", "ROLES",
            "VOCAB_GROUP", "ROLE_COLUMNS", "LayerRole", "Link", "groups", "structure_text",
            "degrees", "check_degree", "tp_link", "tp_allreduce_ms", "at_degree"]
 
 COLUMN, ROW, SHARDED = "column", "row", "sharded"
 VOCAB_EMBEDDING, VOCAB_HEAD, REPLICATED = "vocab_embedding", "vocab_head", "replicated"
-ROLES: tuple[str, ...] = (COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD, REPLICATED)
+SEQUENCE = "sequence"  # replicated, or split by tokens under sequence parallelism
+ROLES: tuple[str, ...] = (COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD, REPLICATED, SEQUENCE)
 VOCAB_GROUP = "vocab"
 ROLE_COLUMNS: tuple[str, ...] = ("tp_role", "tp_group", "tp_divides")
 
