@@ -194,7 +194,7 @@ class PartitionConfig(MeshFlags):
             bandwidth="measured" if self.bandwidth is None else self.bandwidth or None,
             progress=False if self.no_progress else None, data_parallel=data_parallel,
             tensor_parallel=count_or_auto("--tensor-parallel", self.tensor_parallel),
-            devices_per_host=self.devices_per_host)
+            sequence_parallel=self.sequence_parallel, devices_per_host=self.devices_per_host)
 
     def device_names(self, profiled_kind: str | None) -> list[str] | None:
         """--devices: the names given, or ``--devices N`` as N devices of the profiled kind."""

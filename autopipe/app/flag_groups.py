@@ -128,6 +128,9 @@ class MeshFlags(Checked):
                                      "host (the column / row Linears and the vocabulary the profile "
                                      "found); --devices = stages x T x replicas; or auto: the degree "
                                      "with the fastest simulated step (default 1)", metavar="T|auto")
+    sequence_parallel: bool = flag(False, "with --tensor-parallel T: also split the layers between its "
+                                          "groups (norms, residual adds) by tokens over the T devices, "
+                                          "Megatron's sequence parallelism (tokens divisible by T)")
     devices_per_host: int | None = flag(None, "devices one host holds; a TP group stays inside one "
                                               "(default 8 for a profile estimated on a GPU sheet, "
                                               "else every device on one host)")

@@ -279,7 +279,7 @@ class Plan:
         self.check(profile.layers, profile.fingerprint)
         profile = profile.for_runtime(self.runtime)
         if self.tensor_parallel > 1:  # one rank of the TP group ([Note: tensor-parallel cost])
-            profile = at_degree(profile, self.tensor_parallel, tp_link(profile, self.bandwidth))
+            profile = at_degree(profile, self.tensor_parallel, tp_link(profile, self.bandwidth), self.sequence_parallel)
         rows = self.micro_batch_size
         if rows is not None and profile.meta.get("micro_batch_size") not in (None, rows):
             profile = profile_at(profile, rows, batch_size=self.batch_size, chunks=self.chunks)

@@ -116,6 +116,9 @@ def _mesh(plan: Plan) -> str:
     split = (f"each stage's layers split over {t} ranks of one host, its time, weights and split "
              f"activations per rank, its all-reduces inside every stage's time" if t > 1 else
              "no tensor parallelism: it was slower or did not fit")
+    if t > 1 and plan.sequence_parallel:  # [Note: sequence parallelism]
+        split += ("; the layers between its groups (norms, residual adds) split by tokens too, "
+                  "the all-reduces a reduce-scatter and an all-gather each")
     return f"Mesh: PP {ranks} x TP {t} x DP {d} = {ranks * t * d} devices ({k} stages), {split}."
 
 

@@ -52,7 +52,7 @@ reduce-scattered. So, per rank, on top of the degree's own splits:
 
 The runtime ([Note: tensor parallelism on ranks]) needs the tokens (the residual stream's
 second-to-last dimension) to divide by t. A profile without ``sequence`` roles (made before
-they were looked for) plans ``sequence_parallel=True`` as if every layer were replicated.
+they were looked for) refuses ``sequence_parallel=True`` (:func:`check_sequence`).
 
 The TP link: an estimated profile's sheet's ``intra_host_bandwidth`` (a TP group stays inside a
 host) with no latency; a measured one's the plan's bandwidth and the profile's measured latency.
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COLUMN", "ROW", "SHARDED", "VOCAB_EMBEDDING", "VOCAB_HEAD", "REPLICATED", "SEQUENCE", "ROLES",
            "VOCAB_GROUP", "ROLE_COLUMNS", "LayerRole", "Link", "groups", "structure_text",
-           "degrees", "check_degree", "tp_link", "tp_allreduce_ms", "at_degree"]
+           "degrees", "check_degree", "check_sequence", "tp_link", "tp_allreduce_ms", "at_degree"]
 
 COLUMN, ROW, SHARDED = "column", "row", "sharded"
 VOCAB_EMBEDDING, VOCAB_HEAD, REPLICATED = "vocab_embedding", "vocab_head", "replicated"
@@ -86,10 +86,11 @@ ROLES: tuple[str, ...] = (COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD, REP
 VOCAB_GROUP = "vocab"
 ROLE_COLUMNS: tuple[str, ...] = ("tp_role", "tp_group", "tp_divides")
 
-SPLITS_COMPUTE = frozenset({COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD})
+SPLITS_COMPUTE = frozenset({COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE})
 SPLITS_PARAMS = frozenset({COLUMN, ROW, VOCAB_EMBEDDING, VOCAB_HEAD})
-SPLITS_SAVED = frozenset({ROW, SHARDED})
-SPLITS_OUTPUT = frozenset({COLUMN, SHARDED, VOCAB_HEAD})
+SPLITS_SAVED = frozenset({ROW, SHARDED, SEQUENCE})  # SEQUENCE: a role under sequence parallelism only
+SPLITS_OUTPUT = frozenset({COLUMN, SHARDED, VOCAB_HEAD, SEQUENCE})
+SCATTERED = frozenset({ROW, VOCAB_EMBEDDING})  # outputs reduce-scattered under sequence parallelism
 _TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
 _SAVES = ("saved_bytes", "saved_shared_bytes", "saved_input_bytes", "weight_grad_bytes")
 _OUTPUTS = ("output_bytes", "returned_bytes")
@@ -217,31 +218,51 @@ def tp_allreduce_ms(nbytes: Any, degree: int, link: Link) -> Any:
     return allreduce_ms(nbytes, degree, link.ms_per_byte) + 2 * (degree - 1) * link.latency_ms * (nbytes > 0)
 
 
-def _effective(roles: list[LayerRole], degree: int) -> list[str]:
-    """Each layer's role at ``degree``: the vocabulary replicated where the degree does not divide it."""
-    return [REPLICATED if r.group == VOCAB_GROUP and r.divides % degree else r.role for r in roles]
+def _effective(roles: list[LayerRole], degree: int, sequence: bool) -> list[str]:
+    """Each layer's role at ``degree``: the vocabulary replicated where the degree does not divide
+    it, a ``sequence`` layer replicated unless ``sequence`` ([Note: sequence parallelism])."""
+    return [REPLICATED if (r.group == VOCAB_GROUP and r.divides % degree) or (r.role == SEQUENCE and not sequence)
+            else r.role for r in roles]
+
+
+def check_sequence(profile: Profile, sequence: Any, degree: int) -> None:
+    """One PartitionError line for ``sequence_parallel`` this degree or profile cannot take."""
+    if not isinstance(sequence, bool):
+        raise PartitionError(f"sequence_parallel={sequence!r}: need True or False")
+    if not sequence:
+        return
+    if degree < 2:
+        raise PartitionError("sequence_parallel=True splits by tokens over a TP group: give tensor_parallel >= 2 "
+                             "(or 'auto' with devices=N), or sequence_parallel=False")
+    roles = _roles(profile)
+    if roles is None or not any(r.role == SEQUENCE for r in roles):
+        raise PartitionError("sequence_parallel=True: the profile marks no layer 'sequence' (made before autopipe "
+                             "looked for them, or a model with none between its groups); re-run `autopipe "
+                             "profile ...`, or plan with sequence_parallel=False")
 
 
 def _sizes(df: Any, base: str) -> list[str]:
     return [c for c in df.columns if c == base or str(c).startswith(f"{base}@")]
 
 
-def at_degree(profile: Profile, degree: int, link: Link) -> Profile:
-    """What one rank of a TP group of ``degree`` runs ([Note: tensor-parallel cost]); the profile
-    itself at degree 1. Call :func:`check_degree` first."""
+def at_degree(profile: Profile, degree: int, link: Link, sequence: bool = False) -> Profile:
+    """What one rank of a TP group of ``degree`` runs ([Note: tensor-parallel cost]), its
+    ``sequence`` layers split by tokens when ``sequence`` ([Note: sequence parallelism]); the
+    profile itself at degree 1. Call :func:`check_degree` (and :func:`check_sequence`) first."""
     if degree == 1:
         return profile
     roles = _roles(profile)
     assert roles is not None
-    role = _effective(roles, degree)
+    role = _effective(roles, degree, sequence)
     df = profile.df.copy()
     n = len(df)
 
     def scale(mask: frozenset[str]) -> Any:
         return np.array([1 / degree if r in mask else 1.0 for r in role])
 
+    scattered = SCATTERED if sequence else frozenset()
     compute, params, saved, output = (scale(m) for m in (SPLITS_COMPUTE, SPLITS_PARAMS, SPLITS_SAVED,
-                                                         SPLITS_OUTPUT))
+                                                         SPLITS_OUTPUT | scattered))
     if "bwd_working_bytes" in df.columns:
         working = df["bwd_working_bytes"].to_numpy(dtype=np.float64)
         weights = np.minimum(working, df["param_bytes"].to_numpy(dtype=np.float64))
@@ -269,7 +290,7 @@ def at_degree(profile: Profile, degree: int, link: Link) -> Profile:
         corrections = replace(corrections, loss=replace(
             loss, fwd_ms=loss.fwd_ms / degree, bwd_ms=loss.bwd_ms / degree,
             held_bytes=round(loss.held_bytes / degree), peak_bytes=round(loss.peak_bytes / degree)))
-    meta = {**profile.meta, "tensor_parallel": degree}
+    meta = {**profile.meta, "tensor_parallel": degree, "sequence_parallel": sequence}
     return profile._derived(df, edges, meta, corrections)
 
 

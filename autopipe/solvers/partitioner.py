@@ -32,7 +32,7 @@ from autopipe.core.estimated import sheet_memory
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.scaling import measured_sizes, profile_at, rows_for
-from autopipe.core.tensor_parallel import at_degree, check_degree, degrees, tp_link
+from autopipe.core.tensor_parallel import at_degree, check_degree, check_sequence, degrees, tp_link
 from autopipe.errors import PartitionError
 from autopipe.solvers.data_parallel_search import global_batch, replica_counts, search_replicas
 from autopipe.solvers.defaults import ILP_TIME_LIMIT, SEARCH_ILP_TIME_LIMIT
@@ -85,6 +85,7 @@ def partition(
     checkpoint: str | Sequence[str] | None = None,  # recompute's old name, until the next release
     tensor_parallel: int | str = 1,
     devices_per_host: int | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Split ``profile``'s layers into ``stages`` (or ``len(devices)``) balanced pipeline stages.
 
@@ -149,7 +150,9 @@ def partition(
     ``devices_per_host``, default 8 for a profile estimated on a GPU sheet, else all one host);
     ``"auto"`` tries every degree that divides the devices, the host and the heads ([Note: the
     mesh] in autopipe/solvers/tensor_parallel_search.py, [Note: tensor-parallel cost] in
-    autopipe/core/tensor_parallel.py); ``plan.tensor_parallel`` records it. A profile estimated on a device sheet limits every device to the sheet's memory
+    autopipe/core/tensor_parallel.py); ``plan.tensor_parallel`` records it. ``sequence_parallel=True`` also splits the layers
+    between the groups (norms, residual adds: the profile's ``sequence`` layers) by tokens over
+    each TP group ([Note: sequence parallelism]); ``plan.sequence_parallel`` records it. A profile estimated on a device sheet limits every device to the sheet's memory
     unless ``memory_limit`` says otherwise (a DeviceSpec's own memory still binds where it is
     less). Raises PartitionError when no split fits.
     """
@@ -192,7 +195,9 @@ def partition(
         time_limit=time_limit, ties=ties, bandwidth=bandwidth, progress=progress,
         max_chunks=max_chunks)
     if tensor_parallel != 1:
-        return _tensor_parallel(profile, tensor_parallel, devices_per_host, data_parallel, dp_mode, args)
+        return _tensor_parallel(profile, tensor_parallel, devices_per_host, data_parallel, dp_mode, args,
+                                sequence_parallel)
+    check_sequence(profile, sequence_parallel, 1)
     host_size(profile, devices_per_host, None)  # one line for a bad host size
     return _replicas_or_one(profile, data_parallel, dp_mode, args)
 
@@ -205,8 +210,9 @@ def _replicas_or_one(profile: Profile, data_parallel: int | str, dp_mode: str, a
 
 
 def _tensor_parallel(profile: Profile, tensor_parallel: int | str, devices_per_host: int | None,
-                     data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:
-    """Each stage over a TP group of t devices, or the fastest t ([Note: the mesh])."""
+                     data_parallel: int | str, dp_mode: str, args: dict[str, Any], sequence: bool) -> Plan:
+    """Each stage over a TP group of t devices, or the fastest t ([Note: the mesh]), split by
+    tokens too where ``sequence`` ([Note: sequence parallelism])."""
     devices = args["devices"]
     pool = None if devices is None else resolve_devices(None, devices, args["memory_limit"])
     n = None if pool is None else len(pool)
@@ -219,13 +225,14 @@ def _tensor_parallel(profile: Profile, tensor_parallel: int | str, devices_per_h
     else:
         check_degree(profile, tensor_parallel, n, host)
         counts = [int(tensor_parallel)]
+    check_sequence(profile, sequence, max(counts))
     link = tp_link(profile, args["bandwidth"])
 
     def solve(t: int) -> Plan:
         sub = {**args, "devices": None if pool is None else tp_groups(pool, t)}
-        return _replicas_or_one(at_degree(profile, t, link), data_parallel, dp_mode, sub)
+        return _replicas_or_one(at_degree(profile, t, link, sequence), data_parallel, dp_mode, sub)
 
-    return search_degrees(counts, solve)
+    return search_degrees(counts, solve, sequence)
 
 
 def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: dict[str, Any]) -> Plan:

@@ -55,23 +55,25 @@ def tp_groups(pool: Sequence[DeviceSpec], degree: int) -> list[DeviceSpec]:
     return out
 
 
-def with_degree(plan: Plan, degree: int) -> Plan:
-    """``plan`` and the alternatives it weighed, marked as planned at ``degree``."""
+def with_degree(plan: Plan, degree: int, sequence: bool = False) -> Plan:
+    """``plan`` and the alternatives it weighed, marked as planned at ``degree`` (split by tokens
+    too where ``sequence``)."""
     if degree == 1:
         return plan
-    return replace(plan, tensor_parallel=degree,
+    return replace(plan, tensor_parallel=degree, sequence_parallel=sequence,
                    alternatives=[replace(a, tensor_parallel=degree) for a in plan.alternatives])
 
 
-def search_degrees(degrees: list[int], solve: Callable[[int], Plan]) -> Plan:
+def search_degrees(degrees: list[int], solve: Callable[[int], Plan], sequence: bool = False) -> Plan:
     """The fastest simulated plan among ``solve(t)`` for every t in ``degrees`` ([Note: the
-    mesh]); PartitionError (one line, the smallest degree's reason) when none fits."""
+    mesh]), each t > 1 split by tokens too where ``sequence``; PartitionError (one line, the
+    smallest degree's reason) when none fits."""
     start = time.perf_counter()
     plans: dict[int, Plan] = {}
     failed: dict[int, PartitionError] = {}
     for t in degrees:
         try:
-            plans[t] = with_degree(solve(t), t)
+            plans[t] = with_degree(solve(t), t, sequence)
         except PartitionError as err:
             failed[t] = err
     if not plans:

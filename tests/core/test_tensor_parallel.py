@@ -14,6 +14,7 @@ from autopipe.core.tensor_parallel import (
     Link,
     at_degree,
     check_degree,
+    check_sequence,
     degrees,
     groups,
     structure_text,
@@ -72,6 +73,46 @@ def test_one_rank_at_degree_two() -> None:
         ("emb", "ln"): 100, ("ln", "col"): 100, ("col", "act"): 100, ("act", "row"): 100,
         ("row", "add"): 100, ("emb", "add"): 100, ("add", "head"): 100}
     assert p.meta["tensor_parallel"] == 2 and p.layers == _profile().layers
+
+
+def _with_sequence_layers() -> Profile:
+    df = _profile().df.copy()
+    df.loc[df["layer"].isin(["ln", "add"]), "tp_role"] = "sequence"
+    return Profile.from_frame(df, EDGES, {"micro_batch_size": 4})
+
+
+def test_sequence_layers_are_replicated_without_sequence_parallelism() -> None:
+    plain, tagged = at_degree(_profile(), 2, LINK), at_degree(_with_sequence_layers(), 2, LINK)
+    for col in ("fwd_ms", "bwd_ms", "param_bytes", "saved_bytes", "output_bytes"):
+        assert _col(tagged, col) == pytest.approx(_col(plain, col)), col
+    assert tagged.edges == plain.edges
+
+
+def test_sequence_parallelism_splits_the_layers_between_groups_by_tokens() -> None:
+    p = at_degree(_with_sequence_layers(), 2, LINK, sequence=True)
+    comm = 0.01 * 100 + 1  # a reduce-scatter and an all-gather of 100 bytes: one all-reduce's
+    # ln and add: compute over 2; the collectives where the all-reduces were, of the whole values
+    assert _col(p, "fwd_ms") == pytest.approx([0.5 + comm, 1.0, 2.0, 1.0, 2.0 + comm, 0.5, 4.0])
+    assert _col(p, "bwd_ms") == pytest.approx([1.0, 2.0, 4.0 + comm, 2.0, 4.0, 1.0, 8.0 + comm])
+    assert _col(p, "param_bytes") == [320, 10, 400, 0, 400, 0, 320]  # a norm's weights stay whole
+    assert _col(p, "saved_bytes") == [0, 50, 100, 100, 100, 0, 100]  # the column keeps its gathered input
+    assert _col(p, "output_bytes") == [50, 50, 100, 100, 50, 50, 320]  # emb and row reduce-scattered
+    assert dict(((u, v), b) for u, v, b in p.edges) == {
+        ("emb", "ln"): 50, ("ln", "col"): 50, ("col", "act"): 100, ("act", "row"): 100,
+        ("row", "add"): 50, ("emb", "add"): 50, ("add", "head"): 50}
+    assert p.meta["sequence_parallel"] is True
+
+
+@pytest.mark.parametrize("prof, sequence, degree, match", [
+    (_with_sequence_layers, True, 1, "needs? tensor_parallel >= 2|give tensor_parallel >= 2"),
+    (_profile, True, 2, "marks no layer 'sequence'.*re-run `autopipe profile"),
+    (_with_sequence_layers, "yes", 2, "need True or False"),
+])
+def test_bad_sequence_parallelism_is_one_line(prof: object, sequence: object, degree: int, match: str) -> None:
+    with pytest.raises(PartitionError, match=match) as err:
+        check_sequence(prof(), sequence, degree)  # type: ignore[operator]
+    assert "\n" not in str(err.value)
+    check_sequence(prof(), False, degree)  # type: ignore[operator]
 
 
 def test_degree_one_is_the_profile_itself() -> None:

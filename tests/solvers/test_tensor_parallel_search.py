@@ -36,6 +36,13 @@ def _blocks(n: int = 4, divides: int = 8) -> Profile:
     return prof
 
 
+def _tokens(n: int = 4) -> Profile:
+    """The blocks with ln and add on the tokens' path ([Note: sequence parallelism])."""
+    prof = _blocks(n)
+    prof.df["tp_role"] = prof.df["tp_role"].replace("replicated", "sequence")
+    return prof
+
+
 def _work(prof: Profile, degree: int) -> float:
     """The summed forward and backward of one rank at ``degree``, collectives aside."""
     df = prof.df
@@ -51,6 +58,44 @@ def test_a_free_link_halves_the_tp_work() -> None:
     assert one.iteration_time == pytest.approx(_work(prof, 1))
     assert two.iteration_time == pytest.approx(_work(prof, 2))
     assert (two.tensor_parallel, two.num_stages, two.data_parallel) == (2, 1, 1)
+
+
+def test_sequence_parallelism_splits_the_rest_of_the_work_and_its_activations() -> None:
+    prof = _tokens()
+    plain = partition(prof, stages=1, devices=2, tensor_parallel=2, bandwidth=None, **ONE)
+    tokens = partition(prof, stages=1, devices=2, tensor_parallel=2, bandwidth=None, sequence_parallel=True, **ONE)
+    replicated = prof.df["tp_role"] == "sequence"
+    total = prof.df["fwd_ms"] + prof.df["bwd_ms"]
+    assert plain.iteration_time == pytest.approx(float(total[~replicated].sum() / 2 + total[replicated].sum()))
+    assert tokens.iteration_time == pytest.approx(float(total.sum() / 2))
+    assert (plain.sequence_parallel, tokens.sequence_parallel) == (False, True)
+    # per block ln's and add's saves halve (OUT each), the rest as it was
+    saved = plain.breakdown[0].activation_bytes - tokens.breakdown[0].activation_bytes
+    assert saved == 4 * 2 * OUT // 2
+    assert "split by tokens too" in tokens.explain() and "split by tokens" not in plain.explain()
+
+
+def test_sequence_parallelism_in_the_json_and_the_command_line(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    prof = _tokens()
+    plan = partition(prof, stages=2, devices=4, tensor_parallel=2, bandwidth=1e6, chunks=4,
+                     sequence_parallel=True, progress=False)
+    assert Plan.load(plan.save(tmp_path / "sp.json")) == plan
+    again = Plan.from_stages(plan.profile_for(prof), plan.stages, devices=plan.devices, chunks=plan.chunks,
+                             recompute=plan.recompute, bandwidth=plan.bandwidth)
+    assert again.stage_memory == plan.stage_memory and again.iteration_time == pytest.approx(plan.iteration_time)
+    csv = prof.save(tmp_path / "tokens")
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(csv), "--devices", "4", "--tensor-parallel", "2", "--sequence-parallel",
+                 "--out", str(out)]) == 0
+    assert Plan.load(out).sequence_parallel
+    capsys.readouterr()
+    assert main(["partition", str(csv), "--devices", "4", "--sequence-parallel"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "give tensor_parallel >= 2" in err
+    assert main(["partition", str(_blocks().save(tmp_path / "old")), "--devices", "4", "--tensor-parallel", "2",
+                 "--sequence-parallel"]) == 2
+    assert "marks no layer 'sequence'" in capsys.readouterr().err
 
 
 def test_the_all_reduces_lie_on_the_critical_path() -> None:
