@@ -156,16 +156,23 @@ def segment_freed(costs: LayerCosts, segment: Sequence[int]) -> int:
 
 
 def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every run of up to MAX_SEGMENT consecutive ``layers`` that frees bytes: (start, end)
-    positions in ``layers`` and (freed bytes, extra ms) each."""
+    """Every run of up to MAX_SEGMENT consecutive ``layers`` that frees bytes and holds each TP
+    group whole or not at all: (start, end) positions in ``layers`` and (freed bytes, extra ms)
+    each."""
     producers: dict[int, list[tuple[int, int]]] = {}  # layer -> (producer, what it reads of it)
     ending: dict[int, list[int]] = {}  # layer -> the layers whose last saving consumer it is
     for u in range(len(costs)):
         for c, b in costs.reads(u):
             producers.setdefault(c, []).append((u, b))
         ending.setdefault(int(costs.last_saver[u]), []).append(u)
+    no_start, no_end = np.zeros(len(costs), dtype=bool), np.zeros(len(costs), dtype=bool)
+    for group in costs.tp_groups:  # a TP group's split values never cross a segment's edge
+        no_start[min(group) + 1:max(group) + 1] = True
+        no_end[min(group):max(group)] = True
     out: list[tuple[int, int, int, float]] = []
     for a, first in enumerate(layers):
+        if no_start[first]:
+            continue
         entering: dict[int, int] = {}  # [Note: what a consumer reads]: the most read of each
         saved = kept = leaving = 0
         fwd = 0.0
@@ -183,7 +190,7 @@ def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np
                 leaving += int(costs.resaved[i])
             leaving -= sum(int(costs.resaved[u]) for u in ending.get(i, []) if first <= u < i)
             freed = saved - kept - leaving
-            if freed > 0:
+            if freed > 0 and not no_end[i]:
                 out.append((a, b, freed, float(recompute_alone_ms(fwd, 1, costs.recompute_ratio,
                                                                   costs.recompute_call_ms))))
     table = np.array(out, dtype=np.float64).reshape(-1, 4)

@@ -252,3 +252,27 @@ def test_the_chooser_keeps_adjacent_intervals_apart_as_it_weighed_them() -> None
     assert freed >= 26 << 20
     assert plain.breakdown[0].saved_bytes - apart.breakdown[0].saved_bytes == freed
     assert apart.breakdown[0].recompute_segments == len(runs)
+
+
+def test_the_chooser_never_cuts_a_tp_group() -> None:
+    # the runtime refuses a segment whose edge carries a group's split values
+    # (autopipe/assemble/tensor_parallel.check_cuts): attn -> proj and fc1 -> fc2 are groups here
+    from autopipe.core.recomputed_layers import choose_segments
+
+    prof = _dag()
+    roles = {"attn": "column", "proj": "row", "fc1": "column", "fc2": "row"}
+    prof.df["tp_role"] = [roles.get(n.split(".")[-1], "replicated") for n in prof.layers]
+    prof.df["tp_group"] = [f"g:{n.split('.')[0]}.{'a' if n.endswith(('attn', 'proj')) else 'm'}"
+                           if n.split(".")[-1] in roles else "" for n in prof.layers]
+    prof.df["tp_divides"] = 8
+    costs = LayerCosts.from_profile(Profile(prof.df, prof.edges, {**prof.meta, "tensor_parallel": 2}))
+    groups = [set(g) for g in costs.tp_groups]
+    assert len(groups) == 4
+    stage = list(range(1, len(costs) - 1))
+    untied = LayerCosts.from_profile(prof)
+    cut = [r for need in range(1, 40) for r in choose_segments(untied, stage, need << 20)
+           if any(0 < len(g & set(r)) < len(g) for g in groups)]
+    assert cut, "without the groups the chooser would cut one: the test would prove nothing"
+    for need in range(1, 40):
+        for run in choose_segments(costs, stage, need << 20):
+            assert all(not g & set(run) or g <= set(run) for g in groups), (need, run)
