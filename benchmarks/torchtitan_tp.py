@@ -83,15 +83,16 @@ def estimated(shape: str, layers: int | None, path: str | None, seq: int = SEQ) 
     return prof
 
 
-def theirs(prof: Profile, shape: str, schedule: str) -> Plan:
+def theirs(prof: Profile, shape: str, schedule: str, sequence: bool = False) -> Plan:
     """torchtitan's mesh in autopipe's simulator: stages of equal layer counts (two a rank when
-    interleaved), FSDP, every transformer block recomputed alone; evaluated, not searched."""
+    interleaved), FSDP, every transformer block recomputed alone, the norms split by tokens where
+    ``sequence`` (their TP plan's SequenceParallel); evaluated, not searched."""
     gpus, batch, (t, k, d), chunks, _ = TITAN[shape]
     stages = 2 * k if schedule == "interleaved1f1b" else k
     bandwidth = LayerCosts.from_profile(prof).comm_bandwidth or DEFAULT_BANDWIDTH  # partition's "measured"
     replica = batch // d
     check_degree(prof, t, gpus, 8)
-    rank = profile_at(at_degree(prof.for_runtime(None), t, tp_link(prof, bandwidth)),
+    rank = profile_at(at_degree(prof.for_runtime(None), t, tp_link(prof, bandwidth), sequence),
                       rows_for(replica, chunks), batch_size=replica, chunks=chunks)
     names = prof.layers
     cuts = [round(s * len(names) / stages) for s in range(stages + 1)]
@@ -104,12 +105,12 @@ def theirs(prof: Profile, shape: str, schedule: str) -> Plan:
     plan = Plan.from_stages(rank, split, devices=devices, chunks=chunks, recompute="never", bandwidth=bandwidth,
                             data_parallel=d, dp_mode="fsdp", recompute_layers=every, segment_starts=starts,
                             schedule=schedule, method="uniform")
-    return with_degree(plan, t)
+    return with_degree(plan, t, sequence)
 
 
-def ours(prof: Profile, shape: str, most_stages: int) -> tuple[Plan | None, list[str]]:
+def ours(prof: Profile, shape: str, most_stages: int, sequence: bool = False) -> tuple[Plan | None, list[str]]:
     """The fastest plan that fits over the meshes PP x TP x DP of the GPUs with at most
-    ``most_stages`` stages, TP inside a host of 8."""
+    ``most_stages`` stages, TP inside a host of 8 (and split by tokens where ``sequence``)."""
     gpus, batch, *_ = TITAN[shape]
     best: Plan | None = None
     tried = []
@@ -123,7 +124,7 @@ def ours(prof: Profile, shape: str, most_stages: int) -> tuple[Plan | None, list
                 plan = autopipe.partition(prof, stages=k, devices=gpus, tensor_parallel=t, data_parallel=d,
                                           dp_mode="fsdp", chunks="auto", batch_size=batch, recompute="auto",
                                           schedule="1f1b" if k > 1 else "gpipe", max_chunks=batch // d, method="exact",
-                                          progress=False)
+                                          sequence_parallel=sequence and t > 1, progress=False)
             except PartitionError as err:
                 tried.append(f"PP {k} x TP {t} x DP {d}: {str(err).splitlines()[0][:100]}")
                 print(tried[-1], file=sys.stderr, flush=True)
@@ -156,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     parser.add_argument("--profile", default=None, help="NAME: read the estimate from NAME.csv, or write it there")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row (default torchtitan's 8192)")
     parser.add_argument("--most-stages", type=int, default=16, help="autopipe's meshes: at most this many stages")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="every TP mesh, theirs and autopipe's, splits its norms by tokens too")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     prof = estimated(args.shape, args.layers, args.profile, args.seq)
@@ -165,10 +168,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             "| fits 96 GiB | torchtitan published: tokens/s per GPU (GiB) |",
             "|---|---|---|---:|---:|---:|---|---|"]
     for schedule, (tps, gib) in published.items():
-        rows.append(row(f"torchtitan's, {schedule}", theirs(prof, args.shape, schedule), gpus, batch, args.seq,
+        rows.append(row(f"torchtitan's, {schedule}", theirs(prof, args.shape, schedule, args.sequence_parallel), gpus, batch, args.seq,
                         f"{tps} ({gib})"))
     start = time.perf_counter()
-    plan, tried = ours(prof, args.shape, args.most_stages)
+    plan, tried = ours(prof, args.shape, args.most_stages, args.sequence_parallel)
     rows.append(row("autopipe's", plan, gpus, batch, args.seq, "") if plan is not None else
                 "| autopipe's | none of its meshes fits 96 GiB | | | | | no | |")
     print("\n".join(rows))
