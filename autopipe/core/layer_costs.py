@@ -130,6 +130,14 @@ class LayerCosts:
         groups of a profile at a TP degree (a cut inside one would carry split values)."""
         return [*(members for members, _ in self.tie_groups if ties == "colocate"), *self.tp_groups]
 
+    def forbidden_cuts(self, ties: str) -> np.ndarray:
+        """Per cut position j (0 .. n: a stage or a segment beginning at layer j), whether it
+        falls inside a group of :meth:`kept_together`."""
+        forbidden = np.zeros(len(self) + 1, dtype=bool)
+        for members in self.kept_together(ties):
+            forbidden[min(members) + 1: max(members) + 1] = True
+        return forbidden
+
     @classmethod
     def from_profile(cls, profile: Profile, runtime: str | None = None) -> LayerCosts:
         """``profile``'s costs for ``runtime`` (default: the profile's, the distributed one where

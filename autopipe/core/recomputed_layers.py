@@ -165,10 +165,8 @@ def _intervals(costs: LayerCosts, layers: Sequence[int]) -> tuple[np.ndarray, np
         for c, b in costs.reads(u):
             producers.setdefault(c, []).append((u, b))
         ending.setdefault(int(costs.last_saver[u]), []).append(u)
-    no_start, no_end = np.zeros(len(costs), dtype=bool), np.zeros(len(costs), dtype=bool)
-    for group in costs.tp_groups:  # a TP group's split values never cross a segment's edge
-        no_start[min(group) + 1:max(group) + 1] = True
-        no_end[min(group):max(group)] = True
+    inside = costs.forbidden_cuts("share")  # a TP group's split values never cross a segment's edge
+    no_start, no_end = inside[:-1], inside[1:]
     out: list[tuple[int, int, int, float]] = []
     for a, first in enumerate(layers):
         if no_start[first]:

@@ -22,7 +22,8 @@ from autopipe.core.layer_costs import LayerCosts
 from autopipe.errors import PartitionError
 from autopipe.solvers.dp import check_stage_count, minmax_dp
 
-__all__ = ["uniform_sizes", "params_sizes", "param_counts", "blockpartition_sizes", "sizes_to_assignment"]
+__all__ = ["uniform_sizes", "params_sizes", "param_counts", "blockpartition_sizes", "sizes_to_assignment",
+           "kept_whole"]
 
 
 def uniform_sizes(n: int, k: int) -> list[int]:
@@ -79,3 +80,27 @@ def _blockpartition() -> Any:
 
 def sizes_to_assignment(sizes: Sequence[int]) -> list[int]:
     return [s for s, size in enumerate(sizes) for _ in range(size)]
+
+
+def kept_whole(sizes: Sequence[int], forbidden: Any, method: str) -> list[int]:
+    """``sizes`` with each cut that falls inside a group kept together (``forbidden``, per cut
+    position: LayerCosts.forbidden_cuts) moved to the nearer edge of the group, the earlier on a
+    tie: a baseline's split the runtime can run; one line where no such move leaves every stage
+    a layer."""
+    n = len(forbidden) - 1
+    cuts = list(np.cumsum(sizes)[:-1])
+    for s, c in enumerate(cuts):
+        if forbidden[c]:
+            lo = c - 1
+            while forbidden[lo]:
+                lo -= 1
+            hi = c + 1
+            while hi < n and forbidden[hi]:
+                hi += 1
+            cuts[s] = lo if c - lo <= hi - c else hi
+    bounds = [0, *cuts, n]
+    if any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise PartitionError(f"method={method!r} cannot split {n} layers into {len(sizes)} stages without "
+                             "cutting a TP group (or a tie group under ties='colocate'); use fewer stages or "
+                             "method='exact'")
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]

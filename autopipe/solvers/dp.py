@@ -107,10 +107,7 @@ class RangeCosts:
         self.costs = costs
         self.schedule = options.schedule
         self.rows = np.arange(n + 1)
-        forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a group kept together
-        for members in costs.kept_together(options.ties):
-            forbidden[min(members) + 1: max(members) + 1] = True
-        self.forbidden = forbidden
+        self.forbidden = costs.forbidden_cuts(options.ties)  # cut positions inside a group kept together
 
     def valid(self, j0: int, j1: int) -> np.ndarray:
         """(n+1, j1-j0) mask of ranges i < j that do not cut a colocated tie group."""

@@ -24,6 +24,7 @@ from autopipe.core.profile_table import Profile
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
     blockpartition_sizes,
+    kept_whole,
     param_counts,
     params_sizes,
     sizes_to_assignment,
@@ -81,7 +82,7 @@ def solve_fixed(profile: Profile, stages: int | None, devices: Sequence[DeviceSp
             work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), chunks,
                               costs.recompute_ratio)
             sizes = blockpartition_sizes(list(work), k)
-        return plan(sizes_to_assignment(sizes), method)
+        return plan(sizes_to_assignment(kept_whole(sizes, costs.forbidden_cuts(ties), method)), method)
 
     start = time.perf_counter()
     dp = solve_dp(costs, bounded, options)

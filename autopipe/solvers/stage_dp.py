@@ -95,10 +95,7 @@ class StageBlocks:
         self.precision = costs.precision  # [Note: mixed precision memory]
         self.loss_grads = loss_grad_bytes(costs, options.chunks)  # [Note: the loss's memory]
         self.costs = costs
-        forbidden = np.zeros(n + 1, dtype=bool)  # cut positions inside a group kept together
-        for members in costs.kept_together(options.ties):
-            forbidden[min(members) + 1: max(members) + 1] = True
-        self.forbidden = forbidden
+        self.forbidden = costs.forbidden_cuts(options.ties)  # cut positions inside a group kept together
         self._cache: dict[tuple[object, ...], Any] = {}  # numpy blocks
         self._cached_bytes = 0
 

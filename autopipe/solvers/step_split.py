@@ -57,6 +57,7 @@ from autopipe.core.simulator import simulate_stages
 from autopipe.errors import PartitionError
 from autopipe.solvers.baselines import (
     blockpartition_sizes,
+    kept_whole,
     param_counts,
     params_sizes,
     sizes_to_assignment,
@@ -334,12 +335,15 @@ def _baselines(costs: LayerCosts, options: CostOptions, k: int) -> list[list[int
     """The baselines' splits: equal layer counts, DeepSpeed's parameter balance and, where
     torchgpipe is installed, its blockpartition over each layer's work."""
     n = len(costs)
-    out = [sizes_to_assignment(uniform_sizes(n, k)), sizes_to_assignment(params_sizes(param_counts(costs), k))]
+    forbidden = costs.forbidden_cuts(options.ties)
     work = layer_work(costs.fwd, costs.bwd, min(options.recomputed(k)), options.chunks, costs.recompute_ratio)
-    try:
-        out.append(sizes_to_assignment(blockpartition_sizes(list(work), k)))
-    except PartitionError:  # torchgpipe is not installed
-        pass
+    out = []
+    for name, sizes in (("uniform", lambda: uniform_sizes(n, k)), ("params", lambda: params_sizes(param_counts(costs), k)),
+                        ("blockpartition", lambda: blockpartition_sizes(list(work), k))):
+        try:  # (blockpartition: where torchgpipe is installed; none that must cut a group)
+            out.append(sizes_to_assignment(kept_whole(sizes(), forbidden, name)))
+        except PartitionError:
+            pass
     return out
 
 

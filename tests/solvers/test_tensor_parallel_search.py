@@ -203,16 +203,22 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "--tensor-parallel 'two': give a whole number >= 1 or auto" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["exact", "auto", "ilp"])
+@pytest.mark.parametrize("method", ["exact", "auto", "ilp", "uniform", "params", "step"])
 def test_no_stage_boundary_falls_inside_a_tp_group(method: str) -> None:
     # a cut between a group's column and row Linears would carry split values, which the runtime
     # refuses: the solvers keep each group on one stage, as ties="colocate" keeps a tie group
     prof = _blocks(4)
     inside = {f"l{5 * b + i}" for b in range(4) for i in (2, 3)}  # a stage starting at act or row
-    free = partition(prof, stages=8, method=method, **ONE)
-    assert {s[0] for s in free.stages} & inside  # without TP the fastest split does cut inside
-    plan = partition(prof, stages=8, tensor_parallel=2, method=method, **ONE)
+    free = partition(prof, stages=8 if method != "params" else 7, method=method, **ONE)
+    assert {s[0] for s in free.stages} & inside  # without TP the split does cut inside
+    plan = partition(prof, stages=8 if method != "params" else 7, tensor_parallel=2, method=method, **ONE)
     assert not {s[0] for s in plan.stages} & inside, plan.stages
     with pytest.raises(PartitionError, match=r"keeping TP groups whole leaves 11 places to cut but 13 "
                                              r"stages need 12; use fewer stages$"):
         partition(prof, stages=13, tensor_parallel=2, method="exact", **ONE)
+
+
+def test_a_baseline_that_cannot_keep_the_groups_whole_says_so_in_one_line() -> None:
+    with pytest.raises(PartitionError, match=r"method='uniform' cannot split 20 layers into 11 stages without "
+                                             r"cutting a TP group.*method='exact'$"):
+        partition(_blocks(4), stages=11, tensor_parallel=2, method="uniform", **ONE)
