@@ -15,8 +15,8 @@ interleaved 1F1B 128, 72.7 GiB.
 Here: the model built on the meta device, one row of 8192 tokens estimated in bf16 on the
 ``h100`` sheet with torchtitan's memory and bandwidth (benchmarks/torchtitan_h100.py's
 ``titan_sheet``); the TP link the sheet's NVLink, the replicas' and stages' its NICs. Their
-meshes are evaluated as they run them: FSDP (``dp_mode="fsdp"``), the stages split by equal layer
-counts (``method="uniform"``), one micro-batch of the local batch without PP and micro-batches of
+meshes are evaluated as they run them: FSDP (``dp_mode="fsdp"``), the stages split by equal
+transformer-block counts, one micro-batch of the local batch without PP and micro-batches of
 one row with it, every transformer block recomputed alone, each its own segment (full activation
 checkpointing: one checkpoint per block). autopipe's row: the fastest of ``partition(stages=K,
 tensor_parallel=T, data_parallel=D, ...)`` over every mesh K x T x D of the GPUs with K <= 16 and
@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import autopipe
@@ -44,6 +45,7 @@ from autopipe.core.scaling import profile_at, rows_for
 from autopipe.core.tensor_parallel import at_degree, check_degree, tp_link
 from autopipe.core.transfer import DEFAULT_BANDWIDTH
 from autopipe.errors import PartitionError
+from autopipe.solvers.baselines import kept_whole, uniform_sizes
 from autopipe.solvers.block_recompute import repeated_blocks
 from autopipe.solvers.tensor_parallel_search import with_degree
 
@@ -84,7 +86,7 @@ def estimated(shape: str, layers: int | None, path: str | None, seq: int = SEQ) 
 
 
 def theirs(prof: Profile, shape: str, schedule: str, sequence: bool = False) -> Plan:
-    """torchtitan's mesh in autopipe's simulator: stages of equal layer counts (two a rank when
+    """torchtitan's mesh in autopipe's simulator: stages of equal block counts (two a rank when
     interleaved), FSDP, every transformer block recomputed alone, the norms split by tokens where
     ``sequence`` (their TP plan's SequenceParallel); evaluated, not searched."""
     gpus, batch, (t, k, d), chunks, _ = TITAN[shape]
@@ -95,12 +97,18 @@ def theirs(prof: Profile, shape: str, schedule: str, sequence: bool = False) -> 
     rank = profile_at(at_degree(prof.for_runtime(None), t, tp_link(prof, bandwidth), sequence),
                       rows_for(replica, chunks), batch_size=replica, chunks=chunks)
     names = prof.layers
-    cuts = [round(s * len(names) / stages) for s in range(stages + 1)]
-    split = [names[cuts[s]:cuts[s + 1]] for s in range(stages)]
-    devices = [f"cuda:{(s % k) * t}" for s in range(stages)]  # stage s on rank s % k, as torch places them
     # one checkpoint per transformer block, as their full AC wraps them (a profile without named
     # blocks: every layer but the last, one segment a stage)
     blocks = repeated_blocks(names) or [list(range(len(names) - 1))]
+    # stages of equal block counts, cut where a block begins (their split points name blocks);
+    # without as many blocks as stages, of equal layer counts, kept off the TP groups
+    if len(blocks) >= stages:
+        cuts = [0, *(blocks[round(s * len(blocks) / stages)][0] for s in range(1, stages)), len(names)]
+    else:
+        forbidden = LayerCosts.from_profile(rank).forbidden_cuts("share")
+        cuts = [0, *np.cumsum(kept_whole(uniform_sizes(len(names), stages), forbidden, "uniform")).tolist()]
+    split = [names[cuts[s]:cuts[s + 1]] for s in range(stages)]
+    devices = [f"cuda:{(s % k) * t}" for s in range(stages)]  # stage s on rank s % k, as torch places them
     every, starts = [names[i] for b in blocks for i in b], [names[b[0]] for b in blocks]
     plan = Plan.from_stages(rank, split, devices=devices, chunks=chunks, recompute="never", bandwidth=bandwidth,
                             data_parallel=d, dp_mode="fsdp", recompute_layers=every, segment_starts=starts,
