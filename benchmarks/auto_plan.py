@@ -67,6 +67,7 @@ from autopipe.core.plan import Plan
 from autopipe.core.profile_table import SPLIT_COLUMNS, Profile
 from autopipe.core.units import format_bytes
 from autopipe.errors import AutopipeError
+from autopipe.frontend.profiling.spawned.ports import free_port
 from autopipe.solvers.partitioner import partition
 from autopipe.solvers.synthetic import transformer_dag
 from executor.host_allocator import use_host_allocator
@@ -412,7 +413,6 @@ def _rank_entry(rank: int, port: int, out: str, args: tuple[object, ...]) -> Non
 def two_ranks(example: str, batch: int, plans: Sequence[Plan], steps: int, warmup: int) -> list[list[float]]:
     """Each plan run on 2 gloo ranks x 1 thread (one process group for them all): per step, the
     slower rank's time."""
-    import socket
     import sys
     import tempfile
 
@@ -421,9 +421,7 @@ def two_ranks(example: str, batch: int, plans: Sequence[Plan], steps: int, warmu
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
     from forked_ranks import start_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()  # [Note: a rendezvous port]
     args = (example, batch, [p.to_dict() for p in plans], steps, warmup)
     with tempfile.TemporaryDirectory() as out:
         start_ranks(_rank_entry, (port, out, args), 2)

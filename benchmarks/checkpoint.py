@@ -32,7 +32,6 @@ import argparse
 import datetime
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from torch.multiprocessing.spawn import start_processes
 import autopipe
 from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
+from autopipe.frontend.profiling.spawned.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, run or imported
 from precision import environment  # noqa: E402 - after the path it is found on
@@ -271,12 +271,6 @@ def _rank(rank: int, port: int, out: str, size: Size, plan: dict[str, Any], repe
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rows(runtime: str, parts: Sequence[dict[str, Any]]) -> tuple[list[Row], list[Overlap]]:
     """Rows from each rank's results: per repeat the slower rank's time, bytes summed."""
     rows: dict[str, Row] = {}
@@ -305,7 +299,7 @@ def measure(size: Size, runtimes: Sequence[str], repeats: int, steps: int,
         rows, overlaps = rows + r, overlaps + o
     if "ranks" in runtimes:
         with tempfile.TemporaryDirectory(dir=root) as out:
-            start_processes(_rank, args=(_free_port(), out, size, plan, repeats, steps), nprocs=2,
+            start_processes(_rank, args=(free_port(), out, size, plan, repeats, steps), nprocs=2,
                             start_method="spawn")
             r, o = _rows("2 ranks", [torch.load(Path(out) / f"result-{k}.pt") for k in range(2)])
         rows, overlaps = rows + r, overlaps + o

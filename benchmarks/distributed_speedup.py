@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopipe.frontend.profiling.spawned.comm import COMM_LAUNCHES, COMM_REPEATS, EMPTY_STEPS
+from autopipe.frontend.profiling.spawned.ports import free_port
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
 
@@ -204,11 +205,7 @@ def _entry(rank: int, port: int, out: str, fn: Callable[..., list[float]], args:
 
 def _two_ranks(fn: Callable[..., list[float]], *args: Any) -> list[float]:
     """Step times of each 2-rank run of ``fn``: the slower rank's median (both wait for each other)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()  # [Note: a rendezvous port]
     with tempfile.TemporaryDirectory() as out:
         start_ranks(_entry, (port, out, fn, args), 2)
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]

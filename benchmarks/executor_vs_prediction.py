@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from autopipe.frontend.profiling.spawned.comm import (
     EMPTY_STEPS,
     with_comm,
 )
+from autopipe.frontend.profiling.spawned.ports import free_port
 from autopipe.frontend.profiling.spawned.rank_contention import with_rank_contention
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
@@ -173,9 +173,7 @@ def measure_distributed(name: str, batch: int, chunks: int, checkpoints: Sequenc
         prof = with_comm(prof, measured=comm)  # the one measurement, reused
         plans = [autopipe.partition(prof, devices=devices, chunks=chunks, recompute=r.recompute,
                                     schedule=r.schedule) for r in rows]
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = free_port()  # [Note: a rendezvous port]
         with tempfile.TemporaryDirectory() as out:
             start_ranks(_rank, (port, out, name, batch, chunks, [p.to_dict() for p in plans], repeats), 2)
             per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(2)]

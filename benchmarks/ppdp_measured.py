@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopipe.frontend.profiling.spawned.ports import free_port
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
 
@@ -115,9 +115,7 @@ def measured_table(batch: int = 512, chunks: int = 4, steps: int = 10, warmup: i
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     one = _one_process(batch, chunks, steps, warmup)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()  # [Note: a rendezvous port]
     with tempfile.TemporaryDirectory() as out:
         start_ranks(_entry, (port, out, (batch, chunks, steps, warmup)), WORLD)
         per_rank = [torch.load(Path(out) / f"{r}.pt") for r in range(WORLD)]

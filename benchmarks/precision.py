@@ -42,7 +42,6 @@ import datetime
 import gc
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -61,6 +60,7 @@ from autopipe.core.plan import Plan
 from autopipe.core.simulator import simulate
 from autopipe.examples import Example, TinyGPT
 from autopipe.frontend.profiling.harness.process_memory import PeakRss, rss_anon
+from autopipe.frontend.profiling.spawned.ports import free_port
 from executor.activation_meter import ActivationMeter
 from executor.host_allocator import use_host_allocator
 from executor.ranks.rank_cores import pin_local_rank
@@ -211,15 +211,9 @@ def _rank(rank: int, port: int, out: str, size: Size, plan: dict[str, Any], repe
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _spawn(fn: Any, nprocs: int, args: tuple[Any, ...]) -> list[tuple[list[float], int]]:
     with tempfile.TemporaryDirectory() as out:
-        start_processes(fn, args=(out, *args) if nprocs == 1 else (_free_port(), out, *args),
+        start_processes(fn, args=(out, *args) if nprocs == 1 else (free_port(), out, *args),
                         nprocs=nprocs, start_method="spawn")
         return [torch.load(Path(out) / f"{i}.pt") for i in range(nprocs)]
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -46,6 +45,7 @@ from torch.multiprocessing import start_processes
 import autopipe
 from autopipe.core.plan import Plan
 from autopipe.examples import TinyGPT
+from autopipe.frontend.profiling.spawned.ports import free_port
 from executor.memory_meter import MemoryMeter
 
 __all__ = ["ALL", "Case", "Row", "Size", "main", "measure"]
@@ -213,12 +213,6 @@ def _rank(rank: int, port: int, out: str, world: int, size: Size, work: Sequence
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _ranks(size: Size, world: int, work: Sequence[tuple[Case, Plan]]) -> list[list[int]]:
     """Per (case, plan), each rank's peak: one set of spawned ranks runs them all."""
     if not work:
@@ -226,7 +220,7 @@ def _ranks(size: Size, world: int, work: Sequence[tuple[Case, Plan]]) -> list[li
     with tempfile.TemporaryDirectory() as out:
         for attempt in range(3):  # a port found free can be taken before rank 0 listens on it
             try:
-                start_processes(_rank, args=(_free_port(), out, world, size, list(work)), nprocs=world,
+                start_processes(_rank, args=(free_port(), out, world, size, list(work)), nprocs=world,
                                 start_method="spawn")
                 break
             except Exception as err:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import runpy
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from autopipe.frontend.profiling.spawned import ports
 
 __all__ = ["PRELOAD", "Child", "ScriptRun", "context", "free_port", "run_all", "run_script", "start",
            "start_processes"]
@@ -123,10 +124,9 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: 
 
 
 def free_port() -> int:
-    """A TCP port free on this host now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on this host now, for a process group's rendezvous ([Note: a rendezvous
+    port] in autopipe/frontend/profiling/spawned/ports.py)."""
+    return ports.free_port()
 
 
 def run_all(procs: Sequence[Any], timeout: float) -> list[int | None]:

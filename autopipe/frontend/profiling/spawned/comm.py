@@ -59,7 +59,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -75,6 +74,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 from autopipe.errors import ProfileError, first_line
 from autopipe.frontend.profiling.harness.one_weight import OneWeight
 from autopipe.frontend.profiling.spawned.comm_fit import SCHEDULE_CALLS, empty_stages, fit_comm
+from autopipe.frontend.profiling.spawned.ports import free_port
 from executor.ranks.rank_cores import pin_local_rank
 from executor.spec import check_schedule, stage_rank
 
@@ -205,9 +205,7 @@ def _rank(rank: int, port: int, out: str, backend: str, sizes: Sequence[int], re
 
 def _launch(backend: str, sizes: Sequence[int], repeats: int, chunks: int, steps: int) -> list[dict[str, Any]]:
     """Each of two freshly spawned ranks' measurements (``_rank``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()  # [Note: a rendezvous port]
     with tempfile.TemporaryDirectory() as out:
         try:
             start_processes(_rank, args=(port, out, backend, list(sizes), repeats, chunks, steps),
