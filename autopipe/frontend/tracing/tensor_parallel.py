@@ -18,7 +18,11 @@ cost] there says what each costs at a degree). The patterns (Megatron-LM, Shoeyb
 - The token embedding (the largest nn.Embedding / aten.embedding) is vocab-parallel, and so is
   the LM head, a Linear tied to it or as wide as the vocabulary that no group holds: the vocab
   group, divisor the vocabulary (a degree that does not divide it leaves both replicated).
-- Everything else (norms, residual adds, position embeddings, a classifier) is replicated.
+- Everything else (norms, residual adds, position embeddings, a classifier) is replicated; of
+  it, the nodes between the groups on the tokens' own path (norms, residual adds, dropout) are
+  ``sequence`` nodes ([Note: sequence nodes] in autopipe/frontend/tracing/sequence_parallel.py),
+  replicated or split by tokens under sequence parallelism. A layer is ``sequence`` when each of
+  its non-cheap activation nodes is one and it holds no node of a group or the vocabulary.
 
 A layer takes the role of its non-cheap nodes (grouping.is_cheap); a layer holding nodes of two
 roles, or of one and replicated work (a coarse layer: ``leaf_modules=[Block]``, [Note: automatic
@@ -41,6 +45,7 @@ from autopipe.core.tensor_parallel import (
     COLUMN,
     REPLICATED,
     ROW,
+    SEQUENCE,
     SHARDED,
     VOCAB_EMBEDDING,
     VOCAB_GROUP,
@@ -48,6 +53,7 @@ from autopipe.core.tensor_parallel import (
     LayerRole,
 )
 from autopipe.frontend.tracing.grouping import is_cheap
+from autopipe.frontend.tracing.sequence_parallel import sequence_nodes
 
 __all__ = ["find_tensor_parallel", "op_name", "tensor_parallel_nodes", "Structure"]
 
@@ -302,13 +308,29 @@ def _found(gm: fx.GraphModule, node_layer: dict[str, str],
             if any(grp in dropped for _, grp in pairs):
                 busy.add(name)
             found[name] = {p for p in pairs if p[1] not in dropped}
+    kept = {n: pair for n, pair in node_role.items() if pair[1] not in dropped}
+    sources = [n for n, (role, _) in kept.items() if role in (ROW, VOCAB_EMBEDDING)]
+    tokenwise = sequence_nodes(gm, g.nodes, g.carries, set(kept), sources, op_name)
+    work = _layer_work(node_layer, g)
     roles = {}
     for name in layers:
         pairs = found[name]
         role, group = next(iter(pairs)) if pairs else (REPLICATED, "")
+        if not pairs and work.get(name) and work[name] <= tokenwise:
+            role = SEQUENCE
         roles[name] = LayerRole(role, group, divisor.get(group, 0))
-    kept = {n: pair for n, pair in node_role.items() if pair[1] not in dropped}
+    kept.update({n: (SEQUENCE, "") for n in tokenwise})
     return Structure(roles, len(dropped), {k: v for k, v in divisor.items() if k not in dropped}), kept
+
+
+def _layer_work(node_layer: dict[str, str], g: _Graph) -> dict[str, set[fx.Node]]:
+    """Per layer its non-cheap activation nodes (what its measured time is spent on)."""
+    work: dict[str, set[fx.Node]] = {}
+    for n in g.nodes:
+        layer = node_layer.get(n.name)
+        if layer is not None and n in g.carries and not is_cheap(n):
+            work.setdefault(layer, set()).add(n)
+    return work
 
 
 def find_tensor_parallel(gm: fx.GraphModule, node_layer: dict[str, str], layers: list[str]) -> Structure:
@@ -319,6 +341,7 @@ def find_tensor_parallel(gm: fx.GraphModule, node_layer: dict[str, str], layers:
 def tensor_parallel_nodes(gm: fx.GraphModule, node_layer: dict[str, str],
                           layers: list[str]) -> tuple[Structure, dict[str, tuple[str, str]]]:
     """The structure and, per fx node name, the (role, group) of every node of a group kept (a
-    group dropped for a layer of mixed roles runs replicated): what a runtime shards."""
+    group dropped for a layer of mixed roles runs replicated) and ``(SEQUENCE, "")`` of every
+    sequence node ([Note: sequence nodes]): what a runtime shards."""
     structure, kept = _found(gm, node_layer, layers)
     return structure, {n.name: pair for n, pair in kept.items()}

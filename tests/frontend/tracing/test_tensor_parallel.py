@@ -34,9 +34,10 @@ def _check(roles: dict[str, tuple[str, str, int]], want: dict[str, tuple[str, st
     assert {n: roles[n] for n in want} == want
     named = set(want)
     others = {n: r for n, r in roles.items() if n not in named}
-    # every layer not named: replicated (norms, adds, position embeddings), or an op inside a
-    # group's region, which is sharded in the group of the row it feeds
-    assert all(r[0] in ("replicated", "sharded") for r in others.values()), others
+    # every layer not named: replicated (position embeddings), sequence (norms, residual adds:
+    # [Note: sequence nodes]), or an op inside a group's region, which is sharded in the group of
+    # the row it feeds
+    assert all(r[0] in ("replicated", "sequence", "sharded") for r in others.values()), others
 
 
 def _llama_like(roles: dict[str, tuple[str, str, int]], heads_gcd: int, inter: int) -> None:
@@ -45,18 +46,18 @@ def _llama_like(roles: dict[str, tuple[str, str, int]], heads_gcd: int, inter: i
     _check(roles, {
         "model.embed_tokens": ("vocab_embedding", "vocab", 64),
         "model.rotary_emb": ("replicated", "", 0),
-        p + "input_layernorm": ("replicated", "", 0),
+        p + "input_layernorm": ("sequence", "", 0),
         p + "self_attn.q_proj": ("column", attn, heads_gcd),
         p + "self_attn.k_proj": ("column", attn, heads_gcd),
         p + "self_attn.v_proj": ("column", attn, heads_gcd),
         "scaled_dot_product_attention": ("sharded", attn, heads_gcd),
         p + "self_attn.o_proj": ("row", attn, heads_gcd),
-        p + "post_attention_layernorm": ("replicated", "", 0),
+        p + "post_attention_layernorm": ("sequence", "", 0),
         p + "mlp.gate_proj": ("column", mlp, inter),
         p + "mlp.act_fn": ("sharded", mlp, inter),
         p + "mlp.up_proj": ("column", mlp, inter),
         p + "mlp.down_proj": ("row", mlp, inter),
-        "model.norm": ("replicated", "", 0),
+        "model.norm": ("sequence", "", 0),
         "lm_head": ("vocab_head", "vocab", 64),
     })
 
@@ -81,7 +82,7 @@ def test_gpt2_fused_qkv_conv1d_and_tied_head() -> None:
     _check(roles, {
         "transformer.wte": ("vocab_embedding", "vocab", 64),
         "transformer.wpe": ("replicated", "", 0),
-        p + "ln_1": ("replicated", "", 0),
+        p + "ln_1": ("sequence", "", 0),
         p + "attn.c_attn": ("column", attn, 6),  # q, k and v in one weight: 6 heads, not 18
         "scaled_dot_product_attention": ("sharded", attn, 6),
         p + "attn.c_proj": ("row", attn, 6),
@@ -106,7 +107,7 @@ def test_bert_post_norm_blocks_and_the_mlm_head() -> None:
         p + "attention.self.key": ("column", attn, 4),
         p + "attention.self.value": ("column", attn, 4),
         p + "attention.output.dense": ("row", attn, 4),
-        p + "attention.output.LayerNorm": ("replicated", "", 0),
+        p + "attention.output.LayerNorm": ("sequence", "", 0),
         p + "intermediate.dense": ("column", mlp, 64),
         p + "output.dense": ("row", mlp, 64),
         "cls.predictions.transform.dense": ("replicated", "", 0),  # a LayerNorm before the decoder
@@ -121,12 +122,12 @@ def _example(name: str, **trace_kwargs: Any) -> LayerGraph:
 
 def test_the_bundled_gpt() -> None:
     roles = _roles(_example("gpt"))
-    want: dict[str, tuple[str, str, int]] = {"tok": ("vocab_embedding", "vocab", 256), "add": ("replicated", "", 0),
-                                             "ln_f": ("replicated", "", 0), "head": ("vocab_head", "vocab", 256)}
+    want: dict[str, tuple[str, str, int]] = {"tok": ("vocab_embedding", "vocab", 256), "add": ("sequence", "", 0),
+                                             "ln_f": ("sequence", "", 0), "head": ("vocab_head", "vocab", 256)}
     for b in range(4):
         attn, mlp = f"attention:blocks.{b}.proj", f"mlp:blocks.{b}.fc2"
-        want |= {f"blocks.{b}.ln1": ("replicated", "", 0), f"blocks.{b}.qkv": ("column", attn, 4),
-                 f"blocks.{b}.proj": ("row", attn, 4), f"blocks.{b}.ln2": ("replicated", "", 0),
+        want |= {f"blocks.{b}.ln1": ("sequence", "", 0), f"blocks.{b}.qkv": ("column", attn, 4),
+                 f"blocks.{b}.proj": ("row", attn, 4), f"blocks.{b}.ln2": ("sequence", "", 0),
                  f"blocks.{b}.fc1": ("column", mlp, 256), f"blocks.{b}.act": ("sharded", mlp, 256),
                  f"blocks.{b}.fc2": ("row", mlp, 256)}
     _check(roles, want)
