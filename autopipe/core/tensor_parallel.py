@@ -20,9 +20,11 @@ per-rank profile (``at_degree``) is the profile with, per layer, by role:
   t where the layer saves split values: ``row`` (its input) and ``sharded``; a column and the
   head save their full input, replicated layers their full values;
 - outputs (``output_bytes``, ``returned_bytes``, the edges they send) over t where the output is
-  split: ``column``, ``sharded``, ``vocab_head`` (the logits, with the loss over them:
-  torch's loss_parallel); the backward's working set splits its parameter part with the
-  weights and the rest with the output, as micro-batch scaling splits it;
+  split: ``column``, ``sharded``; the backward's working set splits its parameter part with the
+  weights and the rest with the output, as micro-batch scaling splits it. The head's logits
+  are all-gathered into the whole vocabulary before the loss, as the runtime does ([Note:
+  tensor parallelism on ranks]): its output and the loss are whole on every rank, the gather
+  (``(t - 1) / t x bytes / bandwidth + (t - 1) x latency``) in its forward;
 - collectives, a ring all-reduce over the t ranks of one host's link each (``allreduce_ms``:
   ``2 (t - 1) / t x bytes / bandwidth + 2 (t - 1) x latency``), added to the layer that waits
   for it, so recomputation repeats it, a split backward's input half holds it and the simulator
@@ -63,12 +65,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autopipe.core.data_parallel import allreduce_ms
+from autopipe.core.data_parallel import allreduce_ms, ring_ms
 from autopipe.core.estimated import ESTIMATED, estimated_from
 from autopipe.errors import PartitionError
 
@@ -77,7 +79,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COLUMN", "ROW", "SHARDED", "VOCAB_EMBEDDING", "VOCAB_HEAD", "REPLICATED", "SEQUENCE", "ROLES",
            "VOCAB_GROUP", "ROLE_COLUMNS", "LayerRole", "Link", "groups", "structure_text",
-           "degrees", "check_degree", "check_sequence", "tp_link", "tp_allreduce_ms", "at_degree"]
+           "degrees", "check_degree", "check_sequence", "tp_link", "tp_allreduce_ms", "tp_allgather_ms",
+           "at_degree"]
 
 COLUMN, ROW, SHARDED = "column", "row", "sharded"
 VOCAB_EMBEDDING, VOCAB_HEAD, REPLICATED = "vocab_embedding", "vocab_head", "replicated"
@@ -89,7 +92,7 @@ ROLE_COLUMNS: tuple[str, ...] = ("tp_role", "tp_group", "tp_divides")
 SPLITS_COMPUTE = frozenset({COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE})
 SPLITS_PARAMS = frozenset({COLUMN, ROW, VOCAB_EMBEDDING, VOCAB_HEAD})
 SPLITS_SAVED = frozenset({ROW, SHARDED, SEQUENCE})  # SEQUENCE: a role under sequence parallelism only
-SPLITS_OUTPUT = frozenset({COLUMN, SHARDED, VOCAB_HEAD, SEQUENCE})
+SPLITS_OUTPUT = frozenset({COLUMN, SHARDED, SEQUENCE})
 SCATTERED = frozenset({ROW, VOCAB_EMBEDDING})  # outputs reduce-scattered under sequence parallelism
 _TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
 _SAVES = ("saved_bytes", "saved_shared_bytes", "saved_input_bytes", "weight_grad_bytes")
@@ -218,6 +221,13 @@ def tp_allreduce_ms(nbytes: Any, degree: int, link: Link) -> Any:
     return allreduce_ms(nbytes, degree, link.ms_per_byte) + 2 * (degree - 1) * link.latency_ms * (nbytes > 0)
 
 
+def tp_allgather_ms(nbytes: Any, degree: int, link: Link) -> Any:
+    """A ring all-gather into ``nbytes`` over ``degree`` ranks of one host (nothing for no bytes)."""
+    if degree <= 1:
+        return 0.0 * nbytes
+    return ring_ms(nbytes, degree, link.ms_per_byte) + (degree - 1) * link.latency_ms * (nbytes > 0)
+
+
 def _effective(roles: list[LayerRole], degree: int, sequence: bool) -> list[str]:
     """Each layer's role at ``degree``: the vocabulary replicated where the degree does not divide
     it, a ``sequence`` layer replicated unless ``sequence`` ([Note: sequence parallelism])."""
@@ -277,21 +287,17 @@ def at_degree(profile: Profile, degree: int, link: Link, sequence: bool = False)
     out_bytes = profile.df["output_bytes"].to_numpy(dtype=np.float64)
     fwd_comm = np.array([out_bytes[i] if role[i] in (ROW, VOCAB_EMBEDDING) else 0.0 for i in range(n)])
     bwd_comm, ratio_of = _backward_comm(profile, role, index, roles)
+    gathered = np.array([out_bytes[i] if role[i] == VOCAB_HEAD else 0.0 for i in range(n)])
     for col in _sizes(df, "fwd_ms"):
         rows = _ratio(profile.df, col, "fwd_ms", np.arange(n))
-        df[col] = df[col] + tp_allreduce_ms(fwd_comm * rows, degree, link)
+        df[col] = df[col] + tp_allreduce_ms(fwd_comm * rows, degree, link) + tp_allgather_ms(gathered * rows,
+                                                                                             degree, link)
     for base in ("bwd_ms", "bwd_input_ms"):
         for col in _sizes(df, base):
             rows = _ratio(profile.df, col.replace(base, "fwd_ms"), "fwd_ms", ratio_of)
             df[col] = df[col] + tp_allreduce_ms(bwd_comm * rows, degree, link)
-    corrections = profile.corrections
-    if VOCAB_HEAD in role and corrections.loss is not None:  # the loss over 1/t of the logits
-        loss = corrections.loss
-        corrections = replace(corrections, loss=replace(
-            loss, fwd_ms=loss.fwd_ms / degree, bwd_ms=loss.bwd_ms / degree,
-            held_bytes=round(loss.held_bytes / degree), peak_bytes=round(loss.peak_bytes / degree)))
     meta = {**profile.meta, "tensor_parallel": degree, "sequence_parallel": sequence}
-    return profile._derived(df, edges, meta, corrections)
+    return profile._derived(df, edges, meta, profile.corrections)  # the loss: over whole logits
 
 
 def _backward_comm(profile: Profile, role: list[str], index: dict[str, int],
