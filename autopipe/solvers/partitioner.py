@@ -250,12 +250,12 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
                              f"with D x {stages} = the number of devices")
     batch = global_batch(profile, args["batch_size"], data_parallel)
     counts = replica_counts(data_parallel, None if pool is None else len(pool), batch, args["chunks"])
-    per_rank = stages_per_rank(args["schedule"]) if args["schedule"] != "auto" else 1
-    ranks = stages // per_rank if isinstance(stages, int) else stages
+    per_rank = max(stages_per_rank(s) for s in (SCHEDULES if args["schedule"] == "auto" else [args["schedule"]]))
+    ranks = stages // per_rank if isinstance(stages, int) else stages  # the fewest it could take
     if isinstance(ranks, int) and pool is not None and ranks > len(pool) // counts[0]:
         raise PartitionError(f"stages={stages} with data_parallel={counts[0]} needs "
                              f"{counts[0] * ranks} devices, got {len(pool)}; give more devices or "
-                             f"stages <= {len(pool) // counts[0]}")
+                             f"stages <= {per_rank * (len(pool) // counts[0])}")
 
     def solve(d: int) -> Plan:
         replica = {"devices": None if pool is None else replica_devices(pool, d),
@@ -365,9 +365,10 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
     if schedule in MULTI_STAGE_SCHEDULES and len({d.name for d in pool}) < len(pool):
         raise PartitionError(f"a search takes devices as the pool to choose ranks from, each "
                              f"listed once; {schedule} then runs two stages on each")
-    if isinstance(stages, int) and stages > len(pool):
-        raise PartitionError(f"stages={stages} but only {len(pool)} devices given; use stages <= "
-                             f"{len(pool)} or 'auto'")
+    per_rank = {stages_per_rank(s) for s in (SCHEDULES if schedule == "auto" else [schedule])}
+    if isinstance(stages, int) and not any(stages % p == 0 and stages // p <= len(pool) for p in per_rank):
+        most = [f"{'an even ' * (p > 1)}stages <= {p * len(pool)}" for p in sorted(per_rank)]  # p a rank
+        raise PartitionError(f"stages={stages} but only {len(pool)} devices given; use {', '.join(most)} or 'auto'")
     ranks = list(range(1, len(pool) + 1)) if stages == "auto" else [int(stages or len(pool))]
     if isinstance(chunks, int):
         counts = [chunks]

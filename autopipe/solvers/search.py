@@ -125,7 +125,7 @@ class _Search:
                 ranks = [fixed // per_rank] if fixed % per_rank == 0 else []
             for w in ranks:
                 k = w * per_rank
-                if k > self.n or (per_rank > 1 and (w < 2 or not distinct)):
+                if k > self.n or w > len(self.pool) or (per_rank > 1 and (w < 2 or not distinct)):
                     continue
                 speeds = [d.speed for d in _pick(self.pool, w)]
                 for m in self.setting.chunks:

@@ -222,3 +222,17 @@ def test_a_baseline_that_cannot_keep_the_groups_whole_says_so_in_one_line() -> N
     with pytest.raises(PartitionError, match=r"method='uniform' cannot split 20 layers into 11 stages without "
                                              r"cutting a TP group.*method='exact'$"):
         partition(_blocks(4), stages=11, tensor_parallel=2, method="uniform", **ONE)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "auto"])
+def test_a_search_of_interleaved_stages_takes_two_a_rank(schedule: str) -> None:
+    # stages=4 on TP 2 x DP 2 of 8 devices leaves each replica 2 ranks: interleaved, two stages
+    # each, as the runtime places them (a search refused it: "stages=4 but only 2 devices")
+    kw = dict(stages=4, devices=8, tensor_parallel=2, data_parallel=2, batch_size=32, progress=False)
+    plan = partition(_tokens(8), chunks="auto", schedule=schedule, **kw)  # type: ignore[arg-type]
+    assert plan.schedule == "interleaved1f1b" and plan.num_stages == 4
+    assert [d.name for d in plan.devices] == ["stage0", "stage2", "stage0", "stage2"]
+    fixed = partition(_tokens(8), chunks=plan.chunks, schedule="interleaved1f1b", **kw)  # type: ignore[arg-type]
+    assert plan.iteration_time == pytest.approx(fixed.iteration_time)
+    with pytest.raises(PartitionError, match=r"stages=6 with data_parallel=2 needs 6 devices, got 4; give more devices or stages <= 4$"):
+        partition(_tokens(8), chunks="auto", schedule=schedule, **{**kw, "stages": 6})  # type: ignore[arg-type]
