@@ -20,7 +20,7 @@ transformer-block counts, one micro-batch of the local batch without PP and micr
 one row with it, every transformer block recomputed alone, each its own segment (full activation
 checkpointing: one checkpoint per block). autopipe's row: the fastest of ``partition(stages=K,
 tensor_parallel=T, data_parallel=D, ...)`` over every mesh K x T x D of the GPUs with K <= 16 and
-T <= 8, the split, the micro-batches (down to one row) and the recomputation (``"auto"``: whole
+T <= 8, each pipeline under 1F1B and under interleaved 1F1B (2K stages), the split, the micro-batches (down to one row) and the recomputation (``"auto"``: whole
 stages, single layers, or blocks alone where nothing else fits) chosen by the planner, FSDP,
 within the sheet's 96 GiB. Memory limits are lifted on their meshes so that a row prints what it
 needs.
@@ -118,30 +118,34 @@ def theirs(prof: Profile, shape: str, schedule: str, sequence: bool = False) -> 
 
 def ours(prof: Profile, shape: str, most_stages: int, sequence: bool = False) -> tuple[Plan | None, list[str]]:
     """The fastest plan that fits over the meshes PP x TP x DP of the GPUs with at most
-    ``most_stages`` stages, TP inside a host of 8 (and split by tokens where ``sequence``)."""
+    ``most_stages`` pipeline ranks, TP inside a host of 8 (and split by tokens where
+    ``sequence``), each pipeline under 1F1B and interleaved 1F1B (two stages a rank)."""
     gpus, batch, *_ = TITAN[shape]
     best: Plan | None = None
     tried = []
-    for k in (k for k in (1, 2, 4, 8, 16) if k <= most_stages):
-        for t in (1, 2, 4, 8):
-            d = gpus // (k * t)
-            if batch % d:
-                continue
-            start = time.perf_counter()
-            try:
-                plan = autopipe.partition(prof, stages=k, devices=gpus, tensor_parallel=t, data_parallel=d,
-                                          dp_mode="fsdp", chunks="auto", batch_size=batch, recompute="auto",
-                                          schedule="1f1b" if k > 1 else "gpipe", max_chunks=batch // d, method="exact",
-                                          sequence_parallel=sequence and t > 1, progress=False)
-            except PartitionError as err:
-                tried.append(f"PP {k} x TP {t} x DP {d}: {str(err).splitlines()[0][:100]}")
-                print(tried[-1], file=sys.stderr, flush=True)
-                continue
-            tried.append(f"PP {k} x TP {t} x DP {d}: {plan.iteration_time / 1e3:.2f} s, "
-                         f"{max(plan.device_memory.values()) / GIB:.1f} GiB ({time.perf_counter() - start:.0f} s to plan)")
+    meshes = [(k, t, schedule) for k in (1, 2, 4, 8, 16) if k <= most_stages for t in (1, 2, 4, 8)
+              for schedule in (("1f1b", "interleaved1f1b") if k > 1 else ("gpipe",))]
+    for k, t, schedule in meshes:
+        d = gpus // (k * t)
+        if batch % d:
+            continue
+        stages = 2 * k if schedule == "interleaved1f1b" else k
+        name = f"PP {k} x TP {t} x DP {d}, {schedule}"
+        start = time.perf_counter()
+        try:
+            plan = autopipe.partition(prof, stages=stages, devices=gpus, tensor_parallel=t, data_parallel=d,
+                                      dp_mode="fsdp", chunks="auto", batch_size=batch, recompute="auto",
+                                      schedule=schedule, max_chunks=batch // d, method="exact",
+                                      sequence_parallel=sequence and t > 1, progress=False)
+        except PartitionError as err:
+            tried.append(f"{name}: {str(err).splitlines()[0][:100]}")
             print(tried[-1], file=sys.stderr, flush=True)
-            if best is None or plan.iteration_time < best.iteration_time:
-                best = plan
+            continue
+        tried.append(f"{name}: {plan.iteration_time / 1e3:.2f} s, "
+                     f"{max(plan.device_memory.values()) / GIB:.1f} GiB ({time.perf_counter() - start:.0f} s to plan)")
+        print(tried[-1], file=sys.stderr, flush=True)
+        if best is None or plan.iteration_time < best.iteration_time:
+            best = plan
     return best, tried
 
 

@@ -24,5 +24,5 @@ def test_the_mesh_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     # no named blocks in this profile: every layer but the last, alone, one segment a stage
     assert cells[0][2].endswith("39 layers recomputed in 8 segments")
     err = capsys.readouterr().err
-    planned = [float(s) for s in re.findall(r"PP \d+ x TP \d+ x DP \d+: ([\d.]+) s,", err)]
+    planned = [float(s) for s in re.findall(r"PP \d+ x TP \d+ x DP \d+, \w+: ([\d.]+) s,", err)]
     assert planned and float(cells[2][3]) == min(planned)  # both printed to the hundredth of a second
