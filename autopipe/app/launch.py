@@ -184,18 +184,21 @@ def prepare(config: RunConfig, work_dir: str | os.PathLike[str]) -> tuple[RunCon
 
 def layout(config: RunConfig, plan: Plan, where: str) -> str:
     """Which layers each rank runs, with the plan's predicted time per micro-batch."""
-    d = int(config.data_parallel or 1)
-    w = config.nproc // d
+    d, t = int(config.data_parallel or 1), plan.tensor_parallel
+    w = config.nproc // d // t  # pipeline ranks of a replica; global rank (r x w + s) x t + j
     micro = math.ceil((config.batch_size or 1) // d / (config.chunks or 1))
     spans = plan.spans()
     wide = max(len("first .. last"), *(len(x) for x in spans))
     each = f"{d} replicas ({config.dp_mode}) of {config.batch_size // d if config.batch_size else 1} rows, " if d > 1 else ""
-    ranks = [",".join(str(s % w + r * w) for r in range(d)) for s in range(len(plan.stages))]
+    ranks = [",".join(str((r * w + stage_rank(config.schedule or plan.schedule, s, w)) * t + j) for r in range(d)
+                      for j in range(t))
+             for s in range(len(plan.stages))]  # [Note: the (dp, pp, tp) mesh]
+    mesh = f", each stage over TP {t}{' split by tokens' * plan.sequence_parallel}" if t > 1 else ""
     rw = max(4, *(len(x) for x in ranks))
     amp = "" if config.precision == "fp32" else f", precision={config.precision}"
     lines = [f"{config.model} on {config.nproc} ranks ({config.schedule}, recompute={config.recompute}{amp}): "
              f"batch {config.batch_size} {'as ' + each if each else ''}in {config.chunks} micro-batches of "
-             f"{micro} rows; plan {where}",
+             f"{micro} rows{mesh}; plan {where}",
              f"{'rank':>{rw}}  {'stage':>5}  {'layers':>6}  {'first .. last':<{wide}}  {'ms per micro-batch':>18}"]
     for s, names in enumerate(plan.stages):
         lines.append(f"{ranks[s]:>{rw}}  {s:>5}  {len(names):>6}  {spans[s]:<{wide}}  "

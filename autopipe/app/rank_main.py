@@ -152,7 +152,7 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
             norm = float(pipe.clip_grad_norm_(config.clip_grad))
         scaler.step(opt)
         scaler.update()
-        if loss is not None and pipe.dp_rank == 0:
+        if loss is not None and pipe.dp_rank == 0 and pipe.tp_rank == 0:  # a TP group's ranks: one loss
             losses.append(float(loss))
             clipped = "" if norm is None else f"  grad norm {norm:.4f}"
             print(f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}{clipped}", flush=True)
@@ -162,10 +162,11 @@ def train(config: RunConfig, progress: Progress | None = None) -> list[float]:
                                                  "grad_scaler": scaler.state_dict()})
     elapsed = time.perf_counter() - start
     timed = max(config.steps - first - 1, 1)
-    if pipe.is_last and pipe.dp_rank == 0 and first < config.steps:
+    if pipe.is_last and pipe.dp_rank == 0 and pipe.tp_rank == 0 and first < config.steps:
         each = f"{pipe.dp_size} replicas ({config.dp_mode or 'ddp'}) x " if pipe.dp_size > 1 else ""
         amp = "" if config.precision == "fp32" else f", {config.precision}"
-        print(f"{config.model}: {each}{pipe.pp_size} ranks x {len(pipe.stages)} stage(s), {schedule}{amp}, "
+        tp = f" x TP {plan.tensor_parallel}" if plan is not None and plan.tensor_parallel > 1 else ""
+        print(f"{config.model}: {each}{pipe.pp_size} ranks{tp} x {len(pipe.stages)} stage(s), {schedule}{amp}, "
               f"chunks={chunks}, batch {batch}: {timed * batch / elapsed:.1f} samples/s", flush=True)
     return losses
 
