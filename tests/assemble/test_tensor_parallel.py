@@ -231,10 +231,9 @@ def test_a_tp_checkpoint_loads_under_pp4_and_into_the_plain_model(ranks: list[An
 @pytest.mark.timeout(200)
 def test_sequence_parallel_refuses_a_step_of_tokens_the_degree_does_not_divide(ranks: list[Any]) -> None:
     n = CASES.index(("gpt", "gpipe", 2, 1, "ddp", False, True))
+    if torch.__version__ < "2.13" and "its stages fix it" in ranks[0][n]["odd"]:
+        return  # torch 2.11's symbolic run fixes the gpt's 4 tokens: no other count reaches the split
     for rank in range(WORLD):
-        if "its stages fix it" in ranks[rank][n]["odd"]:  # torch 2.11's symbolic run fixes the 4 tokens
-            assert torch.__version__ < "2.13", ranks[rank][n]["odd"]
-            continue
         assert ranks[rank][n]["odd"] == ("DistributedError: sequence parallelism splits the 3 tokens over "
                                          "tensor_parallel=2 ranks, which do not divide them: pad the sequence to "
                                          "a multiple of 2, or plan with sequence_parallel=False"), rank
