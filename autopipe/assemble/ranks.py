@@ -254,7 +254,7 @@ def distributed_pipeline(
     else:
         warn_precision_mismatch(plan.precision, precision, "plan")
     modes = runtime_recompute(plan, given)
-    roles = tp_ranks.roles_of(graph, degree) if degree > 1 else None
+    roles = tp_ranks.roles_of(graph, degree, plan.sequence_parallel) if degree > 1 else None
     stages = build(model, plan, graph)
     if roles is not None:
         tp_ranks.check_cuts(stages, roles)
@@ -276,6 +276,7 @@ def distributed_pipeline(
     if roles is not None:  # this rank's stages split over its TP group, the ties' copies with them
         mesh = tp_ranks.mesh_of(layout.replicas, world, degree, here, timeout, first_step_timeout)
         ties = tp_ranks.split_ties(ties, tp_ranks.split_stages(stages, mine, roles, mesh))
+        wires = tp_ranks.split_wires(wires, stages, roles, degree)  # [Note: sequence parallelism on ranks]
     _free_others(model, [stages[i] for i in mine])
     decision = plan.decision.replace(  # with this call's overrides ([Note: a plan's decision])
         chunks=chunks, recompute=modes, schedule=schedule, precision=precision,

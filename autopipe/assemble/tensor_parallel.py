@@ -9,6 +9,7 @@ collective (each rank traced the same model).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,17 +20,18 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopipe.core.plan import Plan
-from autopipe.core.tensor_parallel import COLUMN, SHARDED, VOCAB_GROUP
+from autopipe.core.tensor_parallel import COLUMN, SHARDED, VOCAB_EMBEDDING, VOCAB_GROUP
 from autopipe.errors import BuildError
 from autopipe.frontend.building.stages import RecomputedLayer
 from autopipe.frontend.building.tensor_parallel import shard_stage
 from autopipe.frontend.tracing.graph import LayerGraph
 from autopipe.frontend.tracing.tensor_parallel import tensor_parallel_nodes
-from executor.ranks.tensor_parallel import TensorParallelOps, tensor_parallel_mesh
+from executor.ranks.tensor_parallel import TensorParallelOps, tensor_parallel_mesh, tokens_error
 from executor.ranks.watchdog import StepLimits
+from executor.ranks.wire import Wire
 
 __all__ = ["degree_of", "check_world", "check_replicas", "TensorParallelRoles", "roles_of", "check_cuts", "split_stages", "mesh_of",
-           "split_ties"]
+           "split_ties", "split_wires"]
 
 
 def degree_of(plan: Plan | None) -> int:
@@ -62,10 +64,12 @@ class TensorParallelRoles:
 
     nodes: dict[str, tuple[str, str]]
     vocab: bool
+    tokens: frozenset[str] = frozenset()  # split by tokens under sequence parallelism, else empty
 
 
-def roles_of(graph: LayerGraph, degree: int) -> TensorParallelRoles:
-    """What the trace says to split at ``degree``, or one line for a model it cannot split so."""
+def roles_of(graph: LayerGraph, degree: int, sequence: bool = False) -> TensorParallelRoles:
+    """What the trace says to split at ``degree`` (by tokens too where ``sequence``), or one line
+    for a model it cannot split so."""
     structure, nodes = tensor_parallel_nodes(graph.gm, graph.node_layer, graph.layers)
     if not structure.groups:
         raise BuildError(f"tensor_parallel={degree}: the model has no tensor-parallel structure (no column -> "
@@ -77,7 +81,18 @@ def roles_of(graph: LayerGraph, degree: int) -> TensorParallelRoles:
                     if name.startswith("attention") else f"the {div} features of group {name}")
             raise BuildError(f"tensor_parallel={degree} does not divide {what}; use one of {ok}")
     vocab = structure.groups.get(VOCAB_GROUP, 0)
-    return TensorParallelRoles(nodes, bool(vocab) and vocab % degree == 0)
+    if sequence:  # [Note: sequence parallelism on ranks]
+        _check_tokens(graph, structure.tokens, degree)
+    return TensorParallelRoles(nodes, bool(vocab) and vocab % degree == 0,
+                               structure.tokens if sequence else frozenset())
+
+
+def _check_tokens(graph: LayerGraph, tokens: frozenset[str], degree: int) -> None:
+    """The example's tokens (each split value's second-to-last size) divide by the degree."""
+    for node in graph.gm.graph.nodes:
+        val = node.meta.get("val") if node.name in tokens else None
+        if isinstance(val, torch.Tensor) and val.shape[-2] % degree:
+            raise BuildError(tokens_error(int(val.shape[-2]), degree))
 
 
 def check_cuts(stages: Sequence[fx.GraphModule], roles: TensorParallelRoles) -> None:
@@ -115,10 +130,31 @@ def split_stages(stages: Sequence[fx.GraphModule], mine: Sequence[int], roles: T
     ops = TensorParallelOps(mesh)
     made: dict[int, nn.Parameter] = {}
     for i in mine:
-        shard_stage(stages[i], roles.nodes, ops, vocab=roles.vocab, made=made)
-        for _, segment in _segments(stages[i]):  # whole groups (check_cuts): rewritten as stages are
-            shard_stage(segment, roles.nodes, ops, vocab=roles.vocab, made=made)
+        segments = _segments(stages[i])  # read before the stage's rewrite, which reads their outputs
+        shard_stage(stages[i], roles.nodes, ops, vocab=roles.vocab, made=made, sequence=roles.tokens,
+                    last=i == len(stages) - 1)
+        for _, segment in segments:  # whole groups (check_cuts): rewritten as stages are
+            shard_stage(segment, roles.nodes, ops, vocab=roles.vocab, made=made, sequence=roles.tokens, last=False)
     return made
+
+
+def split_wires(wires: Sequence[tuple[Wire, ...]], stages: Sequence[fx.GraphModule], roles: TensorParallelRoles,
+                degree: int) -> list[tuple[Wire, ...]]:
+    """The wires of the cuts between stages with the values split by tokens carrying 1/``degree``
+    of them ([Note: sequence parallelism on ranks]): cut i is stage i's inputs."""
+    out = [tuple(cut) for cut in wires]
+    for i in range(1, len(stages)):
+        names = [n.name for n in stages[i].graph.nodes if n.op == "placeholder"]
+        split = [n in roles.tokens and (roles.vocab or roles.nodes.get(n, ("", ""))[0] != VOCAB_EMBEDDING)
+                 for n in names]
+        out[i] = tuple(_split_wire(w, out[i], split, k, degree) for k, w in enumerate(out[i]))
+    return out
+
+
+def _split_wire(wire: Wire, cut: tuple[Wire, ...], split: list[bool], k: int, degree: int) -> Wire:
+    if wire.kind == "view" and split[wire.value]:
+        return dataclasses.replace(wire, kind="tensor")  # its source crosses split; it, whole
+    return wire.split_tokens(degree) if split[k] and wire.kind == "tensor" else wire
 
 
 def mesh_of(replicas: int, pp_size: int, degree: int, device: torch.device, timeout: float | None,

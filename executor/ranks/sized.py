@@ -137,6 +137,8 @@ class SizedSchedules:
                 self._built.move_to_end(sizes)
                 return self._built[sizes][1]
             at = [tuple(w.at(sizes) for w in cut) for cut in self.wires]
+        except DistributedError:
+            raise  # its own line (sequence parallelism's tokens)
         except ValueError as err:
             raise DistributedError(f"cannot size the pipeline's cuts for inputs {list(sizes)}: {err}; "
                                    "pass inputs shaped like the example") from None

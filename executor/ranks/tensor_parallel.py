@@ -15,6 +15,13 @@ gradient of the whole weight; ``embedding`` looks up the ids of this rank's voca
 (the rest zero) and all-reduces. A split parameter is a DTensor ``Shard(dim)`` on the "tp"
 mesh dimension: DCP saves shards, FSDP2 shards it again over "dp", ``full_tensor`` gathers it.
 
+Under sequence parallelism the tokens (a value's second-to-last dimension) split too:
+``reduce(tokens=True)`` reduce-scatters them (its gradient all-gathered), ``copy(tokens=True)``
+all-gathers them before a column (its gradient reduce-scattered), ``whole_tokens`` all-gathers
+them for a replicated reader (its gradient sliced), ``slice_tokens`` takes rank j's of a whole
+value (its gradient all-gathered), and ``embedding(tokens=True)`` reduce-scatters the lookup.
+Each refuses in one line a token count the degree does not divide.
+
 [Note: the (dp, pp, tp) mesh] The plan's rank order (autopipe/solvers/tensor_parallel_search.py,
 [Note: the mesh]): global rank ``(r x K + s) x t + j`` for TP rank j of pipeline rank s of
 replica r: ``init_device_mesh(type, (D, K, t), mesh_dim_names=("dp", "pp", "tp"))``. A TP group
@@ -38,7 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 from executor._torch_compat import mesh_group_options
 from executor.errors import DistributedError
 
-__all__ = ["MESH_DIMS", "tensor_parallel_mesh", "TensorParallelOps"]
+__all__ = ["MESH_DIMS", "tensor_parallel_mesh", "TensorParallelOps", "tokens_error", "token_share"]
 
 MESH_DIMS = ("dp", "pp", "tp")
 
@@ -116,6 +123,95 @@ class _PartRows(torch.autograd.Function):
         return _all_reduce(whole, ctx.group), None, None, None, None
 
 
+def tokens_error(tokens: int, degree: int) -> str:
+    """The one line for a token count the TP degree does not divide."""
+    return (f"sequence parallelism splits the {tokens} tokens over tensor_parallel={degree} ranks, which do not "
+            f"divide them: pad the sequence to a multiple of {degree}, or plan with sequence_parallel=False")
+
+
+def token_share(shape: Sequence[int], degree: int) -> tuple[int, ...]:
+    """One rank's share of ``shape``'s tokens (dimension -2), or the one line for a count the
+    degree does not divide (every rank raises it alike, before any collective)."""
+    if degree == 1:
+        return tuple(shape)
+    if len(shape) < 2 or shape[-2] % degree:
+        raise DistributedError(tokens_error(int(shape[-2]) if len(shape) >= 2 else 0, degree))
+    return (*shape[:-2], shape[-2] // degree, shape[-1])
+
+
+def _check_tokens(x: Tensor, degree: int) -> None:
+    token_share(x.shape, degree)
+
+
+def _gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's tokens (dimension -2), in rank order."""
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-2)
+
+
+def _scatter_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum over the group of this rank's share of the tokens (a reduce-scatter)."""
+    degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_tokens(x, degree)
+    if dist.get_backend(group) == "nccl":  # reduce_scatter_tensor splits dimension 0
+        front = x.movedim(-2, 0).contiguous()
+        out = front.new_empty((front.shape[0] // degree, *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, group=group)
+        return out.movedim(0, -2).contiguous()
+    return _all_reduce(x, group).chunk(degree, -2)[rank].contiguous()  # gloo: no reduce-scatter
+
+
+def _slice_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    degree = dist.get_world_size(group)
+    _check_tokens(x, degree)
+    return x.chunk(degree, -2)[dist.get_rank(group)].contiguous()
+
+
+class _ScatterTokens(torch.autograd.Function):  # a row's g under sequence parallelism
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _scatter_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_tokens(grad, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):  # a column's f under sequence parallelism
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _scatter_tokens(grad, ctx.group), None
+
+
+class _WholeTokens(torch.autograd.Function):  # for a reader every rank runs alike
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _slice_tokens(grad, ctx.group), None
+
+
+class _SliceTokens(torch.autograd.Function):  # a whole value entering the split tokens
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _slice_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_tokens(grad, ctx.group), None
+
+
 class _Collective(nn.Module):
     def __init__(self, kind: Any, group: dist.ProcessGroup) -> None:
         super().__init__()
@@ -138,9 +234,11 @@ class _VocabEmbedding(nn.Module):
     """Rows ``start`` .. ``start + size`` of a vocabulary: their ids looked up, the rest zero, summed
     over the group."""
 
-    def __init__(self, start: int, size: int, padding_idx: int | None, group: dist.ProcessGroup) -> None:
+    def __init__(self, start: int, size: int, padding_idx: int | None, group: dist.ProcessGroup,
+                 tokens: bool = False) -> None:
         super().__init__()
         self.start, self.size, self.group = start, size, group
+        self.sum: Any = _ScatterTokens if tokens else _Reduce
         inside = padding_idx is not None and start <= padding_idx < start + size
         self.padding_idx = padding_idx - start if inside and padding_idx is not None else None
 
@@ -149,7 +247,7 @@ class _VocabEmbedding(nn.Module):
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
         out = F.embedding(local, weight, padding_idx=self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return _Reduce.apply(out, self.group)  # type: ignore[no-any-return]
+        return self.sum.apply(out, self.group)  # type: ignore[no-any-return]
 
 
 class TensorParallelOps:
@@ -164,11 +262,17 @@ class TensorParallelOps:
         self.group = mesh.get_group("tp")
         self.degree, self.rank = mesh.size(2), mesh.get_local_rank("tp")
 
-    def copy(self) -> nn.Module:
-        return _Collective(_Copy, self.group)
+    def copy(self, tokens: bool = False) -> nn.Module:
+        return _Collective(_GatherTokens if tokens else _Copy, self.group)
 
-    def reduce(self) -> nn.Module:
-        return _Collective(_Reduce, self.group)
+    def reduce(self, tokens: bool = False) -> nn.Module:
+        return _Collective(_ScatterTokens if tokens else _Reduce, self.group)
+
+    def whole_tokens(self) -> nn.Module:
+        return _Collective(_WholeTokens, self.group)
+
+    def slice_tokens(self) -> nn.Module:
+        return _Collective(_SliceTokens, self.group)
 
     def gather(self) -> nn.Module:
         return _Collective(_Gather, self.group)
@@ -176,8 +280,8 @@ class TensorParallelOps:
     def part_rows(self, sizes: Sequence[int]) -> nn.Module:
         return _PartRowsOf(sizes, self.rank, self.degree, self.group)
 
-    def embedding(self, start: int, size: int, padding_idx: int | None) -> nn.Module:
-        return _VocabEmbedding(start, size, padding_idx, self.group)
+    def embedding(self, start: int, size: int, padding_idx: int | None, tokens: bool = False) -> nn.Module:
+        return _VocabEmbedding(start, size, padding_idx, self.group, tokens)
 
     def parameter(self, local: Tensor, dim: int, requires_grad: bool) -> nn.Parameter:
         split = DTensor.from_local(local.detach(), self.tp_mesh, [Shard(dim)], run_check=False)

@@ -59,6 +59,7 @@ from executor.precision import precision_autocast
 from executor.ranks.messages import Slot, layout, message_metas, pack, unpack
 from executor.ranks.split_backward import WeightGrads, split_backward, split_call
 from executor.ranks.symbolic import SymbolicRun, evaluate, symbolic_run
+from executor.ranks.tensor_parallel import token_share
 from executor.recompute import Checkpointing
 
 __all__ = ["Wire", "WireStage", "infer_wires", "wire_metas", "cut_metas", "slots", "Sizes", "input_sizes",
@@ -85,6 +86,7 @@ class Wire:
     requires_grad: bool = False
     # the shape as formulas of the input sizes ([Note: wires at other sizes]), or None
     shape_formula: tuple[Any, ...] | None = None
+    parts: int = 1  # >1: each of a TP group's ranks sends 1/parts of the tokens (dim -2) of the formulas'
 
     @staticmethod
     def of(value: Any) -> Wire:
@@ -103,8 +105,12 @@ class Wire:
         """This wire for model inputs of ``sizes`` (itself when it has no formulas)."""
         if self.shape_formula is None:
             return self
-        shape = tuple(evaluate(f, sizes) for f in self.shape_formula)
+        shape = token_share(tuple(evaluate(f, sizes) for f in self.shape_formula), self.parts)
         return replace(self, shape=shape, stride=_contiguous(shape))
+
+    def split_tokens(self, parts: int) -> Wire:  # carrying 1/parts of its tokens (sequence parallelism)
+        shape = token_share(self.shape, parts)
+        return replace(self, shape=shape, stride=_contiguous(shape), parts=parts)
 
     def meta(self) -> Tensor | None:
         """An example of the tensor on the wire (meta device), or None for a constant."""
@@ -329,13 +335,9 @@ class WireStage(nn.Module):
         last: bool, device: torch.device, precision: str = "fp32", split: bool = False,
     ) -> None:
         super().__init__()
-        self.stage = stage
-        self.precision = precision
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
-        self.first, self.last = first, last
-        self.device = device
-        self.recompute = False
+        self.stage, self.precision, self.device = stage, precision, device
+        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self.first, self.last, self.recompute = first, last, False
         self.weight_grads = WeightGrads(lambda: self.stage.parameters()) if split else None
         self._spec: TreeSpec | None = None
         self._consts: list[tuple[int, Any]] = []
@@ -351,8 +353,7 @@ class WireStage(nn.Module):
     def _size_cuts(self, inputs: Sequence[Wire], outputs: Sequence[Wire]) -> None:
         self._sized_inputs = tuple(inputs)  # a view's shape at these sizes ([Note: a view crosses once])
         self._in, self._out = slots(inputs), slots(outputs)
-        # under recomputation or a split backward, which output messages get a gradient back
-        # (as run plainly)
+        # under recomputation or a split backward, which output messages get a gradient back (run plainly)
         self._needs = [m.kind == "cat" or (m.kind == "alone" and self._out[m.members[0]].requires_grad)
                        for m in layout(self._out)]
 

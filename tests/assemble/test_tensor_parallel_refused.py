@@ -48,6 +48,17 @@ def _gpt_graph() -> Any:
     return trace(model, (torch.randint(0, 16, (2, 4)),))
 
 
+def test_sequence_parallel_refuses_an_example_of_tokens_the_degree_does_not_divide() -> None:
+    graph = trace(TinyGPT(vocab=16, dim=8, heads=2, layers=1, max_len=4), (torch.randint(0, 16, (2, 3)),))
+    assert roles_of(graph, 2).tokens == frozenset()  # without sequence parallelism: taken
+    with pytest.raises(BuildError, match=r"^sequence parallelism splits the 3 tokens over tensor_parallel=2 "
+                                         r"ranks, which do not divide them: pad the sequence to a multiple of 2, "
+                                         r"or plan with sequence_parallel=False$") as err:
+        roles_of(graph, 2, sequence=True)
+    _one_line(err)
+    assert {"add", "ln_f", "blocks_0_proj", "tok"} <= roles_of(_gpt_graph(), 2, sequence=True).tokens
+
+
 def test_a_degree_the_heads_do_not_take_is_refused() -> None:
     graph = _gpt_graph()
     assert roles_of(graph, 2).vocab  # 16 words split too

@@ -4,4 +4,5 @@
     weights.py      named tensors from weights files, read a few at a time
     materialize.py  meta-built stages made real one at a time, from weights or an init
     tensor_parallel.py  a stage rewritten for one rank of a tensor-parallel group
+    sequence_parallel.py  the same stage's values between groups on the rank's tokens only
 """

@@ -25,7 +25,9 @@ al. 2019), with plain tensors inside the graph and the collectives the ``ops`` g
   whole vocabulary (``ops.gather()``) before the loss: every rank of the last stage computes the
   same loss on the same logits (simple and exact; a vocab-parallel loss would save the gather);
 - everything else is replicated: every TP rank runs it on the same values, so a cut's values
-  are whole tensors and TP rank j of stage s sends to TP rank j of stage s + 1.
+  are whole tensors and TP rank j of stage s sends to TP rank j of stage s + 1; under sequence
+  parallelism the values between groups hold rank j's tokens only ([Note: sequence parallelism
+  on ranks] in autopipe/frontend/building/sequence_parallel.py).
 
 The parameters stay under the model's names: a split one is a DTensor on the TP mesh, which
 DCP saves as shards and reshards on load and FSDP2 shards again over the replicas; a tensor tied
@@ -44,6 +46,7 @@ from torch import Tensor, fx, nn
 
 from autopipe.core.tensor_parallel import COLUMN, ROW, SHARDED, VOCAB_EMBEDDING, VOCAB_HEAD
 from autopipe.errors import BuildError
+from autopipe.frontend.building.sequence_parallel import SequenceSplit
 from autopipe.frontend.tracing.tensor_parallel import op_name
 
 __all__ = ["TensorParallelOps", "shard_stage"]
@@ -55,11 +58,13 @@ class TensorParallelOps(Protocol):
     degree: int
     rank: int
 
-    def copy(self) -> nn.Module: ...  # identity forward, gradient all-reduced
-    def reduce(self) -> nn.Module: ...  # all-reduce forward, gradient as is
+    def copy(self, tokens: bool = False) -> nn.Module: ...  # identity forward, gradient all-reduced
+    def reduce(self, tokens: bool = False) -> nn.Module: ...  # all-reduce forward, gradient as is
+    def whole_tokens(self) -> nn.Module: ...  # tokens all-gathered, gradient sliced
+    def slice_tokens(self) -> nn.Module: ...  # rank j's tokens, gradient all-gathered
     def gather(self) -> nn.Module: ...  # last dimension all-gathered, gradient sliced
     def part_rows(self, sizes: Sequence[int]) -> nn.Module: ...  # rows j of each part, gradient all-reduced
-    def embedding(self, start: int, size: int, padding_idx: int | None) -> nn.Module: ...
+    def embedding(self, start: int, size: int, padding_idx: int | None, tokens: bool = False) -> nn.Module: ...
     def parameter(self, local: Tensor, dim: int, requires_grad: bool) -> nn.Parameter: ...  # DTensor Shard(dim)
 
 
@@ -99,6 +104,8 @@ class _Stage:
         self.split: dict[fx.Node, int] = {}  # local values -> their split dimension
         self.copies: dict[tuple[fx.Node, str], fx.Node] = {}
         self.count = 0
+        self.vocab = vocab
+        self.sp: SequenceSplit | None = None  # [Note: sequence parallelism on ranks]
 
     def fail(self, node: fx.Node, why: str) -> BuildError:
         group = self.groups.get(node, "")
@@ -169,10 +176,13 @@ class _Stage:
 
     def copied(self, x: fx.Node, group: str, before: fx.Node) -> fx.Node:
         """``x`` through the group's f (one per value and group), placed after ``x``."""
-        if (x, group) not in self.copies:
-            call = self.module("copy", self.ops.copy(), before)
+        if (x, group) not in self.copies:  # a value split by tokens: all-gathered
+            call = self.module("copy", self.ops.copy(self.tokens(x)), before)
             self.copies[(x, group)] = call(x)
         return self.copies[(x, group)]
+
+    def tokens(self, x: fx.Node) -> bool:  # whether x holds this rank's tokens only
+        return self.sp is not None and x in self.sp.values
 
     def replace(self, node: fx.Node, new: fx.Node) -> None:
         node.replace_all_uses_with(new)
@@ -228,12 +238,15 @@ class _Stage:
         w = self.local(weight, node)
         with graph.inserting_before(node):
             out = graph.call_function(F.linear, (x, w))
-        out = self.module("reduce", self.ops.reduce(), node)(out)
-        if bias is not None:
-            b = self.whole(bias, node)
+        tokens = self.sp is not None and self.sp.splits(node)
+        out = self.module("reduce", self.ops.reduce(tokens), node)(out)
+        if bias is not None:  # on this rank's tokens only: its gradient all-reduced
+            b = self.copied(self.whole(bias, node), "bias", node) if tokens else self.whole(bias, node)
             with graph.inserting_before(node):
                 out = graph.call_function(operator.add, (out, b))
         out.meta = dict(node.meta)
+        if tokens and self.sp is not None:
+            self.sp.mark(node, out)
         self.replace(node, out)
 
     def embedding(self, node: fx.Node) -> None:
@@ -251,9 +264,12 @@ class _Stage:
         rows = int(getattr(*self._owner(weight)).shape[0])
         self.shard(weight, 0)
         size = rows // self.t
-        lookup = self.module("embedding", self.ops.embedding(self.j * size, size, pad), node)
+        tokens = self.sp is not None and self.sp.splits(node)
+        lookup = self.module("embedding", self.ops.embedding(self.j * size, size, pad, tokens), node)
         out = lookup(ids, self.local(weight, node))
         out.meta = dict(node.meta)
+        if tokens and self.sp is not None:
+            self.sp.mark(node, out)
         self.replace(node, out)
 
     # --- the region --------------------------------------------------------------------------
@@ -354,14 +370,23 @@ def _shape_of(value: Any) -> list[int]:
 
 
 def shard_stage(stage: fx.GraphModule, roles: dict[str, tuple[str, str]], ops: TensorParallelOps, *,
-                vocab: bool, made: dict[int, nn.Parameter]) -> None:
+                vocab: bool, made: dict[int, nn.Parameter], sequence: frozenset[str] = frozenset(),
+                last: bool = True) -> None:
     """Rewrite ``stage`` to compute TP rank ``ops.rank``'s part ([Note: tensor parallelism on
     ranks]). ``roles``: each fx node's (role, group) (tracing.tensor_parallel_nodes); ``vocab``:
     whether the degree divides the vocabulary (else it stays replicated); ``made``: the split of
-    each original parameter already made on this rank, filled in (ties stay one tensor)."""
+    each original parameter already made on this rank, filled in (ties stay one tensor).
+    ``sequence``: the nodes whose values split by tokens (``Structure.tokens``; empty: no
+    sequence parallelism, [Note: sequence parallelism on ranks]); ``last``: whether the stage's
+    output is the model's (gathered whole) rather than a cut's or a segment's (sent split)."""
     s = _Stage(stage, roles, ops, vocab, made)
+    if sequence:
+        s.sp = SequenceSplit(s, frozenset(n for n in sequence if vocab or roles.get(n, ("", ""))[0] != VOCAB_EMBEDDING),
+                             last)
     for node in list(stage.graph.nodes):
         role = s.roles.get(node)
+        if s.sp is not None:  # [Note: sequence parallelism on ranks]
+            s.sp.visit(node, role)
         if role in (COLUMN, VOCAB_HEAD):
             s.column(node, head=role == VOCAB_HEAD)
         elif role == ROW:

@@ -11,6 +11,7 @@
     grouping.py        group fx nodes into layers (every layer an interval of the graph)
     granularity.py     layers far finer than the model's modules grouped back to module bounds
     tensor_parallel.py Megatron's column -> row groups and the vocabulary: each layer's TP role
+    sequence_parallel.py  the nodes between groups that split by tokens (sequence parallelism)
     repeated.py        trace(repeated=True): a stack of identical blocks traced on 2 and 3, the rest
                        repeated (repeated_graph.py grows the graph), checked against the 3
     graph.py           LayerGraph and trace(): the networkx DAG of layers, its fingerprint

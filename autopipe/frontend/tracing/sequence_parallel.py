@@ -98,10 +98,11 @@ def _token_wise(gm: fx.GraphModule, node: fx.Node, op_name: Callable[[fx.Node], 
 
 def sequence_nodes(gm: fx.GraphModule, nodes: Iterable[fx.Node], carries: set[fx.Node],
                    grouped: set[fx.Node], sources: Iterable[fx.Node],
-                   op_name: Callable[[fx.Node], str]) -> set[fx.Node]:
-    """The sequence nodes ([Note: sequence nodes]) of a graph whose ``nodes`` are in order:
+                   op_name: Callable[[fx.Node], str]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The sequence nodes ([Note: sequence nodes]) of a graph whose ``nodes`` are in order, and
+    every node whose value splits by tokens (those and the sources with a tokens' dimension):
     ``carries`` its activations, ``grouped`` every node of a group kept or of the vocabulary,
-    ``sources`` the rows and vocabulary embeddings (their outputs split by tokens)."""
+    ``sources`` the rows and vocabulary embeddings."""
     split = {s for s in sources if _tokens(s) is not None}
     found: set[fx.Node] = set()
     for node in nodes:
@@ -114,4 +115,4 @@ def sequence_nodes(gm: fx.GraphModule, nodes: Iterable[fx.Node], carries: set[fx
         if _token_wise(gm, node, op_name):
             found.add(node)
             split.add(node)
-    return found
+    return found, split

@@ -69,6 +69,7 @@ class Structure:
     roles: dict[str, LayerRole]
     dropped: int = 0
     groups: dict[str, int] = field(default_factory=dict)  # group -> divisor
+    tokens: frozenset[str] = frozenset()  # the fx nodes whose values split by tokens ([Note: sequence nodes])
 
 
 def op_name(node: fx.Node) -> str:
@@ -310,7 +311,7 @@ def _found(gm: fx.GraphModule, node_layer: dict[str, str],
             found[name] = {p for p in pairs if p[1] not in dropped}
     kept = {n: pair for n, pair in node_role.items() if pair[1] not in dropped}
     sources = [n for n, (role, _) in kept.items() if role in (ROW, VOCAB_EMBEDDING)]
-    tokenwise = sequence_nodes(gm, g.nodes, g.carries, set(kept), sources, op_name)
+    tokenwise, split = sequence_nodes(gm, g.nodes, g.carries, set(kept), sources, op_name)
     work = _layer_work(node_layer, g)
     roles = {}
     for name in layers:
@@ -320,7 +321,8 @@ def _found(gm: fx.GraphModule, node_layer: dict[str, str],
             role = SEQUENCE
         roles[name] = LayerRole(role, group, divisor.get(group, 0))
     kept.update({n: (SEQUENCE, "") for n in tokenwise})
-    return Structure(roles, len(dropped), {k: v for k, v in divisor.items() if k not in dropped}), kept
+    return Structure(roles, len(dropped), {k: v for k, v in divisor.items() if k not in dropped},
+                     frozenset(n.name for n in split)), kept
 
 
 def _layer_work(node_layer: dict[str, str], g: _Graph) -> dict[str, set[fx.Node]]:
