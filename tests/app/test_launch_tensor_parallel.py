@@ -40,10 +40,10 @@ def test_the_layout_names_each_stages_ranks_as_the_mesh_places_them(d: int, t: i
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_cli_run_trains_a_tp_plan_under_torchrun(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    # TP 2 x PP 2 on 4 ranks: each TP group's loss said once, the summary names the mesh
-    path = _gpt_plan(2, 2).save(tmp_path / "tp.json")
+    # TP 2 x PP 2 on 4 ranks, split by tokens too: each TP group's loss said once, the summary names the mesh
+    path = _gpt_plan(2, 2, sequence=True).save(tmp_path / "tp.json")
     rc = run(RunConfig("gpt", plan=str(path), nproc=4, steps=2, batch_size=8, timeout=60), log_dir=tmp_path / "logs")
     out = capfd.readouterr().out
     assert rc == 0, out
-    assert " 0,1      0 " in out and " 2,3      1 " in out, out
+    assert "each stage over TP 2 split by tokens" in out and " 0,1      0 " in out and " 2,3      1 " in out, out
     assert out.count("loss") == 2 and "gpt: 2 ranks x TP 2 x 1 stage(s)" in out, out
