@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/tp_mesh.py                      # TP 2 x PP 2 x DP 2: 8 ranks
     PYTHONPATH=$PWD python3 benchmarks/tp_mesh.py --dp 1 --stages 4 --schedule zbv
+    PYTHONPATH=$PWD python3 benchmarks/tp_mesh.py --sequence-parallel         # sequence parallelism too
 
 Runs one step of the bundled gpt (fused q/k/v, tied head) and a tiny HF Llama on
 ``tp x pp x dp`` gloo ranks ([Note: tensor parallelism on ranks]) and checks the loss and every
@@ -54,21 +55,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dp-mode", default="fsdp")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--sequence-parallel", action="store_true", help="split the norms by tokens too")
     a = parser.parse_args(argv)
     per_rank = 2 if a.schedule in ("interleaved1f1b", "interleaved_zb", "zbv", "dualpipev") else 1
     world = a.tp * a.stages // per_rank * a.dp
-    plans = {case: dataclasses.replace(_plan(case, a.stages, a.dp, a.dp_mode), tensor_parallel=a.tp).to_dict()
+    plans = {case: dataclasses.replace(_plan(case, a.stages, a.dp, a.dp_mode, sp=a.sequence_parallel),
+                                       tensor_parallel=a.tp).to_dict()
              for case in a.models.split(",")}
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         start_ranks(_rank, (world, free_port(), {"plans": plans, "dp": a.dp, "schedule": a.schedule}, out), world)
         wall = time.perf_counter() - start
         ranks = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
-    print(f"TP {a.tp} x PP {a.stages} stages ({a.schedule}) x DP {a.dp} ({a.dp_mode}) on {world} gloo ranks, "
+    sp = ", split by tokens" if a.sequence_parallel else ""
+    print(f"TP {a.tp}{sp} x PP {a.stages} stages ({a.schedule}) x DP {a.dp} ({a.dp_mode}) on {world} gloo ranks, "
           f"torch {torch.__version__}: {wall:.1f} s in all")
     ok = True
     for case in plans:
-        ref_loss, ref_grads, _ = _reference(case)
+        ref_loss, ref_grads, _ = _reference(case, a.sequence_parallel)
         losses = [r[case]["loss"] for r in ranks if r[case]["loss"] is not None]
         loss = torch.stack(losses).mean()
         worst = max(float((g - ref_grads[k]).abs().max()) for r in ranks for k, g in r[case]["grads"].items())
