@@ -32,7 +32,7 @@ rank j of the next stage, and a "dp" group the replicas of one stage's TP rank j
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,25 +72,27 @@ def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return out
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+Collective = Callable[[Tensor, dist.ProcessGroup], Tensor]
+
+
+def _pair(name: str, forward: Collective, backward: Collective) -> Any:
+    """An autograd Function running ``forward(x, group)`` and, on the gradient, ``backward``."""
+    def fwd(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        return _all_reduce(x, group)
+def _same(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+
+_Copy = _pair("_Copy", _same, _all_reduce)  # Megatron's f
+_Reduce = _pair("_Reduce", _all_reduce, _same)  # Megatron's g
 
 
 class _Gather(torch.autograd.Function):
@@ -168,48 +170,10 @@ def _slice_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return x.chunk(degree, -2)[dist.get_rank(group)].contiguous()
 
 
-class _ScatterTokens(torch.autograd.Function):  # a row's g under sequence parallelism
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _scatter_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather_tokens(grad, ctx.group), None
-
-
-class _GatherTokens(torch.autograd.Function):  # a column's f under sequence parallelism
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _scatter_tokens(grad, ctx.group), None
-
-
-class _WholeTokens(torch.autograd.Function):  # for a reader every rank runs alike
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _slice_tokens(grad, ctx.group), None
-
-
-class _SliceTokens(torch.autograd.Function):  # a whole value entering the split tokens
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _slice_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather_tokens(grad, ctx.group), None
+_ScatterTokens = _pair("_ScatterTokens", _scatter_tokens, _gather_tokens)  # a row's g under sequence parallelism
+_GatherTokens = _pair("_GatherTokens", _gather_tokens, _scatter_tokens)  # a column's f under sequence parallelism
+_WholeTokens = _pair("_WholeTokens", _gather_tokens, _slice_tokens)  # for a reader every rank runs alike
+_SliceTokens = _pair("_SliceTokens", _slice_tokens, _gather_tokens)  # a whole value entering the split tokens
 
 
 class _Collective(nn.Module):
