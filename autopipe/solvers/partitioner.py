@@ -250,7 +250,7 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
                              f"with D x {stages} = the number of devices")
     batch = global_batch(profile, args["batch_size"], data_parallel)
     counts = replica_counts(data_parallel, None if pool is None else len(pool), batch, args["chunks"])
-    per_rank = max(stages_per_rank(s) for s in (SCHEDULES if args["schedule"] == "auto" else [args["schedule"]]))
+    per_rank = max(_stages_a_rank(args["schedule"]))
     ranks = stages // per_rank if isinstance(stages, int) else stages  # the fewest it could take
     if isinstance(ranks, int) and pool is not None and ranks > len(pool) // counts[0]:
         raise PartitionError(f"stages={stages} with data_parallel={counts[0]} needs "
@@ -263,6 +263,11 @@ def _replicated(profile: Profile, data_parallel: int | str, dp_mode: str, args: 
         return _pipeline(profile, **{**args, **replica}, data_parallel=d, dp_mode=dp_mode)
 
     return search_replicas(counts, solve)
+
+
+def _stages_a_rank(schedule: str) -> set[int]:
+    """How many stages a rank may run under ``schedule`` (under "auto": any schedule's)."""
+    return {stages_per_rank(s) for s in (SCHEDULES if schedule == "auto" else [schedule])}
 
 
 def _placed(devices: Sequence[DeviceSpec | str], stages: int | None, schedule: str) -> list[DeviceSpec | str]:
@@ -365,7 +370,7 @@ def _search(profile: Profile, stages: int | str | None, devices: Sequence[Device
     if schedule in MULTI_STAGE_SCHEDULES and len({d.name for d in pool}) < len(pool):
         raise PartitionError(f"a search takes devices as the pool to choose ranks from, each "
                              f"listed once; {schedule} then runs two stages on each")
-    per_rank = {stages_per_rank(s) for s in (SCHEDULES if schedule == "auto" else [schedule])}
+    per_rank = _stages_a_rank(schedule)
     if isinstance(stages, int) and not any(stages % p == 0 and stages // p <= len(pool) for p in per_rank):
         most = [f"{'an even ' * (p > 1)}stages <= {p * len(pool)}" for p in sorted(per_rank)]  # p a rank
         raise PartitionError(f"stages={stages} but only {len(pool)} devices given; use {', '.join(most)} or 'auto'")
