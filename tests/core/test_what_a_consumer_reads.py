@@ -41,3 +41,34 @@ def test_a_segment_keeps_a_copy_of_what_its_layers_read() -> None:
     assert segment_freed(costs, [2, 3]) == 500 + 600 - 100 - 10
     picked = choose(costs, [2, 3, 4], 1200)  # the chooser's running sums agree
     assert segment_freed(costs, picked) >= 1200
+
+
+def _random_dag(seed: int, n: int = 9) -> LayerCosts:
+    """Each layer read by up to three later ones (always its next), each read a different size."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)  # its own generator
+    names = [f"l{i}" for i in range(n)]
+    edges = []
+    for u in range(n - 1):
+        later = {u + 1, *rng.choice(np.arange(u + 1, n), size=min(2, n - u - 1), replace=False).tolist()}
+        edges += [(names[u], names[v], int(rng.integers(1, 1000))) for v in sorted(later)]
+    df = pd.DataFrame({"layer": names, "fwd_ms": [1.0] * n, "bwd_ms": [1.0] * n, "param_bytes": [0] * n,
+                       "output_bytes": [1000] * n, "saved_bytes": [0] * n})
+    return LayerCosts.from_profile(Profile(df, edges, {}))
+
+
+def test_the_dps_cut_and_a_stages_crossings_agree_on_every_contiguous_split() -> None:
+    # one rule written twice, for two inputs: cut_bytes() by position (the DPs), _crossings by
+    # stage (stage_costs, any assignment); on a contiguous split they must give the same bytes
+    import itertools
+
+    options = CostOptions(chunks=1, recompute="never", optimizer="none", bandwidth=None)
+    for costs in (_embedding_and_mask(), *(_random_dag(seed) for seed in range(6))):
+        n, at = len(costs), costs.cut_bytes()
+        for k in (2, 3, 4):
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                assignment = [sum(i >= c for c in cuts) for i in range(n)]
+                stages = stage_costs(costs, assignment, [DeviceSpec(f"d{s}") for s in range(k)], options)
+                assert [s.output_bytes for s in stages[:-1]] == [int(at[c]) for c in cuts], cuts
+                assert [s.input_bytes for s in stages[1:]] == [int(at[c]) for c in cuts], cuts
