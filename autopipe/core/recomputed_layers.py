@@ -49,7 +49,7 @@ checkpoint) holds the same, its recomputed outputs, in a recomputed micro-batch'
 (:func:`recomputed_outputs`; its output's gradient is in the runtime's receive buffer), but on
 the last stage, where the loss's backward has freed them before the stage's starts (measured:
 charging them there predicted the last rank 13-16% high). Every solver charges it with the
-stage's activations. :func:`choose` picks the
+stage's activations. :func:`choose_segments` picks the
 segments of one stage that free at least the bytes asked for at the least time: a DP over the
 stage's layers in order for ``time - lambda x bytes`` (a Lagrangian relaxation), lambda
 bisected; segments are at most ``MAX_SEGMENT`` layers, and two it picks that touch stay two
@@ -67,7 +67,7 @@ from autopipe.core.layer_costs import LayerCosts
 from autopipe.core.transfer import Amount
 from autopipe.errors import PartitionError
 
-__all__ = ["MAX_SEGMENT", "choose", "choose_segments", "recompute_alone_ms", "recompute_peak",
+__all__ = ["MAX_SEGMENT", "choose_segments", "recompute_alone_ms", "recompute_peak",
            "recomputed_outputs", "recomputed_runs", "segment_freed", "segment_outputs", "segments"]
 
 MAX_SEGMENT = 64  # layers in one recomputed segment, at most, when choosing
@@ -218,12 +218,6 @@ def _best(starts: np.ndarray, by_end: Sequence[np.ndarray], freed: np.ndarray, e
             chosen.append(int(pick[b]))
             b = int(starts[pick[b]])
     return chosen
-
-
-def choose(costs: LayerCosts, layers: Sequence[int], need_bytes: float) -> list[int]:
-    """Of ``layers`` (one stage's indices), the ones to recompute: :func:`choose_segments`'
-    layers."""
-    return [i for run in choose_segments(costs, layers, need_bytes) for i in run]
 
 
 def choose_segments(costs: LayerCosts, layers: Sequence[int], need_bytes: float) -> list[list[int]]:

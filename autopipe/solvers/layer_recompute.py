@@ -5,7 +5,7 @@ that fits. A stage that had to recompute (``always`` or ``except_last``) pays a 
 forward for its recomputed micro-batches; often a few of its layers hold most of its saves for
 little of its forward ([Note: recomputed layers] in autopipe/core/recomputed_layers.py). For
 each such stage this pass takes mode ``never`` instead, with the segments of layers that bring
-its peak under its device's memory at the least added time (``choose``), asking again for more
+its peak under its device's memory at the least added time (``choose_segments``), asking again for more
 where a segment's own recompute peak still overflows, and keeps the change where the stage gets
 faster. The plan is then evaluated again and kept only if its
 simulated iteration is faster and every device still fits (interleaved stages share one).

@@ -11,7 +11,7 @@ from autopipe.core.cost import LayerCosts
 from autopipe.core.plan import Plan
 from autopipe.core.profile_table import Profile
 from autopipe.core.recomputed_layers import (
-    choose,
+    choose_segments,
     recompute_peak,
     segment_freed,
     segment_outputs,
@@ -127,20 +127,19 @@ def _brute_force(costs: LayerCosts, layers: list[int], need: int) -> float:
 def test_choose_frees_enough_at_about_the_least_time() -> None:
     costs = LayerCosts.from_profile(_dag())
     stage = list(range(2, 12))  # h0.ln1 .. h1.ln2: ten layers, 2**10 choices
-    assert choose(costs, stage, 0) == []
+    assert choose_segments(costs, stage, 0) == []
     for need in (1 << 20, 3 << 20, 6 << 20, 12 << 20):
-        picked = choose(costs, stage, need)
-        runs = segments(picked, [0] * len(costs))
+        runs = choose_segments(costs, stage, need)  # each apart, as the plan keeps them
         assert sum(segment_freed(costs, run) for run in runs) >= need
         spent = sum(float(costs.fwd[run].sum()) * 1.2 + 0.1 for run in runs)
         assert spent <= _brute_force(costs, stage, need) * 1.25  # the Lagrangian DP: near the optimum
-    everything = choose(costs, stage, 1 << 40)  # more than any choice frees: the most it can
-    assert sum(segment_freed(costs, run) for run in segments(everything, [0] * len(costs))) >= max(
+    everything = choose_segments(costs, stage, 1 << 40)  # more than any choice frees: the most it can
+    assert sum(segment_freed(costs, run) for run in everything) >= max(
         segment_freed(costs, list(range(a, b))) for a in stage for b in range(a + 1, stage[-1] + 2))
 
 
 def test_the_choosers_running_sums_agree_with_segment_freed() -> None:
-    # choose() sums each interval's bytes as it grows; stage_costs asks segment_freed: one rule
+    # the chooser sums each interval's bytes as it grows; stage_costs asks segment_freed: one rule
     from autopipe.core.recomputed_layers import _intervals
 
     costs = LayerCosts.from_profile(_dag())
@@ -156,7 +155,7 @@ def test_the_choosers_running_sums_agree_with_segment_freed() -> None:
 
 def test_last_saver_is_made_once_and_read_only() -> None:
     """Read one layer at a time in loops over every layer (_intervals, segment_freed): made
-    anew at each read it made choose() quadratic (100 s for a 1,924-layer profile)."""
+    anew at each read it made the chooser quadratic (100 s for a 1,924-layer profile)."""
     costs = LayerCosts.from_profile(_dag())
     saver = costs.last_saver
     assert saver is costs.last_saver and not saver.flags.writeable
@@ -233,16 +232,13 @@ def test_a_segment_start_that_is_not_recomputed_is_refused_in_one_line() -> None
 
 
 def test_the_chooser_keeps_adjacent_intervals_apart_as_it_weighed_them() -> None:
-    # choose() weighs each interval with its own copy and its own call: a plan of its choice
+    # the chooser weighs each interval with its own copy and its own call: a plan of its choice
     # charges exactly those intervals, apart even where two touch
-    from autopipe.core.recomputed_layers import choose_segments
-
     prof = _dag()
     costs = LayerCosts.from_profile(prof)
     stage = list(range(1, len(costs) - 1))
     runs = choose_segments(costs, stage, 26 << 20)
     assert any(a[-1] + 1 == b[0] for a, b in zip(runs, runs[1:], strict=False)), runs  # two that touch
-    assert choose(costs, stage, 26 << 20) == [i for r in runs for i in r]
     split = [prof.layers[:-1], prof.layers[-1:]]
     names = [costs.names[i] for r in runs for i in r]
     plain = Plan.from_stages(prof, split, chunks=4, recompute="never")
@@ -257,8 +253,6 @@ def test_the_chooser_keeps_adjacent_intervals_apart_as_it_weighed_them() -> None
 def test_the_chooser_never_cuts_a_tp_group() -> None:
     # the runtime refuses a segment whose edge carries a group's split values
     # (autopipe/assemble/tensor_parallel.check_cuts): attn -> proj and fc1 -> fc2 are groups here
-    from autopipe.core.recomputed_layers import choose_segments
-
     prof = _dag()
     roles = {"attn": "column", "proj": "row", "fc1": "column", "fc2": "row"}
     prof.df["tp_role"] = [roles.get(n.split(".")[-1], "replicated") for n in prof.layers]
