@@ -266,9 +266,10 @@ def memory_error(
     head = (f"stage memory needs at least {format_bytes(need * limit)} with {setting} and {k} "
             f"stages; limit is {format_bytes(limit)}")
     fixes = []
-    fewest = fewest_stages(rc, memory, limit)
+    fewest = _whole_ranks(fewest_stages(rc, memory, limit), options.schedule)
     if fewest is not None:
-        fixes.append(f"{fewest} stages are the fewest that fit (--stages {fewest} / stages={fewest})")
+        fixes.append(f"{fewest} stages{_ranks_text(fewest, options.schedule)} are the fewest that fit "
+                     f"(--stages {fewest} / stages={fewest})")
     others = {mode: RangeCosts(costs, replace(options, recompute=mode), mode,
                                first_stage_terms(options, k, mode))
               for mode in ("except_last", "always") if mode != options.recompute}
@@ -280,9 +281,10 @@ def memory_error(
     else:
         if fewest is None:
             for mode, other in others.items():
-                count = fewest_stages(other, other.memory, limit)
+                count = _whole_ranks(fewest_stages(other, other.memory, limit), options.schedule)
                 if count is not None:
-                    fixes.append(f"{count} stages fit with recompute={mode!r} (--stages {count} "
+                    fixes.append(f"{count} stages{_ranks_text(count, options.schedule)} fit with "
+                                 f"recompute={mode!r} (--stages {count} "
                                  f"--recompute {mode} / stages={count}, recompute={mode!r})")
                     break
     if not fixes:
@@ -290,6 +292,15 @@ def memory_error(
                      f"{format_bytes(least_memory(rc, memory))}; raise the limit to that "
                      f"(--memory / memory_limit=)")
     return PartitionError(f"{head}; {'; or '.join(fixes)}")
+
+
+def _whole_ranks(stages: int | None, schedule: str) -> int | None:
+    """``stages`` rounded up to fill whole ranks under a schedule that runs two a rank."""
+    return stages + stages % 2 if stages is not None and schedule in MULTI_STAGE_SCHEDULES else stages
+
+
+def _ranks_text(stages: int, schedule: str) -> str:
+    return f" ({stages // 2} ranks of two, {schedule})" if schedule in MULTI_STAGE_SCHEDULES else ""
 
 
 def _mode_text(recompute: str | Sequence[str]) -> str:

@@ -306,3 +306,15 @@ def test_planned_blind_to_the_receive_buffers_a_rank_is_given_more_than_fits(mon
         assert too_much or blind == right
         over += too_much
     assert over >= 2, over  # so the buffers decide (2 of these 12 cases, 3 before recomputed outputs were charged)
+
+
+def test_the_fewest_stages_under_an_interleaved_schedule_fill_whole_ranks() -> None:
+    # 5 layers of 4 GiB state, one a stage at most: 5 stages fit, but interleaved 1F1B runs two
+    # stages a rank, so the count to ask for is 6 (3 ranks), never an odd one
+    prof = chain_profile([1.0] * 5, param_bytes=[1 << 30] * 5, saved_bytes=1 << 20)
+    lc = LayerCosts.from_profile(prof)
+    opts = CostOptions(optimizer="adam", recompute="never", chunks=4, schedule="interleaved1f1b")
+    devs = [DeviceSpec(name, 7 << 30) for name in ("a", "b", "a", "b")]
+    with pytest.raises(PartitionError, match=r"; 6 stages \(3 ranks of two, interleaved1f1b\) are the fewest "
+                                             r"that fit \(--stages 6 / stages=6\)$"):
+        solve_dp(lc, devs, opts)
