@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -126,15 +127,27 @@ def _segments(stage: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
 
 def split_stages(stages: Sequence[fx.GraphModule], mine: Sequence[int], roles: TensorParallelRoles,
                  mesh: DeviceMesh) -> dict[int, nn.Parameter]:
-    """This rank's stages rewritten for its TP rank; each original parameter's id -> its split."""
+    """This rank's stages rewritten for its TP rank; each original parameter's id -> its split.
+    A rewrite one rank refuses is refused on every rank, in that rank's line (each rewrites its
+    own stages: the others would wait for it in their first step)."""
     ops = TensorParallelOps(mesh)
     made: dict[int, nn.Parameter] = {}
-    for i in mine:
-        segments = _segments(stages[i])  # read before the stage's rewrite, which reads their outputs
-        shard_stage(stages[i], roles.nodes, ops, vocab=roles.vocab, made=made, sequence=roles.tokens,
-                    last=i == len(stages) - 1)
-        for _, segment in segments:  # whole groups (check_cuts): rewritten as stages are
-            shard_stage(segment, roles.nodes, ops, vocab=roles.vocab, made=made, sequence=roles.tokens, last=False)
+    refused: str | None = None
+    try:
+        for i in mine:
+            segments = _segments(stages[i])  # read before the stage's rewrite, which reads their outputs
+            shard_stage(stages[i], roles.nodes, ops, vocab=roles.vocab, made=made, sequence=roles.tokens,
+                        last=i == len(stages) - 1)
+            for _, segment in segments:  # whole groups (check_cuts): rewritten as stages are
+                shard_stage(segment, roles.nodes, ops, vocab=roles.vocab, made=made, sequence=roles.tokens,
+                            last=False)
+    except BuildError as err:
+        refused = str(err)
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, refused)
+    first = next(((r, line) for r, line in enumerate(every) if line), None)
+    if first is not None:
+        raise BuildError(first[1] if first[0] == dist.get_rank() else f"rank {first[0]}: {first[1]}")
     return made
 
 

@@ -83,6 +83,10 @@ def _plan(case: str, stages: int, replicas: int, dp_mode: str, alone: bool = Fal
     graph = trace(model, micro[:len(x)], example_kwargs=dict(zip(kw, micro[len(x):], strict=True)) or None)
     prof = cost_profile(graph)
     plan = partition(prof, stages=stages, method="uniform", chunks=CHUNKS)
+    if case == "llama" and stages == 2:  # the cut right after a row: its output crosses (split, under SP)
+        row = prof.layers.index("model.layers.0.mlp.down_proj" if sp else "model.layers.0.self_attn.o_proj")
+        plan = Plan.from_stages(prof, [prof.layers[:row + 1], prof.layers[row + 1:]], chunks=CHUNKS,
+                                recompute=plan.recompute)
     if alone:  # [Note: recomputed layers]
         blocks = [n for n in prof.layers if n.startswith("blocks.") or n.startswith(("scaled_dot", "add_"))]
         plan = Plan.from_stages(prof, plan.stages, chunks=CHUNKS, recompute="never", recompute_layers=blocks,

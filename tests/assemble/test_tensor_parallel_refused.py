@@ -144,3 +144,31 @@ def test_replicas_of_a_tp_pipeline_run_under_fsdp_only() -> None:
                                          r"only .*use dp_mode='fsdp'") as err:
         check_replicas(2, 2, "ddp")
     _one_line(err)
+
+
+def _refused_on_rank_one(rank: int, plan: dict[str, Any]) -> str:
+    import autopipe.assemble.tensor_parallel as tp
+
+    original = tp.shard_stage
+
+    def refuse(*args: Any, **kwargs: Any) -> None:  # what a rewrite of this rank's stage alone meets
+        if rank == 1:
+            raise BuildError("tensor parallelism cannot split linear_9 (injected)")
+        original(*args, **kwargs)
+
+    tp.shard_stage = refuse  # type: ignore[assignment]
+    try:
+        return _world_of_two(rank, plan)
+    finally:
+        tp.shard_stage = original
+
+
+def test_a_stage_one_rank_cannot_rewrite_is_refused_on_every_rank() -> None:
+    # each rank rewrites its own stages: the others would build and wait for it in their first step
+    model = TinyGPT(vocab=16, dim=8, heads=2, layers=1, max_len=4)
+    graph = trace(model, microbatch_inputs((torch.randint(0, 16, (4, 4)),), 2))
+    plan = dataclasses.replace(partition(cost_profile(graph), stages=1, method="uniform", chunks=2),
+                               tensor_parallel=2)
+    assert _ok(spawn(_refused_on_rank_one, plan.to_dict())) == [
+        "rank 1: tensor parallelism cannot split linear_9 (injected)",
+        "tensor parallelism cannot split linear_9 (injected)"]

@@ -97,8 +97,8 @@ class _Stage:
     def __init__(self, gm: fx.GraphModule, roles: dict[str, tuple[str, str]], ops: TensorParallelOps,
                  vocab: bool, made: dict[int, nn.Parameter]) -> None:
         self.gm, self.ops, self.t, self.j = gm, ops, ops.degree, ops.rank
-        self.roles = {n: roles[n.name][0] for n in gm.graph.nodes if n.name in roles
-                      and (vocab or roles[n.name][1] != "vocab")}
+        self.roles = {n: roles[n.name][0] for n in gm.graph.nodes if n.name in roles and n.op != "placeholder"
+                      and (vocab or roles[n.name][1] != "vocab")}  # a cut's value is named as its maker
         self.groups = {n: roles[n.name][1] for n in self.roles}
         self.made = made  # original parameter id -> its split (shared by the stages of this rank)
         self.split: dict[fx.Node, int] = {}  # local values -> their split dimension
