@@ -241,6 +241,9 @@ def check_sequence(profile: Profile, sequence: Any, degree: int) -> None:
         raise PartitionError(f"sequence_parallel={sequence!r}: need True or False")
     if not sequence:
         return
+    if degree < 2 and groups(profile) == {}:
+        raise PartitionError("sequence_parallel=True: the model has no tensor-parallel structure, so no TP group "
+                             "to split its tokens over; use sequence_parallel=False")
     if degree < 2:
         raise PartitionError("sequence_parallel=True splits by tokens over a TP group: give tensor_parallel >= 2 "
                              "(or 'auto' with devices=N), or sequence_parallel=False")

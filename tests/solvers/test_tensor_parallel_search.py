@@ -186,6 +186,10 @@ def test_a_model_without_structure_refuses_a_degree_and_auto_plans_one() -> None
     with pytest.raises(PartitionError, match="no tensor-parallel structure"):
         partition(flat, devices=2, tensor_parallel=2, progress=False)
     assert partition(flat, devices=2, stages=2, tensor_parallel="auto", progress=False).tensor_parallel == 1
+    with pytest.raises(PartitionError, match=r"^sequence_parallel=True: the model has no tensor-parallel "
+                                             r"structure, so no TP group to split its tokens over; use "
+                                             r"sequence_parallel=False$"):
+        partition(flat, devices=2, stages=2, tensor_parallel="auto", sequence_parallel=True, progress=False)
     older = chain_profile([1.0] * 6, output_bytes=OUT)  # no tp columns at all
     with pytest.raises(PartitionError, match="records no tensor-parallel roles"):
         partition(older, devices=2, tensor_parallel=2, progress=False)
