@@ -32,6 +32,7 @@ rank j of the next stage, and a "dp" group the replicas of one stage's TP rank j
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,20 +96,6 @@ _Copy = _pair("_Copy", _same, _all_reduce)  # Megatron's f
 _Reduce = _pair("_Reduce", _all_reduce, _same)  # Megatron's g
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.rank, ctx.size = dist.get_rank(group), x.shape[-1]
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
-                 for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad.narrow(-1, ctx.rank * ctx.size, ctx.size).contiguous(), None
-
-
 class _PartRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, w: Tensor, sizes: Sequence[int], rank: int, degree: int,
@@ -145,31 +132,39 @@ def _check_tokens(x: Tensor, degree: int) -> None:
     token_share(x.shape, degree)
 
 
-def _gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Every rank's tokens (dimension -2), in rank order."""
+def _gather(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    """Every rank's ``x``, joined along ``dim`` in rank order (an all-gather)."""
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-2)
+    return torch.cat(parts, dim=dim)
+
+
+def _own(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    """This rank's part of ``x`` along ``dim`` (what :func:`_gather` put there)."""
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
+
+
+_gather_tokens = functools.partial(_gather, dim=-2)  # every rank's tokens (dimension -2)
 
 
 def _scatter_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """The sum over the group of this rank's share of the tokens (a reduce-scatter)."""
-    degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    degree = dist.get_world_size(group)
     _check_tokens(x, degree)
     if dist.get_backend(group) == "nccl":  # reduce_scatter_tensor splits dimension 0
         front = x.movedim(-2, 0).contiguous()
         out = front.new_empty((front.shape[0] // degree, *front.shape[1:]))
         dist.reduce_scatter_tensor(out, front, group=group)
         return out.movedim(0, -2).contiguous()
-    return _all_reduce(x, group).chunk(degree, -2)[rank].contiguous()  # gloo: no reduce-scatter
+    return _own(_all_reduce(x, group), group, -2)  # gloo: no reduce-scatter
 
 
 def _slice_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    degree = dist.get_world_size(group)
-    _check_tokens(x, degree)
-    return x.chunk(degree, -2)[dist.get_rank(group)].contiguous()
+    _check_tokens(x, dist.get_world_size(group))
+    return _own(x, group, -2)
 
 
+_Gather = _pair("_Gather", functools.partial(_gather, dim=-1), functools.partial(_own, dim=-1))  # the head's logits
 _ScatterTokens = _pair("_ScatterTokens", _scatter_tokens, _gather_tokens)  # a row's g under sequence parallelism
 _GatherTokens = _pair("_GatherTokens", _gather_tokens, _scatter_tokens)  # a column's f under sequence parallelism
 _WholeTokens = _pair("_WholeTokens", _gather_tokens, _slice_tokens)  # for a reader every rank runs alike
