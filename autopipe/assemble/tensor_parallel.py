@@ -21,7 +21,13 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopipe.core.plan import Plan
-from autopipe.core.tensor_parallel import COLUMN, SHARDED, VOCAB_EMBEDDING, VOCAB_GROUP
+from autopipe.core.tensor_parallel import (
+    COLUMN,
+    SHARDED,
+    VOCAB_EMBEDDING,
+    VOCAB_GROUP,
+    degree_refusal,
+)
 from autopipe.errors import BuildError
 from autopipe.frontend.building.stages import RecomputedLayer
 from autopipe.frontend.building.tensor_parallel import shard_stage
@@ -72,15 +78,9 @@ def roles_of(graph: LayerGraph, degree: int, sequence: bool = False) -> TensorPa
     """What the trace says to split at ``degree`` (by tokens too where ``sequence``), or one line
     for a model it cannot split so."""
     structure, nodes = tensor_parallel_nodes(graph.gm, graph.node_layer, graph.layers)
-    if not structure.groups:
-        raise BuildError(f"tensor_parallel={degree}: the model has no tensor-parallel structure (no column -> "
-                         "row Linear pair, no vocabulary; every layer is replicated); use tensor_parallel=1")
-    for name, div in structure.groups.items():
-        if name != VOCAB_GROUP and div % degree:
-            ok = [t for t in range(1, min(div, 64) + 1) if div % t == 0]
-            what = (f"the heads and kv heads of group {name} (their greatest common divisor is {div})"
-                    if name.startswith("attention") else f"the {div} features of group {name}")
-            raise BuildError(f"tensor_parallel={degree} does not divide {what}; use one of {ok}")
+    line = degree_refusal(structure.groups, degree)  # the planner's rule, on the traced graph
+    if line:
+        raise BuildError(line)
     vocab = structure.groups.get(VOCAB_GROUP, 0)
     if sequence:  # [Note: sequence parallelism on ranks]
         _check_tokens(graph, structure.tokens, degree)

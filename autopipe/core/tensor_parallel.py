@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COLUMN", "ROW", "SHARDED", "VOCAB_EMBEDDING", "VOCAB_HEAD", "REPLICATED", "SEQUENCE", "ROLES",
            "VOCAB_GROUP", "ROLE_COLUMNS", "LayerRole", "Link", "groups", "structure_text",
-           "degrees", "check_degree", "check_sequence", "tp_link", "tp_allreduce_ms", "tp_allgather_ms",
+           "degrees", "degree_refusal", "check_degree", "check_sequence", "tp_link", "tp_allreduce_ms", "tp_allgather_ms",
            "at_degree"]
 
 COLUMN, ROW, SHARDED = "column", "row", "sharded"
@@ -174,6 +174,22 @@ def degrees(profile: Profile, devices: int, host: int | None) -> list[int]:
             if devices % t == 0 and host % t == 0 and all(d % t == 0 for d in need.values())]
 
 
+def degree_refusal(found: Mapping[str, int], degree: int) -> str | None:
+    """The one line for a degree > 1 that the groups ``found`` (group -> divisor) cannot take:
+    none at all, or one whose heads or features it does not divide; None when they take it (the
+    planner's check and the runtime's)."""
+    if not found:
+        return (f"tensor_parallel={degree}: the model has no tensor-parallel structure (no column -> row "
+                "Linear pair, no vocabulary; every layer is replicated); use tensor_parallel=1")
+    for name, div in _required(found).items():
+        if div % degree:
+            what = (f"the heads and kv heads of group {name} (their greatest common divisor is {div})"
+                    if name.startswith("attention") else f"the {div} features of group {name}")
+            ok = [t for t in range(1, min(div, 64) + 1) if div % t == 0]
+            return f"tensor_parallel={degree} does not divide {what}; use one of {ok}"
+    return None
+
+
 def check_degree(profile: Profile, degree: Any, devices: int | None, host: int | None) -> None:
     """One PartitionError line for a degree this profile or these devices cannot take."""
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
@@ -184,16 +200,9 @@ def check_degree(profile: Profile, degree: Any, devices: int | None, host: int |
     if found is None:
         raise PartitionError(f"tensor_parallel={degree}: the profile records no tensor-parallel roles "
                              "(made before autopipe looked for them, or by hand); re-run `autopipe profile ...`")
-    if not found:
-        raise PartitionError(f"tensor_parallel={degree}: the model has no tensor-parallel structure (no "
-                             "column -> row Linear pair, no vocabulary; every layer is replicated); "
-                             "use tensor_parallel=1")
-    for name, div in _required(found).items():
-        if div % degree:
-            what = (f"the heads and kv heads of group {name} (their greatest common divisor is {div})"
-                    if name.startswith("attention") else f"the {div} features of group {name}")
-            ok = [t for t in range(1, min(div, 64) + 1) if div % t == 0]
-            raise PartitionError(f"tensor_parallel={degree} does not divide {what}; use one of {ok}")
+    line = degree_refusal(found, degree)
+    if line:
+        raise PartitionError(line)
     if host is not None and (degree > host or host % degree):
         raise PartitionError(f"tensor_parallel={degree} spans hosts of {host} devices: a TP group "
                              f"all-reduces every layer and stays inside one host; use a divisor of "
