@@ -48,6 +48,7 @@ from autopipe.core.layer_costs import FloatArray
 from autopipe.core.recomputed_layers import recomputed_outputs
 from autopipe.core.units import format_bytes
 from autopipe.errors import PartitionError
+from autopipe.solvers.search_space import stages_per_rank
 from autopipe.solvers.stage_dp import solve_split
 from executor.spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, recomputed_microbatches
 
@@ -295,12 +296,14 @@ def memory_error(
 
 
 def _whole_ranks(stages: int | None, schedule: str) -> int | None:
-    """``stages`` rounded up to fill whole ranks under a schedule that runs two a rank."""
-    return stages + stages % 2 if stages is not None and schedule in MULTI_STAGE_SCHEDULES else stages
+    """``stages`` rounded up to fill whole ranks under a schedule that runs several a rank."""
+    per = stages_per_rank(schedule)
+    return None if stages is None else -(-stages // per) * per
 
 
 def _ranks_text(stages: int, schedule: str) -> str:
-    return f" ({stages // 2} ranks of two, {schedule})" if schedule in MULTI_STAGE_SCHEDULES else ""
+    per = stages_per_rank(schedule)
+    return f" ({stages // per} ranks of {per} stages, {schedule})" if per > 1 else ""
 
 
 def _mode_text(recompute: str | Sequence[str]) -> str:

@@ -315,6 +315,6 @@ def test_the_fewest_stages_under_an_interleaved_schedule_fill_whole_ranks() -> N
     lc = LayerCosts.from_profile(prof)
     opts = CostOptions(optimizer="adam", recompute="never", chunks=4, schedule="interleaved1f1b")
     devs = [DeviceSpec(name, 7 << 30) for name in ("a", "b", "a", "b")]
-    with pytest.raises(PartitionError, match=r"; 6 stages \(3 ranks of two, interleaved1f1b\) are the fewest "
+    with pytest.raises(PartitionError, match=r"; 6 stages \(3 ranks of 2 stages, interleaved1f1b\) are the fewest "
                                              r"that fit \(--stages 6 / stages=6\)$"):
         solve_dp(lc, devs, opts)
