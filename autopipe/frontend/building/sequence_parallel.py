@@ -114,7 +114,7 @@ class SequenceSplit:
         for value in list(node.all_input_nodes):
             if value in self.values:
                 continue
-            val = _val(value) if value.op != "get_attr" else self._attr(value)
+            val = _val(value) if value.op != "get_attr" else operator.attrgetter(str(value.target))(self.s.gm)
             if not isinstance(val, Tensor) or not val.is_floating_point():
                 continue
             if val.dim() >= 2 and val.shape[TOKEN_DIM] == tokens and tokens > 1:
@@ -122,12 +122,6 @@ class SequenceSplit:
             else:
                 node.replace_input_with(value, self.s.copied(value, "sequence", node))
         self.mark(node, node)
-
-    def _attr(self, node: fx.Node) -> Any:
-        obj: Any = self.s.gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
-        return obj
 
     def _slice(self, value: fx.Node) -> fx.Node:
         if value not in self.sliced:  # before its first reader: the node being rewritten
